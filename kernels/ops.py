@@ -1,0 +1,50 @@
+"""The elementwise ops of the default block, with one switch between implementations.
+
+`impl="torch"` is the reference (and the only implementation on the CPU); `impl="peerline"` uses the
+warp-specialized CUDA kernels of this package. Both have the same semantics:
+
+  bias_gelu(x, b)     = gelu(x + b)            exact (erf) GELU, b broadcast over the last dimension
+  residual_add(x, y)  = x + y                  result in torch.result_type(x, y)
+
+GPU-only modules (CuPy, NVRTC) are imported lazily, inside the peerline branch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IMPLEMENTATIONS = ("peerline", "torch")
+
+
+def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x + bias.to(x.dtype))
+
+
+def residual_add_reference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x + y
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """'auto' -> peerline on CUDA, torch elsewhere; the CPU always uses torch."""
+    if impl not in ("auto", *IMPLEMENTATIONS):
+        raise ValueError(f"unknown kernel implementation {impl!r}; choose one of auto, {', '.join(IMPLEMENTATIONS)}")
+    if device.type != "cuda":
+        return "torch"
+    return "peerline" if impl == "auto" else impl
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor, impl: str = "torch") -> torch.Tensor:
+    if impl == "peerline" and x.is_cuda:
+        from . import elementwise  # lazy: needs CuPy
+
+        return elementwise.bias_gelu(x, bias)
+    return bias_gelu_reference(x, bias)
+
+
+def residual_add(x: torch.Tensor, y: torch.Tensor, impl: str = "torch") -> torch.Tensor:
+    if impl == "peerline" and x.is_cuda:
+        from . import elementwise  # lazy: needs CuPy
+
+        return elementwise.residual_add(x, y)
+    return residual_add_reference(x, y)
