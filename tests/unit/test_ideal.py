@@ -1,0 +1,74 @@
+"""The ideal time of a pipelined iteration: the bubble bound and the schedule simulation."""
+
+import math
+
+import pytest
+from peerline.distributed import ideal
+from peerline.distributed.timeline import Span
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_bound_is_m_plus_p_minus_one_slowest_slots():
+    assert ideal.bubble_bound_ms(8, [1.0, 1.5], [2.0, 2.5]) == pytest.approx(9 * 4.0)
+    assert ideal.bubble_bound_ms(1, [3.0], [4.0]) == pytest.approx(7.0)
+
+
+@pytest.mark.parametrize("schedule", ideal.SCHEDULES)
+@pytest.mark.parametrize("m,p", [(1, 1), (4, 2), (8, 4), (3, 5)])
+def test_balanced_simulation_reaches_the_bound(schedule, m, p):
+    # With equal stages and free transfers, GPipe and 1F1B both take exactly (M + P - 1)(f + b).
+    f, b = 1.0, 2.0
+    assert ideal.simulate_ms(schedule, m, [f] * p, [b] * p) == pytest.approx((m + p - 1) * (f + b))
+
+
+@pytest.mark.parametrize("schedule", ideal.SCHEDULES)
+def test_uneven_stages_simulate_below_the_bound(schedule):
+    fwd, bwd = [1.0, 3.0, 1.0], [2.0, 6.0, 2.0]
+    sim = ideal.simulate_ms(schedule, 6, fwd, bwd)
+    bound = ideal.bubble_bound_ms(6, fwd, bwd)
+    assert sim <= bound + 1e-9
+    # The slow stage alone must run all its work: a lower bound any schedule respects.
+    assert sim >= 6 * 9.0
+
+
+def test_hand_computed_gpipe_two_stages():
+    # Stage 0: F0 0-1, F1 1-2; stage 1: F0 1-3, F1 3-5, B0 5-9, B1 9-13; stage 0: B0 9-11, B1 13-15.
+    assert ideal.simulate_ms("gpipe", 2, [1.0, 2.0], [2.0, 4.0]) == pytest.approx(15.0)
+
+
+def test_stage_orders_hold_every_action_once():
+    for schedule in ideal.SCHEDULES:
+        for s in range(4):
+            order = ideal.stage_order(schedule, s, 4, 6)
+            assert sorted(order) == sorted([("F", i) for i in range(6)] + [("B", i) for i in range(6)])
+    assert ideal.stage_order("1f1b", 0, 2, 3) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+
+
+def test_bad_input_is_one_clear_error():
+    with pytest.raises(ValueError, match="schedule"):
+        ideal.simulate_ms("zigzag", 2, [1.0], [1.0])
+    with pytest.raises(ValueError, match="one forward and one backward"):
+        ideal.bubble_bound_ms(2, [1.0, 2.0], [1.0])
+
+
+def test_report_ratio_and_text():
+    rep = ideal.IdealReport("1f1b", 8, (1.0, 1.0), (2.0, 2.0), achieved_ms=30.0)
+    assert rep.bound_ms == pytest.approx(27.0)
+    assert rep.ratio == pytest.approx(0.9)
+    assert "ratio 0.900" in rep.describe()
+    assert math.isfinite(rep.as_dict()["simulated_ms"])
+
+
+def test_stage_times_from_spans_takes_medians_per_stage():
+    spans = {
+        0: [Span(0, "compute", "F0", 0, 1), Span(0, "compute", "F1", 1, 2.2), Span(0, "compute", "F2", 2.2, 3.2),
+            Span(0, "compute", "B0", 5, 7), Span(0, "compute", "B1", 7, 9), Span(0, "compute", "B2", 9, 11),
+            Span(0, "p2p", "send act 0", 1, 1.1)],
+        1: [Span(1, "compute", "F0", 1, 4), Span(1, "compute", "B0", 4, 10)],
+    }
+    fwd, bwd = ideal.stage_times_from_spans(spans, pp=2)
+    assert fwd == pytest.approx([1.0, 3.0])
+    assert bwd == pytest.approx([2.0, 6.0])
+    with pytest.raises(ValueError):
+        ideal.stage_times_from_spans({0: spans[0]}, pp=2)
