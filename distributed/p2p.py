@@ -82,6 +82,10 @@ class Transport(ABC):
     def release(self, kind: str, mb: int) -> None:  # noqa: B027 - optional hook
         """The consumer is done with the tensor received for (kind, mb)."""
 
+    def finish_iteration(self) -> None:  # noqa: B027 - optional hook
+        """Join work this transport queued on side streams into the current stream (end of an iteration, so a
+        CUDA-graph capture that forked onto those streams joins back)."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free buffers and handles."""
 

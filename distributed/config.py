@@ -1,0 +1,129 @@
+"""The run's configuration: one dataclass, documented fields, cross-field checks.
+
+The command line (launch/cli.py) maps onto `RunConfig`. Checks that need no process group run here, so every rank
+rejects a bad configuration with the same one-line `ConfigError` before anything can hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b")
+DTYPES = ("bf16", "fp32")
+DEVICES = ("auto", "cuda", "cpu")
+KERNELS = ("auto", "peerline", "torch")
+P2P = ("auto", "copy-engine", "nccl")
+GRAD_SYNCS = ("buckets", "per-param")
+
+
+class ConfigError(ValueError):
+    """A user error: printed as one line `peerline: error: <message>`, exit code 2, on every rank."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    pp: int | None = None
+    """Pipeline stages across ranks (default: the world size divided by dp)."""
+    dp: int = 1
+    """Data-parallel replicas of the whole pipeline."""
+    stages: int = 1
+    """Stages per rank, run as separate streams of one device (single-GPU mode: --stages N)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe or 1f1b."""
+    microbatches: int = 4
+    """Microbatches per iteration and replica (M)."""
+    micro_batch_size: int = 2
+    """Sequences per microbatch."""
+    global_batch: int | None = None
+    """Sequences per iteration over all replicas; when given, micro_batch_size = global_batch / (dp * M)."""
+    seq: int = 64
+    """Tokens per sequence."""
+    hidden: int = 128
+    """Hidden size of the default model."""
+    layers: int = 8
+    """Residual MLP blocks of the default model."""
+    model: str | None = None
+    """A user model: 'pkg.module:factory' returning an nn.Sequential (replaces the default model)."""
+    seed: int = 0
+    """Seed of the weights and of the synthetic data."""
+    iters: int = 5
+    """Iterations counted from the start of training (a resumed run continues up to this number)."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    device: str = "auto"
+    """auto (CUDA when available), cuda, or cpu."""
+    dtype: str | None = None
+    """bf16 (autocast; default on GPU) or fp32 (default on CPU)."""
+    kernels: str = "auto"
+    """Elementwise kernels: peerline (warp-specialized CUDA), torch, or auto (peerline on GPU)."""
+    p2p: str = "auto"
+    """Stage-to-stage transport: copy-engine, nccl (gloo on CPU), or auto."""
+    graph: bool | None = None
+    """Capture each iteration into a CUDA graph (default on GPU; ignored on the CPU)."""
+    warmup_iters: int = 3
+    """Eager iterations before a CUDA graph is captured."""
+    grad_sync: str = "buckets"
+    """Data-parallel gradient average: buckets (bucketed all-reduce overlapped with backward) or per-param."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size for the data-parallel all-reduce, MiB."""
+    first_bucket_mb: float = 1.0
+    """Size of the first (last-layer) bucket, MiB, so the all-reduce starts early."""
+    timeout_s: float = 300.0
+    """Deadline for any wait: process-group timeout and the per-iteration watchdog."""
+    log_every: int = 1
+    """Read the loss back (one host sync) every N iterations."""
+    json: str | None = None
+    """Write config, losses, timings and versions to this JSON file (rank 0)."""
+    timeline: str | None = None
+    """Write a timeline (PNG + Chrome trace) of the last iteration with this path stem."""
+
+    def __post_init__(self) -> None:
+        def choose(name: str, value: object, allowed: tuple[str, ...]) -> None:
+            if value not in allowed:
+                raise ConfigError(f"unknown {name} {value!r}; choose one of {', '.join(allowed)}")
+
+        choose("schedule", self.schedule, SCHEDULES)
+        choose("device", self.device, DEVICES)
+        choose("kernels", self.kernels, KERNELS)
+        choose("p2p", self.p2p, P2P)
+        choose("grad sync", self.grad_sync, GRAD_SYNCS)
+        if self.dtype is not None:
+            choose("dtype", self.dtype, DTYPES)
+        for name in ("dp", "stages", "microbatches", "micro_batch_size", "seq", "hidden", "layers", "iters",
+                     "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.pp is not None and self.pp < 1:
+            raise ConfigError(f"--pp must be >= 1, got {self.pp}")
+        if self.warmup_iters < 1:
+            raise ConfigError(f"--warmup-iters must be >= 1, got {self.warmup_iters}")
+        if self.bucket_mb <= 0 or self.first_bucket_mb <= 0:
+            raise ConfigError("--bucket-mb and --first-bucket-mb must be positive")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"--timeout-s must be positive, got {self.timeout_s}")
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if self.global_batch is not None:
+            per = self.dp * self.microbatches
+            if self.global_batch % per:
+                raise ConfigError(f"global batch {self.global_batch} is not divisible by dp x microbatches "
+                                  f"= {self.dp} x {self.microbatches} = {per}")
+            self.micro_batch_size = self.global_batch // per
+        if self.model is not None and ":" not in self.model:
+            raise ConfigError(f"--model {self.model!r} must look like 'package.module:factory'")
+
+    def resolved_pp(self, world_size: int) -> int:
+        """Pipeline stages across ranks; checks pp x dp against the world size."""
+        pp = self.pp if self.pp is not None else world_size // self.dp
+        if pp < 1 or pp * self.dp != world_size:
+            shown = self.pp if self.pp is not None else "world/dp"
+            raise ConfigError(f"grid does not fit: pp={shown} x dp={self.dp} = {max(pp, 0) * self.dp} "
+                              f"!= world size {world_size}")
+        return pp
+
+    def total_stages(self, world_size: int) -> int:
+        return self.resolved_pp(world_size) * self.stages
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)

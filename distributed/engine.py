@@ -1,0 +1,229 @@
+"""Executes one rank's share of a pipeline schedule: one training iteration at a time.
+
+The engine owns the iteration: it issues every forward, backward, handoff, gradient sync and the optimizer step
+in schedule order, on the stages' compute streams, and never waits on the host. That makes `iteration()` safe to
+capture into a CUDA graph (graph.py). The loss is accumulated on the device into `loss_sum`; reading it is the
+caller's business, once per logged iteration.
+
+A rank runs one stage (one process per GPU) or several (single-GPU mode: stages as streams of one device).
+Handoffs to a stage of another rank go through the `Transport`; handoffs between local stages are an
+event (stream wait) on the same device, no copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ConfigError
+from .model import fill_batch
+from .p2p import ACT, GRAD, TensorSpec, Transport
+from .schedule import Step, step_str
+from .streams import use, wait_stream
+from .timeline import Timeline
+
+
+class GradSync(Protocol):
+    def zero_grad(self) -> None: ...
+    def arm(self) -> None: ...
+    def finish(self) -> None: ...
+    def metrics(self) -> dict[str, float]: ...
+
+
+@dataclass
+class LocalStage:
+    """One pipeline stage held by this rank, with its per-iteration state."""
+
+    index: int  # global stage index
+    n_stages: int
+    module: nn.Module
+    stream: torch.cuda.Stream | None
+    out_spec: TensorSpec  # shape/dtype of this stage's output (and of the gradient it receives)
+    grad_sync: GradSync | None = None
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    grads_in: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.n_stages - 1
+
+    def clear(self) -> None:
+        self.inputs.clear()
+        self.outputs.clear()
+        self.losses.clear()
+        self.grads_in.clear()
+
+
+@dataclass
+class DataFeed:
+    """Static input / target buffers of every microbatch, refilled in place before each iteration (so a captured
+    graph reads fresh data from the same addresses). Replica r's microbatch m is global microbatch r*M+m."""
+
+    seed: int
+    replica: int
+    microbatches: int
+    inputs: list[torch.Tensor]  # empty unless this rank holds the first stage
+    targets: list[torch.Tensor]  # empty unless this rank holds the last stage
+    generator: torch.Generator
+
+    def load(self, iteration: int) -> None:
+        for stream_id, bufs in ((0, self.inputs), (1, self.targets)):
+            for mb, buf in enumerate(bufs):
+                fill_batch(buf, self.seed, iteration, self.replica * self.microbatches + mb, stream_id,
+                           self.generator)
+
+
+class Engine:
+    """Runs `program` (a global order of (stage, step) over this rank's stages) once per `iteration()`."""
+
+    def __init__(self, *, stages: list[LocalStage], program: list[tuple[int, Step]], transport: Transport,
+                 optimizer: torch.optim.Optimizer, feed: DataFeed, microbatches: int, device: torch.device,
+                 autocast_dtype: torch.dtype | None, timeline: Timeline | None = None,
+                 check_shapes: bool = True) -> None:
+        self.stages = {s.index: s for s in stages}
+        self.order = [s.index for s in stages]
+        self.program = program
+        self.transport = transport
+        self.optimizer = optimizer
+        self.feed = feed
+        self.m = microbatches
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        self.timeline = timeline or Timeline(rank=0, enabled=False)
+        self.check_shapes = check_shapes
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        # The step after which each stage's gradients are final: arm the gradient sync just before it.
+        self._last_backward = {}
+        for pos, (s, step) in enumerate(program):
+            if step[0].op == "B":
+                self._last_backward[s] = pos
+
+    # -- streams -------------------------------------------------------------------------------------------
+    @property
+    def main_stream(self) -> torch.cuda.Stream | None:
+        """The stream an iteration forks from and joins into (the first local stage's compute stream)."""
+        return self.stages[self.order[0]].stream
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    # -- one iteration -------------------------------------------------------------------------------------
+    def iteration(self) -> None:
+        """Issue one whole training iteration. No host synchronization on GPUs."""
+        main = self.main_stream
+        self.timeline.start_iteration(main)
+        with use(main):
+            self.loss_sum.zero_()
+        for s in self.order:  # fork: every stage stream starts after the data load and the last step
+            stage = self.stages[s]
+            wait_stream(stage.stream, main)
+            with use(stage.stream):
+                stage.grad_sync.zero_grad()
+        for pos, (s, step) in enumerate(self.program):
+            stage = self.stages[s]
+            with use(stage.stream):
+                if step[0].op == "F":
+                    self._forward(stage, step[0].mb)
+                elif step[0].op == "B":
+                    if self._last_backward[s] == pos:
+                        stage.grad_sync.arm()
+                    self._backward(stage, step[0].mb)
+                else:
+                    self._communicate(stage, step)
+        for s in self.order:
+            stage = self.stages[s]
+            with use(stage.stream):
+                stage.grad_sync.finish()
+            wait_stream(main, stage.stream)  # join
+        with use(main):
+            self.transport.finish_iteration()
+            with self.timeline.span(self._lane(self.order[0]), "optimizer", main):
+                self.optimizer.step()
+        for stage in self.stages.values():
+            stage.clear()
+
+    def _lane(self, s: int) -> str:
+        return "compute" if len(self.order) == 1 else f"compute{s}"
+
+    def _forward(self, stage: LocalStage, mb: int) -> None:
+        x = self.feed.inputs[mb] if stage.is_first else stage.inputs[mb]
+        with self.timeline.span(self._lane(stage.index), f"F{mb}", stage.stream), self._autocast():
+            out = stage.module(x)
+        if self.check_shapes and (tuple(out.shape) != stage.out_spec.shape or out.dtype != stage.out_spec.dtype):
+            raise ConfigError(f"stage {stage.index} output changed between microbatches: microbatch {mb} gave "
+                              f"{tuple(out.shape)} {out.dtype}, the first gave {stage.out_spec.shape} "
+                              f"{stage.out_spec.dtype}")
+        stage.outputs[mb] = out
+        if stage.is_last:
+            # Mean over the replica's microbatches: the 1/M scale makes the summed gradients a mean.
+            loss = F.mse_loss(out.float(), self.feed.targets[mb]) / self.m
+            stage.losses[mb] = loss
+            self.loss_sum.add_(loss.detach())
+
+    def _backward(self, stage: LocalStage, mb: int) -> None:
+        with self.timeline.span(self._lane(stage.index), f"B{mb}", stage.stream):
+            if stage.is_last:
+                stage.losses.pop(mb).backward()
+            else:
+                torch.autograd.backward(stage.outputs[mb], grad_tensors=stage.grads_in[mb])
+        stage.outputs.pop(mb, None)
+        stage.grads_in.pop(mb, None)
+        # The backward consumed what this stage received for mb: a remote sender may reuse those slots.
+        if not stage.is_first and stage.index - 1 not in self.stages:
+            self.transport.release(ACT, mb)
+        if not stage.is_last and stage.index + 1 not in self.stages:
+            self.transport.release(GRAD, mb)
+
+    def _communicate(self, stage: LocalStage, step: Step) -> None:
+        sends: list[tuple[str, int, torch.Tensor]] = []
+        recvs: list[tuple[str, int]] = []
+        for a in step:
+            kind = ACT if a.op in ("SA", "RA") else GRAD
+            peer = stage.index + (1 if a.op in ("SA", "RG") else -1)
+            if peer in self.stages:
+                if a.op in ("RA", "RG"):
+                    self._receive_local(stage, self.stages[peer], kind, a.mb)
+                continue  # a local send is the producer's work already queued on its stream
+            if a.op == "SA":
+                sends.append((ACT, a.mb, stage.outputs[a.mb].detach()))
+            elif a.op == "SG":
+                sends.append((GRAD, a.mb, stage.inputs.pop(a.mb).grad))
+            else:
+                recvs.append((kind, a.mb))
+        if not sends and not recvs:
+            return
+        with self.timeline.span("p2p", step_str(step), stage.stream):
+            received = self.transport.exchange(sends, recvs)
+        for (kind, mb), tensor in zip(recvs, received):
+            self._accept(stage, kind, mb, tensor)
+
+    def _receive_local(self, stage: LocalStage, producer: LocalStage, kind: str, mb: int) -> None:
+        """Same-device handoff: order this stage's stream after the producer's queued work; no copy."""
+        wait_stream(stage.stream, producer.stream)
+        if kind == ACT:
+            tensor = producer.outputs[mb].detach()
+        else:
+            tensor = producer.inputs.pop(mb).grad
+        if stage.stream is not None:
+            tensor.record_stream(stage.stream)  # the allocator must not reuse it while this stream reads it
+        self._accept(stage, kind, mb, tensor)
+
+    @staticmethod
+    def _accept(stage: LocalStage, kind: str, mb: int, tensor: torch.Tensor) -> None:
+        if kind == ACT:
+            stage.inputs[mb] = tensor.detach().requires_grad_(True)
+        else:
+            stage.grads_in[mb] = tensor

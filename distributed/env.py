@@ -1,0 +1,155 @@
+"""Who am I: rank, world size, local rank and rendezvous address, from whichever launcher started us.
+
+Order: torchrun (RANK/WORLD_SIZE/LOCAL_RANK), Slurm srun (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID), MPI (mpi4py
+COMM_WORLD; OMPI_/PMI_ variables only hint that mpi4py is worth importing), else a single process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # torchrun | slurm | mpi | single
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    try:
+        return int(environ[name])
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={environ[name]!r} is not an integer") from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm node list: 'gpu[003-005,9],cpu1' -> 'gpu003' (what `scontrol show hostnames`
+    prints first), without needing scontrol."""
+    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
+    m = re.fullmatch(r"([^\[]*)\[([^\]]+)\](.*)", first)
+    if not m:
+        return first
+    prefix, ranges, suffix = m.groups()
+    return prefix + ranges.split(",")[0].split("-")[0] + suffix
+
+
+def slurm_port(job_id: str | None) -> int:
+    """A port derived from the job id, so all tasks of a job agree without talking (and jobs sharing a node
+    differ)."""
+    if not job_id or not job_id.isdigit():
+        return DEFAULT_PORT
+    return 20000 + int(job_id) % 20000
+
+
+def _from_torchrun(env: Mapping[str, str]) -> LaunchInfo:
+    return LaunchInfo(rank=_int(env, "RANK"), world_size=_int(env, "WORLD_SIZE"),
+                      local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+                      local_world_size=_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else 1,
+                      master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                      master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)), launcher="torchrun")
+
+
+def _from_slurm(env: Mapping[str, str]) -> LaunchInfo:
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+    addr = env.get("MASTER_ADDR") or first_slurm_host(nodelist)
+    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else slurm_port(env.get("SLURM_JOB_ID"))
+    ntasks = _int(env, "SLURM_NTASKS")
+    nnodes = int(env.get("SLURM_NNODES", "1") or 1)
+    return LaunchInfo(rank=_int(env, "SLURM_PROCID"), world_size=ntasks,
+                      local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+                      local_world_size=max(1, ntasks // max(1, nnodes)),
+                      master_addr=addr, master_port=port, launcher="slurm")
+
+
+def _mpi_hinted(env: Mapping[str, str]) -> bool:
+    return any(k in env for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"))
+
+
+def _from_mpi(env: Mapping[str, str]) -> LaunchInfo | None:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() == 1 and not _mpi_hinted(env):
+        return None
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    if comm.Get_rank() == 0:
+        # Rank 0 picks a free port and tells everyone: no fixed port to collide with other jobs.
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        addr = env.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
+        found = (addr, port)
+    else:
+        found = None
+    addr, port = comm.bcast(found, root=0)
+    return LaunchInfo(rank=comm.Get_rank(), world_size=comm.Get_size(), local_rank=local.Get_rank(),
+                      local_world_size=local.Get_size(), master_addr=addr, master_port=port, launcher="mpi")
+
+
+def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
+    """Answer "who am I" from the environment (torchrun > Slurm srun > MPI > single process)."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return _from_torchrun(env)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
+        # Only tasks of an srun step carry a step id: the batch script itself also has SLURM_PROCID=0 but is
+        # no task of a parallel step, and runs as a single process.
+        return _from_slurm(env)
+    if _mpi_hinted(env):
+        info = _from_mpi(env)
+        if info is not None:
+            return info
+    return LaunchInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
+                      master_port=DEFAULT_PORT, launcher="single")
+
+
+def choose_device(requested: str, info: LaunchInfo) -> torch.device:
+    """One rank per GPU, device = local rank. 'auto' falls back to the CPU when there is no GPU."""
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but CUDA is not available on this machine")
+    count = torch.cuda.device_count()
+    if info.local_rank >= count:
+        raise ConfigError(f"local rank {info.local_rank} has no GPU: this node has {count} GPU(s); start at most "
+                          f"{count} ranks per node")
+    return torch.device("cuda", info.local_rank)
+
+
+def init_distributed(info: LaunchInfo, device: torch.device, timeout_s: float) -> None:
+    """Create the default process group (NCCL on GPUs, gloo on the CPU); nothing for a single process."""
+    if info.world_size == 1 or dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    os.environ.setdefault("MASTER_ADDR", info.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(info.master_port))
+    kwargs = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device  # eager NCCL init, bound to our GPU
+    dist.init_process_group(backend=backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                            rank=info.rank, world_size=info.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    log.info("rank %d/%d up (%s, %s, device %s)", info.rank, info.world_size, info.launcher, backend, device)

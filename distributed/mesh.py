@@ -1,0 +1,77 @@
+"""The pp x dp grid of ranks: stages, replicas, process groups and neighbours.
+
+Layout: replicas of whole pipelines, rank = replica * pp + stage, so a pipeline's stages sit on consecutive ranks
+(consecutive GPUs of a node, the best-connected pairs) and a data-parallel group holds one stage of every replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from .config import ConfigError
+
+
+@dataclass(slots=True)
+class Mesh:
+    """The grid, checked at construction: pp * dp must equal the world size."""
+
+    pp: int
+    dp: int
+    rank: int
+    dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    pp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.pp < 1 or self.dp < 1:
+            raise ConfigError(f"grid must be positive: pp={self.pp}, dp={self.dp}")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} outside a grid of pp={self.pp} x dp={self.dp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def stage(self) -> int:
+        return self.rank % self.pp
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.pp
+
+    def rank_of(self, stage: int, replica: int) -> int:
+        return replica * self.pp + stage
+
+    @property
+    def prev_rank(self) -> int | None:
+        return self.rank_of(self.stage - 1, self.replica) if self.stage > 0 else None
+
+    @property
+    def next_rank(self) -> int | None:
+        return self.rank_of(self.stage + 1, self.replica) if self.stage < self.pp - 1 else None
+
+    def dp_ranks(self, stage: int) -> list[int]:
+        return [self.rank_of(stage, r) for r in range(self.dp)]
+
+    def pp_ranks(self, replica: int) -> list[int]:
+        return [self.rank_of(s, replica) for s in range(self.pp)]
+
+    def create_groups(self) -> None:
+        """Create every dp and pp group. new_group is collective over the world: every rank creates every group,
+        in the same order, and keeps its own."""
+        if not dist.is_initialized() or self.world_size == 1:
+            return
+        for stage in range(self.pp):
+            group = dist.new_group(self.dp_ranks(stage))
+            if stage == self.stage:
+                self.dp_group = group
+        for replica in range(self.dp):
+            group = dist.new_group(self.pp_ranks(replica))
+            if replica == self.replica:
+                self.pp_group = group
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}: stage {self.stage}/{self.pp}, replica {self.replica}/{self.dp}, "
+                f"prev {self.prev_rank}, next {self.next_rank}")

@@ -1,0 +1,208 @@
+"""Assembles a run: launcher -> process group -> mesh -> model -> schedule -> transport -> engine, and trains.
+
+`Runtime.create(cfg)` does everything that happens once; `Runtime.train()` runs the iterations, reading the loss
+back once per logged iteration. launch/pipeline.py and the benchmarks both build on this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import ops
+from . import schedule as sched
+from .config import ConfigError, RunConfig
+from .engine import DataFeed, Engine, LocalStage
+from .env import LaunchInfo, choose_device, detect_launch, init_distributed
+from .grad_sync import PerParameterAllReduce
+from .mesh import Mesh
+from .model import build_stages, describe_split
+from .p2p import Links, TensorSpec, make_transport
+from .probe import probe_specs
+from .streams import RankStreams, create_rank_streams
+from .timeline import Timeline
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class IterationStats:
+    iteration: int
+    loss: float
+    ms: float
+    tokens_per_s: float
+    peak_mem_gb: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def make_grad_sync(cfg: RunConfig, params, mesh: Mesh, device: torch.device, streams: RankStreams):
+    """Bucketed all-reduce (buckets.py) when available, else one all-reduce per parameter."""
+    if cfg.grad_sync == "buckets":
+        try:
+            from .buckets import GradBuckets
+        except ImportError:
+            log.warning("bucketed all-reduce unavailable; averaging gradients per parameter")
+        else:
+            return GradBuckets(params, group=mesh.dp_group if mesh.dp > 1 else None, device=device,
+                               stream=streams.allreduce, bucket_mb=cfg.bucket_mb,
+                               first_bucket_mb=cfg.first_bucket_mb)
+    flat = [p for layer in params for p in layer]
+    return PerParameterAllReduce(flat, mesh.dp_group, mesh.dp)
+
+
+class Runtime:
+    """Everything one rank needs to train, built once."""
+
+    def __init__(self, cfg: RunConfig, info: LaunchInfo, device: torch.device, mesh: Mesh, engine: Engine,
+                 streams: RankStreams, split: str, programs: list[list[sched.Step]], transport_name: str) -> None:
+        self.cfg, self.info, self.device, self.mesh = cfg, info, device, mesh
+        self.engine, self.streams, self.split, self.programs = engine, streams, split, programs
+        self.transport_name = transport_name
+        self.iteration = 0  # iterations completed since the start of training
+        self.graph = None  # set by graph.py when the iteration is captured
+        self.notices: list[str] = []
+
+    # -- construction --------------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, cfg: RunConfig, info: LaunchInfo | None = None) -> Runtime:
+        info = info or detect_launch()
+        pp = cfg.resolved_pp(info.world_size)  # checked before any process group exists: nothing can hang
+        if cfg.stages > 1 and pp > 1:
+            raise ConfigError(f"--stages {cfg.stages} (stages as streams of one device) needs pp=1, got pp={pp}")
+        n_stages = pp * cfg.stages
+        programs = sched.build(cfg.schedule, n_stages, cfg.microbatches)  # validates M against the stages
+        device = choose_device(cfg.device, info)
+        mesh = Mesh(pp=pp, dp=cfg.dp, rank=info.rank)
+        stage_ids = [mesh.stage * cfg.stages + i for i in range(cfg.stages)]
+        kernels = ops.resolve_impl(cfg.kernels, device)
+        # The model is built (and a user factory checked) before any process group exists: a bad model is the
+        # same error on every rank, and nobody is left waiting in a collective.
+        modules, bounds = build_stages(cfg, n_stages, stage_ids, kernels)
+        init_distributed(info, device, cfg.timeout_s)
+        mesh.create_groups()
+        streams = create_rank_streams(device, cfg.stages)
+        modules = [m.to(device) for m in modules]
+        dtype = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
+        autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
+
+        def autocast() -> contextlib.AbstractContextManager:
+            if autocast_dtype is None:
+                return contextlib.nullcontext()
+            return torch.autocast(device.type, dtype=autocast_dtype)
+
+        first_in = TensorSpec((cfg.micro_batch_size, cfg.seq, cfg.hidden), torch.float32)
+        in_spec, out_specs = probe_specs(modules, first_in, mesh.prev_rank, mesh.next_rank, device, autocast)
+        links = Links(prev_rank=mesh.prev_rank, next_rank=mesh.next_rank,
+                      act_in=in_spec if mesh.prev_rank is not None else None,
+                      grad_in=out_specs[-1] if mesh.next_rank is not None else None)
+        transport = make_transport(cfg.p2p, links, device, cfg.microbatches, streams=streams)
+        # Every rank checks the whole schedule against the transport it will run on, before the first step.
+        order = sched.simulate(programs, transport.capacity)
+        local = [(s, step) for s, step in order if s in stage_ids]
+
+        stages = []
+        all_params = []
+        for sid, module, spec in zip(stage_ids, modules, out_specs):
+            layers = [list(layer.parameters()) for layer in module]
+            stage = LocalStage(index=sid, n_stages=n_stages, module=module, stream=streams.stage_compute[len(stages)],
+                               out_spec=spec)
+            stage.grad_sync = make_grad_sync(cfg, layers, mesh, device, streams)
+            stages.append(stage)
+            all_params += [p for layer in layers for p in layer]
+        on_gpu = device.type == "cuda"
+        optimizer = torch.optim.AdamW(all_params, lr=cfg.lr, fused=on_gpu or None, capturable=on_gpu)
+        generator = torch.Generator(device=device)
+        holds_first, holds_last = stage_ids[0] == 0, stage_ids[-1] == n_stages - 1
+        feed = DataFeed(
+            seed=cfg.seed, replica=mesh.replica, microbatches=cfg.microbatches, generator=generator,
+            inputs=[torch.empty(first_in.shape, device=device) for _ in range(cfg.microbatches)] if holds_first
+            else [],
+            targets=[torch.empty(out_specs[-1].shape, device=device) for _ in range(cfg.microbatches)]
+            if holds_last else [])
+        timeline = Timeline(rank=info.rank, enabled=cfg.timeline is not None)
+        engine = Engine(stages=stages, program=local, transport=transport, optimizer=optimizer, feed=feed,
+                        microbatches=cfg.microbatches, device=device, autocast_dtype=autocast_dtype,
+                        timeline=timeline)
+        n_params = sum(p.numel() for p in all_params)
+        split = describe_split(bounds)
+        log.info("%s; %s; %.2f M parameters here; transport %s", mesh.describe(), split, n_params / 1e6,
+                 transport.describe())
+        return cls(cfg, info, device, mesh, engine, streams, split, programs, transport.describe())
+
+    # -- training ------------------------------------------------------------------------------------------
+    @property
+    def tokens_per_iteration(self) -> int:
+        c = self.cfg
+        return c.micro_batch_size * c.seq * c.microbatches * c.dp
+
+    def run_iteration(self) -> None:
+        """Load the data of the next iteration and run it (a graph replay once graph.py captured one)."""
+        with torch.cuda.stream(self.engine.main_stream) if self.engine.main_stream else contextlib.nullcontext():
+            self.engine.feed.load(self.iteration)
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self.engine.iteration()
+        self.iteration += 1
+
+    def read_loss(self) -> float:
+        """Mean loss of the last iteration over all microbatches and replicas (a host sync and one tiny all-reduce
+        over the world: only the last stage knows the loss, and rank 0 reports it)."""
+        holds_last = any(s.is_last for s in self.engine.stages.values())
+        value = self.engine.loss_sum.detach().clone() if holds_last else torch.zeros((), device=self.device)
+        if dist.is_initialized() and self.info.world_size > 1:
+            dist.all_reduce(value)
+        return float(value) / self.cfg.dp
+
+    def train(self, iters: int | None = None, on_iteration: Callable[[IterationStats], None] | None = None
+              ) -> list[float]:
+        """Run up to `iters` iterations counted from the start of training; return their losses."""
+        target = self.cfg.iters if iters is None else iters
+        losses = []
+        main = self.engine.main_stream
+        while self.iteration < target:
+            log_now = (self.iteration + 1) % self.cfg.log_every == 0 or self.iteration + 1 == target
+            t0 = time.perf_counter()
+            if main is not None:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(main)
+            self.run_iteration()
+            if not log_now:
+                continue
+            if main is not None:
+                end.record(main)
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                ms = (time.perf_counter() - t0) * 1e3
+            loss = self.read_loss()
+            losses.append(loss)
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if main is not None else 0.0
+            stats = IterationStats(self.iteration, loss, ms, self.tokens_per_iteration / (ms / 1e3), peak)
+            if on_iteration is not None:
+                on_iteration(stats)
+        return losses
+
+    def close(self) -> None:
+        self.engine.transport.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def write_timeline(self, path_stem: str) -> None:
+        """Gather the last iteration's spans to rank 0 and draw them (PNG + Chrome trace)."""
+        spans = self.engine.timeline.collect()
+        gathered = [spans]
+        if dist.is_initialized() and self.info.world_size > 1:
+            gathered = [None] * self.info.world_size if self.info.rank == 0 else None
+            dist.gather_object(spans, gathered, dst=0)
+        if self.info.rank == 0:
+            from .timeline_draw import write_timeline
+
+            for path in write_timeline(gathered, path_stem):
+                print(f"peerline: timeline written to {path}", flush=True)

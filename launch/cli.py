@@ -1,0 +1,82 @@
+"""The command line of launch/pipeline.py: flags map one-to-one onto RunConfig fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from peerline.distributed.config import DEVICES, DTYPES, GRAD_SYNCS, KERNELS, P2P, SCHEDULES, ConfigError, RunConfig
+
+_DEFAULTS = RunConfig()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch/pipeline.py",
+        description="Train a pipelined model across GPUs (pp stages x dp replicas) and report loss and speed. "
+                    "Start with torchrun (--nproc_per_node=N), srun, mpirun, or plainly for one GPU / the CPU.",
+        epilog="examples:\n"
+               "  torchrun --nproc_per_node=2 launch/pipeline.py                 two stages, one per GPU\n"
+               "  torchrun --nproc_per_node=4 launch/pipeline.py --pp 2 --dp 2   2 stages x 2 replicas\n"
+               "  python launch/pipeline.py --stages 4                           4 stages on one GPU\n"
+               "  PEERLINE_DEVICE=cpu torchrun --nproc_per_node=2 launch/pipeline.py   the CPU, gloo",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("grid")
+    g.add_argument("--pp", type=int, help="pipeline stages across ranks (default: world size / dp)")
+    g.add_argument("--dp", type=int, default=_DEFAULTS.dp, help="data-parallel replicas (default: %(default)s)")
+    g.add_argument("--stages", type=int, default=_DEFAULTS.stages,
+                   help="stages on this one device, as separate streams (single-GPU mode; default: %(default)s)")
+    g = p.add_argument_group("schedule and batch")
+    g.add_argument("--schedule", choices=SCHEDULES, default=_DEFAULTS.schedule, help="(default: %(default)s)")
+    g.add_argument("--microbatches", "-m", type=int, default=_DEFAULTS.microbatches,
+                   help="microbatches per iteration and replica (default: %(default)s)")
+    g.add_argument("--micro-batch-size", type=int, default=_DEFAULTS.micro_batch_size,
+                   help="sequences per microbatch (default: %(default)s)")
+    g.add_argument("--global-batch", type=int, help="sequences per iteration over all replicas "
+                   "(sets --micro-batch-size; must divide by dp x microbatches)")
+    g.add_argument("--seq", type=int, default=_DEFAULTS.seq, help="tokens per sequence (default: %(default)s)")
+    g = p.add_argument_group("model")
+    g.add_argument("--hidden", type=int, default=_DEFAULTS.hidden, help="hidden size (default: %(default)s)")
+    g.add_argument("--layers", type=int, default=_DEFAULTS.layers,
+                   help="residual MLP blocks (default: %(default)s)")
+    g.add_argument("--model", help="a user model 'pkg.module:factory' returning an nn.Sequential")
+    g.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="(default: %(default)s)")
+    g.add_argument("--lr", type=float, default=_DEFAULTS.lr, help="AdamW learning rate (default: %(default)s)")
+    g = p.add_argument_group("execution")
+    g.add_argument("--iters", type=int, default=_DEFAULTS.iters,
+                   help="iterations from the start of training (default: %(default)s)")
+    g.add_argument("--device", choices=DEVICES, default=os.environ.get("PEERLINE_DEVICE", _DEFAULTS.device),
+                   help="default: $PEERLINE_DEVICE, else auto (CUDA when available)")
+    g.add_argument("--dtype", choices=DTYPES, help="bf16 autocast (default on GPU) or fp32 (default on CPU)")
+    g.add_argument("--kernels", choices=KERNELS, default=_DEFAULTS.kernels,
+                   help="elementwise kernels (default: %(default)s = peerline on GPU, torch on CPU)")
+    g.add_argument("--p2p", choices=P2P, default=_DEFAULTS.p2p,
+                   help="stage-to-stage transport (default: %(default)s = copy engine between GPUs of a host)")
+    g.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture each iteration into a CUDA graph (default: on for GPUs)")
+    g.add_argument("--warmup-iters", type=int, default=_DEFAULTS.warmup_iters,
+                   help="eager iterations before graph capture (default: %(default)s)")
+    g.add_argument("--grad-sync", choices=GRAD_SYNCS, default=_DEFAULTS.grad_sync,
+                   help="data-parallel gradient average (default: %(default)s)")
+    g.add_argument("--bucket-mb", type=float, default=_DEFAULTS.bucket_mb, help="(default: %(default)s)")
+    g.add_argument("--first-bucket-mb", type=float, default=_DEFAULTS.first_bucket_mb,
+                   help="(default: %(default)s)")
+    g.add_argument("--timeout-s", type=float, default=_DEFAULTS.timeout_s,
+                   help="deadline for any wait, seconds (default: %(default)s)")
+    g = p.add_argument_group("output")
+    g.add_argument("--log-every", type=int, default=_DEFAULTS.log_every,
+                   help="read the loss back every N iterations (default: %(default)s)")
+    g.add_argument("--json", help="write config, losses, timings and versions to this file (rank 0)")
+    g.add_argument("--timeline", help="write a timeline of the last iteration: PATH.png and PATH.json")
+    g.add_argument("--print-schedule", action="store_true", help="print the schedule as a table and exit")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """Map parsed flags onto RunConfig (its __post_init__ raises ConfigError on bad values)."""
+    names = {f.name for f in dataclasses.fields(RunConfig)}
+    return RunConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+__all__ = ["build_parser", "config_from_args", "ConfigError"]

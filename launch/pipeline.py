@@ -1,0 +1,83 @@
+"""peerline's main job: parse flags -> build the run -> train -> report.
+
+    torchrun --nproc_per_node=2 launch/pipeline.py [flags]      (also srun, mpirun, or plain python)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+try:
+    import torch
+    from peerline.distributed.config import ConfigError
+    from peerline.distributed.runtime import IterationStats, Runtime
+    from peerline.launch.cli import build_parser, config_from_args
+    from peerline.launch.report import ProgressReporter, versions
+except ImportError as exc:  # run from a checkout that was never installed
+    print(f"peerline: error: cannot import peerline ({exc}); install it first: pip install -e .", file=sys.stderr)
+    sys.exit(2)
+
+log = logging.getLogger("peerline")
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = config_from_args(args)
+    if args.print_schedule:
+        from peerline.distributed import schedule
+
+        print(schedule.render(schedule.build(cfg.schedule, (cfg.pp or 1) * cfg.stages, cfg.microbatches)))
+        return 0
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    if cfg.device == "auto" and not torch.cuda.is_available() and rank == 0:
+        print("peerline: no GPU found; running the same pipeline on the CPU with gloo", flush=True)
+    rt = Runtime.create(cfg)
+    try:
+        is_writer = rt.info.rank == 0
+        if is_writer:
+            print(f"peerline: {rt.info.world_size} rank(s) via {rt.info.launcher}, pp={rt.mesh.pp} dp={rt.mesh.dp} "
+                  f"stages/rank={cfg.stages}, schedule {cfg.schedule}, M={cfg.microbatches}, device "
+                  f"{rt.device.type}, p2p {rt.transport_name}; {rt.split}", flush=True)
+            for notice in rt.notices:
+                print(f"peerline: {notice}", flush=True)
+        history: list[IterationStats] = []
+        with ProgressReporter(cfg.iters, enabled=is_writer, start=rt.iteration) as progress:
+            def on_iteration(stats: IterationStats) -> None:
+                history.append(stats)
+                progress.update(stats)
+
+            rt.train(on_iteration=on_iteration)
+        if cfg.timeline:
+            rt.write_timeline(cfg.timeline)
+        if is_writer:
+            if cfg.json:
+                with open(cfg.json, "w") as f:
+                    json.dump({"config": cfg.to_dict(), "world_size": rt.info.world_size, "launcher": rt.info.launcher,
+                               "transport": rt.transport_name, "graph": rt.graph is not None,
+                               "losses": [s.loss for s in history], "iterations": [s.iteration for s in history],
+                               "ms_per_iter": [s.ms for s in history],
+                               "tokens_per_s": [s.tokens_per_s for s in history],
+                               "peak_mem_gb": max((s.peak_mem_gb for s in history), default=0.0),
+                               "versions": versions()}, f, indent=1)
+            final = history[-1].loss if history else float("nan")
+            print(f"peerline: final loss={final:.9g} iterations={rt.iteration}", flush=True)
+    finally:
+        rt.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("PEERLINE_LOG", "WARNING"),
+                        format="%(asctime)s %(name)s [rank " + os.environ.get("RANK", "0") + "] %(message)s")
+    try:
+        return run(argv)
+    except ConfigError as exc:
+        print(f"peerline: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
