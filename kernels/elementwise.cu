@@ -1,0 +1,360 @@
+// The elementwise ops of the default block: bias + GELU forward and backward, residual add.
+//
+// One compilation is one op with fixed element types, chosen by macros (see compile.py):
+//   PL_OP      1 = bias_gelu forward, 2 = bias_gelu backward, 3 = residual add
+//   PL_TX      x's type (float or pl::bf16_t); for the backward also grad's and grad_x's type
+//   PL_TBIAS   bias type (ops 1, 2)
+//   PL_TY      y's type (op 3); PL_TOUT the result type (op 3)
+// Entry points, all extern "C":
+//   pl_main     the warp-specialized kernel over the 16-byte-aligned body (ws_pipeline.cuh); PL_THREADS threads
+//   pl_scalar   a plain grid-stride kernel, used when the operands cannot share one alignment (and for tiny sizes)
+//   pl_reduce   (op 2 only) the bias gradient: a deterministic column sum of the per-block partial sums, plus the
+//               scalar head and tail elements of the vector path
+//
+// GELU is the exact one: gelu(v) = 0.5 v (1 + erf(v / sqrt 2)); gelu'(v) = Phi(v) + v phi(v). All arithmetic is
+// fp32; bf16 results are rounded to nearest even once. The bias is added in fp32 (torch's reference first rounds
+// the bias to x's dtype and the sum to x's dtype; the fused kernel is the more accurate of the two).
+#include "ws_pipeline.cuh"
+
+#ifndef PL_OP
+#define PL_OP 1
+#endif
+#ifndef PL_TX
+#define PL_TX float
+#endif
+#ifndef PL_TBIAS
+#define PL_TBIAS float
+#endif
+#ifndef PL_TY
+#define PL_TY float
+#endif
+#ifndef PL_TOUT
+#define PL_TOUT float
+#endif
+
+namespace pl {
+
+__device__ __forceinline__ float ldg_f32(const float* p) { return __ldg(p); }
+__device__ __forceinline__ float ldg_f32(const bf16_t* p) {
+  return __uint_as_float(static_cast<u32>(__ldg(reinterpret_cast<const unsigned short*>(p))) << 16);
+}
+
+__device__ __forceinline__ float gelu_f(float v) { return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f)); }
+
+__device__ __forceinline__ float gelu_grad_f(float v) {
+  const float cdf = 0.5f * (1.0f + erff(v * 0.70710678118654752f));
+  const float pdf = 0.39894228040143268f * expf(-0.5f * v * v);
+  return cdf + v * pdf;
+}
+
+// E bias values starting at column `col`; `vec` (uniform) says the host checked that col is a multiple of E,
+// H a multiple of E and the bias pointer aligned, so the E values are one aligned vector without wrap-around.
+template <class TB, int E>
+__device__ __forceinline__ void load_bias(const TB* __restrict__ bias, int col, int H, int vec, float (&bb)[E]) {
+  constexpr int BYTES = E * static_cast<int>(sizeof(TB));
+  if (vec) {
+    if constexpr (BYTES % 16 == 0) {
+      const uint4* q = reinterpret_cast<const uint4*>(bias + col);
+#pragma unroll
+      for (int j = 0; j < BYTES / 16; ++j) {
+        const uint4 v = __ldg(q + j);
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if constexpr (sizeof(TB) == 4) {
+            bb[4 * j + i] = __uint_as_float(w[i]);
+          } else {
+            bb[8 * j + 2 * i + 0] = __uint_as_float(w[i] << 16);
+            bb[8 * j + 2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+          }
+        }
+      }
+      return;
+    } else {
+      static_assert(BYTES == 8, "bias vector is 8 bytes (4 bf16) when not whole 16-byte vectors");
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(bias + col));
+      bb[0] = __uint_as_float(v.x << 16);
+      bb[1] = __uint_as_float(v.x & 0xffff0000u);
+      bb[2] = __uint_as_float(v.y << 16);
+      bb[3] = __uint_as_float(v.y & 0xffff0000u);
+      return;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < E; ++k) {
+    int c = col + k;
+    if (H >= E) {
+      c = (c >= H) ? c - H : c;
+    } else {
+      c = c % H;
+    }
+    bb[k] = ldg_f32(bias + c);
+  }
+}
+
+// Columns of a compute thread's slots for the current tile. Slot s of compute thread ct in tile t holds body
+// chunk t * TILE + ct + s * NCT, whose first element is head + chunk * E; its column advances by
+// (gridDim.x * TILE * E) mod H from one tile to the next.
+template <int E>
+struct Columns {
+  int col[kChunksPerThread];
+  int delta;
+  __device__ __forceinline__ void begin(int ct, long long head, int H) {
+#pragma unroll
+    for (int s = 0; s < kChunksPerThread; ++s) {
+      const long long chunk = static_cast<long long>(blockIdx.x) * kTileChunks + ct + s * kComputeThreads;
+      col[s] = static_cast<int>((head + chunk * E) % H);
+    }
+    delta = static_cast<int>((static_cast<long long>(gridDim.x) * kTileChunks * E) % H);
+  }
+  __device__ __forceinline__ void advance(int H) {
+#pragma unroll
+    for (int s = 0; s < kChunksPerThread; ++s) {
+      const int c = col[s] + delta;
+      col[s] = (c >= H) ? c - H : c;
+    }
+  }
+};
+
+template <class TX, class TBIAS>
+struct BiasGeluFwd {
+  typedef TX TA;
+  typedef TX TB;  // unused: no second input
+  typedef TX TC;
+  static constexpr int E = 16 / static_cast<int>(sizeof(TX));
+  static constexpr bool HAS_B = false;
+
+  const TX* x;
+  TX* y;
+  const TBIAS* bias;
+  long long n, head, body_end;
+  int H, bias_vec;
+  Columns<E> cols;
+
+  __device__ __forceinline__ void begin(int ct) { cols.begin(ct, head, H); }
+  __device__ __forceinline__ void next_tile() { cols.advance(H); }
+  __device__ __forceinline__ void end(int) {}
+  __device__ __forceinline__ void chunk(int s, const float (&a)[E], const float (&)[E], float (&c)[E]) {
+    float bb[E];
+    load_bias<TBIAS, E>(bias, cols.col[s], H, bias_vec, bb);
+#pragma unroll
+    for (int k = 0; k < E; ++k) c[k] = gelu_f(a[k] + bb[k]);
+  }
+  __device__ __forceinline__ void scalar(long long e) {
+    y[e] = from_f32<TX>(gelu_f(to_f32(x[e]) + ldg_f32(bias + e % H)));
+  }
+  __device__ __forceinline__ void head_tail(int lane) {
+    for (long long e = lane; e < head; e += 32) scalar(e);
+    for (long long e = body_end + lane; e < n; e += 32) scalar(e);
+  }
+};
+
+template <class TX, class TBIAS>
+struct BiasGeluBwd {
+  typedef TX TA;  // grad
+  typedef TX TB;  // x
+  typedef TX TC;  // grad_x
+  static constexpr int E = 16 / static_cast<int>(sizeof(TX));
+  static constexpr bool HAS_B = true;
+
+  const TBIAS* bias;
+  float* part;  // gridDim.x * TILE * E partial bias-gradient sums, one per (block, slot element)
+  long long head;
+  int H, bias_vec;
+  Columns<E> cols;
+  float acc[kChunksPerThread][E];
+
+  __device__ __forceinline__ void begin(int ct) {
+    cols.begin(ct, head, H);
+#pragma unroll
+    for (int s = 0; s < kChunksPerThread; ++s)
+#pragma unroll
+      for (int k = 0; k < E; ++k) acc[s][k] = 0.f;
+  }
+  __device__ __forceinline__ void next_tile() { cols.advance(H); }
+  __device__ __forceinline__ void chunk(int s, const float (&g)[E], const float (&xv)[E], float (&c)[E]) {
+    float bb[E];
+    load_bias<TBIAS, E>(bias, cols.col[s], H, bias_vec, bb);
+#pragma unroll
+    for (int k = 0; k < E; ++k) {
+      c[k] = g[k] * gelu_grad_f(xv[k] + bb[k]);
+      acc[s][k] += c[k];
+    }
+  }
+  // The host picks gridDim.x so that gridDim.x * TILE * E is a multiple of H: a slot's column is then the same
+  // in every tile, so the per-thread sums are sums over one column each, and the partials array, read as rows of
+  // H, has column (head + k) % H at position k of every row.
+  __device__ __forceinline__ void end(int ct) {
+    float* out = part + static_cast<long long>(blockIdx.x) * kTileChunks * E;
+#pragma unroll
+    for (int s = 0; s < kChunksPerThread; ++s)
+#pragma unroll
+      for (int k = 0; k < E; ++k) out[(ct + s * kComputeThreads) * E + k] = acc[s][k];
+  }
+  __device__ __forceinline__ void head_tail(int) {}  // pl_reduce does the head and tail elements
+};
+
+template <class TX, class TY, class TOUT>
+struct ResidualAdd {
+  typedef TX TA;
+  typedef TY TB;
+  typedef TOUT TC;
+  static constexpr int MIN_SIZE = sizeof(TX) < sizeof(TY) ? static_cast<int>(sizeof(TX)) : static_cast<int>(sizeof(TY));
+  static constexpr int E = 16 / MIN_SIZE;
+  static constexpr bool HAS_B = true;
+
+  const TX* x;
+  const TY* y;
+  TOUT* out;
+  long long n, head, body_end;
+
+  __device__ __forceinline__ void begin(int) {}
+  __device__ __forceinline__ void next_tile() {}
+  __device__ __forceinline__ void end(int) {}
+  __device__ __forceinline__ void chunk(int, const float (&a)[E], const float (&b)[E], float (&c)[E]) {
+#pragma unroll
+    for (int k = 0; k < E; ++k) c[k] = a[k] + b[k];
+  }
+  __device__ __forceinline__ void head_tail(int lane) {
+    for (long long e = lane; e < head; e += 32) out[e] = from_f32<TOUT>(to_f32(x[e]) + to_f32(y[e]));
+    for (long long e = body_end + lane; e < n; e += 32) out[e] = from_f32<TOUT>(to_f32(x[e]) + to_f32(y[e]));
+  }
+};
+
+}  // namespace pl
+
+typedef PL_TX TX;
+typedef PL_TBIAS TBIAS;
+typedef PL_TY TY;
+typedef PL_TOUT TOUT;
+
+#if PL_OP == 1
+
+// x, y: the whole tensors; the body starts `head` elements in and holds `nchunks` chunks of E elements.
+extern "C" __global__ void __launch_bounds__(PL_THREADS)
+    pl_main(const TX* __restrict__ x, TX* __restrict__ y, const TBIAS* __restrict__ bias, long long n, long long head,
+            long long nchunks, int H, int bias_vec) {
+  typedef pl::BiasGeluFwd<TX, TBIAS> Op;
+  Op op;
+  op.x = x;
+  op.y = y;
+  op.bias = bias;
+  op.n = n;
+  op.head = head;
+  op.body_end = head + nchunks * Op::E;
+  op.H = H;
+  op.bias_vec = bias_vec;
+  pl::run_engine(op, reinterpret_cast<const unsigned char*>(x + head), nullptr,
+                 reinterpret_cast<unsigned char*>(y + head), nchunks);
+}
+
+extern "C" __global__ void pl_scalar(const TX* __restrict__ x, TX* __restrict__ y, const TBIAS* __restrict__ bias,
+                                     long long n, int H) {
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
+    y[e] = pl::from_f32<TX>(pl::gelu_f(pl::to_f32(x[e]) + pl::ldg_f32(bias + e % H)));
+  }
+}
+
+#elif PL_OP == 2
+
+extern "C" __global__ void __launch_bounds__(PL_THREADS)
+    pl_main(const TX* __restrict__ grad, const TX* __restrict__ x, TX* __restrict__ gx,
+            const TBIAS* __restrict__ bias, float* __restrict__ part, long long head, long long nchunks, int H,
+            int bias_vec) {
+  typedef pl::BiasGeluBwd<TX, TBIAS> Op;
+  Op op;
+  op.bias = bias;
+  op.part = part;
+  op.head = head;
+  op.H = H;
+  op.bias_vec = bias_vec;
+  pl::run_engine(op, reinterpret_cast<const unsigned char*>(grad + head),
+                 reinterpret_cast<const unsigned char*>(x + head), reinterpret_cast<unsigned char*>(gx + head),
+                 nchunks);
+}
+
+// Thread gid of `nthreads` (a multiple of H) handles elements gid, gid + nthreads, ...: all in column gid % H, so
+// part[gid] is a sum over one column and `part`, read as rows of H, has column k at position k.
+extern "C" __global__ void pl_scalar(const TX* __restrict__ grad, const TX* __restrict__ x, TX* __restrict__ gx,
+                                     const TBIAS* __restrict__ bias, float* __restrict__ part, long long n, int H,
+                                     long long nthreads) {
+  const long long gid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (gid >= nthreads) return;
+  const float b = pl::ldg_f32(bias + gid % H);
+  float acc = 0.f;
+  for (long long e = gid; e < n; e += nthreads) {
+    const float c = pl::to_f32(grad[e]) * pl::gelu_grad_f(pl::to_f32(x[e]) + b);
+    gx[e] = pl::from_f32<TX>(c);
+    acc += c;
+  }
+  part[gid] = acc;
+}
+
+// Block (32, 32), grid ceil(H / 32). dbias[(shift + k) % H] = sum over rows r of part[r * H + k], in a fixed
+// order (deterministic), plus the elements of [0, head) and [tail_start, n) in that column, whose grad_x this
+// kernel also writes.
+extern "C" __global__ void __launch_bounds__(1024)
+    pl_reduce(const float* __restrict__ part, long long rows, int H, long long shift, const TX* __restrict__ grad,
+              const TX* __restrict__ x, TX* __restrict__ gx, const TBIAS* __restrict__ bias, long long n,
+              long long head, long long tail_start, TBIAS* __restrict__ dbias) {
+  __shared__ float red[32][33];
+  const int k = blockIdx.x * 32 + threadIdx.x;
+  float s = 0.f;
+  if (k < H) {
+    for (long long r = threadIdx.y; r < rows; r += 32) s += part[r * H + k];
+  }
+  red[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y != 0 || k >= H) return;
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) total += red[i][threadIdx.x];
+  const int col = static_cast<int>((shift + k) % H);
+  const float b = pl::ldg_f32(bias + col);
+  for (long long e = 0; e < head; ++e) {
+    if (e % H == col) {
+      const float c = pl::to_f32(grad[e]) * pl::gelu_grad_f(pl::to_f32(x[e]) + b);
+      gx[e] = pl::from_f32<TX>(c);
+      total += c;
+    }
+  }
+  for (long long e = tail_start; e < n; ++e) {
+    if (e % H == col) {
+      const float c = pl::to_f32(grad[e]) * pl::gelu_grad_f(pl::to_f32(x[e]) + b);
+      gx[e] = pl::from_f32<TX>(c);
+      total += c;
+    }
+  }
+  dbias[col] = pl::from_f32<TBIAS>(total);
+}
+
+#elif PL_OP == 3
+
+extern "C" __global__ void __launch_bounds__(PL_THREADS)
+    pl_main(const TX* __restrict__ x, const TY* __restrict__ y, TOUT* __restrict__ out, long long n, long long head,
+            long long nchunks) {
+  typedef pl::ResidualAdd<TX, TY, TOUT> Op;
+  Op op;
+  op.x = x;
+  op.y = y;
+  op.out = out;
+  op.n = n;
+  op.head = head;
+  op.body_end = head + nchunks * Op::E;
+  pl::run_engine(op, reinterpret_cast<const unsigned char*>(x + head),
+                 reinterpret_cast<const unsigned char*>(y + head), reinterpret_cast<unsigned char*>(out + head),
+                 nchunks);
+}
+
+extern "C" __global__ void pl_scalar(const TX* __restrict__ x, const TY* __restrict__ y, TOUT* __restrict__ out,
+                                     long long n) {
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
+    out[e] = pl::from_f32<TOUT>(pl::to_f32(x[e]) + pl::to_f32(y[e]));
+  }
+}
+
+#else
+#error "PL_OP must be 1, 2 or 3"
+#endif

@@ -1,0 +1,295 @@
+// Warp-specialized streaming engine: one loader warp, PL_COMPUTE_WARPS compute warps, one storer warp.
+//
+//   loader  --(in_pipe: cp.async 16 B per lane, LDGSTS)-->  compute  --(out_pipe: st.shared)-->  storer
+//
+// Shared memory is double-buffered, per stage [A | B | C] (inputs A, B and result C), so the block holds
+// [A0|B0|C0|A1|B1|C1]. Two block-scoped cuda::pipeline objects order the hand-offs: the loader is the producer of
+// in_pipe and the compute warps its consumers; the compute warps are the producers of out_pipe and the storer
+// its consumer. The grid is persistent: block b walks tiles b, b + gridDim.x, ... and every role walks the same
+// sequence, so the stage index (tile iteration % STAGES) agrees between the roles.
+//
+// A tile is PL_TILE_CHUNKS chunks; a chunk is E consecutive elements, E = 16 / (smallest element size streamed),
+// so each streamed operand's chunk is a whole number of 16-byte vectors. The host guarantees that all streamed
+// pointers reach 16-byte alignment after the same number of leading elements (the scalar head); the engine is
+// handed pointers to the aligned body and the number of whole chunks in it. Elements before (head) and after
+// (tail) the body are the op's business (scalar code).
+//
+// Compiled by NVRTC (through CuPy) and by nvcc for the SASS report; no host headers are needed.
+#pragma once
+
+#include <cuda/pipeline>
+
+#ifndef PL_COMPUTE_WARPS
+#define PL_COMPUTE_WARPS 4
+#endif
+#ifndef PL_TILE_CHUNKS
+#define PL_TILE_CHUNKS 512
+#endif
+#ifndef PL_STAGES
+#define PL_STAGES 2
+#endif
+
+#define PL_THREADS (32 * (PL_COMPUTE_WARPS + 2))
+
+namespace pl {
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// bf16 is carried as its bit pattern: NVRTC then needs no cuda_bf16.h, and the conversions below are the same
+// round-to-nearest-even that torch uses.
+struct bf16_t {
+  unsigned short bits;
+};
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(bf16_t v) { return __uint_as_float(static_cast<u32>(v.bits) << 16); }
+
+__device__ __forceinline__ unsigned short f32_to_bf16_bits(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned short r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+#else
+  u32 u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<unsigned short>((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<unsigned short>(u >> 16);
+#endif
+}
+
+template <class T> __device__ __forceinline__ T from_f32(float f);
+template <> __device__ __forceinline__ float from_f32<float>(float f) { return f; }
+template <> __device__ __forceinline__ bf16_t from_f32<bf16_t>(float f) {
+  bf16_t r;
+  r.bits = f32_to_bf16_bits(f);
+  return r;
+}
+
+// Two bf16 in one 32-bit word: element 0 in the low half (little endian, as in memory).
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));  // d.hi = first source, d.lo = second
+  return r;
+#else
+  return static_cast<u32>(f32_to_bf16_bits(lo)) | (static_cast<u32>(f32_to_bf16_bits(hi)) << 16);
+#endif
+}
+
+// ---- chunks of E elements in shared memory (16-byte vector accesses) <-> float registers ----
+
+template <class T, int E>
+__device__ __forceinline__ void load_chunk(const unsigned char* p, float (&f)[E]);
+
+template <class T, int E>
+__device__ __forceinline__ void store_chunk(unsigned char* p, const float (&f)[E]);
+
+template <int E>
+__device__ __forceinline__ void load_chunk_f32(const unsigned char* p, float (&f)[E]) {
+  static_assert(E % 4 == 0, "fp32 chunk must be whole 16-byte vectors");
+  const float4* q = reinterpret_cast<const float4*>(p);
+#pragma unroll
+  for (int j = 0; j < E / 4; ++j) {
+    const float4 v = q[j];
+    f[4 * j + 0] = v.x;
+    f[4 * j + 1] = v.y;
+    f[4 * j + 2] = v.z;
+    f[4 * j + 3] = v.w;
+  }
+}
+
+template <int E>
+__device__ __forceinline__ void store_chunk_f32(unsigned char* p, const float (&f)[E]) {
+  float4* q = reinterpret_cast<float4*>(p);
+#pragma unroll
+  for (int j = 0; j < E / 4; ++j) q[j] = make_float4(f[4 * j + 0], f[4 * j + 1], f[4 * j + 2], f[4 * j + 3]);
+}
+
+template <int E>
+__device__ __forceinline__ void load_chunk_bf16(const unsigned char* p, float (&f)[E]) {
+  static_assert(E % 8 == 0, "bf16 chunk must be whole 16-byte vectors");
+  const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+  for (int j = 0; j < E / 8; ++j) {
+    const uint4 v = q[j];
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[8 * j + 2 * i + 0] = __uint_as_float(w[i] << 16);
+      f[8 * j + 2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+}
+
+template <int E>
+__device__ __forceinline__ void store_chunk_bf16(unsigned char* p, const float (&f)[E]) {
+  uint4* q = reinterpret_cast<uint4*>(p);
+#pragma unroll
+  for (int j = 0; j < E / 8; ++j) {
+    uint4 v;
+    v.x = pack_bf16x2(f[8 * j + 0], f[8 * j + 1]);
+    v.y = pack_bf16x2(f[8 * j + 2], f[8 * j + 3]);
+    v.z = pack_bf16x2(f[8 * j + 4], f[8 * j + 5]);
+    v.w = pack_bf16x2(f[8 * j + 6], f[8 * j + 7]);
+    q[j] = v;
+  }
+}
+
+template <class T, int E> struct ChunkIO;
+template <int E> struct ChunkIO<float, E> {
+  static __device__ __forceinline__ void load(const unsigned char* p, float (&f)[E]) { load_chunk_f32<E>(p, f); }
+  static __device__ __forceinline__ void store(unsigned char* p, const float (&f)[E]) { store_chunk_f32<E>(p, f); }
+};
+template <int E> struct ChunkIO<bf16_t, E> {
+  static __device__ __forceinline__ void load(const unsigned char* p, float (&f)[E]) { load_chunk_bf16<E>(p, f); }
+  static __device__ __forceinline__ void store(unsigned char* p, const float (&f)[E]) { store_chunk_bf16<E>(p, f); }
+};
+
+// ---- thread groups for cuda::make_pipeline: a contiguous range of warps, synchronized by a named barrier ----
+// make_pipeline needs size(), thread_rank() and sync() of the group of threads that take part; the loader does
+// not take part in out_pipe and the storer not in in_pipe, so neither pipeline can use the whole block.
+
+template <int FIRST_WARP, int NWARPS, int BARRIER_ID>
+struct WarpRange {
+  __device__ unsigned long long size() const { return 32ull * NWARPS; }
+  __device__ unsigned long long thread_rank() const { return threadIdx.x - 32u * FIRST_WARP; }
+  __device__ void sync() const { asm volatile("bar.sync %0, %1;" ::"n"(BARRIER_ID), "n"(32 * NWARPS) : "memory"); }
+};
+
+// ---- the engine ----
+
+constexpr int kComputeWarps = PL_COMPUTE_WARPS;
+constexpr int kComputeThreads = 32 * PL_COMPUTE_WARPS;
+constexpr int kTileChunks = PL_TILE_CHUNKS;
+constexpr int kStages = PL_STAGES;
+static_assert(kTileChunks % kComputeThreads == 0, "each compute thread owns the same number of chunks per tile");
+constexpr int kChunksPerThread = kTileChunks / kComputeThreads;
+
+// Copies `bytes` (a multiple of 16) from global to shared memory, 16 bytes per lane per step.
+template <class Pipe>
+__device__ __forceinline__ void copy_tile_async(unsigned char* dst, const unsigned char* src, int bytes, int lane,
+                                                Pipe& pipe) {
+  const int units = bytes >> 4;
+#pragma unroll 4
+  for (int u = lane; u < units; u += 32) {
+    cuda::memcpy_async(static_cast<void*>(dst + 16 * u), static_cast<const void*>(src + 16 * u),
+                       cuda::aligned_size_t<16>(16), pipe);
+  }
+}
+
+/* Op concept (see elementwise.cu):
+     typedef TA, TB, TC;  static constexpr int E; static constexpr bool HAS_B;
+     __device__ void begin(int ct);                 // compute thread ct, before its first tile
+     __device__ void chunk(int s, const float (&a)[E], const float (&b)[E], float (&c)[E]);   // slot s
+     __device__ void next_tile();                   // after each tile (columns advance by the grid stride)
+     __device__ void end(int ct);                   // after the last tile
+     __device__ void head_tail(int lane);           // scalar head/tail, done by block 0's storer warp
+*/
+template <class Op>
+__device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restrict__ ga,
+                                           const unsigned char* __restrict__ gb, unsigned char* __restrict__ gc,
+                                           long long nchunks) {
+  typedef typename Op::TA TA;
+  typedef typename Op::TB TB;
+  typedef typename Op::TC TC;
+  constexpr int E = Op::E;
+  constexpr int A_CB = E * sizeof(TA);
+  constexpr int B_CB = Op::HAS_B ? E * sizeof(TB) : 0;
+  constexpr int C_CB = E * sizeof(TC);
+  static_assert(A_CB % 16 == 0 && B_CB % 16 == 0 && C_CB % 16 == 0, "chunks are whole 16-byte vectors");
+  constexpr int A_BYTES = kTileChunks * A_CB;
+  constexpr int B_BYTES = kTileChunks * B_CB;
+  constexpr int C_BYTES = kTileChunks * C_CB;
+  constexpr int STAGE_BYTES = A_BYTES + B_BYTES + C_BYTES;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  // As in the CUDA programming guide: the states are left unconstructed (warning 20054 says so) and
+  // make_pipeline initializes their barriers.
+#pragma nv_diag_suppress 20054
+  __shared__ cuda::pipeline_shared_state<cuda::thread_scope_block, kStages> in_state;
+  __shared__ cuda::pipeline_shared_state<cuda::thread_scope_block, kStages> out_state;
+#pragma nv_diag_default 20054
+  typedef WarpRange<0, 1 + kComputeWarps, 1> LoadComputeGroup;
+  typedef WarpRange<1, kComputeWarps + 1, 2> ComputeStoreGroup;
+
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const long long ntiles = (nchunks + kTileChunks - 1) / kTileChunks;
+
+  if (warp == 0) {
+    // Loader: fill stage after stage while the compute warps work on the other one.
+    cuda::pipeline<cuda::thread_scope_block> in_pipe =
+        cuda::make_pipeline(LoadComputeGroup(), &in_state, cuda::pipeline_role::producer);
+    int stage = 0;
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+      const long long c0 = t * kTileChunks;
+      const int valid = static_cast<int>(min(static_cast<long long>(kTileChunks), nchunks - c0));
+      unsigned char* s = smem + stage * STAGE_BYTES;
+      in_pipe.producer_acquire();
+      copy_tile_async(s, ga + c0 * A_CB, valid * A_CB, lane, in_pipe);
+      if constexpr (Op::HAS_B) copy_tile_async(s + A_BYTES, gb + c0 * B_CB, valid * B_CB, lane, in_pipe);
+      in_pipe.producer_commit();
+      stage = (stage + 1 == kStages) ? 0 : stage + 1;
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+  } else if (warp <= kComputeWarps) {
+    cuda::pipeline<cuda::thread_scope_block> in_pipe =
+        cuda::make_pipeline(LoadComputeGroup(), &in_state, cuda::pipeline_role::consumer);
+    cuda::pipeline<cuda::thread_scope_block> out_pipe =
+        cuda::make_pipeline(ComputeStoreGroup(), &out_state, cuda::pipeline_role::producer);
+    const int ct = threadIdx.x - 32;
+    op.begin(ct);
+    int stage = 0;
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+      const long long c0 = t * kTileChunks;
+      const int valid = static_cast<int>(min(static_cast<long long>(kTileChunks), nchunks - c0));
+      const unsigned char* sa = smem + stage * STAGE_BYTES;
+      const unsigned char* sb = sa + A_BYTES;
+      unsigned char* sc = smem + stage * STAGE_BYTES + A_BYTES + B_BYTES;
+      in_pipe.consumer_wait();
+      out_pipe.producer_acquire();
+#pragma unroll
+      for (int s = 0; s < kChunksPerThread; ++s) {
+        const int ch = ct + s * kComputeThreads;
+        if (ch < valid) {
+          float a[E], b[E], c[E];
+          ChunkIO<TA, E>::load(sa + ch * A_CB, a);
+          if constexpr (Op::HAS_B) {
+            ChunkIO<TB, E>::load(sb + ch * B_CB, b);
+          } else {
+#pragma unroll
+            for (int k = 0; k < E; ++k) b[k] = 0.f;
+          }
+          op.chunk(s, a, b, c);
+          ChunkIO<TC, E>::store(sc + ch * C_CB, c);
+        }
+      }
+      out_pipe.producer_commit();
+      in_pipe.consumer_release();
+      op.next_tile();
+      stage = (stage + 1 == kStages) ? 0 : stage + 1;
+    }
+    op.end(ct);
+  } else {
+    // Storer: shared -> global, 16 bytes per lane, coalesced.
+    cuda::pipeline<cuda::thread_scope_block> out_pipe =
+        cuda::make_pipeline(ComputeStoreGroup(), &out_state, cuda::pipeline_role::consumer);
+    if (blockIdx.x == 0) op.head_tail(lane);
+    int stage = 0;
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+      const long long c0 = t * kTileChunks;
+      const int valid = static_cast<int>(min(static_cast<long long>(kTileChunks), nchunks - c0));
+      const uint4* sc = reinterpret_cast<const uint4*>(smem + stage * STAGE_BYTES + A_BYTES + B_BYTES);
+      uint4* g = reinterpret_cast<uint4*>(gc + c0 * C_CB);
+      const int units = (valid * C_CB) >> 4;
+      out_pipe.consumer_wait();
+#pragma unroll 4
+      for (int u = lane; u < units; u += 32) g[u] = sc[u];
+      out_pipe.consumer_release();
+      stage = (stage + 1 == kStages) ? 0 : stage + 1;
+    }
+  }
+}
+
+}  // namespace pl
