@@ -1,0 +1,347 @@
+"""Copy-engine transport: activations and gradients written straight into the neighbour's memory over CUDA IPC.
+
+Per pipeline edge and direction the receiver owns a ring of `depth` slots (cudaMalloc, exported by IPC handle and
+opened once by the sender) and the flag words of distributed/slot_ring.py. The sender's p2p stream waits until
+the slot is free, takes it, copies with the copy engine (no SM time) and sets FULL in the receiver's memory; the
+receiver's compute stream waits for FULL, clears it, uses the slot in place (no second copy) and, on
+`release(kind, mb)`, sets FREE in the sender's memory. All waits poll local memory; all values are the constants
+0/1, so a captured CUDA graph replays the same handoffs correctly every time. Nothing waits on the host.
+
+Construction is collective over `group` (every rank of it builds its transport): handles are exchanged with one
+`all_gather_object`. `close()` is collective too: a rank frees its memory only after every peer unmapped it.
+
+Order of work, per rank:
+  exchange(sends, recvs)  p2p stream waits for the current stream (the producer), then per send: wait FREE, clear
+                          FREE, copy, write the peer's FULL. Receives go on the current stream: wait FULL, clear it.
+                          The sent tensor is kept alive for the copy with record_stream(p2p).
+  release(kind, mb)       current stream writes FREE = 1 into the sender's memory.
+  join()                  current stream waits for every copy issued so far. Call it once per iteration before a
+                          CUDA-graph capture ends (captured p2p work must rejoin the capturing stream); eager
+                          iterations do not need it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import ipc, slot_ring, stream_ops
+from .p2p import ACT, GRAD, Links, TensorSpec, Transport
+from .streams import RankStreams, create_rank_streams
+
+log = logging.getLogger(__name__)
+
+KINDS = (ACT, GRAD)
+FLAG_STRIDE = 64  # bytes between flag words: one word per 64-byte sector, no two flags share a line
+SLOT_ALIGN = 4096  # slot start alignment: every dtype view is aligned and copies start on page boundaries
+POISON = 0xFF  # initial slot bytes (NaN in bf16/fp16/fp32): a read before the first copy shows up in checksums
+
+
+def _round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+def flag_offset(kind: str, flag: str, slot: int, depth: int) -> int:
+    """Byte offset of a flag word in its owner's flag allocation. Every rank uses the same layout, so a peer
+    finds our words from the base address alone: FULL words of the kinds we receive, FREE words of those we send."""
+    region = KINDS.index(kind) * 2 + (0 if flag == slot_ring.FULL else 1)
+    return (region * depth + slot) * FLAG_STRIDE
+
+
+@dataclass(frozen=True, slots=True)
+class _Ring:
+    """What a receiver tells its sender about one ring."""
+
+    kind: str
+    sender: int
+    handle: bytes
+    slot_stride: int
+    slot_bytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _single_node() -> bool:
+    """Whether every rank of the job runs on this host, from launcher variables every rank shares."""
+    env = os.environ
+    pairs = (("LOCAL_WORLD_SIZE", "WORLD_SIZE"),  # torchrun
+             ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"),  # Open MPI
+             ("MPI_LOCALNRANKS", "PMI_SIZE"))  # MPICH / Hydra
+    for local, world in pairs:
+        if local in env and world in env:
+            return env[local] == env[world]
+    for nodes in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"):
+        if nodes in env:
+            return env[nodes] == "1"
+    return env.get("WORLD_SIZE", "1") == "1"
+
+
+def copy_engine_usable(links: Links, device: torch.device) -> bool:
+    """Whether the copy-engine transport can serve this job. Not collective, and the same answer on every rank:
+    it depends only on facts all ranks share (all ranks on one host, every pair of the job's GPUs with peer
+    access, CuPy and cuda-bindings importable), because every rank must pick the same transport."""
+    if device.type != "cuda" or not (ipc.available() and stream_ops.available()):
+        return False
+    if not _single_node():
+        return False
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
+        int(os.environ.get("WORLD_SIZE", "1"))
+    # world > visible GPUs: one GPU per process, hidden from the others, so no peer copy into IPC memory
+    if world < 2 or world > torch.cuda.device_count():
+        return False
+    return all(torch.cuda.can_device_access_peer(i, j) for i in range(world) for j in range(world) if i != j)
+
+
+class CopyEngineTransport(Transport):
+    """One rank's ends of its pipeline edges over CUDA IPC and the copy engine (see the module docstring).
+
+    depth: ring slots per edge and direction (the schedule's in-flight microbatches must fit; default
+    num_microbatches, enough for GPipe). capture_safe: issue copies with cudaMemcpyAsync(cudaMemcpyDefault),
+    which a CUDA graph can capture, instead of cudaMemcpyPeerAsync (copies issued under capture always use it).
+    group: process group for the handle exchange and the closing barriers (default: the world).
+    """
+
+    name = "copy-engine"
+
+    def __init__(self, links: Links, device: torch.device, num_microbatches: int,
+                 streams: RankStreams | None = None, *, depth: int | None = None, capture_safe: bool = False,
+                 group: dist.ProcessGroup | None = None) -> None:
+        if device.type != "cuda" or device.index is None:
+            raise ValueError(f"copy-engine transport needs a CUDA device with an index, got {device}")
+        depth = num_microbatches if depth is None else depth
+        if depth < 1:
+            raise ValueError(f"copy-engine ring depth must be >= 1, got {depth}")
+        stream_ops.check_connections()
+        self.links, self.device, self.depth, self.group = links, device, depth, group
+        self.capacity = depth
+        self.capture_safe = capture_safe
+        self.rank = dist.get_rank()
+        self.streams = streams if streams is not None else create_rank_streams(device)
+        self.p2p: torch.cuda.Stream = self.streams.p2p
+        self._ops = stream_ops.FlagOps()
+        self._held: dict[tuple[str, int], int] = {}  # (kind, slot) -> mb received and not yet released
+        self._closed = False
+        self._rings: dict[str, ipc.DeviceAllocation] = {}
+        self._views: dict[tuple[str, int], torch.Tensor] = {}
+        self._maps: dict[tuple[int, str], ipc.PeerMapping] = {}  # (peer rank, "flags" | kind) -> mapping
+        with torch.cuda.device(device):
+            self._allocate()
+            infos = self._gather()
+            self._validate(infos)
+            self._connect(infos)
+        log.info("rank %d: %s", self.rank, self.describe())
+
+    # --- set-up ---------------------------------------------------------------------------------------------
+    def _allocate(self) -> None:
+        """Receive rings for the kinds this rank receives, and its flag words, initialised on the p2p stream."""
+        for kind, spec in ((ACT, self.links.act_in), (GRAD, self.links.grad_in)):
+            if spec is None or self.links.peer_or_none(kind) is None:
+                continue
+            stride = _round_up(max(spec.nbytes, 1), SLOT_ALIGN)
+            ring = self._rings[kind] = ipc.DeviceAllocation(stride * self.depth, self.device)
+            for slot in range(self.depth):
+                self._views[(kind, slot)] = ipc.view_as(ring.tensor, slot * stride, spec.shape, spec.dtype)
+        self._flags = ipc.DeviceAllocation(len(KINDS) * 2 * self.depth * FLAG_STRIDE, self.device)
+        init = torch.zeros(self._flags.nbytes // 4, dtype=torch.int32)
+        for kind in KINDS:
+            for slot in range(self.depth):
+                for flag in (slot_ring.FULL, slot_ring.FREE):
+                    init[flag_offset(kind, flag, slot, self.depth) // 4] = slot_ring.INITIAL[flag]
+        with torch.cuda.stream(self.p2p):
+            self._flags.tensor.view(torch.int32).copy_(init)
+            for ring in self._rings.values():
+                ring.tensor.fill_(POISON)
+        # Host sync at set-up only: peers may write our flags as soon as the exchange below returns.
+        self.p2p.synchronize()
+
+    def _ring_info(self, kind: str) -> _Ring:
+        spec: TensorSpec = self.links.act_in if kind == ACT else self.links.grad_in
+        ring = self._rings[kind]
+        return _Ring(kind, self.links.peer_or_none(kind), ring.handle(), ring.nbytes // self.depth, spec.nbytes,
+                     str(spec.dtype), tuple(spec.shape))
+
+    def _gather(self) -> list[dict]:
+        mine = {"rank": self.rank, "host": socket.gethostname(), "uuid": ipc.device_uuid(self.device.index),
+                "depth": self.depth, "prev": self.links.prev_rank, "next": self.links.next_rank,
+                "flags": self._flags.handle(), "rings": {k: self._ring_info(k) for k in self._rings}}
+        infos: list[dict | None] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(infos, mine, group=self.group)
+        return infos  # type: ignore[return-value]
+
+    def _validate(self, infos: list[dict]) -> None:
+        """Check every edge of the job on every rank, so all ranks raise the same error together (none is left
+        waiting in a later collective)."""
+        by_rank = {info["rank"]: info for info in infos}
+        problems = []
+        depths = {info["depth"] for info in infos}
+        if len(depths) > 1:
+            problems.append(f"ranks disagree on the ring depth: {sorted(depths)}")
+        for info in infos:
+            for peer in (info["prev"], info["next"]):
+                if peer is None:
+                    continue
+                other = by_rank.get(peer)
+                if other is None:
+                    problems.append(f"rank {info['rank']}'s neighbour {peer} is not in the process group")
+                elif other["host"] != info["host"]:
+                    problems.append(f"ranks {info['rank']} and {peer} run on different hosts "
+                                    f"({info['host']}, {other['host']}): use --p2p nccl")
+        for peer in (self.links.prev_rank, self.links.next_rank):
+            if peer is not None and peer in by_rank and ipc.find_device(by_rank[peer]["uuid"]) is None:
+                problems.append(f"rank {self.rank} cannot see the GPU of rank {peer} (CUDA_VISIBLE_DEVICES?)")
+        if problems:
+            raise RuntimeError("copy-engine transport: " + "; ".join(problems))
+
+    def _open(self, peer: int, what: str, handle: bytes) -> int:
+        key = (peer, what)
+        if key not in self._maps:
+            self._maps[key] = ipc.PeerMapping(handle, self.device)
+        return self._maps[key].ptr
+
+    def _connect(self, infos: list[dict]) -> None:
+        """Open the peers' rings and flags and turn the protocol's op lists into addresses."""
+        by_rank = {info["rank"]: info for info in infos}
+        local = self._flags.ptr
+        self._send_prog: dict[tuple[str, int], list[tuple[str, int, int]]] = {}
+        self._recv_prog: dict[tuple[str, int], list[tuple[str, int, int]]] = {}
+        self._release_prog: dict[tuple[str, int], list[tuple[str, int, int]]] = {}
+        self._send_to: dict[str, tuple[int, int, _Ring]] = {}  # kind -> (peer rank, peer device ordinal, ring)
+        for kind in KINDS:
+            peer = self.links.next_rank if kind == ACT else self.links.prev_rank
+            ring = by_rank[peer]["rings"].get(kind) if peer is not None else None
+            if ring is None or ring.sender != self.rank:
+                continue
+            base = self._open(peer, kind, ring.handle)
+            peer_flags = self._open(peer, "flags", by_rank[peer]["flags"])
+            self._send_to[kind] = (peer, ipc.find_device(by_rank[peer]["uuid"]), ring)
+            for slot in range(self.depth):
+                self._send_prog[(kind, slot)] = self._resolve(slot_ring.send_ops(slot), kind, local, peer_flags,
+                                                              base + slot * ring.slot_stride)
+        for kind in self._rings:
+            src = self.links.peer_or_none(kind)
+            peer_flags = self._open(src, "flags", by_rank[src]["flags"])
+            for slot in range(self.depth):
+                self._recv_prog[(kind, slot)] = self._resolve(slot_ring.recv_ops(slot), kind, local, peer_flags, 0)
+                self._release_prog[(kind, slot)] = self._resolve(slot_ring.release_ops(slot), kind, local,
+                                                                 peer_flags, 0)
+
+    def _resolve(self, ops: tuple[slot_ring.Op, ...], kind: str, local: int, peer: int, dst: int
+                 ) -> list[tuple[str, int, int]]:
+        prog = []
+        for op in ops:
+            if op.action == "copy":
+                prog.append(("copy", dst, 0))
+            else:
+                base = local if op.where == slot_ring.LOCAL else peer
+                prog.append((op.action, base + flag_offset(kind, op.flag, op.slot, self.depth), op.value))
+        return prog
+
+    # --- hot path -------------------------------------------------------------------------------------------
+    def _check_send(self, kind: str, mb: int, t: torch.Tensor) -> tuple[int, int, _Ring]:
+        if kind not in self._send_to:
+            raise ValueError(f"rank {self.rank} has no copy-engine edge to send {kind!r} (mb {mb})")
+        target = self._send_to[kind]
+        ring = target[2]
+        if t.device != self.device or str(t.dtype) != ring.dtype or t.nbytes != ring.slot_bytes:
+            raise ValueError(f"send {kind} mb {mb}: got {tuple(t.shape)} {t.dtype} on {t.device}, the receiver "
+                             f"expects {ring.shape} {ring.dtype} on {self.device}")
+        return target
+
+    def exchange(self, sends: list[tuple[str, int, torch.Tensor]], recvs: list[tuple[str, int]]
+                 ) -> list[torch.Tensor]:
+        cur = torch.cuda.current_stream(self.device)
+        if sends:
+            staged = []
+            for kind, mb, t in sends:
+                t = t.detach().contiguous()  # on the current stream, before the p2p stream waits for it
+                staged.append((kind, mb, t, self._check_send(kind, mb, t)))
+            capture = self.capture_safe or torch.cuda.is_current_stream_capturing()
+            self.p2p.wait_stream(cur)  # "activation produced"
+            s = self.p2p.cuda_stream
+            src_dev = self.device.index
+            for kind, mb, t, (_peer, peer_dev, ring) in staged:
+                for action, addr, value in self._send_prog[(kind, slot_ring.slot_of(mb, self.depth))]:
+                    if action == "wait":
+                        self._ops.wait_eq(s, addr, value)
+                    elif action == "write":
+                        self._ops.write(s, addr, value)
+                    else:
+                        ipc.copy_peer(addr, peer_dev, t.data_ptr(), src_dev, ring.slot_bytes, s, capture)
+                t.record_stream(self.p2p)  # the caller may drop t; its memory is reused only after the copy
+        out = []
+        c = cur.cuda_stream
+        for kind, mb in recvs:
+            key = (kind, slot_ring.slot_of(mb, self.depth))
+            if key not in self._recv_prog:
+                raise ValueError(f"rank {self.rank} has no copy-engine edge to receive {kind!r} (mb {mb})")
+            if key in self._held:
+                raise RuntimeError(f"receive {kind} mb {mb}: its slot {key[1]} still holds mb {self._held[key]}; "
+                                   f"release that first or use a deeper ring (depth {self.depth})")
+            for action, addr, value in self._recv_prog[key]:
+                if action == "wait":
+                    self._ops.wait_eq(c, addr, value)
+                else:
+                    self._ops.write(c, addr, value)
+            self._held[key] = mb
+            out.append(self._views[key].detach())  # a fresh alias: callers may set requires_grad on it
+        return out
+
+    def release(self, kind: str, mb: int) -> None:
+        key = (kind, slot_ring.slot_of(mb, self.depth))
+        if self._held.get(key) != mb:
+            raise ValueError(f"release {kind} mb {mb}: not received (slot holds {self._held.get(key)})")
+        c = torch.cuda.current_stream(self.device).cuda_stream
+        for _action, addr, value in self._release_prog[key]:
+            self._ops.write(c, addr, value)
+        del self._held[key]
+
+    def join(self) -> None:
+        """Make the current stream wait for every copy issued so far (before a graph capture ends)."""
+        torch.cuda.current_stream(self.device).wait_stream(self.p2p)
+
+    # --- inspection and shutdown ----------------------------------------------------------------------------
+    def flag_state(self) -> dict[str, list[int]]:
+        """This rank's flag words per (kind, flag) name, read back (synchronizes: tests and close only)."""
+        words = self._flags.tensor.view(torch.int32).cpu()
+        return {f"{kind}.{flag}": [int(words[flag_offset(kind, flag, s, self.depth) // 4]) for s in
+                                   range(self.depth)] for kind in KINDS for flag in (slot_ring.FULL, slot_ring.FREE)}
+
+    def idle(self) -> bool:
+        """Whether every flag is back in its initial state (nothing in flight, everything released)."""
+        return all(all(v == slot_ring.INITIAL[name.split(".")[1]] for v in values)
+                   for name, values in self.flag_state().items())
+
+    def describe(self) -> str:
+        edges = [f"{k}->{peer}" for k, (peer, _d, _r) in self._send_to.items()]
+        edges += [f"{k}<-{self.links.peer_or_none(k)}" for k in self._rings]
+        mode = "capture-safe copies" if self.capture_safe else "cudaMemcpyPeerAsync"
+        return f"copy-engine ({', '.join(edges) or 'no edges'}; depth {self.depth}; {mode})"
+
+    def close(self) -> None:
+        """Collective: wait for local work, check the flags, unmap the peers' memory, then free ours once every
+        peer has unmapped it (freeing exported memory before the importer closes it is undefined)."""
+        if self._closed:
+            return
+        self._closed = True
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)
+            if self._held or not self.idle():
+                log.warning("rank %d: copy-engine closed with messages in flight or unreleased (held %s, flags %s)",
+                            self.rank, sorted(self._held), self.flag_state())
+            barrier = dist.is_available() and dist.is_initialized()
+            if barrier:
+                dist.barrier(group=self.group)
+            for m in self._maps.values():
+                m.close()
+            if barrier:
+                dist.barrier(group=self.group)
+            self._views.clear()
+            for ring in self._rings.values():
+                ring.free()
+            self._flags.free()
+            self._ops.forget()

@@ -1,0 +1,93 @@
+"""CUDA stream memory operations on 32-bit flag words: wait until a word equals a value, write a value.
+
+These are the driver API's cuStreamWaitValue32 / cuStreamWriteValue32 (through `cuda.bindings.driver`). They run
+in stream order on the GPU without a kernel and without the host, work on IPC-mapped memory of another process,
+and can be captured into CUDA graphs (measured, see ARCHITECTURE.md). Since CUDA 12 they need no kernel-module
+option ("the V2 APIs are available by default on all platforms"), so there is no attribute to check first.
+
+A write is preceded by a memory fence (the default flag, with __threadfence_system() semantics): everything the
+stream wrote before it, a peer copy included, is visible to whoever observes the new value.
+
+Caution (CUDA's own warning): ordering made with these operations is invisible to CUDA. A stream blocked in a
+wait blocks only itself, provided streams do not share a hardware queue: keep CUDA_DEVICE_MAX_CONNECTIONS at its
+default (8) or above; `check_connections()` warns otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+try:  # cuda-bindings is an optional dependency (extras cuda12 / cuda13)
+    from cuda.bindings import driver as _cu
+except ImportError:  # pragma: no cover - exercised on machines without CUDA Python
+    _cu = None
+
+_WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
+_WRITE_DEFAULT = 0  # CU_STREAM_WRITE_VALUE_DEFAULT: fenced write
+
+
+def available() -> bool:
+    """True when cuda.bindings is importable."""
+    return _cu is not None
+
+
+def _require() -> None:
+    if _cu is None:
+        raise ImportError("the copy-engine transport needs cuda-bindings (pip install 'peerline[cuda13]')")
+
+
+def _check(result: object, what: str) -> None:
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err}")
+
+
+class FlagOps:
+    """Stream memory operations with the driver handles cached: the hot path issues several per message, and
+    building CUstream / CUdeviceptr objects each time would cost more than the call itself."""
+
+    def __init__(self) -> None:
+        _require()
+        self._streams: dict[int, object] = {}
+        self._ptrs: dict[int, object] = {}
+        self._wait_eq = int(_cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ.value)
+        if self._wait_eq != _WAIT_EQ:  # defensive: the enum value is part of the ABI, but check once
+            raise RuntimeError(f"unexpected CU_STREAM_WAIT_VALUE_EQ = {self._wait_eq}")
+
+    def _stream(self, handle: int) -> object:
+        s = self._streams.get(handle)
+        if s is None:
+            s = self._streams[handle] = _cu.CUstream(handle)
+        return s
+
+    def _ptr(self, addr: int) -> object:
+        p = self._ptrs.get(addr)
+        if p is None:
+            p = self._ptrs[addr] = _cu.CUdeviceptr(addr)
+        return p
+
+    def wait_eq(self, stream: int, addr: int, value: int) -> None:
+        """Block `stream` (a cudaStream_t as int) until the 32-bit word at `addr` equals `value`."""
+        _check(_cu.cuStreamWaitValue32(self._stream(stream), self._ptr(addr), value, _WAIT_EQ),
+               "cuStreamWaitValue32")
+
+    def write(self, stream: int, addr: int, value: int) -> None:
+        """Write `value` to the 32-bit word at `addr` once the work queued before on `stream` is done."""
+        _check(_cu.cuStreamWriteValue32(self._stream(stream), self._ptr(addr), value, _WRITE_DEFAULT),
+               "cuStreamWriteValue32")
+
+    def forget(self) -> None:
+        """Drop cached handles (after the memory they name was freed)."""
+        self._streams.clear()
+        self._ptrs.clear()
+
+
+def check_connections() -> None:
+    """Warn when CUDA_DEVICE_MAX_CONNECTIONS is so low that a blocked wait could stall unrelated streams."""
+    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    if value is not None and value.isdigit() and int(value) < 4:
+        log.warning("CUDA_DEVICE_MAX_CONNECTIONS=%s: streams share hardware queues, so a stream waiting for a "
+                    "flag can stall the compute stream; unset it (default 8) for the copy-engine transport", value)
