@@ -1,0 +1,157 @@
+"""Run-time compilation of kernels/elementwise.cu through CuPy's NVRTC, cached per device and op.
+
+A `KernelSpec` names one op with fixed element types; it becomes macro definitions for elementwise.cu. The header
+ws_pipeline.cuh is pasted into the source before compiling, so CuPy's on-disk cache (keyed by the source text and
+the options) can never return a kernel built from an older header. CuPy adds its bundled CCCL headers
+(<cuda/pipeline>) to the include path and compiles for the current device's architecture (`-arch=sm_XX`, a
+cubin), so the same code runs on H100 and H200 and is cached per architecture. CuPy is imported only here and
+only when a kernel is first needed on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import plan
+
+log = logging.getLogger(__name__)
+
+KERNEL_DIR = Path(__file__).resolve().parent
+SOURCE = "elementwise.cu"
+HEADER = "ws_pipeline.cuh"
+COMPUTE_WARPS = 4
+THREADS = 32 * (COMPUTE_WARPS + 2)  # loader + compute warps + storer
+STAGES = 2
+
+OP_BIAS_GELU_FWD, OP_BIAS_GELU_BWD, OP_RESIDUAL_ADD = 1, 2, 3
+CTYPES = {"float32": "float", "bfloat16": "pl::bf16_t"}
+ITEMSIZE = {"float32": 4, "bfloat16": 2}
+
+# CUfunction_attribute values (cuda.h)
+_ATTR_SHARED_SIZE_BYTES = 1
+_ATTR_LOCAL_SIZE_BYTES = 3
+_ATTR_NUM_REGS = 4
+_ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_ATTR_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSpec:
+    """One op with its element types, by torch dtype name ("float32" | "bfloat16")."""
+
+    op: int
+    x: str
+    bias: str = "float32"  # ops 1, 2
+    y: str = "float32"  # op 3
+    out: str = "float32"  # op 3
+
+    def __post_init__(self) -> None:
+        for name in (self.x, self.bias, self.y, self.out):
+            if name not in CTYPES:
+                raise ValueError(f"unsupported dtype {name!r} for a peerline kernel; supported: {', '.join(CTYPES)}")
+        if self.op not in (OP_BIAS_GELU_FWD, OP_BIAS_GELU_BWD, OP_RESIDUAL_ADD):
+            raise ValueError(f"unknown op {self.op}")
+
+    @property
+    def streamed_itemsizes(self) -> tuple[int, ...]:
+        """Element sizes of the operands that go through shared memory (A, B, C)."""
+        if self.op == OP_BIAS_GELU_FWD:
+            return (ITEMSIZE[self.x], ITEMSIZE[self.x])
+        if self.op == OP_BIAS_GELU_BWD:
+            return (ITEMSIZE[self.x],) * 3
+        return (ITEMSIZE[self.x], ITEMSIZE[self.y], ITEMSIZE[self.out])
+
+    @property
+    def e(self) -> int:
+        """Elements per chunk (as elementwise.cu computes it)."""
+        if self.op == OP_RESIDUAL_ADD:
+            return plan.chunk_elems((ITEMSIZE[self.x], ITEMSIZE[self.y]))
+        return plan.chunk_elems((ITEMSIZE[self.x],))
+
+    @property
+    def tile_chunks(self) -> int:
+        return plan.tile_chunks(self.e, self.streamed_itemsizes)
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of pl_main: STAGES x [A | B | C]."""
+        return STAGES * self.tile_chunks * self.e * sum(self.streamed_itemsizes)
+
+    def defines(self) -> tuple[str, ...]:
+        return (f"-DPL_OP={self.op}", f"-DPL_TX={CTYPES[self.x]}", f"-DPL_TBIAS={CTYPES[self.bias]}",
+                f"-DPL_TY={CTYPES[self.y]}", f"-DPL_TOUT={CTYPES[self.out]}",
+                f"-DPL_TILE_CHUNKS={self.tile_chunks}", f"-DPL_COMPUTE_WARPS={COMPUTE_WARPS}",
+                f"-DPL_STAGES={STAGES}")
+
+    def label(self) -> str:
+        names = {1: "bias_gelu_fwd", 2: "bias_gelu_bwd", 3: "residual_add"}
+        types = f"x={self.x},bias={self.bias}" if self.op != OP_RESIDUAL_ADD else f"x={self.x},y={self.y}"
+        return f"{names[self.op]}[{types}]"
+
+
+def source_text() -> str:
+    """elementwise.cu with ws_pipeline.cuh pasted in place of its #include."""
+    src = (KERNEL_DIR / SOURCE).read_text()
+    header = (KERNEL_DIR / HEADER).read_text()
+    include = f'#include "{HEADER}"'
+    if include not in src:
+        raise RuntimeError(f"{SOURCE} no longer includes {HEADER}")
+    return src.replace(include, header, 1)
+
+
+def nvrtc_options(spec: KernelSpec) -> tuple[str, ...]:
+    return ("-std=c++17", f"--include-path={KERNEL_DIR}", *spec.defines())
+
+
+@dataclass
+class CompiledOp:
+    """The loaded kernels of one spec on one device, with what a launch needs to know."""
+
+    spec: KernelSpec
+    device_index: int
+    main: Any
+    scalar: Any
+    reduce: Any | None
+    sms: int
+    blocks_per_sm: int
+    attributes: dict[str, int]
+
+    @property
+    def max_grid(self) -> int:
+        """Persistent grid: every block resident at once."""
+        return self.sms * max(1, self.blocks_per_sm)
+
+
+def _attributes(cupy: Any, fn: Any) -> dict[str, int]:
+    get = cupy.cuda.driver.funcGetAttribute
+    return {"registers": get(_ATTR_NUM_REGS, fn.ptr), "static_smem_bytes": get(_ATTR_SHARED_SIZE_BYTES, fn.ptr),
+            "local_bytes": get(_ATTR_LOCAL_SIZE_BYTES, fn.ptr)}
+
+
+@functools.cache
+def get_op(spec: KernelSpec, device_index: int) -> CompiledOp:
+    """Compile (first call per device architecture; CuPy caches on disk too), load and configure one op."""
+    import cupy  # GPU path only
+
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=source_text(), options=nvrtc_options(spec), backend="nvrtc")
+        main = module.get_function("pl_main")
+        scalar = module.get_function("pl_scalar")
+        reduce = module.get_function("pl_reduce") if spec.op == OP_BIAS_GELU_BWD else None
+        drv = cupy.cuda.driver
+        # More than 48 KiB of dynamic shared memory needs an opt-in; ask for the whole carveout, since these
+        # kernels use L1 only for the (small) bias.
+        drv.funcSetAttribute(main.ptr, _ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES, spec.smem_bytes)
+        drv.funcSetAttribute(main.ptr, _ATTR_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+        blocks = drv.occupancyMaxActiveBlocksPerMultiprocessor(main.ptr, THREADS, spec.smem_bytes)
+        sms = cupy.cuda.runtime.getDeviceProperties(device_index)["multiProcessorCount"]
+        attrs = _attributes(cupy, main)
+        attrs.update(dynamic_smem_bytes=spec.smem_bytes, threads=THREADS, blocks_per_sm=blocks)
+    if blocks < 1:
+        raise RuntimeError(f"{spec.label()}: pl_main cannot be resident ({attrs})")
+    log.info("compiled %s on cuda:%d: %s", spec.label(), device_index, attrs)
+    return CompiledOp(spec, device_index, main, scalar, reduce, sms, blocks, attrs)

@@ -1,0 +1,132 @@
+"""SASS report of the elementwise kernels: LDGSTS (cp.async global->shared) in pl_main, registers, shared memory.
+
+    python -m peerline.kernels.inspect_sass [--arch sm_90] [--out DIR]
+
+Builds each KernelSpec's cubin with nvcc from the same source text NVRTC compiles (kernels/compile.py), then reads
+it with `cuobjdump -sass` and `cuobjdump -res-usage`. Exit status 1 if a pl_main has no LDGSTS, 2 if the tools are
+missing. Needs nvcc and cuobjdump (the GPU machine has both); no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from . import compile as kc
+
+log = logging.getLogger(__name__)
+
+SPECS = (
+    kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "bfloat16", bias="float32"),
+    kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "float32", bias="float32"),
+    kc.KernelSpec(kc.OP_BIAS_GELU_BWD, "bfloat16", bias="float32"),
+    kc.KernelSpec(kc.OP_BIAS_GELU_BWD, "float32", bias="float32"),
+    kc.KernelSpec(kc.OP_RESIDUAL_ADD, "float32", y="bfloat16", out="float32"),
+    kc.KernelSpec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16"),
+    kc.KernelSpec(kc.OP_RESIDUAL_ADD, "float32", y="float32", out="float32"),
+)
+
+
+def find_tool(name: str) -> str | None:
+    """`name` on PATH, else under $CUDA_HOME / $CUDA_PATH / /usr/local/cuda*/bin."""
+    found = shutil.which(name)
+    if found:
+        return found
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    roots += sorted(str(p) for p in Path("/usr/local").glob("cuda-*"))
+    for root in roots:
+        if root and (Path(root) / "bin" / name).is_file():
+            return str(Path(root) / "bin" / name)
+    return None
+
+
+def build_cubin(spec: kc.KernelSpec, nvcc: str, arch: str, workdir: Path) -> Path:
+    src = workdir / "elementwise_full.cu"
+    src.write_text(kc.source_text())
+    cubin = workdir / f"op{spec.op}_{spec.x}_{spec.bias}_{spec.y}_{spec.out}.cubin"
+    cmd = [nvcc, "-cubin", f"-arch={arch}", "-o", str(cubin), str(src), *kc.nvrtc_options(spec)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+    return cubin
+
+
+def split_functions(text: str, marker: str) -> dict[str, str]:
+    """cuobjdump output -> {function name: its section}; sections start at lines like `<marker> pl_main`."""
+    out: dict[str, str] = {}
+    name = None
+    for line in text.splitlines():
+        m = re.match(rf"\s*{marker}\s*:?\s*(\S+?):?\s*$", line)
+        if m:
+            name = m.group(1)
+            out[name] = ""
+            continue
+        if name is not None:
+            out[name] += line + "\n"
+    return out
+
+
+def inspect(spec: kc.KernelSpec, nvcc: str, cuobjdump: str, arch: str, workdir: Path) -> dict:
+    cubin = build_cubin(spec, nvcc, arch, workdir)
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+    res = subprocess.run([cuobjdump, "-res-usage", str(cubin)], check=True, capture_output=True, text=True).stdout
+    funcs = split_functions(sass, "Function")
+    usage = {}
+    for fname, body in split_functions(res, "Function").items():
+        m = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", body)
+        if m:
+            usage[fname] = dict(zip(("registers", "stack", "static_smem", "local"), map(int, m.groups())))
+    rows = {}
+    for fname, body in funcs.items():
+        rows[fname] = {
+            "LDGSTS": body.count("LDGSTS"),
+            "LDS.128": len(re.findall(r"\bLDS\.128\b", body)),
+            "STG.E.128": len(re.findall(r"\bSTG\.E\.128\b", body)),
+            "LDL/STL": len(re.findall(r"\b(?:LDL|STL)\b", body)),
+            **usage.get(fname, {}),
+        }
+    return {"spec": spec.label(), "arch": arch, "sass_pl_main": funcs.get("pl_main", ""),
+            "dynamic_smem_bytes": spec.smem_bytes, "tile_chunks": spec.tile_chunks, "threads": kc.THREADS,
+            "functions": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--out", type=Path, default=None, help="write sass_report.json and the SASS of pl_main here")
+    args = ap.parse_args(argv)
+    nvcc, cuobjdump = find_tool("nvcc"), find_tool("cuobjdump")
+    if not nvcc or not cuobjdump:
+        print(f"inspect_sass: error: need nvcc and cuobjdump (found nvcc={nvcc}, cuobjdump={cuobjdump})",
+              file=sys.stderr)
+        return 2
+    reports, ok = [], True
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in SPECS:
+            rep = inspect(spec, nvcc, cuobjdump, args.arch, Path(tmp))
+            reports.append(rep)
+            main_fn = rep["functions"].get("pl_main", {})
+            good = main_fn.get("LDGSTS", 0) > 0
+            ok &= good
+            print(f"{'PASS' if good else 'FAIL'} {rep['spec']:<44} pl_main: LDGSTS={main_fn.get('LDGSTS')} "
+                  f"LDS.128={main_fn.get('LDS.128')} STG.E.128={main_fn.get('STG.E.128')} "
+                  f"regs={main_fn.get('registers')} static_smem={main_fn.get('static_smem')}B "
+                  f"dynamic_smem={rep['dynamic_smem_bytes']}B local={main_fn.get('local')} "
+                  f"LDL/STL={main_fn.get('LDL/STL')}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for rep in reports:
+            name = re.sub(r"[^A-Za-z0-9_]+", "_", rep["spec"]).strip("_")
+            (args.out / f"sass_{name}.txt").write_text(rep.pop("sass_pl_main"))
+        (args.out / "sass_report.json").write_text(json.dumps(reports, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
