@@ -1,0 +1,377 @@
+"""Flat gradient buckets, all-reduced over the data-parallel group as they fill during backward.
+
+Every parameter's `.grad` is a view into a flat buffer (one per dtype), cut into buckets in the order gradients
+become ready in backward: last layer first, a small first bucket (1 MiB, as DDP) so communication starts early,
+then `bucket_mb` buckets. A parameter larger than a bucket gets a bucket of its own.
+
+One iteration, as the engine drives it:
+
+  zero_grad()   zero the flat buffers (the views stay the parameters' `.grad`)
+  ...           backward of microbatches 0..M-2 accumulate into the buckets; the hooks do nothing
+  arm()         before the LAST microbatch's backward
+  ...           each parameter's post-accumulate-grad hook counts it final; when a bucket is complete, an event
+                on the current (compute) stream releases the bucket's all-reduce on the all-reduce stream
+                (highest priority, see streams.py). Buckets launch in index order on every rank, so all ranks
+                issue the same NCCL sequence even if autograd finishes parameters in another order.
+  finish()      after the last backward: launch what is left (parameters that got no gradient), make the
+                current stream wait on the last bucket (the all-reduce stream is in order, so that covers all)
+  metrics()     after the iteration (synchronizes): all-reduce time, exposed time, hidden share, busbw
+
+Nothing between arm() and finish() synchronizes the host, so the iteration can be captured in a CUDA graph:
+the events are created here once and reused; timing events are recorded only when enabled (under capture,
+external timing events, so a replay's times can be read after it).
+
+NCCL averages with ReduceOp.AVG. Gloo (CPU) has no AVG: it sums asynchronously (gloo's own threads overlap
+with the rest of backward) and finish() divides by dp after waiting, which is bitwise what a per-parameter
+`all_reduce(SUM)` followed by `/ dp` gives. dp = 1 (or no group): no hooks, no collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+#: every parameter starts at a multiple of this many bytes of its flat buffer (vector loads, NCCL alignment)
+ALIGN_BYTES = 256
+
+
+@dataclass(slots=True)
+class Bucket:
+    """One contiguous slice of a dtype's flat buffer and the parameters whose gradients live in it."""
+
+    index: int
+    dtype: torch.dtype
+    offset: int  # first element in the flat buffer of `dtype`
+    numel: int  # elements, alignment padding included
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # element offset of each parameter inside the bucket
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _aligned(numel: int, dtype: torch.dtype) -> int:
+    step = max(1, ALIGN_BYTES // _itemsize(dtype))
+    return -(-numel // step) * step
+
+
+def ready_order(layers: Sequence[Sequence[torch.nn.Parameter]]) -> list[torch.nn.Parameter]:
+    """Parameters in the order backward finishes them: last layer first, and inside a layer the reverse of
+    registration (a block's output projection is differentiated before its input projection). Parameters that
+    need no gradient are left out; a parameter listed twice (tied weights) counts once."""
+    seen: set[int] = set()
+    order = []
+    for layer in reversed(layers):
+        for p in reversed(list(layer)):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                order.append(p)
+    return order
+
+
+def plan_buckets(params: Sequence[torch.nn.Parameter], bucket_mb: float, first_bucket_mb: float) -> list[Bucket]:
+    """Cut `params` (in ready order) into buckets. A bucket closes once it reaches its cap, before a parameter
+    that would overflow it, and where the dtype changes; so a parameter larger than the cap is alone."""
+    if bucket_mb <= 0 or first_bucket_mb <= 0:
+        raise ValueError(f"bucket sizes must be positive, got bucket_mb={bucket_mb} first_bucket_mb={first_bucket_mb}")
+    buckets: list[Bucket] = []
+    flat_end: dict[torch.dtype, int] = {}
+    current: Bucket | None = None
+
+    def close() -> None:
+        nonlocal current
+        if current is not None and current.params:
+            flat_end[current.dtype] = current.offset + current.numel
+            buckets.append(current)
+        current = None
+
+    for p in params:
+        cap = int((first_bucket_mb if not buckets else bucket_mb) * MiB)
+        size = _aligned(p.numel(), p.dtype)
+        if current is not None and (current.dtype != p.dtype or current.nbytes + size * _itemsize(p.dtype) > cap):
+            close()
+            cap = int(bucket_mb * MiB)
+        if current is None:
+            current = Bucket(len(buckets), p.dtype, flat_end.get(p.dtype, 0), 0)
+        current.params.append(p)
+        current.starts.append(current.numel)
+        current.numel += size
+        if current.nbytes >= cap:
+            close()
+    close()
+    return buckets
+
+
+class GradBuckets:
+    """The gradient-sync object of one stage: flat buckets, hooks, all-reduce, metrics (see the module doc)."""
+
+    def __init__(self, layers: Sequence[Sequence[torch.nn.Parameter]], group: dist.ProcessGroup | None,
+                 device: torch.device, stream: torch.cuda.Stream | None = None, bucket_mb: float = 25,
+                 first_bucket_mb: float = 1, timing: bool = True) -> None:
+        self.device = torch.device(device)
+        self.group = group
+        self.stream = stream if self.device.type == "cuda" else None
+        self.dp = dist.get_world_size(group) if group is not None else 1
+        self.reduce = self.dp > 1
+        self.on_cuda = self.device.type == "cuda"
+        self.buckets = plan_buckets(ready_order(layers), bucket_mb, first_bucket_mb)
+        # AVG exists on NCCL (>= 2.10) only; gloo sums and finish() divides.
+        self._use_avg = self.reduce and self.on_cuda and "nccl" in str(dist.get_backend(group)).lower()
+
+        sizes: dict[torch.dtype, int] = {}
+        for b in self.buckets:
+            sizes[b.dtype] = max(sizes.get(b.dtype, 0), b.offset + b.numel)
+        self.flat = {dt: torch.zeros(n, dtype=dt, device=self.device) for dt, n in sizes.items()}
+        self._slices = [self.flat[b.dtype][b.offset:b.offset + b.numel] for b in self.buckets]
+        self._views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        for b, flat in zip(self.buckets, self._slices, strict=True):
+            for p, start in zip(b.params, b.starts, strict=True):
+                if p.device != self.device:
+                    raise ValueError(f"parameter on {p.device}, buckets on {self.device}")
+                view = flat[start:start + p.numel()].view_as(p)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                self._views.append((p, view))
+
+        # Per-iteration host state (touched only by arm/hooks/finish, never by the device).
+        self._armed = False
+        self._pending = [len(b.params) for b in self.buckets]
+        self._seen = [[False] * len(b.params) for b in self.buckets]
+        self._next = 0  # first bucket not launched yet
+        self._launched_in_backward = 0
+        self._works: list[Any] = []
+        self._hooks = []
+        if self.reduce:
+            for b in self.buckets:
+                for slot, p in enumerate(b.params):
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(b.index, slot)))
+
+        self._ready = self._done = []
+        if self.on_cuda:
+            self._ready = [torch.cuda.Event() for _ in self.buckets]
+            self._done = [torch.cuda.Event() for _ in self.buckets]
+        self._timers = _Timers(self.on_cuda, len(self.buckets), timing and self.reduce)
+        log.info("grad buckets: %d buckets, %s, dp=%d, %s", len(self.buckets),
+                 ", ".join(f"{b.nbytes / MiB:.2f}" for b in self.buckets) + " MiB", self.dp,
+                 "nccl avg" if self._use_avg else ("sum / dp" if self.reduce else "no all-reduce"))
+
+    # -- the engine's interface ---------------------------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        """Zero every bucket; re-point a `.grad` that someone replaced (e.g. set_to_none) back at its view."""
+        for p, view in self._views:
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+        for flat in self.flat.values():
+            flat.zero_()
+
+    def arm(self) -> None:
+        """From now on, a bucket whose parameters all have their final gradient is all-reduced."""
+        self._reset()
+        self._armed = self.reduce
+        self._timers.begin()
+
+    def finish(self) -> None:
+        """Launch what is left, order the current stream after the last bucket's all-reduce, disarm."""
+        if not self.reduce:
+            self._armed = False
+            return
+        current = torch.cuda.current_stream(self.device) if self.on_cuda else None
+        self._timers.mark("bwd_end", current)
+        for i in range(self._next, len(self.buckets)):
+            if self._pending[i] > 0:  # parameters without a gradient this iteration: their zeros are reduced
+                self._pending[i] = 0
+                self._mark_ready(i)
+        self._launch_ready()
+        if self.on_cuda:
+            if self.stream is not None:
+                current.wait_event(self._done[-1])
+        else:
+            for work, flat in zip(self._works, self._slices, strict=True):
+                work.wait()
+                flat.div_(self.dp)
+        self._timers.mark("opt_start", current)
+        self._timers.end()
+        self._armed = False
+
+    def metrics(self) -> dict[str, Any]:
+        """Figures of the last timed iteration (synchronizes with it). Times in ms; busbw in GB/s."""
+        out: dict[str, Any] = {"dp": self.dp, "buckets": len(self.buckets),
+                               "bucket_bytes": [b.nbytes for b in self.buckets],
+                               "launched_in_backward": self._launched_in_backward}
+        if not self.reduce:
+            return {**out, "allreduce_ms": 0.0, "exposed_ms": 0.0, "hidden_share": 1.0, "timed": True}
+        t = self._timers.read()
+        if t is None:
+            return {**out, "timed": False}
+        bucket_ms, exposed = t["buckets"], t["exposed"]
+        total = sum(bucket_ms) if bucket_ms is not None else t["span"]
+        factor = 2 * (self.dp - 1) / self.dp  # ring all-reduce bus bandwidth (nccl-tests convention)
+        busbw = [b.nbytes / (ms * 1e-3) / 1e9 * factor if ms > 0 else float("nan")
+                 for b, ms in zip(self.buckets, bucket_ms, strict=True)] if bucket_ms is not None else None
+        hidden = 1.0 - min(1.0, exposed / total) if total > 0 else 1.0
+        return {**out, "allreduce_ms": total, "exposed_ms": exposed, "hidden_share": hidden, "bucket_ms": bucket_ms,
+                "bucket_busbw_gbs": busbw, "clock": "cuda" if self.on_cuda else "host", "timed": True}
+
+    def close(self) -> None:
+        """Remove the hooks (the views stay the parameters' gradients)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # -- internals ----------------------------------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._pending = [len(b.params) for b in self.buckets]
+        for seen in self._seen:
+            seen[:] = [False] * len(seen)
+        self._next = 0
+        self._launched_in_backward = 0
+        self._works = []
+
+    def _make_hook(self, index: int, slot: int):
+        def hook(param: torch.Tensor) -> None:
+            if self._armed:
+                self._param_ready(index, slot, param)
+        return hook
+
+    def _param_ready(self, index: int, slot: int, param: torch.Tensor) -> None:
+        if self._seen[index][slot]:
+            # A second accumulation after the bucket may have launched would be lost on the other ranks.
+            raise RuntimeError(f"gradient of a parameter in bucket {index} accumulated twice after arm(): "
+                               "arm() must come right before the last backward of the iteration")
+        self._seen[index][slot] = True
+        view = self._slices[index][self.buckets[index].starts[slot]:][:param.numel()]
+        if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+            # Someone replaced .grad (set_to_none, an assignment): fold it back into the bucket.
+            view.copy_(param.grad.reshape(-1))
+            param.grad = view.view_as(param)
+        self._pending[index] -= 1
+        if self._pending[index] == 0:
+            self._mark_ready(index)
+            before = self._next
+            self._launch_ready()
+            self._launched_in_backward += self._next - before
+
+    def _mark_ready(self, index: int) -> None:
+        if self.on_cuda and self.stream is not None:
+            # The hook runs under the stream AccumulateGrad ran on (autograd's stream guard): record there.
+            self._ready[index].record(torch.cuda.current_stream(self.device))
+
+    def _launch_ready(self) -> None:
+        """Launch complete buckets in index order, so every rank issues the same sequence of collectives."""
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, index: int) -> None:
+        flat = self._slices[index]
+        if not self.on_cuda:
+            self._timers.launched(index)
+            self._works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+            return
+        op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
+        # Without an all-reduce stream the collective runs in order on the current stream (no overlap).
+        stream = self.stream if self.stream is not None else torch.cuda.current_stream(self.device)
+        if self.stream is not None:
+            stream.wait_event(self._ready[index])
+        with torch.cuda.stream(stream):
+            self._timers.bucket_start(index, stream)
+            # async_op=False: NCCL enqueues on the current (all-reduce) stream; no Work, no host wait.
+            dist.all_reduce(flat, op=op, group=self.group)
+            if not self._use_avg:
+                flat.div_(self.dp)
+            self._timers.bucket_end(index, stream)
+            self._done[index].record(stream)
+
+
+class _Timers:
+    """Optional timing of one iteration: CUDA events (external ones under graph capture) or the host clock.
+
+    Eager and captured iterations use separate events: an event recorded under capture is a graph node, and its
+    times after a replay are that replay's. Nothing here synchronizes until read()."""
+
+    def __init__(self, on_cuda: bool, n: int, enabled: bool) -> None:
+        self.on_cuda, self.n, self.enabled = on_cuda, n, enabled
+        self._sets: dict[bool, dict[str, list[Any]]] = {}
+        if enabled and on_cuda:
+            self._sets[False] = self._make(external=False)
+            try:
+                self._sets[True] = self._make(external=True)
+            except (TypeError, RuntimeError) as exc:  # torch without external events: captures go untimed
+                log.info("external CUDA events unavailable (%s): captured iterations are not timed", exc)
+        self._events: dict[str, list[Any]] | None = None  # the set the current iteration records into
+        self._host: dict[str, Any] | None = None  # CPU: perf_counter marks of the current iteration
+        self._last: tuple[str, Any] | None = None  # ("cuda", events) or ("host", marks) of the last timed one
+
+    def _make(self, external: bool) -> dict[str, list[Any]]:
+        def ev() -> torch.cuda.Event:
+            # Only pass `external` when needed, so older torch still times eager iterations.
+            return torch.cuda.Event(enable_timing=True, external=True) if external else \
+                torch.cuda.Event(enable_timing=True)
+        return {"start": [ev() for _ in range(self.n)], "end": [ev() for _ in range(self.n)],
+                "bwd_end": [ev()], "opt_start": [ev()]}
+
+    def begin(self) -> None:
+        self._events, self._host = None, None
+        if not self.enabled:
+            return
+        if self.on_cuda:
+            self._events = self._sets.get(torch.cuda.is_current_stream_capturing())
+        else:
+            self._host = {"launch": [None] * self.n}
+
+    def bucket_start(self, i: int, stream: torch.cuda.Stream) -> None:
+        if self._events is not None:
+            self._events["start"][i].record(stream)
+
+    def bucket_end(self, i: int, stream: torch.cuda.Stream) -> None:
+        if self._events is not None:
+            self._events["end"][i].record(stream)
+
+    def launched(self, i: int) -> None:
+        if self._host is not None:
+            self._host["launch"][i] = time.perf_counter()
+
+    def mark(self, name: str, stream: torch.cuda.Stream | None) -> None:
+        if self._events is not None:
+            self._events[name][0].record(stream)
+        elif self._host is not None:
+            self._host[name] = time.perf_counter()
+
+    def end(self) -> None:
+        """Close the iteration: its marks become the ones read() resolves (until the next timed iteration)."""
+        if self._events is not None:
+            self._last = ("cuda", self._events)
+        elif self._host is not None:
+            self._last = ("host", self._host)
+        self._events, self._host = None, None
+
+    def read(self) -> dict[str, Any] | None:
+        if self._last is None:
+            return None
+        kind, marks = self._last
+        if kind == "host":
+            first = min((t for t in marks["launch"] if t is not None), default=marks["bwd_end"])
+            return {"buckets": None, "span": (marks["opt_start"] - first) * 1e3,
+                    "exposed": (marks["opt_start"] - marks["bwd_end"]) * 1e3}
+        marks["opt_start"][0].synchronize()
+        marks["end"][-1].synchronize()
+        pairs = zip(marks["start"], marks["end"], strict=True)
+        return {"buckets": [s.elapsed_time(e) for s, e in pairs], "span": None,
+                "exposed": marks["bwd_end"][0].elapsed_time(marks["opt_start"][0])}
