@@ -15,9 +15,10 @@ Order of work, per rank:
                           FREE, copy, write the peer's FULL. Receives go on the current stream: wait FULL, clear it.
                           The sent tensor is kept alive for the copy with record_stream(p2p).
   release(kind, mb)       current stream writes FREE = 1 into the sender's memory.
-  join()                  current stream waits for every copy issued so far. Call it once per iteration before a
-                          CUDA-graph capture ends (captured p2p work must rejoin the capturing stream); eager
-                          iterations do not need it.
+  join() / finish_iteration()
+                          current stream waits for every copy issued so far. Needed once per iteration before a
+                          CUDA-graph capture ends (captured p2p work must rejoin the capturing stream); harmless
+                          in eager iterations (the engine calls it before the optimizer step).
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ class CopyEngineTransport(Transport):
         self.p2p: torch.cuda.Stream = self.streams.p2p
         self._ops = stream_ops.FlagOps()
         self._held: dict[tuple[str, int], int] = {}  # (kind, slot) -> mb received and not yet released
+        self._pending = False  # sends issued since the last join()
         self._closed = False
         self._rings: dict[str, ipc.DeviceAllocation] = {}
         self._views: dict[tuple[str, int], torch.Tensor] = {}
@@ -273,6 +275,7 @@ class CopyEngineTransport(Transport):
                     else:
                         ipc.copy_peer(addr, peer_dev, t.data_ptr(), src_dev, ring.slot_bytes, s, capture)
                 t.record_stream(self.p2p)  # the caller may drop t; its memory is reused only after the copy
+            self._pending = True
         out = []
         c = cur.cuda_stream
         for kind, mb in recvs:
@@ -302,7 +305,18 @@ class CopyEngineTransport(Transport):
 
     def join(self) -> None:
         """Make the current stream wait for every copy issued so far (before a graph capture ends)."""
+        if not self._pending:
+            return  # nothing to join; under capture, waiting on a stream outside the capture would be illegal
+        self._pending = False
+        if torch.cuda.is_current_stream_capturing():
+            with torch.cuda.stream(self.p2p):
+                if not torch.cuda.is_current_stream_capturing():
+                    return  # the sends were issued before this capture began: eager work, not part of the graph
         torch.cuda.current_stream(self.device).wait_stream(self.p2p)
+
+    def finish_iteration(self) -> None:
+        """Transport hook at the end of an iteration: join the p2p stream into the current stream."""
+        self.join()
 
     # --- inspection and shutdown ----------------------------------------------------------------------------
     def flag_state(self) -> dict[str, list[int]]:

@@ -1,0 +1,81 @@
+"""GPU checks of the copy-engine transport's building blocks (one GPU) and of the transport itself (two GPUs,
+through torchrun of tests/gpu/p2p_check.py). Skipped without CUDA, CuPy or cuda-bindings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from peerline.distributed import ipc, stream_ops  # noqa: E402
+from peerline.distributed.streams import create_rank_streams  # noqa: E402
+
+if not (ipc.available() and stream_ops.available()):
+    pytest.skip("needs CuPy and cuda-bindings", allow_module_level=True)
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_device_allocation_is_a_tensor_over_cudamalloc_memory() -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    alloc = ipc.DeviceAllocation(3 * 4096, dev)
+    try:
+        assert alloc.tensor.data_ptr() == alloc.ptr and alloc.tensor.device == dev
+        view = ipc.view_as(alloc.tensor, 4096, (7, 9), torch.bfloat16)
+        assert view.data_ptr() == alloc.ptr + 4096
+        ref = torch.randn(7, 9, device=dev).to(torch.bfloat16)
+        view.copy_(ref)
+        assert torch.equal(view, ref)
+        assert torch.equal(ipc.view_as(alloc.tensor, 4096, (7, 9), torch.bfloat16), ref)  # same bytes
+        assert len(alloc.handle()) == 64  # cudaIpcMemHandle_t
+    finally:
+        torch.cuda.synchronize()
+        alloc.free()
+
+
+def test_flag_wait_orders_a_copy_after_another_streams_write() -> None:
+    """Stream p2p waits for a flag that the compute stream sets only after a long spin and a write of the
+    source: the copy must see the written data, never the stale one."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    streams = create_rank_streams(dev)
+    ops = stream_ops.FlagOps()
+    flag = ipc.DeviceAllocation(64, dev)
+    src = torch.zeros(1 << 20, device=dev)
+    dst = torch.full_like(src, -1.0)
+    try:
+        flag.tensor.zero_()
+        torch.cuda.synchronize()
+        ops.wait_eq(streams.p2p.cuda_stream, flag.ptr, 1)
+        with torch.cuda.stream(streams.p2p):
+            dst.copy_(src)
+        with torch.cuda.stream(streams.compute):
+            torch.cuda._sleep(20_000_000)  # ~10 ms: the copy would run now if the wait did not hold it
+            src.fill_(7.0)
+            ops.write(streams.compute.cuda_stream, flag.ptr, 1)
+        torch.cuda.synchronize()
+        assert torch.all(dst == 7.0)
+        assert int(flag.tensor.view(torch.int32)[0]) == 1
+    finally:
+        torch.cuda.synchronize()
+        flag.free()
+
+
+@pytest.mark.gpu2
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_copy_engine_transport_on_two_gpus() -> None:
+    """Slow/fast receivers, both directions, eager and capture-safe copies, graph replays, NCCL comparison."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(HERE / "p2p_check.py")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "PASS p2p.graph_replays" in out and "FAIL" not in out, out[-6000:]
