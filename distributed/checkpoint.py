@@ -34,6 +34,8 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from .config import ConfigError
+
 log = logging.getLogger(__name__)
 
 FORMAT = "peerline-checkpoint-1"
@@ -41,8 +43,9 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 
 
-class CheckpointError(Exception):
-    """A checkpoint cannot be written or used; the message is one line meant for the user."""
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be written or used; the message is one line meant for the user (exit code 2, like
+    every bad input)."""
 
 
 def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:

@@ -8,12 +8,13 @@ Grammar: faults separated by ';', each `kind:key=value:key=value`:
   nan:stage=1:iter=2          stage 1 outputs NaN in every microbatch of iteration 2
 
 Keys: `rank=` (global rank) and/or `stage=` select where the fault fires (at least one); `iter=` is the
-iteration index (0-based: the number of iterations completed before it, the same number a checkpoint of that
-moment carries); `s=` the seconds of a delay; `code=` the exit code of a kill (default 9); `attempt=` the
-launcher restart count at which it fires (default 0, so that under `torchrun --max-restarts` the restarted job
-does not die again at the same place; `attempt=any` fires on every attempt).
+iteration number, counted from 1 as the progress lines print it (iter=3 fires before the third iteration runs,
+after the checkpoint of iteration 2 could have been written); `s=` the seconds of a delay; `code=` the exit code
+of a kill (default 9); `attempt=` the launcher restart count at which it fires (default 0, so that under
+`torchrun --max-restarts` the restarted job does not die again at the same place; `attempt=any` fires on every
+attempt).
 
-A bad specification raises `FaultSpecError` (a ValueError) with one line naming the bad part; the entry point
+A bad specification raises `FaultSpecError` (a ConfigError) with one line naming the bad part; the entry point
 prints it and exits 2. The engine calls `before_iteration(rank, stage, it)` at each iteration boundary and
 passes each stage output of the forward through `poison_output(stage, it, tensor)`; with no faults both cost
 one attribute lookup. A NaN fault changes what an iteration computes, so a run with one must not replay a CUDA
@@ -31,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import ConfigError
+
 log = logging.getLogger(__name__)
 
 ENV = "PEERLINE_FAULT"
@@ -38,7 +41,7 @@ KINDS = ("kill", "hang", "delay", "nan")
 EXIT_KILLED = 9
 
 
-class FaultSpecError(ValueError):
+class FaultSpecError(ConfigError):
     """PEERLINE_FAULT could not be parsed; one line for the user."""
 
 
@@ -98,7 +101,7 @@ def _parse_one(part: str) -> Fault:
     attempt_text = values.get("attempt", "0")
     return Fault(
         kind=kind,
-        iteration=_int(values["iter"], "iter", part),
+        iteration=_int(values["iter"], "iter", part, low=1),
         rank=_int(values["rank"], "rank", part) if "rank" in values else None,
         stage=_int(values["stage"], "stage", part) if "stage" in values else None,
         seconds=_seconds(values.get("s", "0"), part),
@@ -155,7 +158,7 @@ class Faults:
         return bool(self._nan)
 
     def before_iteration(self, rank: int, stage: int | None, it: int) -> None:
-        """Fire kill / hang / delay faults due before iteration `it` on this rank."""
+        """Fire kill / hang / delay faults due before iteration number `it` (from 1) on this rank."""
         for f in self._boundary:
             if not f.matches(rank, stage, it, self.attempt):
                 continue

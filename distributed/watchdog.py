@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import select
 import signal
 import sys
@@ -251,8 +252,14 @@ def _flush_std_streams() -> None:
 
 
 def _oneline(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    """First line of an exception, without the C++ source location gloo/NCCL put in front, up to its first
+    sentence ('Connection closed by peer [127.0.0.1]:38792')."""
+    lines = str(exc).strip().splitlines()
+    if not lines:
+        return type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", lines[0])
+    head = re.split(r"\.\s", text, maxsplit=1)[0]
+    return head.rstrip(".") or text
 
 
 def describe_edge(kind: str, mb: int, peer_rank: int, stage: int, peer_stage: int, *, sending: bool = False) -> str:
