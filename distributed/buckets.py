@@ -126,9 +126,10 @@ class GradBuckets:
         self.group = group
         self.stream = stream if self.device.type == "cuda" else None
         self.dp = dist.get_world_size(group) if group is not None else 1
-        self.reduce = self.dp > 1
         self.on_cuda = self.device.type == "cuda"
         self.buckets = plan_buckets(ready_order(layers), bucket_mb, first_bucket_mb)
+        # Replicas of a stage hold the same parameters, so every rank of the group agrees on this.
+        self.reduce = self.dp > 1 and bool(self.buckets)
         # AVG exists on NCCL (>= 2.10) only; gloo sums and finish() divides.
         self._use_avg = self.reduce and self.on_cuda and "nccl" in str(dist.get_backend(group)).lower()
 
@@ -370,8 +371,12 @@ class _Timers:
             first = min((t for t in marks["launch"] if t is not None), default=marks["bwd_end"])
             return {"buckets": None, "span": (marks["opt_start"] - first) * 1e3,
                     "exposed": (marks["opt_start"] - marks["bwd_end"]) * 1e3}
-        marks["opt_start"][0].synchronize()
-        marks["end"][-1].synchronize()
-        pairs = zip(marks["start"], marks["end"], strict=True)
-        return {"buckets": [s.elapsed_time(e) for s, e in pairs], "span": None,
-                "exposed": marks["bwd_end"][0].elapsed_time(marks["opt_start"][0])}
+        try:
+            marks["opt_start"][0].synchronize()
+            marks["end"][-1].synchronize()
+            pairs = zip(marks["start"], marks["end"], strict=True)
+            return {"buckets": [s.elapsed_time(e) for s, e in pairs], "span": None,
+                    "exposed": marks["bwd_end"][0].elapsed_time(marks["opt_start"][0])}
+        except RuntimeError as exc:  # e.g. events of a capture that was never replayed
+            log.debug("bucket timing unreadable: %s", exc)
+            return None
