@@ -1,0 +1,169 @@
+"""Benchmark suite `kernels`: achieved GB/s of peerline's elementwise kernels next to torch eager and a
+device-to-device copy of the same bytes, all in one run.
+
+    python -m peerline.launch.suites.kernels [--out DIR] [--sizes-mib 1,16,256,1024] [--quick]
+
+Bytes counted: every input read once and every output written once (bias vectors are negligible and not counted),
+the same figure for peerline and torch, so the GB/s ratio is the time ratio. The copy moves (read + written) / 2
+bytes, so its GB/s counts the same total. `size` is the MiB of x.
+
+Timing: each measurement is a CUDA graph of K calls (K from 64 at 1 MiB down to 1 at 1 GiB), replayed after a
+warm-up and timed with CUDA events (benchkit.time_fn), per call = replay / K: this times device work, not
+Python launch overhead. Calls rotate over enough input sets (at least 256 MiB in all) that they do not run out
+of L2. With --quick (or ctx.quick) it runs tiny sizes on whatever device there is (the CPU: torch against torch),
+only to smoke-test the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from peerline.launch.benchkit import BenchContext, Record, time_fn
+
+log = logging.getLogger(__name__)
+
+SUITE = "kernels"
+DEFAULT_SIZES_MIB = (1, 16, 256, 1024)
+ROTATE_BYTES = 256 << 20
+HIDDEN = 8192  # 4h of h=2048: the width the bias-GELU sees in the compute-bound pipeline config
+
+
+def _graph_time(calls: list[Callable[[], object]], device: torch.device, reps: int) -> float:
+    """Milliseconds per call: K calls captured into one graph, replay timed."""
+    if device.type != "cuda":
+        i = [0]
+
+        def one() -> None:
+            calls[i[0] % len(calls)]()
+            i[0] += 1
+
+        return time_fn(one, warmup=1, reps=reps, device=device).median_ms
+    for c in calls:  # eager warm-up: compiles / loads kernels before capture
+        c()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    t = time_fn(graph.replay, warmup=2, reps=reps, device=device)
+    del graph
+    return t.median_ms / len(calls)
+
+
+def _cases(dtype: torch.dtype, n: int, device: torch.device, sets: int, peerline: bool) -> dict[str, tuple]:
+    """name -> (bytes moved, peerline calls or None, torch calls, anchor name)."""
+    from peerline.kernels import elementwise as ew  # lazy: CUDA only
+
+    h = HIDDEN if n % HIDDEN == 0 else n
+    rows = n // h
+    es = dtype.itemsize
+    xs = [torch.randn(rows, h, device=device).to(dtype) for _ in range(sets)]
+    gs = [torch.randn(rows, h, device=device).to(dtype) for _ in range(sets)]
+    bias32 = torch.randn(h, device=device)
+    bias_x = bias32.to(dtype)
+    vs = [x + bias_x for x in xs]  # what torch's autograd saves for gelu's backward
+    res32 = [torch.randn(rows, h, device=device) for _ in range(sets)] if dtype == torch.bfloat16 else None
+
+    def cyc(fn: Callable[[int], object]) -> list[Callable[[], object]]:
+        return [(lambda i=i: fn(i)) for i in range(sets)]
+
+    cases: dict[str, tuple] = {
+        f"bias_gelu_fwd {dtype_name(dtype)}": (
+            2 * n * es,
+            cyc(lambda i: ew.bias_gelu_forward(xs[i], bias32)) if peerline else None,
+            cyc(lambda i: F.gelu(xs[i] + bias_x)), "torch F.gelu(x + b)"),
+        f"bias_gelu_bwd {dtype_name(dtype)}": (
+            3 * n * es,
+            cyc(lambda i: ew.bias_gelu_backward(gs[i], xs[i], bias32)) if peerline else None,
+            cyc(lambda i: _torch_gelu_bwd(gs[i], vs[i])), "torch gelu_backward + bias sum"),
+        f"residual_add {dtype_name(dtype)}+{dtype_name(dtype)}": (
+            3 * n * es,
+            cyc(lambda i: ew.residual_add_forward(xs[i], gs[i])) if peerline else None,
+            cyc(lambda i: xs[i] + gs[i]), "torch x + y"),
+    }
+    if res32 is not None:
+        cases["residual_add fp32+bf16"] = (
+            n * (4 + 2 + 4),
+            cyc(lambda i: ew.residual_add_forward(res32[i], xs[i])) if peerline else None,
+            cyc(lambda i: res32[i] + xs[i]), "torch x + y")
+    return cases
+
+
+def _torch_gelu_bwd(g: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gx = torch.ops.aten.gelu_backward(g, v)
+    return gx, gx.sum(0, dtype=torch.float32)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+
+
+def _copy_calls(total_bytes: int, device: torch.device, sets: int) -> list[Callable[[], object]]:
+    half = max(1, total_bytes // 2)
+    srcs = [torch.empty(half, dtype=torch.uint8, device=device).random_() for _ in range(sets)]
+    dsts = [torch.empty(half, dtype=torch.uint8, device=device) for _ in range(sets)]
+    return [(lambda i=i: dsts[i].copy_(srcs[i])) for i in range(sets)]
+
+
+def run(args: argparse.Namespace, ctx: BenchContext) -> None:
+    """Record peerline vs torch eager and vs a d2d copy for each op, dtype and size."""
+    device = ctx.device
+    quick = ctx.quick or getattr(args, "quick", False)
+    sizes = getattr(args, "kernel_sizes_mib", None) or DEFAULT_SIZES_MIB
+    dtypes = [torch.bfloat16, torch.float32]
+    reps = getattr(args, "reps", 20)
+    if quick:
+        sizes, reps = (1 / 64,), 3
+    peerline = device.type == "cuda"
+    for size_mib in sizes:
+        for dtype in dtypes:
+            n = max(HIDDEN if not quick else 64, int(size_mib * (1 << 20)) // dtype.itemsize)
+            x_bytes = n * dtype.itemsize
+            sets = max(1, min(64, ROTATE_BYTES // x_bytes)) if not quick else 2
+            cases = _cases(dtype, n, device, sets, peerline)
+            for name, (nbytes, pl_calls, torch_calls, anchor_name) in cases.items():
+                t_torch = _graph_time(torch_calls, device, reps)
+                t_pl = _graph_time(pl_calls, device, reps) if pl_calls else t_torch
+                t_copy = _graph_time(_copy_calls(nbytes, device, min(sets, max(1, ROTATE_BYTES // nbytes))),
+                                     device, reps)
+                gbps = {k: nbytes / (t * 1e-3) / 1e9 for k, t in
+                        (("peerline", t_pl), ("torch", t_torch), ("copy", t_copy))}
+                sizes_d = {"x_MiB": size_mib, "dtype": dtype_name(dtype), "bytes": nbytes, "elements": n}
+                ctx.record(Record(SUITE, f"{name} {size_mib:g} MiB", "GB/s", gbps["peerline"], gbps["torch"],
+                                  anchor_name if peerline else "torch (CPU: torch vs torch)", sizes=sizes_d,
+                                  extra={"ms": {"peerline": t_pl, "torch": t_torch, "copy": t_copy}}))
+                ctx.record(Record(SUITE, f"{name} {size_mib:g} MiB", "GB/s", gbps["peerline"], gbps["copy"],
+                                  "d2d copy of the same bytes", sizes=sizes_d))
+                log.info("%s %g MiB: peerline %.0f GB/s, torch %.0f GB/s, copy %.0f GB/s", name, size_mib,
+                         gbps["peerline"], gbps["torch"], gbps["copy"])
+            del cases
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="peerline kernels benchmark (one suite)")
+    ap.add_argument("--out", type=Path, default=Path("bench_out"))
+    ap.add_argument("--sizes-mib", dest="kernel_sizes_mib", type=lambda s: tuple(float(v) for v in s.split(",")),
+                    default=None)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    ctx = BenchContext(out_dir=args.out, device=device, quick=args.quick)
+    run(args, ctx)
+    paths = ctx.write(SUITE)
+    if paths:
+        sys.stdout.write(paths[1].read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

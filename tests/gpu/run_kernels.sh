@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Warp-specialized elementwise kernels (issue 3) on the GPU machine: correctness tests against float64, the SASS
+# report (LDGSTS, registers, shared memory), the kernels benchmark and the multi-stream batch driver.
+# Usage: bash tests/gpu/run_kernels.sh [OUT]   (or OUT=... in the environment)
+# Logs to $OUT/kernels.log; SASS report under $OUT/kernels_sass/, bench results under $OUT/bench_kernels/.
+# Prints one PASS/FAIL/SKIP line per check; exits 0. Bounded to 4 minutes in all (each step under `timeout`);
+# a healthy run on an H100 takes about 2.
+set -u
+OUT="${1:-${OUT:-/tmp/peerline-gpu}}"
+mkdir -p "$OUT"
+LOG="$OUT/kernels.log"
+cd "$(dirname "$0")/../.." || exit 0
+ROOT="$(pwd)"
+PY="${PYTHON:-python3}"
+: > "$LOG"
+
+# peerline must be importable: use the installed package, else a temporary shim of symlinks (no pip needed).
+if ! "$PY" -c "import peerline.kernels" >/dev/null 2>&1; then
+  SHIM="$(mktemp -d)"
+  mkdir -p "$SHIM/peerline"
+  ln -s "$ROOT/peerline/__init__.py" "$SHIM/peerline/__init__.py"
+  for d in distributed kernels launch; do ln -s "$ROOT/$d" "$SHIM/peerline/$d"; done
+  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+  echo "run_kernels: using import shim $SHIM" >> "$LOG"
+fi
+
+report() {  # report NAME RC
+  if [ "$2" -eq 0 ]; then echo "PASS kernels.$1"; else echo "FAIL kernels.$1 (rc $2, see $LOG)"; fi
+}
+
+NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
+if [ "${NGPU:-0}" -lt 1 ]; then
+  echo "SKIP kernels (no CUDA device)"
+  exit 0
+fi
+
+echo "== correctness (pytest, float64 references)" >> "$LOG"
+timeout -k 5 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_kernels_elementwise.py \
+  > "$OUT/kernels_tests.out" 2>&1
+rc=$?
+cat "$OUT/kernels_tests.out" >> "$LOG"
+tail -n 1 "$OUT/kernels_tests.out" | sed 's/^/  /'
+report tests "$rc"
+
+echo "== SASS report (nvcc -cubin + cuobjdump)" >> "$LOG"
+ARCH="$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'sm_{a}{b}')" 2>>"$LOG")"
+timeout -k 5 45 "$PY" -m peerline.kernels.inspect_sass --arch "${ARCH:-sm_90}" --out "$OUT/kernels_sass" \
+  > "$OUT/kernels_sass.out" 2>&1
+rc=$?
+cat "$OUT/kernels_sass.out" >> "$LOG"
+sed 's/^/  /' "$OUT/kernels_sass.out" | grep -E "PASS|FAIL|error" || true
+report sass_ldgsts "$rc"
+
+echo "== bench: kernels (peerline vs torch eager vs d2d copy)" >> "$LOG"
+timeout -k 5 50 "$PY" -m peerline.launch.suites.kernels --out "$OUT/bench_kernels" \
+  > "$OUT/bench_kernels.out" 2>&1
+rc=$?
+cat "$OUT/bench_kernels.out" >> "$LOG"
+[ -f "$OUT/bench_kernels/kernels.md" ] && cat "$OUT/bench_kernels/kernels.md"
+report bench_kernels "$rc"
+
+echo "== bench: batch_streams (multi-stream batch driver)" >> "$LOG"
+timeout -k 5 25 "$PY" -m peerline.launch.suites.batch_streams --out "$OUT/bench_kernels" \
+  > "$OUT/bench_batch_streams.out" 2>&1
+rc=$?
+cat "$OUT/bench_batch_streams.out" >> "$LOG"
+[ -f "$OUT/bench_kernels/batch_streams.md" ] && cat "$OUT/bench_kernels/batch_streams.md"
+report bench_batch_streams "$rc"
+exit 0
