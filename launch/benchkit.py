@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -20,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +79,43 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20,
         ends[i].record(stream)
     torch.cuda.synchronize()
     return summarize([s.elapsed_time(e) for s, e in zip(starts, ends)])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest_rank(value: float, device: torch.device, group: dist.ProcessGroup | None) -> float:
+    """The maximum of `value` over the ranks of `group` (the value itself without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def time_blocks(run: Callable[[int], Any], *, iters: int = 5, reps: int = 5, warmup: int = 1,
+                device: torch.device, group: dist.ProcessGroup | None = None) -> Timing:
+    """Per-iteration milliseconds of a distributed training loop: `run(n)` issues n iterations.
+
+    Each repetition starts all ranks together (barrier + device synchronize), runs `iters` iterations without any
+    host sync of ours in between (so the host may run ahead, as in training), synchronizes, and takes the slowest
+    rank's time divided by `iters`. `warmup` blocks are run first and discarded.
+    """
+    in_group = dist.is_available() and dist.is_initialized()
+    samples = []
+    for rep in range(warmup + reps):
+        if in_group:
+            dist.barrier(group=group)
+        _sync(device)
+        t0 = time.perf_counter()
+        run(iters)
+        _sync(device)
+        ms = _slowest_rank((time.perf_counter() - t0) * 1e3 / iters, device, group)
+        if rep >= warmup:
+            samples.append(ms)
+    return summarize(samples)
 
 
 def environment_facts() -> dict[str, Any]:
@@ -133,10 +175,28 @@ class BenchContext:
     quick: bool = False  # tiny sizes (CI smoke test on the CPU)
     facts: dict[str, Any] = field(default_factory=environment_facts)
     records: list[Record] = field(default_factory=list)
+    #: free-form lines printed under the table (ideal times, skipped variants, cross-checks)
+    notes: list[str] = field(default_factory=list)
+    #: called with a short description of what runs now (the progress display of launch/bench.py)
+    on_step: Callable[[str], None] | None = None
 
     def record(self, rec: Record) -> Record:
         self.records.append(rec)
+        if self.is_writer:
+            log.info("%s %s: peerline %.4g %s, %s %.4g, ratio %.3f", rec.suite, rec.case, rec.peerline, rec.metric,
+                     rec.anchor_name, rec.anchor, rec.ratio)
         return rec
+
+    def note(self, text: str) -> None:
+        """A line for the report (rank 0's notes are written)."""
+        self.notes.append(text)
+        if self.is_writer:
+            log.info("%s", text)
+
+    def step(self, what: str) -> None:
+        """Announce the measurement that starts now."""
+        if self.on_step is not None and self.is_writer:
+            self.on_step(what)
 
     def write(self, stem: str = "results") -> tuple[Path, Path] | None:
         """Write all records as JSON lines plus a markdown table; returns the two paths (rank 0 only)."""
@@ -146,12 +206,25 @@ class BenchContext:
         jpath, mpath = self.out_dir / f"{stem}.jsonl", self.out_dir / f"{stem}.md"
         with jpath.open("w") as f:
             for r in self.records:
-                f.write(json.dumps({**asdict(r), "ratio": r.ratio, **self.facts}) + "\n")
+                f.write(json.dumps(_finite({**asdict(r), "ratio": r.ratio, **self.facts}), allow_nan=False) + "\n")
         lines = [f"Card: {self.facts.get('card')}, torch {self.facts.get('torch')}, date {self.facts.get('date')}",
                  "", "| suite | case | metric | peerline | anchor | anchor is | ratio |",
                  "| --- | --- | --- | ---: | ---: | --- | ---: |"]
         for r in self.records:
             lines.append(f"| {r.suite} | {r.case} | {r.metric} | {r.peerline:.4g} | {r.anchor:.4g} | "
                          f"{r.anchor_name} | {r.ratio:.3f} |")
+        if self.notes:
+            lines += ["", "Notes:", ""] + [f"- {n}" for n in self.notes]
         mpath.write_text("\n".join(lines) + "\n")
         return jpath, mpath
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
