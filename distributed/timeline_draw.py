@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 from .timeline import Span
 
 log = logging.getLogger(__name__)
+
+# the engine labels a transfer step with its schedule actions, e.g. "SA3" or "SA3+RG1" (distributed/schedule.py)
+_P2P_ACTION = re.compile(r"^(SA|RA|SG|RG)\d")
 
 LANE_ORDER = ("compute", "p2p", "allreduce", "h2d", "d2h")
 KIND_COLOURS = {
@@ -32,7 +36,7 @@ def span_kind(label: str) -> str:
         return "forward"
     if low[:1] == "b" and low[1:2].isdigit():
         return "backward"
-    if low.startswith(("send", "recv", "copy", "h2d", "d2h")):
+    if low.startswith(("send", "recv", "copy", "h2d", "d2h")) or _P2P_ACTION.match(label):
         return "copy"
     if low.startswith(("allreduce", "all-reduce", "all_reduce", "bucket")):
         return "allreduce"

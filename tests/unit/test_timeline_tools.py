@@ -121,5 +121,5 @@ def test_chrome_trace_and_png(tmp_path):
 
 def test_span_kinds():
     assert [timeline_draw.span_kind(x) for x in ("F3", "B12", "send act 1", "allreduce bucket 0", "optimizer",
-                                                 "Fx")] == ["forward", "backward", "copy", "allreduce",
-                                                            "optimizer", "other"]
+                                                 "Fx", "SA3+RG1")] == ["forward", "backward", "copy", "allreduce",
+                                                            "optimizer", "other", "copy"]
