@@ -201,7 +201,20 @@ class SlurmCluster:
         # -D: stay in the foreground (we own the PID); -i: ignore any saved state.
         self._spawn("slurmctld", [_sbin("slurmctld"), "-D", "-i", "-f", str(self.conf)], env)
         self._spawn("slurmd", [_sbin("slurmd"), "-D", "-f", str(self.conf)], env)
+        self._start_reaper()
         self._wait_for(self._node_idle, "the node to become idle", timeout_s)
+
+    def _start_reaper(self) -> None:
+        """A watchdog shell that stops our daemons by PID if this process dies without calling stop().
+
+        pytest-timeout's thread method and SIGKILL end the test process without running fixture finalizers or
+        atexit handlers; the daemons would outlive it. The reaper polls our PID every second.
+        """
+        pids = " ".join(str(p.pid) for p in self.procs.values())
+        script = (f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; "
+                  f"kill -TERM {pids} 2>/dev/null; sleep 5; kill -KILL {pids} 2>/dev/null; exit 0")
+        self.reaper = subprocess.Popen(["sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, start_new_session=True)
 
     def _node_idle(self) -> bool:
         out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=self.env(), capture_output=True, text=True,
@@ -228,8 +241,35 @@ class SlurmCluster:
         raise SlurmUnavailable(f"timed out after {timeout_s:.0f} s waiting for {what}: {self.daemon_logs()[-2000:]}")
 
     # ---------------------------------------------------------------- tear-down
+    def cancel_jobs(self, timeout_s: float = 15) -> None:
+        """Cancel every job of this cluster and wait until none is left.
+
+        A job step (slurmstepd and the ranks under it) outlives slurmd by design, so jobs left running by a
+        failed or timed-out test must end before the daemons do.
+        """
+        if "slurmctld" not in self.procs or self.procs["slurmctld"].poll() is not None:
+            return
+        env = self.env()
+        try:
+            subprocess.run(["scancel", "--user", str(os.geteuid())], env=env, capture_output=True,
+                           timeout=10)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                out = subprocess.run(["squeue", "-h", "-o", "%i %T"], env=env, capture_output=True, text=True,
+                                     timeout=10)
+                if out.returncode != 0 or not out.stdout.strip():
+                    return
+                time.sleep(0.5)
+            log.warning("jobs still listed after scancel: %s", out.stdout.strip())
+        except subprocess.TimeoutExpired:
+            log.warning("scancel/squeue did not answer")
+
     def stop(self) -> None:
-        """Stop every daemon we started, by PID: SIGTERM, then SIGKILL after 10 s. Safe to call twice."""
+        """Cancel leftover jobs, then stop every daemon we started, by PID: SIGTERM, then SIGKILL after 10 s.
+
+        Safe to call twice, and after a failed start().
+        """
+        self.cancel_jobs()
         # Reverse start order: slurmd (and its job steps) first, munged last.
         for name in reversed(list(self.procs)):
             proc = self.procs.pop(name)
@@ -241,6 +281,10 @@ class SlurmCluster:
                     log.warning("%s (pid %d) ignored SIGTERM; killing it", name, proc.pid)
                     proc.kill()
                     proc.wait(timeout=10)
+        reaper = getattr(self, "reaper", None)
+        if reaper is not None and reaper.poll() is None:
+            reaper.kill()
+            reaper.wait(timeout=10)
 
     def daemon_logs(self) -> str:
         """The daemons' logs, for failure messages."""
