@@ -57,7 +57,10 @@ def load_user_model(spec: str, seed: int) -> nn.Sequential:
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"cannot load model factory {spec!r}: {exc}") from None
     torch.manual_seed(seed)
-    model = factory()
+    try:
+        model = factory()
+    except Exception as exc:  # noqa: BLE001 - any failure of user code is reported as one line
+        raise ConfigError(f"model factory {spec!r} failed: {type(exc).__name__}: {exc}") from None
     if not isinstance(model, nn.Sequential):
         raise ConfigError(f"model factory {spec!r} returned {type(model).__name__}, not an nn.Sequential")
     return model

@@ -133,7 +133,9 @@ class Runtime:
         split = describe_split(bounds)
         log.info("%s; %s; %.2f M parameters here; transport %s", mesh.describe(), split, n_params / 1e6,
                  transport.describe())
-        return cls(cfg, info, device, mesh, engine, streams, split, programs, transport.describe())
+        rt = cls(cfg, info, device, mesh, engine, streams, split, programs, transport.describe())
+        rt.layer_offsets = {sid: bounds[sid][0] for sid in stage_ids}
+        return rt
 
     # -- training ------------------------------------------------------------------------------------------
     @property
@@ -193,6 +195,23 @@ class Runtime:
         self.engine.transport.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def layer_checksums(self) -> dict[str, list[float]]:
+        """{global layer index: [sum, sum of squares] of its parameters in float64}, from every replica's ranks,
+        gathered to all ranks: equal checksums across replicas show the replicas stayed in step, and equal
+        checksums against a single-process run show the same final parameters."""
+        mine: dict[str, list[float]] = {}
+        for sid, stage in self.engine.stages.items():
+            for i, layer in enumerate(stage.module):
+                params = [p.detach().double() for p in layer.parameters()]
+                key = f"r{self.mesh.replica}/{self.layer_offsets[sid] + i}"
+                mine[key] = [sum(float(p.sum()) for p in params), sum(float((p * p).sum()) for p in params)]
+        if dist.is_initialized() and self.info.world_size > 1:
+            everyone: list[dict[str, list[float]] | None] = [None] * self.info.world_size
+            dist.all_gather_object(everyone, mine)
+            for d in everyone:
+                mine.update(d)
+        return mine
 
     def write_timeline(self, path_stem: str) -> None:
         """Gather the last iteration's spans to rank 0 and draw them (PNG + Chrome trace)."""

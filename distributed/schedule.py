@@ -134,7 +134,7 @@ def check_program(stage: int, n_stages: int, m: int, steps: list[Step]) -> None:
                 raise ScheduleError(f"stage {stage} step {i}: {a} has no neighbour on that side")
             seen[a] = i
     for mb in range(m):
-        def at(op: str) -> int | None:
+        def at(op: str, mb: int = mb) -> int | None:
             return seen.get(Action(op, mb))
 
         need = ["F", "B"] + ([] if first else ["RA", "SG"]) + ([] if last else ["SA", "RG"])

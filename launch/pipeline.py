@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 try:
     import torch
@@ -21,6 +22,7 @@ except ImportError as exc:  # run from a checkout that was never installed
     sys.exit(2)
 
 log = logging.getLogger("peerline")
+ERROR_GRACE_S = 2.0
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -52,6 +54,7 @@ def run(argv: list[str] | None = None) -> int:
             rt.train(on_iteration=on_iteration)
         if cfg.timeline:
             rt.write_timeline(cfg.timeline)
+        checksums = rt.layer_checksums() if cfg.json else {}
         if is_writer:
             if cfg.json:
                 with open(cfg.json, "w") as f:
@@ -61,6 +64,7 @@ def run(argv: list[str] | None = None) -> int:
                                "ms_per_iter": [s.ms for s in history],
                                "tokens_per_s": [s.tokens_per_s for s in history],
                                "peak_mem_gb": max((s.peak_mem_gb for s in history), default=0.0),
+                               "layer_checksums": checksums,
                                "versions": versions()}, f, indent=1)
             final = history[-1].loss if history else float("nan")
             print(f"peerline: final loss={final:.9g} iterations={rt.iteration}", flush=True)
@@ -76,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         return run(argv)
     except ConfigError as exc:
         print(f"peerline: error: {exc}", file=sys.stderr, flush=True)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # torchrun stops the other ranks as soon as one exits: a short grace lets every rank, which checks
+            # the same input at the same point, print its own line first.
+            time.sleep(ERROR_GRACE_S)
         return 2
 
 

@@ -1,0 +1,68 @@
+"""Launcher detection from faked environments."""
+
+import pytest
+
+from peerline.distributed.config import ConfigError
+from peerline.distributed.env import detect_launch, first_slurm_host, slurm_port
+
+
+def test_torchrun():
+    info = detect_launch({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                          "MASTER_ADDR": "node7", "MASTER_PORT": "1234"})
+    assert (info.rank, info.world_size, info.local_rank, info.master_addr, info.master_port, info.launcher) == \
+        (3, 4, 1, "node7", 1234, "torchrun")
+
+
+def test_torchrun_wins_over_slurm():
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+           "SLURM_STEP_ID": "0"}
+    assert detect_launch(env).launcher == "torchrun"
+
+
+def test_slurm_srun_task():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+           "SLURM_NNODES": "4", "SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[003-006]"}
+    info = detect_launch(env)
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (5, 8, 1, 2)
+    assert info.master_addr == "gpu003" and info.master_port == slurm_port("4242") and info.launcher == "slurm"
+
+
+def test_slurm_batch_script_alone_is_a_single_process():
+    # The batch script has SLURM_PROCID=0 but no step: it is no task of a parallel step.
+    info = detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"})
+    assert info.launcher == "single" and info.world_size == 1
+
+
+def test_slurm_master_addr_override():
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "1", "MASTER_ADDR": "10.0.0.1",
+           "MASTER_PORT": "3000", "SLURM_JOB_NODELIST": "a1"}
+    info = detect_launch(env)
+    assert (info.master_addr, info.master_port) == ("10.0.0.1", 3000)
+
+
+@pytest.mark.parametrize("nodelist,first", [("gpu[003-005,9],cpu1", "gpu003"), ("a1,b2", "a1"), ("node", "node"),
+                                            ("n[1-2]-ib", "n1-ib")])
+def test_first_slurm_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first
+
+
+def test_slurm_port_is_stable_and_in_range():
+    assert slurm_port("123456") == slurm_port("123456")
+    assert 20000 <= slurm_port("123456") < 40000
+    assert slurm_port(None) == 29500
+
+
+def test_single_process():
+    info = detect_launch({})
+    assert (info.rank, info.world_size, info.launcher) == (0, 1, "single")
+
+
+def test_bad_integer_is_a_clear_error():
+    with pytest.raises(ConfigError, match="RANK"):
+        detect_launch({"RANK": "x", "WORLD_SIZE": "2"})
+
+
+def test_mpi_hint_without_mpi_world_falls_back(monkeypatch):
+    # A lone process with an OMPI variable but mpi4py reporting one rank and... still a valid single-rank answer.
+    info = detect_launch({"OMPI_COMM_WORLD_SIZE": "1"})
+    assert info.world_size == 1

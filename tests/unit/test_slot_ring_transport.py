@@ -1,0 +1,338 @@
+"""The real CopyEngineTransport code, run for two ranks in one process against a simulated GPU.
+
+CUDA is replaced at the seams the transport uses (ipc: allocations, IPC handles, copies; stream_ops: flag waits and
+writes; torch streams; the handle exchange): allocations are host tensors at fake device addresses, IPC handles
+encode those addresses, and every stream operation is queued and later executed by a scheduler that interleaves
+the four streams (compute and p2p of both ranks) at random, blocking on waits. This checks on the CPU what would
+otherwise hang a GPU: that every address resolves to the right word or slot of the right rank, that messages land
+intact, that flags return to their initial state, and that a too-shallow ring blocks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+from peerline.distributed import ipc, stream_ops
+from peerline.distributed import p2p_copy_engine as ce
+from peerline.distributed.p2p import ACT, GRAD, Links, TensorSpec
+from peerline.distributed.streams import RankStreams
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Sim:
+    """Fake device memory plus four stream queues and a random scheduler."""
+
+    def __init__(self) -> None:
+        self.allocs: dict[int, torch.Tensor] = {}
+        self.next_addr = 1 << 40
+        self.streams: dict[int, FakeStream] = {}
+        self.local = threading.local()
+        self.compute = [FakeStream(self, f"compute{r}") for r in range(2)]
+        self.p2p = [FakeStream(self, f"p2p{r}") for r in range(2)]
+
+    # memory
+    def alloc(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        base = self.next_addr
+        self.next_addr += nbytes + (1 << 20)
+        self.allocs[base] = torch.zeros(nbytes, dtype=torch.uint8)
+        return base, self.allocs[base]
+
+    def resolve(self, addr: int, n: int) -> tuple[torch.Tensor, int]:
+        for base, t in self.allocs.items():
+            if base <= addr and addr + n <= base + t.numel():
+                return t, addr - base
+        raise AssertionError(f"address {addr:#x} (+{n}) is in no allocation")
+
+    def word(self, addr: int) -> torch.Tensor:
+        t, off = self.resolve(addr, 4)
+        assert off % 4 == 0, "flag word not aligned"
+        return t[off:off + 4].view(torch.int32)
+
+    # execution
+    def blocked(self, s: FakeStream) -> bool:
+        op = s.queue[s.done]
+        if op[0] == "wait":
+            return int(self.word(op[1])[0]) != op[2]
+        if op[0] == "after":
+            return op[1].done < op[2]
+        return False
+
+    def step(self, s: FakeStream) -> None:
+        op = s.queue[s.done]
+        if op[0] == "write":
+            self.word(op[1])[0] = op[2]
+        elif op[0] == "copy":
+            _, dst, src, n = op
+            t, off = self.resolve(dst, n)
+            ctypes.memmove(t.data_ptr() + off, src, n)
+        elif op[0] == "call":
+            op[1]()
+        s.done += 1
+
+    def run(self, seed: int) -> bool:
+        """Run every queue to its end; False on deadlock (no stream can move)."""
+        rng = random.Random(seed)
+        streams = self.compute + self.p2p
+        while True:
+            live = [s for s in streams if s.done < len(s.queue)]
+            if not live:
+                return True
+            ready = [s for s in live if not self.blocked(s)]
+            if not ready:
+                return False
+            # Bias against the receiver's compute stream: a slow consumer.
+            self.step(rng.choices(ready, weights=[0.3 if s is self.compute[1] else 1.0 for s in ready])[0])
+
+
+class FakeStream:
+    def __init__(self, sim: Sim, name: str) -> None:
+        self.sim, self.name = sim, name
+        self.cuda_stream = id(self)
+        sim.streams[self.cuda_stream] = self
+        self.queue: list[tuple] = []
+        self.done = 0
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.queue.append(("after", other, len(other.queue)))
+
+    def synchronize(self) -> None:
+        pass
+
+    def call(self, fn) -> None:
+        self.queue.append(("call", fn))
+
+
+class _NoDevice:
+    """Stands in for torch.cuda.device (a class: torch checks isinstance against it)."""
+
+    def __init__(self, device: object) -> None:
+        pass
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+@pytest.fixture
+def sim(monkeypatch: pytest.MonkeyPatch) -> Sim:
+    s = Sim()
+    rank = lambda: s.local.rank  # noqa: E731
+
+    class FakeAllocation:
+        def __init__(self, nbytes: int, device: torch.device) -> None:
+            self.nbytes, self.device = nbytes, device
+            self.ptr, self.tensor = s.alloc(nbytes)
+
+        def handle(self) -> bytes:
+            return self.ptr.to_bytes(64, "little")
+
+        def free(self) -> None:
+            self.ptr = 0
+
+    class FakeMapping:
+        def __init__(self, handle: bytes, device: torch.device) -> None:
+            self.ptr = int.from_bytes(handle, "little")
+
+        def close(self) -> None:
+            self.ptr = 0
+
+    class FakeFlagOps:
+        def wait_eq(self, stream: int, addr: int, value: int) -> None:
+            s.streams[stream].queue.append(("wait", addr, value))
+
+        def write(self, stream: int, addr: int, value: int) -> None:
+            s.streams[stream].queue.append(("write", addr, value))
+
+        def forget(self) -> None:
+            pass
+
+    def copy_peer(dst, dst_dev, src, src_dev, n, stream, capture_safe) -> None:
+        assert dst_dev == 1 - rank() and src_dev == rank()
+        s.streams[stream].queue.append(("copy", dst, src, n))
+
+    gathered: list = [None, None]
+    barrier = threading.Barrier(2)
+
+    def all_gather_object(out: list, obj, group=None) -> None:
+        gathered[rank()] = obj
+        barrier.wait()
+        out[:] = list(gathered)
+        barrier.wait()
+
+    monkeypatch.setattr(ipc, "DeviceAllocation", FakeAllocation)
+    monkeypatch.setattr(ipc, "PeerMapping", FakeMapping)
+    monkeypatch.setattr(ipc, "copy_peer", copy_peer)
+    monkeypatch.setattr(ipc, "device_uuid", lambda i: f"GPU-{i}")
+    monkeypatch.setattr(ipc, "find_device", lambda u: int(u[4:]))
+    monkeypatch.setattr(stream_ops, "FlagOps", FakeFlagOps)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: rank())
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device", _NoDevice)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: nullcontext())
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: s.compute[rank()])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(ce.CopyEngineTransport, "_on_device", lambda self, t: t.device.type == "cpu")
+    return s
+
+
+def build(sim: Sim, spec: TensorSpec, depth: int) -> list[ce.CopyEngineTransport]:
+    """Both ranks' transports, constructed concurrently (the handle exchange is collective)."""
+    out: list = [None, None]
+    errors: list = []
+
+    def make(r: int) -> None:
+        sim.local.rank = r
+        links = Links(None, 1, None, spec) if r == 0 else Links(0, None, spec, None)
+        streams = RankStreams(device=torch.device("cuda", r), stage_compute=[sim.compute[r]], p2p=sim.p2p[r])
+        try:
+            out[r] = ce.CopyEngineTransport(links, torch.device("cuda", r), depth, streams=streams, depth=depth)
+        except Exception as exc:  # noqa: BLE001 - re-raised below in the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+def pattern(mb: int, shape: tuple[int, ...], salt: int = 0) -> torch.Tensor:
+    n = 1
+    for d in shape:
+        n *= d
+    return (torch.arange(n, dtype=torch.float32) * 3 + mb * 1000 + salt).view(shape)
+
+
+def as_rank(sim: Sim, r: int) -> None:
+    sim.local.rank = r
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_one_way_messages_land_intact(sim: Sim, depth: int) -> None:
+    shape = (3, 5)
+    tr = build(sim, TensorSpec(shape, torch.float32), depth)
+    m, bad, keep = 9, [], []
+    for mb in range(m):
+        as_rank(sim, 0)
+        x = pattern(mb, shape)
+        keep.append(x)  # host memory must outlive the simulated copy (record_stream does this on a GPU)
+        tr[0].exchange([(ACT, mb, x)], [])
+        as_rank(sim, 1)
+        (got,) = tr[1].exchange([], [(ACT, mb)])
+        sim.compute[1].call(lambda got=got, mb=mb: bad.append(mb) if not torch.equal(got, pattern(mb, shape))
+                            else None)
+        tr[1].release(ACT, mb)
+    as_rank(sim, 0)
+    tr[0].finish_iteration()
+    assert sim.run(seed=depth)
+    assert bad == []
+    assert tr[0].idle() and tr[1].idle()
+    assert tr[0].capacity == depth
+
+
+def test_both_directions_in_one_exchange(sim: Sim) -> None:
+    shape = (4, 4)
+    tr = build(sim, TensorSpec(shape, torch.float32), 2)
+    n, bad, keep = 6, [], []
+    answers: dict[int, torch.Tensor] = {}
+    for i in range(n + 1):
+        as_rank(sim, 0)
+        sends = [(ACT, i, pattern(i, shape))] if i < n else []
+        keep += [t for _, _, t in sends]
+        got = tr[0].exchange(sends, [(GRAD, i - 1)] if i else [])
+        if got:
+            sim.compute[0].call(lambda g=got[0], i=i: bad.append(("grad", i - 1))
+                                if not torch.equal(g, pattern(i - 1, shape) * 2 + 1) else None)
+            tr[0].release(GRAD, i - 1)
+        as_rank(sim, 1)
+        got = tr[1].exchange([(GRAD, i - 1, answers[i - 1])] if i else [], [(ACT, i)] if i < n else [])
+        if got:
+            ans = torch.empty(shape)  # filled by the consumer on the compute stream, sent in the next step
+            answers[i] = ans
+
+            def consume(g=got[0], i=i, ans=ans) -> None:
+                if not torch.equal(g, pattern(i, shape)):
+                    bad.append(("act", i))
+                ans.copy_(g * 2 + 1)
+            sim.compute[1].call(consume)
+            tr[1].release(ACT, i)
+    for r in range(2):
+        as_rank(sim, r)
+        tr[r].finish_iteration()
+    assert sim.run(seed=5)
+    assert bad == []
+    assert tr[0].idle() and tr[1].idle()
+
+
+def test_gpipe_with_a_shallow_ring_deadlocks(sim: Sim) -> None:
+    """Receiver holds all 3 messages before releasing any: a ring of 2 blocks (and a ring of 3 would not)."""
+    shape = (2,)
+    tr = build(sim, TensorSpec(shape, torch.float32), 2)
+    keep = []
+    as_rank(sim, 0)
+    for mb in range(3):
+        keep.append(pattern(mb, shape))
+        tr[0].exchange([(ACT, mb, keep[-1])], [])
+    as_rank(sim, 1)
+    tr[1].exchange([], [(ACT, 0)])
+    tr[1].exchange([], [(ACT, 1)])
+    with pytest.raises(RuntimeError, match="still holds mb 0"):
+        tr[1].exchange([], [(ACT, 2)])  # the host sees the clash before queuing a wait that could never end
+    assert not sim.run(seed=0)  # and on the device the third copy waits for a slot forever
+
+
+def test_host_side_errors(sim: Sim) -> None:
+    tr = build(sim, TensorSpec((2, 2), torch.float32), 2)
+    as_rank(sim, 0)
+    with pytest.raises(ValueError, match="expects"):
+        tr[0].exchange([(ACT, 0, torch.zeros(2, 3))], [])
+    with pytest.raises(ValueError, match="expects"):
+        tr[0].exchange([(ACT, 0, torch.zeros(2, 2, dtype=torch.float64))], [])
+    with pytest.raises(ValueError, match="no copy-engine edge"):
+        tr[0].exchange([], [(ACT, 0)])
+    with pytest.raises(ValueError, match="no copy-engine edge"):
+        tr[0].exchange([(GRAD, 0, torch.zeros(2, 2))], [])
+    as_rank(sim, 1)
+    with pytest.raises(ValueError, match="not received"):
+        tr[1].release(ACT, 0)
+    with pytest.raises(RuntimeError, match="still holds"):
+        tr[1].exchange([], [(ACT, 0), (ACT, 2)])  # same slot twice in one group
+    assert all(not s.queue for s in sim.compute + sim.p2p)  # nothing was queued by the failed calls
+    assert "act<-0" in tr[1].describe() and "act->1" in tr[0].describe()
+
+
+def test_mismatched_depths_fail_on_every_rank(sim: Sim) -> None:
+    out, errors = [None, None], []
+
+    def make(r: int) -> None:
+        sim.local.rank = r
+        spec = TensorSpec((2,), torch.float32)
+        links = Links(None, 1, None, spec) if r == 0 else Links(0, None, spec, None)
+        streams = RankStreams(device=torch.device("cuda", r), stage_compute=[sim.compute[r]], p2p=sim.p2p[r])
+        try:
+            out[r] = ce.CopyEngineTransport(links, torch.device("cuda", r), 2, streams=streams, depth=2 + r)
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 2 and all("disagree on the ring depth" in e for e in errors)

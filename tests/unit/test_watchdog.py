@@ -1,0 +1,169 @@
+"""Watchdog: fires once with one line after the deadline, never while iterations keep finishing, and a hard exit
+really ends a process whose main thread is stuck."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from peerline.distributed.watchdog import EXIT_SIGNAL, EXIT_TIMEOUT, Watchdog, _oneline, describe_edge
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Exit(Exception):
+    pass
+
+
+def _capture() -> tuple[int, int]:
+    r, w = os.pipe()
+    return r, w
+
+
+def _make(timeout_s: float = 0.3, **kw):
+    r, w = _capture()
+    codes: list[int] = []
+    done = threading.Event()
+
+    def exit_fn(code: int) -> None:
+        codes.append(code)
+        done.set()
+
+    wd = Watchdog(rank=1, stage=1, timeout_s=timeout_s, exit_fn=exit_fn, err_fd=w, poll_s=0.02, **kw)
+    return wd, codes, done, r, w
+
+
+def _read(r: int, w: int) -> str:
+    os.close(w)
+    chunks = []
+    while True:
+        b = os.read(r, 4096)
+        if not b:
+            break
+        chunks.append(b)
+    os.close(r)
+    return b"".join(chunks).decode()
+
+
+def test_fires_once_with_one_line_naming_rank_stage_and_wait():
+    wd, codes, done, r, w = _make()
+    wd.start()
+    wd.waiting_for(describe_edge("grad", 3, peer_rank=2, stage=1, peer_stage=2))
+    assert done.wait(5), "watchdog did not fire"
+    time.sleep(0.1)
+    out = _read(r, w)
+    assert codes == [EXIT_TIMEOUT]
+    assert out == ("peerline: error: rank 1 (stage 1) timed out after 0.3 s waiting for grad mb 3 from rank 2 "
+                   "(edge stage 2->1)\n")
+
+
+def test_progress_keeps_it_quiet_and_suspension_pauses_it():
+    wd, codes, done, r, w = _make(timeout_s=0.25)
+    wd.start()
+    t_end = time.monotonic() + 1.0
+    while time.monotonic() < t_end:  # four deadlines' worth of iterations, each well inside the deadline
+        time.sleep(0.05)
+        wd.iteration_done()
+    with wd.suspended():
+        time.sleep(0.6)
+    assert not codes, "fired although iterations kept finishing"
+    assert done.wait(5), "did not fire after progress stopped"
+    wd.stop()
+    assert codes == [EXIT_TIMEOUT]
+    assert "to finish" in _read(r, w)
+
+
+def test_default_description_names_the_iteration():
+    wd, codes, done, r, w = _make(timeout_s=0.1)
+    wd.iteration_started(7)
+    wd.start()
+    assert done.wait(5)
+    assert "timed out after 0.1 s waiting for iteration 7 to finish" in _read(r, w)
+
+
+def test_probe_replaces_description_and_a_hung_probe_is_bounded():
+    wd, codes, done, r, w = _make(timeout_s=0.1)
+    wd.set_probe(lambda: "FULL flag of slot 2 on edge stage 0->1 never set by rank 0")
+    wd.start()
+    assert done.wait(5)
+    assert "waiting for FULL flag of slot 2" in _read(r, w)
+
+    wd, codes, done, r, w = _make(timeout_s=0.1)
+    wd.set_probe(lambda: time.sleep(30))
+    wd.waiting_for("act mb 0 from rank 0 (edge stage 0->1)")
+    wd.start()
+    assert done.wait(15), "a hung probe blocked the exit"
+    assert "waiting for act mb 0 from rank 0" in _read(r, w)
+
+
+def test_fail_reports_exception_once():
+    wd, codes, done, r, w = _make(timeout_s=100)
+    wd.waiting_for("act mb 0 to rank 1 (edge stage 0->1)")
+    exc = RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                       "[127.0.0.1]:38792. This is typically caused by a remote worker crashing. GLHF!\nmore")
+    wd.fail(exc)
+    wd.fail(RuntimeError("second"))  # a second failure prints nothing
+    out = _read(r, w)
+    assert codes == [1]
+    assert out == ("peerline: error: rank 1 (stage 1) failed while waiting for act mb 0 to rank 1 (edge stage 0->1):"
+                   " RuntimeError: Connection closed by peer [127.0.0.1]:38792\n")
+
+
+def test_oneline_and_bad_timeout():
+    assert _oneline(RuntimeError("Timed out waiting 5000ms for recv operation to complete")) == \
+        "Timed out waiting 5000ms for recv operation to complete"
+    assert _oneline(RuntimeError("")) == "RuntimeError"
+    with pytest.raises(ValueError):
+        Watchdog(0, 0, 0)
+
+
+def _script(body: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(body)]
+
+
+def test_hard_exit_frees_a_stuck_main_thread():
+    """The main thread blocks in C code (a lock that is never released); only os._exit ends the process."""
+    body = """
+        import threading
+        from peerline.distributed.watchdog import Watchdog
+        wd = Watchdog(rank=0, stage=0, timeout_s=0.5).start()
+        wd.waiting_for("act mb 1 from rank 3 (edge stage 2->3)")
+        lock = threading.Lock(); lock.acquire(); lock.acquire()  # never returns
+    """
+    t0 = time.monotonic()
+    p = subprocess.run(_script(body), capture_output=True, text=True, timeout=30)
+    assert p.returncode == EXIT_TIMEOUT, p.stderr
+    assert time.monotonic() - t0 < 20
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("peerline:")]
+    assert lines == ["peerline: error: rank 0 (stage 0) timed out after 0.5 s waiting for act mb 1 from rank 3 "
+                     "(edge stage 2->3)"], p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_sigterm_while_blocked_gives_one_line():
+    body = """
+        import sys, threading
+        from peerline.distributed.watchdog import Watchdog
+        wd = Watchdog(rank=2, stage=0, timeout_s=60, poll_s=0.05)
+        wd.install_signal_handlers()
+        wd.start()
+        wd.waiting_for("grad mb 0 from rank 3 (edge stage 1->0)")
+        print("ready", flush=True)
+        lock = threading.Lock(); lock.acquire(); lock.acquire()
+    """
+    p = subprocess.Popen(_script(body), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        p.terminate()
+        _, err = p.communicate(timeout=20)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == EXIT_SIGNAL, err
+    assert err.strip() == ("peerline: error: rank 2 (stage 0) stopped by SIGTERM (the launcher ends the job when a "
+                           "rank fails) while waiting for grad mb 0 from rank 3 (edge stage 1->0)")
