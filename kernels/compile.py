@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,9 @@ log = logging.getLogger(__name__)
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCE = "elementwise.cu"
 HEADER = "ws_pipeline.cuh"
-COMPUTE_WARPS = 4
-THREADS = 32 * (COMPUTE_WARPS + 2)  # loader + compute warps + storer
-STAGES = 2
+# Tuning knobs for experiments (defaults are the design: 4 compute warps, double buffering).
+COMPUTE_WARPS = int(os.environ.get("PEERLINE_KERNEL_WARPS", "4"))
+STAGES = int(os.environ.get("PEERLINE_KERNEL_STAGES", "2"))
 
 OP_BIAS_GELU_FWD, OP_BIAS_GELU_BWD, OP_RESIDUAL_ADD = 1, 2, 3
 CTYPES = {"float32": "float", "bfloat16": "pl::bf16_t"}
@@ -48,6 +49,8 @@ class KernelSpec:
     bias: str = "float32"  # ops 1, 2
     y: str = "float32"  # op 3
     out: str = "float32"  # op 3
+    warps: int = COMPUTE_WARPS  # compute warps per block
+    stages: int = STAGES  # shared-memory stages (2 = double buffering)
 
     def __post_init__(self) -> None:
         for name in (self.x, self.bias, self.y, self.out):
@@ -66,6 +69,11 @@ class KernelSpec:
         return (ITEMSIZE[self.x], ITEMSIZE[self.y], ITEMSIZE[self.out])
 
     @property
+    def threads(self) -> int:
+        """Threads per block of pl_main: loader warp + compute warps + storer warp."""
+        return 32 * (self.warps + 2)
+
+    @property
     def e(self) -> int:
         """Elements per chunk (as elementwise.cu computes it)."""
         if self.op == OP_RESIDUAL_ADD:
@@ -79,13 +87,13 @@ class KernelSpec:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory of pl_main: STAGES x [A | B | C]."""
-        return STAGES * self.tile_chunks * self.e * sum(self.streamed_itemsizes)
+        return self.stages * self.tile_chunks * self.e * sum(self.streamed_itemsizes)
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DPL_OP={self.op}", f"-DPL_TX={CTYPES[self.x]}", f"-DPL_TBIAS={CTYPES[self.bias]}",
                 f"-DPL_TY={CTYPES[self.y]}", f"-DPL_TOUT={CTYPES[self.out]}",
-                f"-DPL_TILE_CHUNKS={self.tile_chunks}", f"-DPL_COMPUTE_WARPS={COMPUTE_WARPS}",
-                f"-DPL_STAGES={STAGES}")
+                f"-DPL_TILE_CHUNKS={self.tile_chunks}", f"-DPL_COMPUTE_WARPS={self.warps}",
+                f"-DPL_STAGES={self.stages}")
 
     def label(self) -> str:
         names = {1: "bias_gelu_fwd", 2: "bias_gelu_bwd", 3: "residual_add"}
@@ -147,10 +155,10 @@ def get_op(spec: KernelSpec, device_index: int) -> CompiledOp:
         # kernels use L1 only for the (small) bias.
         drv.funcSetAttribute(main.ptr, _ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES, spec.smem_bytes)
         drv.funcSetAttribute(main.ptr, _ATTR_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
-        blocks = drv.occupancyMaxActiveBlocksPerMultiprocessor(main.ptr, THREADS, spec.smem_bytes)
+        blocks = drv.occupancyMaxActiveBlocksPerMultiprocessor(main.ptr, spec.threads, spec.smem_bytes)
         sms = cupy.cuda.runtime.getDeviceProperties(device_index)["multiProcessorCount"]
         attrs = _attributes(cupy, main)
-        attrs.update(dynamic_smem_bytes=spec.smem_bytes, threads=THREADS, blocks_per_sm=blocks)
+        attrs.update(dynamic_smem_bytes=spec.smem_bytes, threads=spec.threads, blocks_per_sm=blocks)
     if blocks < 1:
         raise RuntimeError(f"{spec.label()}: pl_main cannot be resident ({attrs})")
     log.info("compiled %s on cuda:%d: %s", spec.label(), device_index, attrs)

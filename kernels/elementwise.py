@@ -128,7 +128,7 @@ def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | N
     vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, op.max_grid)
     if vp is not None:
         bias_vec = plan.bias_vector_ok(hidden, vp.head, spec.e, bias.data_ptr(), bias.element_size())
-        _launch(op.main, (vp.grid,), (kc.THREADS,),
+        _launch(op.main, (vp.grid,), (spec.threads,),
                 (_p(x), _p(y), _p(bias), _i64(n), _i64(vp.head), _i64(vp.nchunks), _i32(hidden), _i32(bias_vec)),
                 spec.smem_bytes, dev)
     else:
@@ -166,7 +166,7 @@ def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
     if vp is not None and grid is not None:
         part = _new(grid * tile_elems, torch.float32, dev, None)
         bias_vec = plan.bias_vector_ok(hidden, vp.head, spec.e, bias.data_ptr(), bias.element_size())
-        _launch(op.main, (grid,), (kc.THREADS,),
+        _launch(op.main, (grid,), (spec.threads,),
                 (_p(grad), _p(x), _p(gx), _p(bias), _p(part), _i64(vp.head), _i64(vp.nchunks), _i32(hidden),
                  _i32(bias_vec)), spec.smem_bytes, dev)
         rows, shift, rhead, tail = grid * tile_elems // hidden, vp.head, vp.head, vp.tail_start
@@ -202,7 +202,7 @@ def residual_add_forward(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | N
     op = kc.get_op(spec, dev.index)
     vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, op.max_grid)
     if vp is not None:
-        _launch(op.main, (vp.grid,), (kc.THREADS,),
+        _launch(op.main, (vp.grid,), (spec.threads,),
                 (_p(x), _p(y), _p(o), _i64(n), _i64(vp.head), _i64(vp.nchunks)), spec.smem_bytes, dev)
     else:
         _launch(op.scalar, (_scalar_grid(n, op),), (SCALAR_THREADS,), (_p(x), _p(y), _p(o), _i64(n)), 0, dev)

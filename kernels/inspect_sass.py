@@ -92,7 +92,7 @@ def inspect(spec: kc.KernelSpec, nvcc: str, cuobjdump: str, arch: str, workdir: 
             **usage.get(fname, {}),
         }
     return {"spec": spec.label(), "arch": arch, "sass_pl_main": funcs.get("pl_main", ""),
-            "dynamic_smem_bytes": spec.smem_bytes, "tile_chunks": spec.tile_chunks, "threads": kc.THREADS,
+            "dynamic_smem_bytes": spec.smem_bytes, "tile_chunks": spec.tile_chunks, "threads": spec.threads,
             "functions": rows}
 
 
