@@ -177,10 +177,11 @@ class Faults:
     def poison_output(self, stage: int, it: int, tensor: torch.Tensor, rank: int | None = None) -> torch.Tensor:
         """`tensor`, or a NaN-filled result of it when a nan fault targets this stage at iteration `it`.
 
-        Out of place and through autograd (`tensor + nan`), so backward runs as usual and carries NaN too."""
+        Out of place and through autograd (`tensor * nan`), so the gradient of the stage's input is NaN too, as after a
+        real overflow."""
         for f in self._nan:
             if f.matches(rank, stage, it, self.attempt):
-                return tensor + float("nan")
+                return tensor * float("nan")
         return tensor
 
 
