@@ -54,7 +54,7 @@ def flag_offset(kind: str, flag: str, slot: int, depth: int) -> int:
     return (region * depth + slot) * FLAG_STRIDE
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)  # no slots: frozen slotted dataclasses do not unpickle on Python 3.10
 class _Ring:
     """What a receiver tells its sender about one ring."""
 
@@ -169,6 +169,7 @@ class CopyEngineTransport(Transport):
 
     def _gather(self) -> list[dict]:
         mine = {"rank": self.rank, "host": socket.gethostname(), "uuid": ipc.device_uuid(self.device.index),
+                "visible": [ipc.device_uuid(i) for i in range(torch.cuda.device_count())],
                 "depth": self.depth, "prev": self.links.prev_rank, "next": self.links.next_rank,
                 "flags": self._flags.handle(), "rings": {k: self._ring_info(k) for k in self._rings}}
         infos: list[dict | None] = [None] * dist.get_world_size(self.group)
@@ -193,9 +194,9 @@ class CopyEngineTransport(Transport):
                 elif other["host"] != info["host"]:
                     problems.append(f"ranks {info['rank']} and {peer} run on different hosts "
                                     f"({info['host']}, {other['host']}): use --p2p nccl")
-        for peer in (self.links.prev_rank, self.links.next_rank):
-            if peer is not None and peer in by_rank and ipc.find_device(by_rank[peer]["uuid"]) is None:
-                problems.append(f"rank {self.rank} cannot see the GPU of rank {peer} (CUDA_VISIBLE_DEVICES?)")
+                elif other["uuid"] not in info["visible"]:
+                    problems.append(f"rank {info['rank']} cannot see the GPU of rank {peer} "
+                                    "(CUDA_VISIBLE_DEVICES hides it): use --p2p nccl")
         if problems:
             raise RuntimeError("copy-engine transport: " + "; ".join(problems))
 
@@ -244,12 +245,16 @@ class CopyEngineTransport(Transport):
         return prog
 
     # --- hot path -------------------------------------------------------------------------------------------
+    def _on_device(self, t: torch.Tensor) -> bool:
+        """Whether `t` lives on this rank's GPU (the CPU simulation in tests/unit replaces this)."""
+        return t.device == self.device
+
     def _check_send(self, kind: str, mb: int, t: torch.Tensor) -> tuple[int, int, _Ring]:
         if kind not in self._send_to:
             raise ValueError(f"rank {self.rank} has no copy-engine edge to send {kind!r} (mb {mb})")
         target = self._send_to[kind]
         ring = target[2]
-        if t.device != self.device or str(t.dtype) != ring.dtype or t.nbytes != ring.slot_bytes:
+        if not self._on_device(t) or str(t.dtype) != ring.dtype or t.nbytes != ring.slot_bytes:
             raise ValueError(f"send {kind} mb {mb}: got {tuple(t.shape)} {t.dtype} on {t.device}, the receiver "
                              f"expects {ring.shape} {ring.dtype} on {self.device}")
         return target
@@ -257,11 +262,23 @@ class CopyEngineTransport(Transport):
     def exchange(self, sends: list[tuple[str, int, torch.Tensor]], recvs: list[tuple[str, int]]
                  ) -> list[torch.Tensor]:
         cur = torch.cuda.current_stream(self.device)
-        if sends:
-            staged = []
-            for kind, mb, t in sends:
-                t = t.detach().contiguous()  # on the current stream, before the p2p stream waits for it
-                staged.append((kind, mb, t, self._check_send(kind, mb, t)))
+        # Validate the whole group on the host before queuing anything: a bad call must not leave half a group
+        # on the GPU (a receive nobody sends would hang the stream).
+        keys = []
+        for kind, mb in recvs:
+            key = (kind, slot_ring.slot_of(mb, self.depth))
+            if key not in self._recv_prog:
+                raise ValueError(f"rank {self.rank} has no copy-engine edge to receive {kind!r} (mb {mb})")
+            if key in self._held or key in keys:
+                holder = self._held.get(key, "another receive of this group")
+                raise RuntimeError(f"receive {kind} mb {mb}: its slot {key[1]} still holds mb {holder}; release "
+                                   f"that first or use a deeper ring (depth {self.depth})")
+            keys.append(key)
+        staged = []
+        for kind, mb, t in sends:
+            t = t.detach().contiguous()  # on the current stream, before the p2p stream waits for it
+            staged.append((kind, mb, t, self._check_send(kind, mb, t)))
+        if staged:
             capture = self.capture_safe or torch.cuda.is_current_stream_capturing()
             self.p2p.wait_stream(cur)  # "activation produced"
             s = self.p2p.cuda_stream
@@ -274,17 +291,12 @@ class CopyEngineTransport(Transport):
                         self._ops.write(s, addr, value)
                     else:
                         ipc.copy_peer(addr, peer_dev, t.data_ptr(), src_dev, ring.slot_bytes, s, capture)
-                t.record_stream(self.p2p)  # the caller may drop t; its memory is reused only after the copy
+                if t.is_cuda:  # (the CPU simulation in tests/unit passes host tensors)
+                    t.record_stream(self.p2p)  # the caller may drop t; its memory is reused only after the copy
             self._pending = True
         out = []
         c = cur.cuda_stream
-        for kind, mb in recvs:
-            key = (kind, slot_ring.slot_of(mb, self.depth))
-            if key not in self._recv_prog:
-                raise ValueError(f"rank {self.rank} has no copy-engine edge to receive {kind!r} (mb {mb})")
-            if key in self._held:
-                raise RuntimeError(f"receive {kind} mb {mb}: its slot {key[1]} still holds mb {self._held[key]}; "
-                                   f"release that first or use a deeper ring (depth {self.depth})")
+        for (_kind, mb), key in zip(recvs, keys):
             for action, addr, value in self._recv_prog[key]:
                 if action == "wait":
                     self._ops.wait_eq(c, addr, value)
