@@ -37,6 +37,8 @@ SCALAR_THREADS = 256
 # Test hook: fill every output and workspace with NaN before the launch, so an element the kernel never writes
 # fails the comparison (torch.empty may hand back memory that already holds the right answer).
 POISON_OUTPUTS = False
+# Experiment hook (benchmarks): KernelSpec overrides such as {"warps": 8, "stages": 3}; empty = the design.
+TUNING: dict[str, int] = {}
 _warned: set[str] = set()
 
 
@@ -114,7 +116,7 @@ def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | N
     hidden = x.shape[-1]
     x, bias = x.contiguous(), bias.contiguous()
     n, dev = x.numel(), x.device
-    spec = kc.KernelSpec(kc.OP_BIAS_GELU_FWD, _DTYPES[x.dtype], bias=_DTYPES[bias.dtype])
+    spec = kc.KernelSpec(kc.OP_BIAS_GELU_FWD, _DTYPES[x.dtype], bias=_DTYPES[bias.dtype], **TUNING)
     xs = x.element_size()
     head = plan.common_head([(x.data_ptr(), xs)], spec.e)
     if out is None:
@@ -146,7 +148,7 @@ def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
         grad = grad.to(x.dtype)  # documented cast: autograd hands back y's (= x's) dtype in practice
     grad, x, bias = grad.contiguous(), x.contiguous(), bias.contiguous()
     n, dev = x.numel(), x.device
-    spec = kc.KernelSpec(kc.OP_BIAS_GELU_BWD, _DTYPES[x.dtype], bias=_DTYPES[bias.dtype])
+    spec = kc.KernelSpec(kc.OP_BIAS_GELU_BWD, _DTYPES[x.dtype], bias=_DTYPES[bias.dtype], **TUNING)
     xs = x.element_size()
     head = plan.common_head([(grad.data_ptr(), xs), (x.data_ptr(), xs)], spec.e)
     if out is None:
@@ -187,7 +189,7 @@ def residual_add_forward(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | N
     x, y = x.contiguous(), y.contiguous()
     n, dev = x.numel(), x.device
     rdtype = torch.result_type(x, y)
-    spec = kc.KernelSpec(kc.OP_RESIDUAL_ADD, _DTYPES[x.dtype], y=_DTYPES[y.dtype], out=_DTYPES[rdtype])
+    spec = kc.KernelSpec(kc.OP_RESIDUAL_ADD, _DTYPES[x.dtype], y=_DTYPES[y.dtype], out=_DTYPES[rdtype], **TUNING)
     rs = rdtype.itemsize
     head = plan.common_head([(x.data_ptr(), x.element_size()), (y.data_ptr(), y.element_size())], spec.e)
     if out is None:

@@ -111,6 +111,32 @@ def _copy_calls(total_bytes: int, device: torch.device, sets: int) -> list[Calla
     return [(lambda i=i: dsts[i].copy_(srcs[i])) for i in range(sets)]
 
 
+VARIANTS = ((8, 2), (4, 3), (8, 3))  # (compute warps, stages) tried against the default (4, 2)
+VARIANT_MIB = 256
+
+
+def _variants(device: torch.device, reps: int, ctx: BenchContext) -> None:
+    """bias+GELU fwd/bwd bf16 at 256 MiB with other block shapes, in the same run as the default."""
+    from peerline.kernels import elementwise as ew
+
+    n = VARIANT_MIB * (1 << 20) // 2
+    cases = _cases(torch.bfloat16, n, device, 1, True)
+    for name in ("bias_gelu_fwd bf16", "bias_gelu_bwd bf16"):
+        nbytes, pl_calls, _, _ = cases[name]
+        base = _graph_time(pl_calls, device, reps)
+        for warps, stages in VARIANTS:
+            ew.TUNING.update(warps=warps, stages=stages)
+            try:
+                t = _graph_time(pl_calls, device, reps)
+            finally:
+                ew.TUNING.clear()
+            ctx.record(Record(SUITE, f"{name} {VARIANT_MIB} MiB: {warps} compute warps, {stages} stages", "GB/s",
+                              nbytes / (t * 1e-3) / 1e9, nbytes / (base * 1e-3) / 1e9,
+                              "default: 4 compute warps, 2 stages", sizes={"x_MiB": VARIANT_MIB, "bytes": nbytes},
+                              extra={"warps": warps, "stages": stages, "ms": t, "default_ms": base}))
+    del cases
+
+
 def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     """Record peerline vs torch eager and vs a d2d copy for each op, dtype and size."""
     device = ctx.device
@@ -145,6 +171,8 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
             del cases
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    if peerline and not quick and getattr(args, "kernel_variants", True):
+        _variants(device, reps, ctx)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                     default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-variants", dest="kernel_variants", action="store_false",
+                    help="skip the block-shape variants of bias+GELU at 256 MiB")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

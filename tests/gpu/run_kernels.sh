@@ -35,7 +35,7 @@ if [ "${NGPU:-0}" -lt 1 ]; then
 fi
 
 echo "== correctness (pytest, float64 references)" >> "$LOG"
-timeout -k 5 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_kernels_elementwise.py \
+timeout -k 5 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_kernels_elementwise.py \
   > "$OUT/kernels_tests.out" 2>&1
 rc=$?
 cat "$OUT/kernels_tests.out" >> "$LOG"
@@ -44,7 +44,7 @@ report tests "$rc"
 
 echo "== SASS report (nvcc -cubin + cuobjdump)" >> "$LOG"
 ARCH="$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'sm_{a}{b}')" 2>>"$LOG")"
-timeout -k 5 45 "$PY" -m peerline.kernels.inspect_sass --arch "${ARCH:-sm_90}" --out "$OUT/kernels_sass" \
+timeout -k 5 40 "$PY" -m peerline.kernels.inspect_sass --arch "${ARCH:-sm_90}" --out "$OUT/kernels_sass" \
   > "$OUT/kernels_sass.out" 2>&1
 rc=$?
 cat "$OUT/kernels_sass.out" >> "$LOG"
@@ -52,7 +52,7 @@ sed 's/^/  /' "$OUT/kernels_sass.out" | grep -E "PASS|FAIL|error" || true
 report sass_ldgsts "$rc"
 
 echo "== bench: kernels (peerline vs torch eager vs d2d copy)" >> "$LOG"
-timeout -k 5 50 "$PY" -m peerline.launch.suites.kernels --out "$OUT/bench_kernels" \
+timeout -k 5 75 "$PY" -m peerline.launch.suites.kernels --out "$OUT/bench_kernels" \
   > "$OUT/bench_kernels.out" 2>&1
 rc=$?
 cat "$OUT/bench_kernels.out" >> "$LOG"
