@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Bucketed all-reduce (issue 5) on the GPU machine: the NCCL dp=2 check under torchrun (eager vs per-parameter
+# all-reduce and a single-process reference, CUDA-graph capture + replay, timing after replay), the CPU tests of
+# the same code (gloo), then the allreduce bench (GradBuckets vs torch DDP, 8 blocks of h=2048).
+# Usage: bash tests/gpu/run_buckets.sh [OUT]   (or OUT=... in the environment)
+# Logs to $OUT/buckets.log, bench results to $OUT/bench_allreduce/. Prints one PASS/FAIL/SKIP line per check;
+# exits 0. Worst case about 9 minutes (every step bounded by timeout); a healthy run takes about 2.
+set -u
+OUT="${1:-${OUT:-/tmp/peerline-gpu}}"
+mkdir -p "$OUT"
+LOG="$OUT/buckets.log"
+cd "$(dirname "$0")/../.." || exit 0
+ROOT="$(pwd)"
+PY="${PYTHON:-python3}"
+: > "$LOG"
+
+# peerline must be importable: use the installed package, else a temporary shim of symlinks (no pip needed).
+if ! "$PY" -c "import peerline.distributed" >/dev/null 2>&1; then
+  SHIM="$(mktemp -d)"
+  mkdir -p "$SHIM/peerline"
+  ln -s "$ROOT/peerline/__init__.py" "$SHIM/peerline/__init__.py"
+  for d in distributed kernels launch; do ln -s "$ROOT/$d" "$SHIM/peerline/$d"; done
+  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+  echo "run_buckets: using import shim $SHIM" >> "$LOG"
+fi
+
+report() {  # report NAME RC
+  if [ "$2" -eq 0 ]; then echo "PASS buckets.$1"; else echo "FAIL buckets.$1 (rc $2, see $LOG)"; fi
+}
+
+echo "== CPU checks of the same code (gloo: unit + torchrun dp=2)" >> "$LOG"
+timeout -k 5 150 "$PY" -m pytest -q -p no:cacheprovider -rfE tests/unit/test_buckets.py \
+  tests/multiproc/test_buckets_multiproc.py -k "not mpirun" >> "$LOG" 2>&1
+report cpu "$?"
+
+NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
+if [ "${NGPU:-0}" -lt 2 ]; then
+  echo "SKIP buckets.nccl_dp2 (needs 2 GPUs, found ${NGPU:-0})"
+  echo "SKIP buckets.bench (needs 2 GPUs, found ${NGPU:-0})"
+  exit 0
+fi
+
+echo "== NCCL dp=2 checks (torchrun, 2 ranks)" >> "$LOG"
+timeout -k 5 180 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
+  tests/gpu/buckets_gpu_worker.py > "$OUT/buckets_check.out" 2>&1
+rc=$?
+cat "$OUT/buckets_check.out" >> "$LOG"
+grep -E "^(PASS|FAIL|INFO) " "$OUT/buckets_check.out" | sed 's/^/  /'
+report nccl_dp2 "$rc"
+
+echo "== bench (torchrun, 2 ranks)" >> "$LOG"
+timeout -k 5 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
+  launch/suites/allreduce.py --out "$OUT/bench_allreduce" > "$OUT/bench_allreduce.out" 2>&1
+rc=$?
+cat "$OUT/bench_allreduce.out" >> "$LOG"
+grep -E "^GOAL" "$OUT/bench_allreduce.out" | sed 's/^/  /'
+[ -f "$OUT/bench_allreduce/allreduce.md" ] && cat "$OUT/bench_allreduce/allreduce.md"
+report bench "$rc"
+exit 0

@@ -1,0 +1,38 @@
+"""The allreduce bench suite's CPU smoke run (--quick: tiny model, gloo, 2 ranks under torchrun) writes its
+records: step times next to DDP, exposed all-reduce and hidden share."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_allreduce_suite_quick(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "launch" / "suites" / "allreduce.py"), "--quick", "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
+    records = [json.loads(line) for line in (tmp_path / "allreduce.jsonl").read_text().splitlines()]
+    cases = {r["case"].split(": ", 1)[1]: r for r in records}
+    assert {"step (eager)", "exposed all-reduce", "hidden share"} <= set(cases)
+    assert cases["step (eager)"]["peerline"] > 0 and cases["step (eager)"]["anchor"] > 0
+    assert 0.0 <= cases["hidden share"]["peerline"] <= 1.0
+    assert cases["exposed all-reduce"]["peerline"] >= 0.0
+    assert (tmp_path / "allreduce.md").exists()
+
+
+def test_allreduce_suite_refuses_a_single_process(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "suites" / "allreduce.py"), "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("allreduce bench: error:")
