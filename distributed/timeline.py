@@ -95,7 +95,7 @@ class Timeline:
     def collect(self) -> list[Span]:
         """Resolve recorded marks into spans, in ms after the origin (synchronizes: call after the iteration,
         never inside it)."""
-        if not self.enabled or self._origin is None:
+        if self._origin is None:
             return []
         spans = []
         for lane, label, begin, end in self._open:

@@ -129,9 +129,14 @@ def draw_png(spans_by_rank: dict[int, list[Span]], path: Path, title: str | None
     return path
 
 
-def write_timeline(spans_by_rank: dict[int, list[Span]], path_stem: str | Path, title: str | None = None
-                   ) -> list[Path]:
-    """Write <stem>.png (when matplotlib is available) and <stem>.json (Chrome trace); returns the paths."""
+def write_timeline(spans_by_rank: dict[int, list[Span]] | list[list[Span]], path_stem: str | Path,
+                   title: str | None = None) -> list[Path]:
+    """Write <stem>.png (when matplotlib is available) and <stem>.json (Chrome trace); returns the paths.
+
+    `spans_by_rank` is what `Timeline.gather()` returns on rank 0 (a list indexed by rank is accepted too, but
+    only gather() puts the ranks on one clock)."""
+    if isinstance(spans_by_rank, list):
+        spans_by_rank = {rank: list(spans or []) for rank, spans in enumerate(spans_by_rank)}
     stem = Path(path_stem)
     if stem.suffix in (".png", ".json"):
         stem = stem.with_suffix("")

@@ -167,17 +167,21 @@ class TorchPipelineAnchor:
 
 
 def measure_stage_ms(module: nn.Module, shape: PipeShape, device: torch.device, is_first: bool, is_last: bool,
-                     warmup: int = 3, reps: int = 10) -> tuple[float, float]:
+                     warmup: int = 3, reps: int = 10, stream: torch.cuda.Stream | None = None
+                     ) -> tuple[float, float]:
     """Forward and backward time of one microbatch through this stage alone (no communication), for the ideal
-    time. Inputs of a later stage require grad, so the backward computes the gradient it would send back."""
+    time. Inputs of a later stage require grad, so the backward computes the gradient it would send back.
+    `stream`: where to run (a peerline stage's compute stream; None: the current stream, as torch runs)."""
+    from peerline.distributed.streams import use
     from peerline.launch.benchkit import time_fn
 
     b, s, h = shape.micro_batch_size, shape.seq, shape.hidden
-    x = torch.randn(b, s, h, device=device, requires_grad=not is_first)
-    target = torch.randn(b, s, h, device=device)
-    grad_out = torch.randn(b, s, h, device=device)
     cast = (torch.autocast(device.type, dtype=torch.bfloat16) if shape.dtype == "bf16"
             else contextlib.nullcontext())
+    with use(stream):  # inputs made on the stream that reads them
+        x = torch.randn(b, s, h, device=device, requires_grad=not is_first)
+        target = torch.randn(b, s, h, device=device)
+        grad_out = torch.randn(b, s, h, device=device)
 
     def forward() -> torch.Tensor:
         with cast:
@@ -191,7 +195,8 @@ def measure_stage_ms(module: nn.Module, shape: PipeShape, device: torch.device, 
         else:
             out.backward(grad_out.to(out.dtype))
 
-    fwd = time_fn(forward, warmup=warmup, reps=reps, device=device)
-    both = time_fn(forward_backward, warmup=warmup, reps=reps, device=device)
+    with use(stream):
+        fwd = time_fn(forward, warmup=warmup, reps=reps, device=device, stream=stream)
+        both = time_fn(forward_backward, warmup=warmup, reps=reps, device=device, stream=stream)
     module.zero_grad(set_to_none=True)
     return fwd.median_ms, max(both.median_ms - fwd.median_ms, 0.0)
