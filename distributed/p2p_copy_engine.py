@@ -13,7 +13,8 @@ Construction is collective over `group` (every rank of it builds its transport):
 Order of work, per rank:
   exchange(sends, recvs)  p2p stream waits for the current stream (the producer), then per send: wait FREE, clear
                           FREE, copy, write the peer's FULL. Receives go on the current stream: wait FULL, clear it.
-                          The sent tensor is kept alive for the copy with record_stream(p2p).
+                          The sent tensor is kept alive for the copy with record_stream(p2p). Optional extra
+                          `lanes` (streams) carry the sends of some slots, so flag operations overlap copies.
   release(kind, mb)       current stream writes FREE = 1 into the sender's memory.
   join() / finish_iteration()
                           current stream waits for every copy issued so far. Needed once per iteration before a
@@ -105,13 +106,16 @@ class CopyEngineTransport(Transport):
     num_microbatches, enough for GPipe). capture_safe: issue copies with cudaMemcpyAsync(cudaMemcpyDefault),
     which a CUDA graph can capture, instead of cudaMemcpyPeerAsync (copies issued under capture always use it).
     group: process group for the handle exchange and the closing barriers (default: the world).
+    lanes: extra streams (made by distributed/streams.py) that carry sends beside `streams.p2p`; slot s always
+    goes on lane s % lanes, so one slot's uses stay in order, while the flag operations of one message overlap
+    the copy of the next on another lane (the copy engine does not idle between messages).
     """
 
     name = "copy-engine"
 
     def __init__(self, links: Links, device: torch.device, num_microbatches: int,
                  streams: RankStreams | None = None, *, depth: int | None = None, capture_safe: bool = False,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, lanes: list[torch.cuda.Stream] | None = None) -> None:
         if device.type != "cuda" or device.index is None:
             raise ValueError(f"copy-engine transport needs a CUDA device with an index, got {device}")
         depth = num_microbatches if depth is None else depth
@@ -124,9 +128,10 @@ class CopyEngineTransport(Transport):
         self.rank = dist.get_rank()
         self.streams = streams if streams is not None else create_rank_streams(device)
         self.p2p: torch.cuda.Stream = self.streams.p2p
+        self._lanes: list[torch.cuda.Stream] = [self.p2p, *(lanes or [])]
         self._ops = stream_ops.FlagOps()
         self._held: dict[tuple[str, int], int] = {}  # (kind, slot) -> mb received and not yet released
-        self._pending = False  # sends issued since the last join()
+        self._pending: list[torch.cuda.Stream] = []  # lanes with sends issued since the last join()
         self._closed = False
         self._rings: dict[str, ipc.DeviceAllocation] = {}
         self._views: dict[tuple[str, int], torch.Tensor] = {}
@@ -280,11 +285,18 @@ class CopyEngineTransport(Transport):
             staged.append((kind, mb, t, self._check_send(kind, mb, t)))
         if staged:
             capture = self.capture_safe or torch.cuda.is_current_stream_capturing()
-            self.p2p.wait_stream(cur)  # "activation produced"
-            s = self.p2p.cuda_stream
             src_dev = self.device.index
+            waited: list[torch.cuda.Stream] = []
             for kind, mb, t, (_peer, peer_dev, ring) in staged:
-                for action, addr, value in self._send_prog[(kind, slot_ring.slot_of(mb, self.depth))]:
+                slot = slot_ring.slot_of(mb, self.depth)
+                lane = self._lanes[slot % len(self._lanes)]
+                if lane not in waited:
+                    lane.wait_stream(cur)  # "activation produced"
+                    waited.append(lane)
+                if lane not in self._pending:
+                    self._pending.append(lane)
+                s = lane.cuda_stream
+                for action, addr, value in self._send_prog[(kind, slot)]:
                     if action == "wait":
                         self._ops.wait_eq(s, addr, value)
                     elif action == "write":
@@ -292,8 +304,7 @@ class CopyEngineTransport(Transport):
                     else:
                         ipc.copy_peer(addr, peer_dev, t.data_ptr(), src_dev, ring.slot_bytes, s, capture)
                 if t.is_cuda:  # (the CPU simulation in tests/unit passes host tensors)
-                    t.record_stream(self.p2p)  # the caller may drop t; its memory is reused only after the copy
-            self._pending = True
+                    t.record_stream(lane)  # the caller may drop t; its memory is reused only after the copy
         out = []
         c = cur.cuda_stream
         for (_kind, mb), key in zip(recvs, keys):
@@ -317,14 +328,15 @@ class CopyEngineTransport(Transport):
 
     def join(self) -> None:
         """Make the current stream wait for every copy issued so far (before a graph capture ends)."""
-        if not self._pending:
-            return  # nothing to join; under capture, waiting on a stream outside the capture would be illegal
-        self._pending = False
-        if torch.cuda.is_current_stream_capturing():
-            with torch.cuda.stream(self.p2p):
-                if not torch.cuda.is_current_stream_capturing():
-                    return  # the sends were issued before this capture began: eager work, not part of the graph
-        torch.cuda.current_stream(self.device).wait_stream(self.p2p)
+        pending, self._pending = self._pending, []
+        cur = torch.cuda.current_stream(self.device)
+        capturing = torch.cuda.is_current_stream_capturing()
+        for lane in pending:
+            if capturing:
+                with torch.cuda.stream(lane):
+                    if not torch.cuda.is_current_stream_capturing():
+                        continue  # sends issued before this capture began: eager work, not part of the graph
+            cur.wait_stream(lane)
 
     def finish_iteration(self) -> None:
         """Transport hook at the end of an iteration: join the p2p stream into the current stream."""
@@ -356,12 +368,12 @@ class CopyEngineTransport(Transport):
         self._closed = True
         with torch.cuda.device(self.device):
             torch.cuda.synchronize(self.device)
+            barrier = dist.is_available() and dist.is_initialized()
+            if barrier:
+                dist.barrier(group=self.group)  # after it, the peers' last writes into our flags have landed
             if self._held or not self.idle():
                 log.warning("rank %d: copy-engine closed with messages in flight or unreleased (held %s, flags %s)",
                             self.rank, sorted(self._held), self.flag_state())
-            barrier = dist.is_available() and dist.is_initialized()
-            if barrier:
-                dist.barrier(group=self.group)
             for m in self._maps.values():
                 m.close()
             if barrier:

@@ -57,6 +57,7 @@ class Pair:
         self.gloo = dist.new_group(backend="gloo")
         self.ops = stream_ops.FlagOps()
         self.gate = torch.zeros(16, dtype=torch.int32, device=device)
+        self.extra_lane = create_rank_streams(device).p2p  # second send lane for the 2-lane variant
         self.epoch = 0
 
     def links(self, spec: TensorSpec) -> Links:
@@ -205,6 +206,11 @@ def bench_size(pair: Pair, ctx: BenchContext, size: int, reps: int) -> None:
     ce_lat_ms = pair.median(_ping_pong(pair, ce, src, rounds), reps)
     pair.host_barrier()
     ce.close()
+    ce2 = CopyEngineTransport(links, pair.device, n, streams=pair.streams, depth=DEPTH, group=pair.gloo,
+                              lanes=[pair.extra_lane])
+    ce2_ms = pair.median(_one_way(pair, ce2, src, n), reps)
+    pair.host_barrier()
+    ce2.close()
 
     nccl = CollectiveTransport(links, pair.device, 1)
     nccl_ms = pair.median(_nccl_one_way(pair, nccl, src, n), reps)
@@ -214,18 +220,20 @@ def bench_size(pair: Pair, ctx: BenchContext, size: int, reps: int) -> None:
     if pair.rank != 0:
         return
     gbps = lambda ms: n * size / (ms * 1e-3) / 1e9  # noqa: E731
-    bw_ce, bw_raw, bw_nccl = gbps(ce_ms), gbps(raw_ms), gbps(nccl_ms)
-    sizes = {"bytes": size, "messages": n, "depth": DEPTH}
-    ctx.record(Record("p2p", f"bandwidth {fmt(size)}", "GB/s", bw_ce, bw_nccl, "NCCL send/recv", sizes=sizes,
-                      extra={"raw_peer_copy_GBps": bw_raw, "fraction_of_raw": bw_ce / bw_raw}))
-    ctx.record(Record("p2p", f"bandwidth {fmt(size)}", "GB/s", bw_ce, bw_raw, "raw cudaMemcpyPeerAsync",
-                      sizes=sizes))
+    bw_ce, bw_ce2, bw_raw, bw_nccl = gbps(ce_ms), gbps(ce2_ms), gbps(raw_ms), gbps(nccl_ms)
+    for lanes, bw in ((1, bw_ce), (2, bw_ce2)):
+        sizes = {"bytes": size, "messages": n, "depth": DEPTH, "lanes": lanes}
+        ctx.record(Record("p2p", f"bandwidth {fmt(size)} {lanes} lane(s)", "GB/s", bw, bw_nccl, "NCCL send/recv",
+                          sizes=sizes, extra={"raw_peer_copy_GBps": bw_raw, "fraction_of_raw": bw / bw_raw}))
+        ctx.record(Record("p2p", f"bandwidth {fmt(size)} {lanes} lane(s)", "GB/s", bw, bw_raw,
+                          "raw cudaMemcpyPeerAsync", sizes=sizes))
     ctx.record(Record("p2p", f"latency {fmt(size)}", "us one way", ce_lat_ms * 1e3 / (2 * rounds),
                       nccl_lat_ms * 1e3 / (2 * rounds), "NCCL send/recv ping-pong", higher_is_better=False,
                       sizes={"bytes": size, "round_trips": rounds},
                       extra={"raw_single_copy_us": raw_one_ms * 1e3}))
-    log.info("%8s  copy-engine %7.1f GB/s  raw %7.1f  nccl %7.1f  (%.3f of raw, %.2fx nccl)  latency %.1f us "
-             "(nccl %.1f, raw copy %.1f)", fmt(size), bw_ce, bw_raw, bw_nccl, bw_ce / bw_raw, bw_ce / bw_nccl,
+    log.info("%8s  copy-engine %7.1f GB/s (2 lanes %7.1f)  raw %7.1f  nccl %7.1f  (%.3f of raw, %.2fx nccl)  "
+             "latency %.1f us (nccl %.1f, raw copy %.1f)", fmt(size), bw_ce, bw_ce2, bw_raw, bw_nccl, bw_ce / bw_raw,
+             bw_ce / bw_nccl,
              ce_lat_ms * 1e3 / (2 * rounds), nccl_lat_ms * 1e3 / (2 * rounds), raw_one_ms * 1e3)
 
 

@@ -47,19 +47,21 @@ class Pair:
 
     def __init__(self, rank: int, device: torch.device, streams: RankStreams) -> None:
         self.rank, self.device, self.streams = rank, device, streams
+        self.extra_lane = create_rank_streams(device).p2p  # a second send lane, made where streams are made
 
     def links(self, spec: TensorSpec) -> Links:
         return Links(None, 1, None, spec) if self.rank == 0 else Links(0, None, spec, None)
 
-    def transport(self, spec: TensorSpec, n: int, **kw) -> CopyEngineTransport:
-        return CopyEngineTransport(self.links(spec), self.device, n, streams=self.streams, **kw)
+    def transport(self, spec: TensorSpec, n: int, lanes: int = 1, **kw) -> CopyEngineTransport:
+        return CopyEngineTransport(self.links(spec), self.device, n, streams=self.streams,
+                                   lanes=[self.extra_lane] if lanes == 2 else None, **kw)
 
 
 def one_way(p: Pair, *, shape: tuple[int, ...], dtype: torch.dtype, n: int, depth: int, slow: bool,
-            capture_safe: bool) -> torch.Tensor:
+            capture_safe: bool, lanes: int = 1) -> torch.Tensor:
     """Rank 0 streams n messages to rank 1 through a ring of `depth` slots; returns mismatching elements."""
     spec = TensorSpec(shape, dtype)
-    tr = p.transport(spec, n, depth=depth, capture_safe=capture_safe)
+    tr = p.transport(spec, n, lanes, depth=depth, capture_safe=capture_safe)
     bad = torch.zeros((), dtype=torch.int64, device=p.device)
     for mb in range(n):
         if p.rank == 0:
@@ -107,11 +109,11 @@ def both_ways(p: Pair, *, n: int, depth: int, capture_safe: bool) -> torch.Tenso
     return bad
 
 
-def graph_replays(p: Pair, *, g: int, depth: int, replays: int) -> torch.Tensor:
+def graph_replays(p: Pair, *, g: int, depth: int, replays: int, lanes: int = 1) -> torch.Tensor:
     """One CUDA graph per rank holding g handoffs (slots reused within the graph), replayed with fresh data."""
     shape, dtype = (256, 1024), torch.float32
     spec = TensorSpec(shape, dtype)
-    tr = p.transport(spec, g, depth=depth, capture_safe=True)
+    tr = p.transport(spec, g, lanes, depth=depth, capture_safe=True)
     src = torch.empty((g, *shape), dtype=dtype, device=p.device)
     out = torch.full((g, *shape), float("nan"), dtype=dtype, device=p.device)
     bad = torch.zeros((), dtype=torch.int64, device=p.device)
@@ -223,6 +225,10 @@ def main() -> int:
                                                 slow=True, capture_safe=False)),
         ("slow_receiver_capture_safe", lambda: one_way(p, shape=(1024, 1000), dtype=torch.float32, n=48,
                                                        depth=2, slow=True, capture_safe=True)),
+        ("slow_receiver_two_lanes", lambda: one_way(p, shape=(1024, 1000), dtype=torch.float32, n=48, depth=4,
+                                                    slow=True, capture_safe=False, lanes=2)),
+        ("fast_receiver_two_lanes", lambda: one_way(p, shape=(64, 1000), dtype=torch.float32, n=200, depth=4,
+                                                    slow=False, capture_safe=False, lanes=2)),
         ("fast_receiver_small_bf16", lambda: one_way(p, shape=(7, 333), dtype=torch.bfloat16, n=300, depth=2,
                                                      slow=False, capture_safe=False)),
         ("depth1_eager", lambda: one_way(p, shape=(300, 301), dtype=torch.float32, n=40, depth=1, slow=True,
@@ -230,6 +236,7 @@ def main() -> int:
         ("both_ways_eager", lambda: both_ways(p, n=32, depth=2, capture_safe=False)),
         ("both_ways_capture_safe", lambda: both_ways(p, n=32, depth=1, capture_safe=True)),
         ("graph_replays", lambda: graph_replays(p, g=6, depth=2, replays=5)),
+        ("graph_replays_two_lanes", lambda: graph_replays(p, g=8, depth=4, replays=5, lanes=2)),
         ("against_nccl", lambda: against_nccl(p, n=8)),
         ("host_errors", lambda: host_errors(p)),
     ]

@@ -36,6 +36,7 @@ class Sim:
         self.local = threading.local()
         self.compute = [FakeStream(self, f"compute{r}") for r in range(2)]
         self.p2p = [FakeStream(self, f"p2p{r}") for r in range(2)]
+        self.lane = [FakeStream(self, f"lane{r}") for r in range(2)]  # optional second send lane
 
     # memory
     def alloc(self, nbytes: int) -> tuple[int, torch.Tensor]:
@@ -79,7 +80,7 @@ class Sim:
     def run(self, seed: int) -> bool:
         """Run every queue to its end; False on deadlock (no stream can move)."""
         rng = random.Random(seed)
-        streams = self.compute + self.p2p
+        streams = self.compute + self.p2p + self.lane
         while True:
             live = [s for s in streams if s.done < len(s.queue)]
             if not live:
@@ -188,7 +189,7 @@ def sim(monkeypatch: pytest.MonkeyPatch) -> Sim:
     return s
 
 
-def build(sim: Sim, spec: TensorSpec, depth: int) -> list[ce.CopyEngineTransport]:
+def build(sim: Sim, spec: TensorSpec, depth: int, lanes: int = 1) -> list[ce.CopyEngineTransport]:
     """Both ranks' transports, constructed concurrently (the handle exchange is collective)."""
     out: list = [None, None]
     errors: list = []
@@ -198,7 +199,8 @@ def build(sim: Sim, spec: TensorSpec, depth: int) -> list[ce.CopyEngineTransport
         links = Links(None, 1, None, spec) if r == 0 else Links(0, None, spec, None)
         streams = RankStreams(device=torch.device("cuda", r), stage_compute=[sim.compute[r]], p2p=sim.p2p[r])
         try:
-            out[r] = ce.CopyEngineTransport(links, torch.device("cuda", r), depth, streams=streams, depth=depth)
+            out[r] = ce.CopyEngineTransport(links, torch.device("cuda", r), depth, streams=streams, depth=depth,
+                                            lanes=[sim.lane[r]] if lanes == 2 else None)
         except Exception as exc:  # noqa: BLE001 - re-raised below in the test thread
             errors.append(exc)
 
@@ -223,10 +225,10 @@ def as_rank(sim: Sim, r: int) -> None:
     sim.local.rank = r
 
 
-@pytest.mark.parametrize("depth", [1, 2, 3])
-def test_one_way_messages_land_intact(sim: Sim, depth: int) -> None:
+@pytest.mark.parametrize(("depth", "lanes"), [(1, 1), (2, 1), (3, 1), (2, 2), (3, 2), (4, 2)])
+def test_one_way_messages_land_intact(sim: Sim, depth: int, lanes: int) -> None:
     shape = (3, 5)
-    tr = build(sim, TensorSpec(shape, torch.float32), depth)
+    tr = build(sim, TensorSpec(shape, torch.float32), depth, lanes)
     m, bad, keep = 9, [], []
     for mb in range(m):
         as_rank(sim, 0)
@@ -244,11 +246,13 @@ def test_one_way_messages_land_intact(sim: Sim, depth: int) -> None:
     assert bad == []
     assert tr[0].idle() and tr[1].idle()
     assert tr[0].capacity == depth
+    assert bool(sim.lane[0].queue) == (lanes == 2 and depth > 1)  # odd slots went on the second lane
 
 
-def test_both_directions_in_one_exchange(sim: Sim) -> None:
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_both_directions_in_one_exchange(sim: Sim, lanes: int) -> None:
     shape = (4, 4)
-    tr = build(sim, TensorSpec(shape, torch.float32), 2)
+    tr = build(sim, TensorSpec(shape, torch.float32), 2, lanes)
     n, bad, keep = 6, [], []
     answers: dict[int, torch.Tensor] = {}
     for i in range(n + 1):
