@@ -20,6 +20,13 @@ Order of work, per rank:
                           current stream waits for every copy issued so far. Needed once per iteration before a
                           CUDA-graph capture ends (captured p2p work must rejoin the capturing stream); harmless
                           in eager iterations (the engine calls it before the optimizer step).
+
+Contract with the caller: a received tensor is a view of the slot, valid until `release` (the engine releases
+after the microbatch's backward, which is what `capacity = depth` tells the schedule validator); release orders
+after the current stream only, so nothing on another stream may still read the slot; messages of one kind whose
+microbatches share a slot (mb % depth) are received and released in send order. Do not send a received slot view
+itself onward (its release could free the slot before the outgoing copy read it). Keep
+CUDA_DEVICE_MAX_CONNECTIONS at its default: a stream waiting on a flag must not block unrelated streams.
 """
 
 from __future__ import annotations
