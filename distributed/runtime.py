@@ -65,8 +65,12 @@ class Runtime:
         self.engine, self.streams, self.split, self.programs = engine, streams, split, programs
         self.transport_name = transport_name
         self.iteration = 0  # iterations completed since the start of training
-        self.graph = None  # set by graph.py when the iteration is captured
+        self.graph = None  # an IterationGraph once the iteration is captured (graph.py)
         self.notices: list[str] = []
+        self.graph_wanted = device.type == "cuda" and cfg.graph is not False
+        self.graph_failed: str | None = None
+        if device.type != "cuda" and cfg.graph:
+            self.notices.append("--graph is ignored on the CPU (CUDA graphs need a GPU); running eager")
 
     # -- construction --------------------------------------------------------------------------------------
     @classmethod
@@ -101,7 +105,8 @@ class Runtime:
         links = Links(prev_rank=mesh.prev_rank, next_rank=mesh.next_rank,
                       act_in=in_spec if mesh.prev_rank is not None else None,
                       grad_in=out_specs[-1] if mesh.next_rank is not None else None)
-        transport = make_transport(cfg.p2p, links, device, cfg.microbatches, streams=streams)
+        transport = make_transport(cfg.p2p, links, device, cfg.microbatches, streams=streams,
+                                   capture_safe=device.type == "cuda" and cfg.graph is not False)
         # Every rank checks the whole schedule against the transport it will run on, before the first step.
         order = sched.simulate(programs, transport.capacity)
         local = [(s, step) for s, step in order if s in stage_ids]
@@ -143,11 +148,27 @@ class Runtime:
         c = self.cfg
         return c.micro_batch_size * c.seq * c.microbatches * c.dp
 
-    def run_iteration(self) -> None:
-        """Load the data of the next iteration and run it (a graph replay once graph.py captured one)."""
+    def maybe_capture(self) -> None:
+        """After the eager warm-up iterations, capture the iteration (every rank at the same iteration)."""
+        if not self.graph_wanted or self.graph is not None or self.graph_failed is not None:
+            return
+        if self.iteration < self.cfg.warmup_iters:
+            return
+        from .graph import try_capture
+
+        self.graph, reason = try_capture(self.engine, self.device)
+        if self.graph is None:
+            self.graph_failed = reason
+            if self.info.rank == 0:
+                print(f"peerline: CUDA graph capture failed, running eager on every rank: {reason}", flush=True)
+
+    def run_iteration(self, eager: bool = False) -> None:
+        """Load the data of the next iteration and run it (a graph replay once graph.py captured one, unless
+        `eager`: a timeline is recorded from an eager iteration, since timing events stay out of graphs)."""
+        self.maybe_capture()
         with torch.cuda.stream(self.engine.main_stream) if self.engine.main_stream else contextlib.nullcontext():
             self.engine.feed.load(self.iteration)
-            if self.graph is not None:
+            if self.graph is not None and not eager:
                 self.graph.replay()
             else:
                 self.engine.iteration()
@@ -174,7 +195,7 @@ class Runtime:
             if main is not None:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(main)
-            self.run_iteration()
+            self.run_iteration(eager=self.cfg.timeline is not None and self.iteration + 1 == target)
             if not log_now:
                 continue
             if main is not None:

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Everything that needs GPUs, in one call on the device machine: sets up the environment, then runs every
+# tests/gpu/run_*.sh section (or those named: bash tests/gpu/run.sh pipeline kernels), each bounded in time.
+# Logs and results go under $OUT (default ./gpu-out). A failing section never stops the others.
+set -u
+cd "$(dirname "$0")/../.."
+export OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# Wheels carried for what the GPU image lacks (pytest-mpi, rich, matplotlib, ...): see tests/gpu/README.md.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+# Make `import peerline` work without a build step: the package maps the repo's folders (pyproject.toml).
+mkdir -p /tmp/plpkg/peerline
+cp peerline/__init__.py /tmp/plpkg/peerline/
+for d in distributed kernels launch; do ln -sfn "$PWD/$d" "/tmp/plpkg/peerline/$d"; done
+export PYTHONPATH=/tmp/plpkg:$PWD:${PYTHONPATH:-}
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c 'import torch, cupy; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "nccl", torch.cuda.nccl.version(), "cupy", cupy.__version__)'
+  nvidia-smi topo -m
+} 2>&1 | tee "$OUT/machine.txt"
+sections=("$@")
+if [ ${#sections[@]} -eq 0 ]; then
+  sections=(pipeline kernels p2p buckets single failures bench)
+fi
+for s in "${sections[@]}"; do
+  f=tests/gpu/run_$s.sh
+  [ -f "$f" ] || { echo "SECTION $s: missing"; continue; }
+  echo "=== SECTION $s ($(date +%T))"
+  start=$(date +%s)
+  timeout "${SECTION_TIMEOUT:-420}" bash "$f" > "$OUT/section_$s.log" 2>&1
+  rc=$?
+  grep -E "^(PASS|FAIL|SKIP)" "$OUT/section_$s.log" | head -40
+  echo "=== SECTION $s rc=$rc in $(( $(date +%s) - start )) s"
+done
+exit 0

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# GPU correctness of the whole pipeline: 2 ranks (NCCL and copy-engine transports, both schedules, graph on and
+# off, dp=2) against single-GPU runs of the same model and seed, plus the README's default command.
+# fp32 (TF32 is off for matmuls by default in torch): the same kernels run on the same shapes per stage, so the
+# pipeline must match the single-GPU run to 1e-5 relative; dp=2 sums gradients in another order: 1e-5 too.
+# bf16 default runs: 2e-2 relative (bf16 has 8 mantissa bits; a different kernel choice per stage can move it).
+set -u
+OUT=${OUT:-/tmp/out}; D=$OUT/pipeline; mkdir -p "$D"
+TINY="--hidden 256 --layers 4 --seq 64 --micro-batch-size 2 --iters 6 --warmup-iters 2"
+PL=launch/pipeline.py
+run1() { timeout 180 python3 $PL $TINY "$@"; }
+run2() { timeout 180 torchrun --standalone --nproc_per_node=2 $PL $TINY "$@"; }
+cmp() { python3 tests/gpu/compare_runs.py "$@"; }
+run1 --dtype fp32 --no-graph -m 4 --json $D/ref4.json > $D/ref4.log 2>&1 || echo "FAIL reference run (see ref4.log)"
+run1 --dtype fp32 --no-graph -m 8 --json $D/ref8.json > $D/ref8.log 2>&1 || echo "FAIL reference run m8"
+run1 --dtype fp32 --graph -m 4 --json $D/g1.json > $D/g1.log 2>&1; cmp $D/g1.json $D/ref4.json --rtol 1e-6 --label "1 GPU graph vs eager fp32"
+run1 --dtype fp32 --no-graph -m 4 --kernels torch --json $D/t1.json > $D/t1.log 2>&1; cmp $D/t1.json $D/ref4.json --rtol 1e-4 --label "1 GPU peerline kernels vs torch kernels fp32"
+run1 --dtype fp32 --stages 2 -m 4 --no-graph --json $D/s2.json > $D/s2.log 2>&1; cmp $D/s2.json $D/ref4.json --rtol 1e-6 --label "1 GPU --stages 2 eager vs 1 stage"
+run1 --dtype fp32 --stages 2 -m 4 --graph --json $D/s2g.json > $D/s2g.log 2>&1; cmp $D/s2g.json $D/ref4.json --rtol 1e-6 --label "1 GPU --stages 2 graph vs 1 stage"
+for sched in 1f1b gpipe; do
+  for p2p in nccl copy-engine; do
+    for g in no-graph graph; do
+      n=pp2_${sched}_${p2p}_${g}
+      run2 --pp 2 --dtype fp32 --schedule $sched --p2p $p2p --$g -m 4 --json $D/$n.json > $D/$n.log 2>&1
+      cmp $D/$n.json $D/ref4.json --rtol 1e-5 --label "pp=2 $sched $p2p $g vs 1 GPU fp32"
+    done
+  done
+done
+for g in no-graph graph; do
+  run2 --pp 1 --dp 2 --dtype fp32 --$g -m 4 --json $D/dp2_$g.json > $D/dp2_$g.log 2>&1
+  cmp $D/dp2_$g.json $D/ref8.json --rtol 1e-5 --label "dp=2 $g vs 1 GPU with 8 microbatches fp32"
+done
+# The README's command with its defaults (bf16, graphs, copy engine, peerline kernels) against one GPU.
+timeout 180 python3 $PL --iters 6 --json $D/default1.json > $D/default1.log 2>&1
+timeout 180 torchrun --standalone --nproc_per_node=2 $PL --iters 6 --json $D/default2.json > $D/default2.log 2>&1
+cmp $D/default2.json $D/default1.json --rtol 2e-2 --label "README default: torchrun 2 GPUs vs 1 GPU (bf16)"
+tail -3 $D/default2.log
+# The MPI integration tests, NCCL this time (pytest-mpi carried as a wheel).
+timeout 240 mpirun -n 2 python3 -m pytest --with-mpi -q -p no:cacheprovider tests/integration > $D/mpi.log 2>&1 \
+  && echo "PASS mpirun -n 2 pytest --with-mpi tests/integration (NCCL)" || { echo "FAIL mpirun integration"; tail -30 $D/mpi.log; }
+for f in $D/*.log; do grep -l -E "Traceback|error" "$f" >/dev/null && { echo "--- $f"; grep -E "Error|error" "$f" | head -5; }; done
+exit 0
