@@ -149,6 +149,11 @@ class GradBuckets:
                 p.grad = view
                 self._views.append((p, view))
 
+        if self.on_cuda:
+            # The buffers were written on whatever stream built us; the compute and all-reduce streams are
+            # non-blocking and would not wait for that. Construction is outside any iteration: a host wait is fine.
+            torch.cuda.current_stream(self.device).synchronize()
+
         # Per-iteration host state (touched only by arm/hooks/finish, never by the device).
         self._armed = False
         self._pending = [len(b.params) for b in self.buckets]
