@@ -43,7 +43,13 @@ class _CudaArray:
 
 def wrap_bytes(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """A uint8 torch tensor over `nbytes` of device memory at `ptr` (no copy; the caller keeps it alive)."""
-    return torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
+    # Some torch versions place a __cuda_array_interface__ tensor on the current device and then move it to
+    # `device` (a copy): make `device` current so the tensor aliases the memory, and check that it does.
+    with torch.cuda.device(device):
+        t = torch.as_tensor(_CudaArray(ptr, nbytes), device=device)
+    if t.data_ptr() != ptr:
+        raise RuntimeError(f"torch copied device memory at {ptr:#x} instead of wrapping it")
+    return t
 
 
 def view_as(raw: torch.Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -64,7 +70,7 @@ class DeviceAllocation:
         self.device, self.nbytes = device, nbytes
         with torch.cuda.device(device):
             self.ptr: int = _rt.malloc(nbytes)
-        self.tensor = wrap_bytes(self.ptr, nbytes, device)
+            self.tensor = wrap_bytes(self.ptr, nbytes, device)
 
     def handle(self) -> bytes:
         """The cudaIpcMemHandle_t (64 bytes) naming this allocation, to send to a peer."""
