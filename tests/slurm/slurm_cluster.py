@@ -211,7 +211,9 @@ class SlurmCluster:
         atexit handlers; the daemons would outlive it. The reaper polls our PID every second.
         """
         pids = " ".join(str(p.pid) for p in self.procs.values())
+        # Jobs first (their steps outlive slurmd), then the daemons.
         script = (f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; "
+                  f"SLURM_CONF={self.conf} timeout 10 scancel --user {os.geteuid()} 2>/dev/null; sleep 3; "
                   f"kill -TERM {pids} 2>/dev/null; sleep 5; kill -KILL {pids} 2>/dev/null; exit 0")
         self.reaper = subprocess.Popen(["sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL, start_new_session=True)
@@ -222,7 +224,7 @@ class SlurmCluster:
         return out.returncode == 0 and out.stdout.strip() == "idle"
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        out = open(self.root / f"{name}.stdout", "wb")  # noqa: SIM115 - owned by the child, closed in stop()
+        out = open(self.root / f"{name}.stdout", "wb")  # the child keeps its own copy of the descriptor
         # start_new_session: a Ctrl-C in the terminal reaches pytest, which then stops the daemons itself.
         self.procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
