@@ -248,9 +248,9 @@ def main() -> int:
         try:
             with torch.cuda.stream(streams.compute):
                 bad = fn()
-            torch.cuda.synchronize()
-            dist.all_reduce(bad)
-            n_bad = int(bad.item())
+                torch.cuda.synchronize()
+                dist.all_reduce(bad)
+                n_bad = int(bad.item())
         except Exception:  # noqa: BLE001 - report and stop: the peer may be stuck in a collective
             print(f"FAIL p2p.{name} (rank {rank} raised)\n{traceback.format_exc()}", flush=True)
             sys.stdout.flush()
