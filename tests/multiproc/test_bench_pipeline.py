@@ -1,0 +1,87 @@
+"""CPU smoke tests of launch/bench.py's pipeline suite (gloo): torchrun with 2 ranks (pp=2) and 4 ranks
+(pp=2 x dp=2, the anchor with DDP), and a single process. The JSON must validate, ratios must be finite, and the
+anchor (torch.distributed.pipelining) must compute the same losses as peerline from the same weights and data:
+the two runs only share the model definition and the data recipe, so equal losses check the anchor's wiring."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+BENCH = str(REPO / "launch" / "bench.py")
+
+
+def run_bench(nproc: int, args: list[str], out: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PEERLINE_DEVICE="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    f"--nproc_per_node={nproc}"]
+    return subprocess.run([*launcher, BENCH, "pipeline", "--quick", "--out", str(out), *args], capture_output=True,
+                          text=True, timeout=200, env=env, cwd=out.parent)
+
+
+def records(out: Path) -> list[dict]:
+    recs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    for r in recs:
+        assert r["suite"] == "pipeline" and r["card"] == "cpu"
+        for key in ("case", "sizes", "peerline", "anchor", "ratio", "torch", "date"):
+            assert key in r, key
+        assert math.isfinite(r["ratio"]) and r["ratio"] > 0, r
+        assert r["peerline"] > 0 and r["anchor"] > 0
+    return recs
+
+
+def check_losses(recs: list[dict]) -> None:
+    vs_torch = [r for r in recs if r["metric"] == "tokens/s"]
+    assert vs_torch
+    for r in vs_torch:
+        ex = r["extra"]
+        assert len(ex["losses"]) == 2 and len(ex["anchor_losses"]) == 2
+        assert ex["max_loss_diff"] <= 1e-5 * abs(ex["anchor_losses"][0]), (r["case"], ex["losses"],
+                                                                            ex["anchor_losses"])
+        assert math.isfinite(ex["ideal"]["bound_ms"]) and ex["ideal"]["bound_ms"] > 0
+
+
+def test_pipeline_suite_two_ranks_with_timeline(tmp_path):
+    out = tmp_path / "pp2"
+    proc = run_bench(2, ["--pipeline-timeline"], out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = records(out)
+    cases = {r["case"] for r in recs}
+    for schedule in ("gpipe", "1f1b"):
+        assert f"quick {schedule} eager" in cases
+        assert f"quick {schedule} eager vs ideal" in cases
+    assert all(r["sizes"]["pp"] == 2 for r in recs)
+    check_losses(recs)
+    md = (out / "results.md").read_text()
+    assert "| pipeline | quick 1f1b eager | tokens/s |" in md
+    for schedule in ("gpipe", "1f1b"):
+        assert (out / f"timeline-quick-{schedule}.png").stat().st_size > 5_000
+        trace = json.loads((out / f"timeline-quick-{schedule}.json").read_text())
+        assert {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
+        assert f"timeline quick {schedule}" in md
+    assert md.count(", consistent") == 2, md
+
+
+def test_pipeline_suite_pp2_dp2_anchor_with_ddp(tmp_path):
+    out = tmp_path / "pp2dp2"
+    proc = run_bench(4, ["--dp", "2", "--schedules", "1f1b"], out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = records(out)
+    assert {r["case"] for r in recs} == {"quick 1f1b eager", "quick 1f1b eager vs ideal"}
+    assert recs[0]["sizes"]["dp"] == 2 and recs[0]["anchor_name"].endswith("+ DDP")
+    check_losses(recs)
+
+
+def test_pipeline_suite_single_process(tmp_path):
+    out = tmp_path / "one"
+    proc = run_bench(1, ["--schedules", "gpipe"], out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = records(out)
+    assert recs and all(r["sizes"]["pp"] == 1 for r in recs)
+    check_losses(recs)
