@@ -48,7 +48,7 @@ P2P_CHECK_TIMEOUT=80 timeout -k 5 90 "$PY" -m torch.distributed.run --standalone
   tests/gpu/p2p_check.py > "$OUT/p2p_check.out" 2>&1
 rc=$?
 cat "$OUT/p2p_check.out" >> "$LOG"
-grep -E "^(PASS|FAIL) p2p\." "$OUT/p2p_check.out" | sed 's/^/  /'
+grep -E "^(PASS|FAIL) p2p\." "$OUT/p2p_check.out"
 report transport "$rc"
 
 echo "== bench (torchrun, 2 ranks)" >> "$LOG"
@@ -56,7 +56,7 @@ timeout -k 5 110 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 
   launch/suites/p2p.py --out "$OUT/bench_p2p" > "$OUT/bench_p2p.out" 2>&1
 rc=$?
 cat "$OUT/bench_p2p.out" >> "$LOG"
-grep -E "^GOAL" "$OUT/bench_p2p.out" | sed 's/^/  /'
+grep -E "^GOAL" "$OUT/bench_p2p.out"
 [ -f "$OUT/bench_p2p/p2p.md" ] && cat "$OUT/bench_p2p/p2p.md"
 report bench "$rc"
 exit 0
