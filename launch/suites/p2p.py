@@ -325,8 +325,6 @@ def main(argv: list[str] | None = None) -> int:
     paths = ctx.write("p2p")
     if paths:
         log.info("wrote %s and %s", *paths)
-        for line in goals(ctx):
-            print(line, flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return 0
