@@ -161,13 +161,8 @@ class CopyEngineTransport(Transport):
             for slot in range(self.depth):
                 self._views[(kind, slot)] = ipc.view_as(ring.tensor, slot * stride, spec.shape, spec.dtype)
         self._flags = ipc.DeviceAllocation(len(KINDS) * 2 * self.depth * FLAG_STRIDE, self.device)
-        init = torch.zeros(self._flags.nbytes // 4, dtype=torch.int32)
-        for kind in KINDS:
-            for slot in range(self.depth):
-                for flag in (slot_ring.FULL, slot_ring.FREE):
-                    init[flag_offset(kind, flag, slot, self.depth) // 4] = slot_ring.INITIAL[flag]
         with torch.cuda.stream(self.p2p):
-            self._flags.tensor.view(torch.int32).copy_(init)
+            self._flags.tensor.view(torch.int32).copy_(self._initial_flags())
             for ring in self._rings.values():
                 ring.tensor.fill_(POISON)
         # Host sync at set-up only: peers may write our flags as soon as the exchange below returns.
@@ -360,6 +355,34 @@ class CopyEngineTransport(Transport):
         """Whether every flag is back in its initial state (nothing in flight, everything released)."""
         return all(all(v == slot_ring.INITIAL[name.split(".")[1]] for v in values)
                    for name, values in self.flag_state().items())
+
+    def reset(self, flags: bool = False) -> None:
+        """Forget host bookkeeping (received-but-unreleased slots, unjoined lanes), e.g. after a CUDA-graph capture
+        failed half-way: captured operations never ran, so the device flags are still consistent. flags=True
+        (collective over `group`, synchronizes): also put every flag word back to its initial value, after an
+        iteration that was abandoned with messages delivered but not released (a stream still blocked in a wait
+        cannot be rescued this way: the synchronize would wait for it)."""
+        self._held.clear()
+        self._pending = []
+        if not flags:
+            return
+        barrier = dist.is_available() and dist.is_initialized()
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)
+            if barrier:
+                dist.barrier(group=self.group)  # no peer writes into our flags any more
+            self._flags.tensor.view(torch.int32).copy_(self._initial_flags())
+            torch.cuda.synchronize(self.device)
+            if barrier:
+                dist.barrier(group=self.group)  # nobody resumes before every rank reset
+
+    def _initial_flags(self) -> torch.Tensor:
+        init = torch.zeros(self._flags.nbytes // 4, dtype=torch.int32)
+        for kind in KINDS:
+            for slot in range(self.depth):
+                for flag in (slot_ring.FULL, slot_ring.FREE):
+                    init[flag_offset(kind, flag, slot, self.depth) // 4] = slot_ring.INITIAL[flag]
+        return init
 
     def describe(self) -> str:
         edges = [f"{k}->{peer}" for k, (peer, _d, _r) in self._send_to.items()]

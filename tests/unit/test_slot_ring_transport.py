@@ -340,3 +340,17 @@ def test_mismatched_depths_fail_on_every_rank(sim: Sim) -> None:
     for t in threads:
         t.join()
     assert len(errors) == 2 and all("disagree on the ring depth" in e for e in errors)
+
+
+def test_reset_forgets_host_state_after_an_abandoned_capture(sim: Sim) -> None:
+    tr = build(sim, TensorSpec((2,), torch.float32), 2)
+    as_rank(sim, 1)
+    tr[1].exchange([], [(ACT, 0)])  # as if captured: the receive was recorded, the release never came
+    with pytest.raises(RuntimeError, match="still holds"):
+        tr[1].exchange([], [(ACT, 2)])
+    tr[1].reset()
+    tr[1].exchange([], [(ACT, 2)])  # accepted again
+    flags = tr[1]._flags.tensor.view(torch.int32)
+    flags.fill_(7)
+    tr[1].reset(flags=True)  # no process group in the fake: the barriers are skipped
+    assert tr[1].idle()
