@@ -39,7 +39,8 @@ class _DevicePointer:
     """A zero-copy torch view of a raw device allocation (CUDA array interface v2: no stream semantics)."""
 
     def __init__(self, ptr: int, n: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<f4", "data": (ptr, False), "version": 2}
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<f4", "data": (ptr, False), "strides": None,
+                                         "version": 2}
 
 
 def _keep_pool_memory(device: torch.device) -> None:
