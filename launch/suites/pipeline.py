@@ -119,7 +119,7 @@ class PipelineBench:
         self.iters = args.pipeline_iters or (2 if quick else 5)
         self.reps = args.reps or (2 if quick else 5)
         self.warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
-        self.stage_reps = 2 if quick else 10
+        self.stage_warmup, self.stage_reps = (1, 2) if quick else (3, 10)
 
     @property
     def tokens(self) -> int:
@@ -145,7 +145,7 @@ class PipelineBench:
         timing = self._time(block)
         peak = _peak_gb(self.device)
         f, b = measure_stage_ms(anchor.module, self.shape, self.device, anchor.is_first, anchor.is_last,
-                                reps=self.stage_reps)
+                                warmup=self.stage_warmup, reps=self.stage_reps)
         ideal = _ideal(self.schedule, self.shape, self.pp, (anchor.stage_index, anchor.replica, f, b),
                        timing.median_ms)
         return Measured("torch", timing, losses, ideal, peak)
@@ -191,7 +191,7 @@ class PipelineBench:
             return None  # stages as streams of one device: the bound of pp x stages is not measured here
         stage = next(iter(rt.engine.stages.values()))
         f, b = measure_stage_ms(stage.module, self.shape, self.device, stage.is_first, stage.is_last,
-                                reps=self.stage_reps, stream=stage.stream)
+                                warmup=self.stage_warmup, reps=self.stage_reps, stream=stage.stream)
         return _ideal(self.schedule, self.shape, self.pp, (rt.mesh.stage, rt.mesh.replica, f, b), timing.median_ms)
 
     def _timeline(self, rt) -> str:
@@ -295,6 +295,7 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     pp = world // dp
     groups = _groups(pp, dp, rank)
     ctx.facts.setdefault("pipeline_grid", f"pp={pp} x dp={dp}")
+    failures: list[str] = []
     for key in configs:
         shape = CONFIGS[key]
         for schedule in schedules:
@@ -303,10 +304,15 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
             for variant in variants:
                 ctx.step(f"{shape.name} {schedule} {variant}")
                 _free(ctx.device)
-                if variant == "torch":
-                    got: Measured | str = bench.torch_anchor(groups)
-                else:
-                    got = bench.peerline(graph=variant == "graph")
+                try:
+                    if variant == "torch":
+                        got: Measured | str = bench.torch_anchor(groups)
+                    else:
+                        got = bench.peerline(graph=variant == "graph")
+                except Exception as exc:  # noqa: BLE001 - the other variants still run; the suite fails at the end
+                    log.exception("pipeline %s %s %s failed", shape.name, schedule, variant)
+                    failures.append(f"{shape.name} {schedule} {variant}: {type(exc).__name__}: {exc}")
+                    continue
                 if isinstance(got, str):
                     ctx.note(f"pipeline {shape.name} {schedule} {variant}: skipped: {got}")
                     continue
@@ -317,3 +323,5 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
                              got.tokens_per_s(bench.tokens), ", ".join(f"{v:.6g}" for v in got.losses))
             bench.report(results)
             _free(ctx.device)
+    if failures:
+        raise RuntimeError(f"{len(failures)} pipeline variant(s) failed: " + " | ".join(failures))

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Benchmark suite (issue 8) on the GPU machine: GPU checks of the timing pieces (CUDA-event timelines, block
+# timer, stage times), then the full pipeline suite under torchrun on 2 GPUs: compute-bound and launch-bound
+# configurations, 1F1B, peerline eager and graph against torch.distributed.pipelining, with the ideal time and a
+# timeline (PNG + Chrome trace) of one eager iteration per configuration.
+# Usage: bash tests/gpu/run_bench.sh [OUT]   (or OUT=... in the environment)
+# Logs to $OUT/bench.log; results under $OUT/bench_pipeline/ (results.jsonl, results.md, timeline-*.png/json),
+# the timeline PNGs also copied to $OUT/. Prints one PASS/FAIL/SKIP line per check; exits 0.
+# Bounded to about 5 minutes (each step under `timeout`); a healthy run on 2 x H100 should take 2 to 3.
+set -u
+OUT="${1:-${OUT:-/tmp/peerline-gpu}}"
+mkdir -p "$OUT"
+LOG="$OUT/bench.log"
+cd "$(dirname "$0")/../.." || exit 0
+ROOT="$(pwd)"
+PY="${PYTHON:-python3}"
+: > "$LOG"
+
+# peerline must be importable: use the installed package (or run.sh's shim), else a temporary shim of symlinks.
+if ! "$PY" -c "import peerline.launch.benchkit" >/dev/null 2>&1; then
+  SHIM="$(mktemp -d)"
+  mkdir -p "$SHIM/peerline"
+  ln -s "$ROOT/peerline/__init__.py" "$SHIM/peerline/__init__.py"
+  for d in distributed kernels launch; do ln -s "$ROOT/$d" "$SHIM/peerline/$d"; done
+  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+  echo "run_bench: using import shim $SHIM" >> "$LOG"
+fi
+
+report() {  # report NAME RC
+  if [ "$2" -eq 0 ]; then echo "PASS bench.$1"; else echo "FAIL bench.$1 (rc $2, see $LOG)"; fi
+}
+
+NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
+if [ "${NGPU:-0}" -lt 1 ]; then
+  echo "SKIP bench (no CUDA device)"
+  exit 0
+fi
+
+echo "== GPU checks of timelines, block timer, stage times (pytest)" >> "$LOG"
+timeout -k 5 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_bench_gpu.py \
+  > "$OUT/bench_tests.out" 2>&1
+rc=$?
+cat "$OUT/bench_tests.out" >> "$LOG"
+tail -n 1 "$OUT/bench_tests.out" | sed 's/^/  /'
+report timing_tests "$rc"
+
+if [ "${NGPU:-0}" -lt 2 ]; then
+  echo "SKIP bench.pipeline (needs 2 GPUs, found $NGPU)"
+  exit 0
+fi
+
+echo "== pipeline suite: compute-bound + launch-bound, 1F1B, torch / eager / graph, 2 ranks" >> "$LOG"
+RES="$OUT/bench_pipeline"
+timeout -k 10 250 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 launch/bench.py pipeline \
+  --pipeline-configs compute,launch --schedules 1f1b --variants torch,eager,graph --pipeline-timeline \
+  --pipeline-iters 5 --reps 5 --warmup 2 --out "$RES" > "$OUT/bench_pipeline.out" 2>&1
+rc=$?
+cat "$OUT/bench_pipeline.out" >> "$LOG"
+grep -E "peerline-bench: |GOAL|ms/iter" "$OUT/bench_pipeline.out" | sed 's/^/  /' | tail -n 30
+[ -f "$RES/results.md" ] && cat "$RES/results.md"
+report pipeline_suite "$rc"
+
+# Every record must be valid JSON with a finite ratio, and both configurations must have an eager record.
+"$PY" - "$RES/results.jsonl" >> "$LOG" 2>&1 <<'PYEOF'
+import json, math, sys
+recs = [json.loads(line) for line in open(sys.argv[1])]
+assert recs, "no records"
+bad = [r["case"] for r in recs if r["ratio"] is None or not math.isfinite(r["ratio"])]
+assert not bad, f"non-finite ratios: {bad}"
+cases = {r["case"] for r in recs}
+for want in ("compute-bound 1f1b eager", "launch-bound 1f1b eager"):
+    assert want in cases, f"missing {want}: {sorted(cases)}"
+print("records ok:", len(recs), sorted(cases))
+PYEOF
+report pipeline_records "$?"
+
+# The timeline: a Chrome trace per configuration (always), a PNG when matplotlib is installed, and the engine's
+# spans consistent with the pipeline's dependencies (distributed/timeline_check.py).
+traces=0
+for f in "$RES"/timeline-*.png "$RES"/timeline-*.json; do
+  [ -f "$f" ] || continue
+  cp "$f" "$OUT/"
+  case "$f" in *.json) traces=$((traces + 1)) ;; esac
+done
+ls "$RES"/timeline-*.png >/dev/null 2>&1 || echo "  (no timeline PNG: is matplotlib installed? the Chrome traces are there)"
+grep -E "^- timeline" "$RES/results.md" 2>/dev/null | sed 's/^/  /'
+if [ "$traces" -ge 2 ] && [ "$(grep -c "spans, consistent" "$RES/results.md" 2>/dev/null)" -ge 2 ]; then
+  report timeline 0
+else
+  report timeline 1
+fi
+exit 0
