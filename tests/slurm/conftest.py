@@ -16,28 +16,22 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slurm_cluster import SlurmCluster, SlurmUnavailable, ensure_installed  # noqa: E402
+from slurm_cluster import SlurmCluster, SlurmUnavailable, ensure_installed, skip_or_fail  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slurm: submits batch scripts to a real single-node Slurm (root + apt)")
 
 
-def _unavailable(reason: str) -> None:
-    if os.environ.get("PEERLINE_REQUIRE_SLURM") == "1":
-        pytest.fail(f"PEERLINE_REQUIRE_SLURM=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """munged + slurmctld + slurmd on this machine, configured under a temporary folder."""
     if os.geteuid() != 0:
-        _unavailable("a private Slurm needs root (slurmd starts jobs as their user)")
+        skip_or_fail("a private Slurm needs root (slurmd starts jobs as their user)")
     try:
         ensure_installed(timeout_s=240)
     except SlurmUnavailable as exc:
-        _unavailable(str(exc))
+        skip_or_fail(str(exc))
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     # Backstop for an interpreter exit that skips fixture finalization; stop() is idempotent.
     atexit.register(cluster.stop)

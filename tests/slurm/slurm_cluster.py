@@ -36,6 +36,15 @@ class SlurmUnavailable(RuntimeError):
     """Slurm is not installed and cannot be installed here (not root, no apt-get, install failed)."""
 
 
+def skip_or_fail(reason: str) -> None:
+    """pytest: skip with the reason, or fail when PEERLINE_REQUIRE_SLURM=1 (CI must not skip silently)."""
+    import pytest
+
+    if os.environ.get("PEERLINE_REQUIRE_SLURM") == "1":
+        pytest.fail(f"PEERLINE_REQUIRE_SLURM=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 def missing_executables() -> list[str]:
     """Names from EXECUTABLES that are not on PATH (the daemons live in /usr/sbin, added here if absent)."""
     path = os.environ.get("PATH", "") + os.pathsep + "/usr/sbin" + os.pathsep + "/sbin"
@@ -55,7 +64,7 @@ def ensure_installed(timeout_s: float = 600) -> None:
     if shutil.which("apt-get") is None:
         raise SlurmUnavailable(f"Slurm is not installed ({', '.join(missing)} missing) and apt-get is unavailable")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES]):
+    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", *PACKAGES]):
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired as exc:
