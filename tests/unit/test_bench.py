@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from peerline.launch import bench, benchkit, suites
 from peerline.launch.benchkit import BenchContext, Record
 
