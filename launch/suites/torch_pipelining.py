@@ -93,8 +93,9 @@ class TorchPipelineAnchor:
             # DDP's defaults (25 MiB buckets) with gradient_as_bucket_view, as the measured anchor. torch's stage
             # runs every forward and every backward but the last under no_sync and arms the reducer by hand for
             # the last backward, so the all-reduce overlaps the last microbatch's backward only.
-            submod = DDP(self.module, process_group=dp_group, bucket_cap_mb=25, gradient_as_bucket_view=True,
-                         device_ids=[device.index] if device.type == "cuda" else None)
+            # device_ids stays None: the module already lives on this rank's device, and with device_ids DDP would
+            # move its inputs there, meta tensors of torch's shape inference included (which cannot be copied).
+            submod = DDP(self.module, process_group=dp_group, bucket_cap_mb=25, gradient_as_bucket_view=True)
         self.submod = submod
         self.stage = PipelineStage(submod, self.stage_index, pp, device, group=pp_group)
         cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
