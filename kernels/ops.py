@@ -11,10 +11,14 @@ GPU-only modules (CuPy, NVRTC) are imported lazily, inside the peerline branch.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+
 import torch
 import torch.nn.functional as F
 
 IMPLEMENTATIONS = ("peerline", "torch")
+log = logging.getLogger(__name__)
 
 
 def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -26,12 +30,18 @@ def residual_add_reference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
-    """'auto' -> peerline on CUDA, torch elsewhere; the CPU always uses torch."""
+    """'auto' -> peerline on CUDA (torch if CuPy, which compiles the kernels, is not installed), torch
+    elsewhere; the CPU always uses torch. An explicit 'peerline' without CuPy fails at the first launch."""
     if impl not in ("auto", *IMPLEMENTATIONS):
         raise ValueError(f"unknown kernel implementation {impl!r}; choose one of auto, {', '.join(IMPLEMENTATIONS)}")
     if device.type != "cuda":
         return "torch"
-    return "peerline" if impl == "auto" else impl
+    if impl == "auto":
+        if importlib.util.find_spec("cupy") is None:
+            log.warning("kernels=auto: CuPy is not installed, using the torch reference kernels")
+            return "torch"
+        return "peerline"
+    return impl
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, impl: str = "torch") -> torch.Tensor:

@@ -171,6 +171,8 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
             del cases
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        if getattr(args, "write_partial", False):
+            ctx.write(SUITE)  # a run cut short by its time limit still leaves the sizes it finished
     if peerline and not quick and getattr(args, "kernel_variants", True):
         _variants(device, reps, ctx)
 
@@ -185,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-variants", dest="kernel_variants", action="store_false",
                     help="skip the block-shape variants of bias+GELU at 256 MiB")
     args = ap.parse_args(argv)
+    args.write_partial = True
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     ctx = BenchContext(out_dir=args.out, device=device, quick=args.quick)

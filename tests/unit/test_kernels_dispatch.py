@@ -16,8 +16,11 @@ from peerline.kernels import ops, plan
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_resolve_impl() -> None:
+def test_resolve_impl(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    real_find_spec = ops.importlib.util.find_spec
+    monkeypatch.setattr(ops.importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "cupy" else real_find_spec(name, *a))
     assert ops.resolve_impl("auto", cpu) == "torch"
     assert ops.resolve_impl("peerline", cpu) == "torch"  # the CPU always uses torch
     assert ops.resolve_impl("torch", cpu) == "torch"
@@ -26,6 +29,10 @@ def test_resolve_impl() -> None:
     assert ops.resolve_impl("peerline", cuda) == "peerline"
     with pytest.raises(ValueError, match="unknown kernel implementation"):
         ops.resolve_impl("triton", cpu)
+    # without CuPy, auto means torch on a GPU too
+    monkeypatch.setattr(ops.importlib.util, "find_spec", lambda name, *a: None)
+    assert ops.resolve_impl("auto", cuda) == "torch"
+    assert ops.resolve_impl("peerline", cuda) == "peerline"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
