@@ -136,8 +136,8 @@ class CompiledOp:
 
 def _attributes(cupy: Any, fn: Any) -> dict[str, int]:
     get = cupy.cuda.driver.funcGetAttribute
-    return {"registers": get(_ATTR_NUM_REGS, fn.ptr), "static_smem_bytes": get(_ATTR_SHARED_SIZE_BYTES, fn.ptr),
-            "local_bytes": get(_ATTR_LOCAL_SIZE_BYTES, fn.ptr)}
+    return {"registers": get(_ATTR_NUM_REGS, fn.kernel.ptr), "static_smem_bytes": get(_ATTR_SHARED_SIZE_BYTES, fn.kernel.ptr),
+            "local_bytes": get(_ATTR_LOCAL_SIZE_BYTES, fn.kernel.ptr)}
 
 
 @functools.cache
@@ -153,9 +153,10 @@ def get_op(spec: KernelSpec, device_index: int) -> CompiledOp:
         drv = cupy.cuda.driver
         # More than 48 KiB of dynamic shared memory needs an opt-in; ask for the whole carveout, since these
         # kernels use L1 only for the (small) bias.
-        drv.funcSetAttribute(main.ptr, _ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES, spec.smem_bytes)
-        drv.funcSetAttribute(main.ptr, _ATTR_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
-        blocks = drv.occupancyMaxActiveBlocksPerMultiprocessor(main.ptr, spec.threads, spec.smem_bytes)
+        # RawKernel.kernel is the loaded cupy Function; its .ptr is the CUfunction the driver calls take.
+        drv.funcSetAttribute(main.kernel.ptr, _ATTR_MAX_DYNAMIC_SHARED_SIZE_BYTES, spec.smem_bytes)
+        drv.funcSetAttribute(main.kernel.ptr, _ATTR_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+        blocks = drv.occupancyMaxActiveBlocksPerMultiprocessor(main.kernel.ptr, spec.threads, spec.smem_bytes)
         sms = cupy.cuda.runtime.getDeviceProperties(device_index)["multiProcessorCount"]
         attrs = _attributes(cupy, main)
         attrs.update(dynamic_smem_bytes=spec.smem_bytes, threads=spec.threads, blocks_per_sm=blocks)

@@ -11,8 +11,14 @@ import os
 import sys
 import time
 
+if __package__ in (None, ""):
+    # Run as a script from a checkout (torchrun launch/pipeline.py): make `import peerline` find the checkout
+    # even when it was never installed (peerline/__init__.py maps the sibling folders).
+    sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 try:
     import torch
+
     from peerline.distributed.config import ConfigError
     from peerline.distributed.runtime import IterationStats, Runtime
     from peerline.launch.cli import build_parser, config_from_args
