@@ -136,8 +136,9 @@ class CompiledOp:
 
 def _attributes(cupy: Any, fn: Any) -> dict[str, int]:
     get = cupy.cuda.driver.funcGetAttribute
-    return {"registers": get(_ATTR_NUM_REGS, fn.kernel.ptr), "static_smem_bytes": get(_ATTR_SHARED_SIZE_BYTES, fn.kernel.ptr),
-            "local_bytes": get(_ATTR_LOCAL_SIZE_BYTES, fn.kernel.ptr)}
+    handle = fn.kernel.ptr  # RawKernel.kernel is the loaded cupy Function; .ptr is its CUfunction
+    return {"registers": get(_ATTR_NUM_REGS, handle), "static_smem_bytes": get(_ATTR_SHARED_SIZE_BYTES, handle),
+            "local_bytes": get(_ATTR_LOCAL_SIZE_BYTES, handle)}
 
 
 @functools.cache
