@@ -12,11 +12,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-# Make `import peerline` work without a build step: the package maps the repo's folders (pyproject.toml).
-mkdir -p /tmp/plpkg/peerline
-cp peerline/__init__.py /tmp/plpkg/peerline/
-for d in distributed kernels launch; do ln -sfn "$PWD/$d" "/tmp/plpkg/peerline/$d"; done
-export PYTHONPATH=/tmp/plpkg:$PWD:${PYTHONPATH:-}
+# `import peerline` works from the checkout itself (peerline/__init__.py maps the sibling folders): no build step.
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c 'import torch, cupy; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "nccl", torch.cuda.nccl.version(), "cupy", cupy.__version__)'
@@ -33,7 +30,9 @@ for s in "${sections[@]}"; do
   start=$(date +%s)
   timeout "${SECTION_TIMEOUT:-420}" bash "$f" > "$OUT/section_$s.log" 2>&1
   rc=$?
-  grep -E "^(PASS|FAIL|SKIP)" "$OUT/section_$s.log" | head -40
+  grep -aE "^(PASS|FAIL|SKIP|GOAL)" "$OUT/section_$s.log" | head -60
   echo "=== SECTION $s rc=$rc in $(( $(date +%s) - start )) s"
 done
+# The device tool returns at most 8 files: pack every log into one archive.
+tar -czf "$OUT/logs.tgz" -C "$OUT" --exclude=logs.tgz . 2>/dev/null
 exit 0
