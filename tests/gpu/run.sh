@@ -4,8 +4,12 @@
 # Logs and results go under $OUT (default ./gpu-out). A failing section never stops the others.
 set -u
 cd "$(dirname "$0")/../.."
-export OUT=${OUT:-$PWD/gpu-out}
+# Sections write under $OUT/w; at the end everything is packed into $OUT/logs.tgz (the device tool returns at
+# most 8 files) and the summary stays beside it as $OUT/summary.txt.
+FINAL=${OUT:-$PWD/gpu-out}
+export OUT=$FINAL/w
 mkdir -p "$OUT"
+exec > >(tee "$FINAL/summary.txt") 2>&1
 export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # Wheels carried for what the GPU image lacks (pytest-mpi, rich, matplotlib, ...): see tests/gpu/README.md.
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -33,6 +37,5 @@ for s in "${sections[@]}"; do
   grep -aE "^(PASS|FAIL|SKIP|GOAL)" "$OUT/section_$s.log" | head -60
   echo "=== SECTION $s rc=$rc in $(( $(date +%s) - start )) s"
 done
-# The device tool returns at most 8 files: pack every log into one archive.
-tar -czf "$OUT/logs.tgz" -C "$OUT" --exclude=logs.tgz . 2>/dev/null
+tar -czf "$FINAL/logs.tgz" -C "$FINAL" w 2>/dev/null && rm -rf "$OUT"
 exit 0
