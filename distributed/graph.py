@@ -71,6 +71,9 @@ def try_capture(engine: Engine, device: torch.device) -> tuple[IterationGraph | 
         graph = None
         for stage in engine.stages.values():
             stage.clear()
+        reset = getattr(engine.transport, "reset", None)
+        if reset is not None:  # forget host bookkeeping of handoffs the failed capture issued
+            reset()
         log.warning("CUDA graph capture failed on this rank: %s", reason)
     torch.cuda.synchronize(device)
     if not agree(reason is None, device):
