@@ -7,8 +7,8 @@
 Suites: kernels, p2p, allreduce, graph, single, pipeline (launch/suites/). Results go to --out (default
 runs/bench-<date>): results.jsonl (one JSON record per measurement, with card, driver and versions) and
 results.md (a table with peerline, the anchor and their ratio). --quick runs tiny sizes (the CPU smoke test).
-Exit status: 0 when no suite failed (a suite whose module is missing is reported as not available), 1 when one
-failed, 2 on a usage error.
+Exit status: 0 when no suite failed (a suite whose module is missing is reported as not available, one that needs
+more ranks than this run has as skipped), 1 when one failed, 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from pathlib import Path
 try:
     import torch
     import torch.distributed as dist
+
     from peerline.launch.benchkit import BenchContext
-    from peerline.launch.suites import SUITES, load_suite
+    from peerline.launch.suites import MIN_RANKS, SUITES, load_suite
 except ImportError as exc:  # run from a checkout that was never installed
     print(f"peerline-bench: error: cannot import peerline ({exc}); install it first: pip install -e .",
           file=sys.stderr)
@@ -165,7 +166,13 @@ def run_suites(names: list[str], args: argparse.Namespace, ctx: BenchContext, di
                ) -> dict[str, str]:
     """Run each suite; returns name -> outcome ("ok", "not available: ...", "failed: ...")."""
     outcome: dict[str, str] = {}
+    world = dist.get_world_size() if dist.is_initialized() else 1
     for name in names:
+        if world < MIN_RANKS.get(name, 1):
+            outcome[name] = (f"skipped: needs {MIN_RANKS[name]} ranks "
+                             f"(torchrun --nproc_per_node={MIN_RANKS[name]} launch/bench.py {name})")
+            display.advance()
+            continue
         module, why = load_suite(name)
         if module is None:
             outcome[name] = f"not available: {why}"

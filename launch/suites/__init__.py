@@ -1,8 +1,8 @@
 """peerline.launch.suites: the benchmark suites of launch/bench.py, by name.
 
 Each suite module exposes `run(args, ctx)` (see launch/benchkit.py) and may expose `add_arguments(parser)` for
-its own flags and `WORLD = "any" | "multi"` (multi: needs at least two ranks). Modules are imported only when
-asked for, so a suite whose module is missing, or cannot import on this machine, is reported as not available.
+its own flags. Suites that need two ranks are listed in MIN_RANKS. Modules are imported only when asked for, so a
+suite whose module is missing, or cannot import on this machine, is reported as not available.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ SUITES: dict[str, str] = {
     "single": "batch_streams",  # stages as streams of one GPU vs torch on one GPU
     "pipeline": "pipeline",  # full training iteration vs torch.distributed.pipelining + DDP
 }
+
+#: suites that measure between two GPUs: run under torchrun --nproc_per_node=2 (skipped with fewer ranks)
+MIN_RANKS: dict[str, int] = {"p2p": 2, "allreduce": 2}
 
 
 def load_suite(name: str) -> tuple[ModuleType | None, str]:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from peerline.distributed.ideal import IdealReport
 from peerline.launch.benchkit import BenchContext, Record, Timing, time_blocks
 from peerline.launch.suites.torch_pipelining import PipeShape, TorchPipelineAnchor, measure_stage_ms

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from peerline.launch import bench, benchkit, suites
 from peerline.launch.benchkit import BenchContext, Record
 

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+
 from peerline.distributed import ideal
 from peerline.distributed.timeline import Span
 

@@ -5,6 +5,7 @@ import json
 import time
 
 import pytest
+
 from peerline.distributed import timeline_check, timeline_draw
 from peerline.distributed.ideal import stage_order
 from peerline.distributed.timeline import Span, Timeline
