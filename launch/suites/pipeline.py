@@ -171,7 +171,8 @@ class PipelineBench:
                 # Capture may wait for its warm-up iterations: run them, then look again.
                 rt.train(rt.iteration + cfg.warmup_iters + 1)
                 if rt.graph is None:
-                    return "the iteration was not captured into a CUDA graph: " + "; ".join(rt.notices or ["?"])
+                    why = getattr(rt, "graph_failed", None) or "; ".join(rt.notices) or "no reason given"
+                    return f"the iteration was not captured into a CUDA graph: {why}"
             rt.cfg.log_every = 10**9  # from now on: one loss read (host sync) per timed block, at its end
 
             def block(n: int) -> None:
