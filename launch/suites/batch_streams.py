@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from peerline.launch.benchkit import BenchContext, Record
 
 log = logging.getLogger(__name__)

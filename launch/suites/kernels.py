@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from peerline.launch.benchkit import BenchContext, Record, time_fn
 
 log = logging.getLogger(__name__)

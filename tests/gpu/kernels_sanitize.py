@@ -10,6 +10,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+
 from peerline.kernels import elementwise as ew
 
 

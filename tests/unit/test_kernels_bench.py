@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+
 from peerline.launch.benchkit import BenchContext
 from peerline.launch.suites import batch_streams, kernels
 

@@ -8,6 +8,7 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from peerline.kernels import compile as kc
 from peerline.kernels import inspect_sass
 

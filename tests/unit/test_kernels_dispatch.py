@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+
 from peerline.kernels import compile as kc
 from peerline.kernels import ops, plan
 
