@@ -129,6 +129,13 @@ def gather_spans(spans: list[Span], origin_host_ms: float, rank: int, dst: int =
         payloads = gathered
     else:
         payloads = [payload]
+    return merge_payloads(payloads)
+
+
+def merge_payloads(payloads: list[tuple[int, float, list[tuple[int, str, str, float, float]]]]
+                   ) -> dict[int, list[Span]]:
+    """[(rank, origin in host ms, span tuples relative to that origin)] -> {rank: spans} on one axis whose zero is
+    the earliest origin."""
     zero = min(p[1] for p in payloads)
     out: dict[int, list[Span]] = {}
     for r, origin, tuples in payloads:

@@ -95,6 +95,17 @@ def test_cpu_timeline_records_and_gathers_alone():
     assert tl.origin_host_ms is not None and abs(tl.origin_host_ms - time.time() * 1e3) < 5_000
 
 
+def test_merge_puts_ranks_on_one_clock():
+    from peerline.distributed.timeline import merge_payloads
+
+    # rank 1 started its iteration 2.5 ms after rank 0 (host clock); its spans shift by 2.5 ms.
+    merged = merge_payloads([(1, 1000.0 + 2.5, [(1, "compute", "F0", 0.5, 1.5)]),
+                             (0, 1000.0, [(0, "compute", "F0", 0.0, 1.0), (0, "p2p", "SA0", 1.0, 2.0)])])
+    assert list(merged) == [0, 1]
+    assert merged[0][1].label == "SA0" and merged[0][1].start_ms == pytest.approx(1.0)
+    assert (merged[1][0].start_ms, merged[1][0].end_ms) == (pytest.approx(3.0), pytest.approx(4.0))
+
+
 def test_disabled_timeline_records_nothing():
     tl = Timeline(rank=0)
     tl.start_iteration(None)
