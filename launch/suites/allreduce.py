@@ -36,10 +36,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
 from peerline.distributed.buckets import GradBuckets, MiB
 from peerline.distributed.streams import create_rank_streams, use
 from peerline.launch.benchkit import BenchContext, Record, Timing, time_fn
-from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger(__name__)
 SUITE = "allreduce"

@@ -26,6 +26,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
 from peerline.distributed.buckets import GradBuckets  # noqa: E402
 from peerline.distributed.streams import create_rank_streams  # noqa: E402
 
@@ -186,9 +187,15 @@ def check_graph(rank: int, dev: torch.device, streams, M: int = 2) -> None:
             for x, y in fresh:
                 (F.mse_loss(naive(x), y) / M).backward()
             naive_average(naive)
-            d = max_diff(grads(model), grads(naive))
-        if not d == 0:
-            problems.append(f"replay {r}: differs from per-parameter all-reduce by {d:.3g}")
+            got, want = grads(model), grads(naive)
+            d = max_diff(got, want)
+            scale = max(w.abs().max().item() for w in want)
+        # Replayed kernels are the eager ones, so this is normally bitwise; allow 1e-6 of the largest gradient in
+        # case cuBLAS picks another algorithm under capture (a reduction bug is far larger, or NaN from poison).
+        if not d <= 1e-6 * scale:
+            problems.append(f"replay {r}: differs from per-parameter all-reduce by {d:.3g} (max |grad| {scale:.3g})")
+        elif rank == 0 and d != 0:
+            print(f"INFO graph replay {r}: not bitwise, max diff {d:.3g} of max |grad| {scale:.3g}", flush=True)
         timing = gb.metrics()
     report("graph", not problems, "; ".join(problems))
     ok = bool(timing and timing.get("timed") and timing["allreduce_ms"] > 0 and timing["exposed_ms"] >= 0)

@@ -18,6 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
 from peerline.distributed.buckets import GradBuckets
 
 FAILURES: list[str] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from peerline.distributed.buckets import ALIGN_BYTES, GradBuckets, MiB, plan_buckets, ready_order
 
 pytestmark = pytest.mark.timeout(60)
