@@ -36,6 +36,7 @@ from . import faults as faults_mod
 from .config import ConfigError
 from .nonfinite import NonFiniteGuard, NonFiniteLossError, check_finite
 from .p2p import ACT, Transport
+from .streams import use
 from .watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -133,9 +134,11 @@ class Failsafe:
         if self.save_dir:
             self._agree(lambda: ckpt.check_writable(self.save_dir), "write its checkpoint directory")
         if self.resume_dir:
-            self._agree(self._resume, "load the checkpoint")
+            with use(self.rt.engine.main_stream):  # the copies of the loaded state onto the device
+                self._agree(self._resume, "load the checkpoint")
         self.current = self.resumed_from = self.rt.iteration
-        self.guard.prepare(self.rt.engine.optimizer, completed=self.rt.iteration)
+        with use(self.rt.engine.main_stream):
+            self.guard.prepare(self.rt.engine.optimizer, completed=self.rt.iteration)
         self._install()
         if self._signals:
             self.watchdog.install_signal_handlers()
@@ -150,10 +153,11 @@ class Failsafe:
         except ConfigError as exc:
             error = exc
         if dist.is_initialized() and self.world > 1:
-            mine = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.rt.device)
-            flags = [torch.empty_like(mine) for _ in range(self.world)]
-            dist.all_gather(flags, mine)
-            failed = [r for r, f in enumerate(flags) if int(f) != 0]
+            with use(self.rt.engine.main_stream):  # never the legacy default stream
+                mine = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.rt.device)
+                flags = [torch.empty_like(mine) for _ in range(self.world)]
+                dist.all_gather(flags, mine)
+                failed = [r for r, f in enumerate(flags) if int(f) != 0]
         else:
             failed = [self.rank] if error else []
         if error is not None:
@@ -196,13 +200,17 @@ class Failsafe:
         # the runtime could offer instead).
         inner_run = rt.run_iteration
 
-        def run_iteration() -> None:
+        def run_iteration(*args: Any, **kwargs: Any) -> None:
             self.before_iteration(rt.iteration + 1)
-            inner_run()
+            inner_run(*args, **kwargs)
             self.after_iteration(rt.iteration)
 
         rt.run_iteration = run_iteration
         if self.faults.needs_eager():
+            # The NaN hook decides per iteration on the host; a graph replay would not run it.
+            if getattr(rt, "graph_wanted", False):
+                rt.graph_wanted = False
+                rt.notices.append("CUDA graph off: PEERLINE_FAULT injects NaN, which needs eager iterations")
             for sid in self.stage_ids:
                 engine.stages[sid].module.register_forward_hook(self._poison_hook(sid))
         engine.optimizer.register_step_pre_hook(self._pre_step)
@@ -220,6 +228,9 @@ class Failsafe:
         """Iteration number `n` (from 1) is about to run."""
         self.current = n
         self.watchdog.iteration_started(n)
+        with use(self.rt.engine.main_stream):
+            # Set, not only counted on the device: graph capture may run the step's hooks more than once.
+            self.guard.count.fill_(n - 1)
         if self.faults:
             self.faults.before_iteration(self.rank, self.stage, n)
 
@@ -255,7 +266,8 @@ class Failsafe:
         """Collective: raise on every rank if any iteration so far was non-finite (and not skipped)."""
         if self.skip:
             return
-        bad = self.guard.first_nonfinite()
+        with use(self.rt.engine.main_stream):
+            bad = self.guard.first_nonfinite()
         if bad is not None:
             raise NonFiniteLossError(f"non-finite loss at iteration {bad}; rerun with --skip-nonfinite to skip "
                                      "such steps")
@@ -266,7 +278,7 @@ class Failsafe:
         engine = self.rt.engine
         model = {f"s{sid}.{k}": v for sid in self.stage_ids for k, v in engine.stages[sid].module.state_dict().items()}
         barrier = dist.barrier if dist.is_initialized() and self.world > 1 else None
-        with self.watchdog.suspended():
+        with self.watchdog.suspended(), use(engine.main_stream):
             if self.rt.device.type == "cuda":
                 torch.cuda.synchronize(self.rt.device)
             ckpt.save_checkpoint(self.save_dir, self.rank, n, model, engine.optimizer.state_dict(),
@@ -282,7 +294,8 @@ class Failsafe:
             if not math.isfinite(stats.loss):
                 # The logged loss is agreed across ranks, so every rank gets here together: the collective in
                 # first_nonfinite() is safe, and check_finite raises (or logs the skip) on every rank alike.
-                first = None if self.skip else self.guard.first_nonfinite()
+                with use(self.rt.engine.main_stream):
+                    first = None if self.skip else self.guard.first_nonfinite()
                 check_finite(stats.loss, stats.iteration, self.skip, first_bad=first)
             if on_iteration is not None:
                 on_iteration(stats)
@@ -293,7 +306,8 @@ class Failsafe:
             if self.save_dir and self.last_saved != self.rt.iteration and self.rt.iteration > 0:
                 self.save(self.rt.iteration)
             if self.skip:
-                n = self.guard.skipped_steps()
+                with use(self.rt.engine.main_stream):
+                    n = self.guard.skipped_steps()
                 if n:
                     log.warning("%d step(s) skipped for non-finite loss", n)
             return losses
