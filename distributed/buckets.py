@@ -17,9 +17,13 @@ One iteration, as the engine drives it:
                 current stream wait on the last bucket (the all-reduce stream is in order, so that covers all)
   metrics()     after the iteration (synchronizes): all-reduce time, exposed time, hidden share, busbw
 
+A parameter that gets no gradient in the last microbatch holds back its bucket, and (launch order) every
+bucket after it, until finish(): keep such parameters early in the model, so their buckets come last.
+
 Nothing between arm() and finish() synchronizes the host, so the iteration can be captured in a CUDA graph:
 the events are created here once and reused; timing events are recorded only when enabled (under capture,
-external timing events, so a replay's times can be read after it).
+external timing events, so a replay's times can be read after it). Run at least one eager iteration with
+arm()/finish() before capturing: it creates NCCL's communicator and the events.
 
 NCCL averages with ReduceOp.AVG. Gloo (CPU) has no AVG: it sums asynchronously (gloo's own threads overlap
 with the rest of backward) and finish() divides by dp after waiting, which is bitwise what a per-parameter
