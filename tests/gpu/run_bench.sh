@@ -3,6 +3,7 @@
 # timer, stage times), then the full pipeline suite under torchrun on 2 GPUs: compute-bound and launch-bound
 # configurations, 1F1B, peerline eager and graph against torch.distributed.pipelining, with the ideal time and a
 # timeline (PNG + Chrome trace) of one eager iteration per configuration.
+# Also the one-GPU graph suite (whole step graphed vs torch eager and vs a step captured by hand).
 # Usage: bash tests/gpu/run_bench.sh [OUT]   (or OUT=... in the environment)
 # Logs to $OUT/bench.log; results under $OUT/bench_pipeline/ (results.jsonl, results.md, timeline-*.png/json),
 # the timeline PNGs also copied to $OUT/. Prints one PASS/FAIL/SKIP line per check; exits 0.
@@ -44,6 +45,14 @@ cat "$OUT/bench_tests.out" >> "$LOG"
 tail -n 1 "$OUT/bench_tests.out" | sed 's/^/  /'
 report timing_tests "$rc"
 
+echo "== graph suite: one GPU, launch-bound step, peerline eager/graph vs torch eager / hand-captured graph" >> "$LOG"
+timeout -k 5 90 env CUDA_VISIBLE_DEVICES=0 "$PY" launch/bench.py graph --out "$OUT/bench_graph" \
+  > "$OUT/bench_graph.out" 2>&1
+rc=$?
+cat "$OUT/bench_graph.out" >> "$LOG"
+[ -f "$OUT/bench_graph/results.md" ] && cat "$OUT/bench_graph/results.md"
+report graph_suite "$rc"
+
 if [ "${NGPU:-0}" -lt 2 ]; then
   echo "SKIP bench.pipeline (needs 2 GPUs, found $NGPU)"
   exit 0
@@ -51,7 +60,7 @@ fi
 
 echo "== pipeline suite: compute-bound + launch-bound, 1F1B, torch / eager / graph, 2 ranks" >> "$LOG"
 RES="$OUT/bench_pipeline"
-timeout -k 10 250 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 launch/bench.py pipeline \
+timeout -k 10 220 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 launch/bench.py pipeline \
   --pipeline-configs compute,launch --schedules 1f1b --variants torch,eager,graph --pipeline-timeline \
   --pipeline-iters 5 --reps 5 --warmup 2 --out "$RES" > "$OUT/bench_pipeline.out" 2>&1
 rc=$?

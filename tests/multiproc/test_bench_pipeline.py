@@ -17,18 +17,20 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH = str(REPO / "launch" / "bench.py")
 
 
-def run_bench(nproc: int, args: list[str], out: Path) -> subprocess.CompletedProcess:
+def run_bench(nproc: int, args: list[str], out: Path, suites: tuple[str, ...] = ("pipeline",)
+              ) -> subprocess.CompletedProcess:
     env = dict(os.environ, PEERLINE_DEVICE="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={nproc}"]
-    return subprocess.run([*launcher, BENCH, "pipeline", "--quick", "--out", str(out), *args], capture_output=True,
+    return subprocess.run([*launcher, BENCH, *suites, "--quick", "--out", str(out), *args], capture_output=True,
                           text=True, timeout=200, env=env, cwd=out.parent)
 
 
-def records(out: Path) -> list[dict]:
+def records(out: Path, suite: str = "pipeline") -> list[dict]:
     recs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if r["suite"] == suite]
     for r in recs:
-        assert r["suite"] == "pipeline" and r["card"] == "cpu"
+        assert r["card"] == "cpu"
         for key in ("case", "sizes", "peerline", "anchor", "ratio", "torch", "date"):
             assert key in r, key
         assert math.isfinite(r["ratio"]) and r["ratio"] > 0, r
@@ -78,10 +80,14 @@ def test_pipeline_suite_pp2_dp2_anchor_with_ddp(tmp_path):
     check_losses(recs)
 
 
-def test_pipeline_suite_single_process(tmp_path):
+def test_pipeline_and_graph_suites_single_process(tmp_path):
     out = tmp_path / "one"
-    proc = run_bench(1, ["--schedules", "gpipe"], out)
+    proc = run_bench(1, ["--schedules", "gpipe"], out, suites=("pipeline", "graph"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = records(out)
     assert recs and all(r["sizes"]["pp"] == 1 for r in recs)
     check_losses(recs)
+    # graph suite on the CPU: eager peerline vs eager torch from the same weights and data
+    (g,) = records(out, "graph")
+    assert g["case"] == "quick M=1 peerline eager vs torch eager"
+    assert g["extra"]["max_loss_diff"] <= 1e-5 * g["extra"]["anchor_losses"][0]
