@@ -7,7 +7,7 @@
 # Usage: bash tests/gpu/run_bench.sh [OUT]   (or OUT=... in the environment)
 # Logs to $OUT/bench.log; results under $OUT/bench_pipeline/ (results.jsonl, results.md, timeline-*.png/json),
 # the timeline PNGs also copied to $OUT/. Prints one PASS/FAIL/SKIP line per check; exits 0.
-# Bounded to about 5 minutes (each step under `timeout`); a healthy run on 2 x H100 should take 2 to 3.
+# Bounded to 5 minutes (each step under `timeout`); a healthy run on 2 x H100 should take 2 to 3.
 set -u
 OUT="${1:-${OUT:-/tmp/peerline-gpu}}"
 mkdir -p "$OUT"
@@ -38,7 +38,7 @@ if [ "${NGPU:-0}" -lt 1 ]; then
 fi
 
 echo "== GPU checks of timelines, block timer, stage times (pytest)" >> "$LOG"
-timeout -k 5 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_bench_gpu.py \
+timeout -k 5 45 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_bench_gpu.py \
   > "$OUT/bench_tests.out" 2>&1
 rc=$?
 cat "$OUT/bench_tests.out" >> "$LOG"
@@ -46,7 +46,7 @@ tail -n 1 "$OUT/bench_tests.out" | sed 's/^/  /'
 report timing_tests "$rc"
 
 echo "== graph suite: one GPU, launch-bound step, peerline eager/graph vs torch eager / hand-captured graph" >> "$LOG"
-timeout -k 5 90 env CUDA_VISIBLE_DEVICES=0 "$PY" launch/bench.py graph --out "$OUT/bench_graph" \
+timeout -k 5 75 env CUDA_VISIBLE_DEVICES=0 "$PY" launch/bench.py graph --out "$OUT/bench_graph" \
   > "$OUT/bench_graph.out" 2>&1
 rc=$?
 cat "$OUT/bench_graph.out" >> "$LOG"
@@ -60,7 +60,7 @@ fi
 
 echo "== pipeline suite: compute-bound + launch-bound, 1F1B, torch / eager / graph, 2 ranks" >> "$LOG"
 RES="$OUT/bench_pipeline"
-timeout -k 10 220 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 launch/bench.py pipeline \
+timeout -k 10 180 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 launch/bench.py pipeline \
   --pipeline-configs compute,launch --schedules 1f1b --variants torch,eager,graph --pipeline-timeline \
   --pipeline-iters 5 --reps 5 --warmup 2 --out "$RES" > "$OUT/bench_pipeline.out" 2>&1
 rc=$?
