@@ -16,6 +16,9 @@ peerline_require_int() {  # name value
 # Slurm runs a copy of the batch script from its spool directory, so the script's own path says nothing.
 peerline_find_repo() {
     local candidate
+    if [[ -n ${PEERLINE_REPO:-} && ! -f $PEERLINE_REPO/launch/pipeline.py ]]; then
+        peerline_die "PEERLINE_REPO=$PEERLINE_REPO has no launch/pipeline.py"
+    fi
     for candidate in "${PEERLINE_REPO:-}" "${SLURM_SUBMIT_DIR:-$PWD}" "$(dirname "${SLURM_SUBMIT_DIR:-$PWD}")"; do
         if [[ -n $candidate && -f $candidate/launch/pipeline.py ]]; then
             REPO=$(cd "$candidate" && pwd)
@@ -77,8 +80,10 @@ peerline_resolve_device() {
 # address as the head node itself reports it, so nothing depends on name lookup on the other nodes).
 # PEERLINE_HEAD_ADDR overrides the address (e.g. the address of a fast network the nodes share).
 peerline_find_head() {
-    HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-    [[ -n $HEAD_NODE ]] || peerline_die "scontrol show hostnames '$SLURM_JOB_NODELIST' printed nothing"
+    # awk, not head: head would exit early and fail the pipe (SIGPIPE under pipefail) on long node lists.
+    HEAD_NODE=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null | awk 'NR == 1' || true)
+    [[ -n $HEAD_NODE ]] \
+        || peerline_die "scontrol show hostnames '${SLURM_JOB_NODELIST:-}' printed nothing (not in a Slurm job?)"
     if [[ -n ${PEERLINE_HEAD_ADDR:-} ]]; then
         HEAD_ADDR=$PEERLINE_HEAD_ADDR
         return 0

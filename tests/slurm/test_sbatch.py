@@ -48,7 +48,8 @@ def _job_env(**extra: str) -> dict[str, str]:
 def _submit(cluster: SlurmCluster, script: str, options: list[str], args: list[str], tmp_path: Path,
             **env: str) -> JobResult:
     # cwd = the checkout: the scripts find it through SLURM_SUBMIT_DIR, as a user's submission would.
-    return cluster.sbatch(SLURM_DIR / script, args, options=options, env=_job_env(**env), cwd=REPO,
+    # --time=5 (minutes): a hung job is ended by Slurm itself, well before the 240 s we wait for sbatch.
+    return cluster.sbatch(SLURM_DIR / script, args, options=["--time=5", *options], env=_job_env(**env), cwd=REPO,
                           log_dir=tmp_path, timeout_s=240)
 
 
