@@ -107,6 +107,7 @@ class Failsafe:
         self.stage_ids = list(engine.order)
         self.stage = self.stage_ids[0] if len(self.stage_ids) == 1 else None
         self.holds_last = any(s.is_last for s in engine.stages.values())
+        self._peers = _describe_peers(rt.mesh)
         self.manifest = ckpt.build_manifest(self.cfg, self.world)
         # Resolved values, not the flags' defaults: pp=None means world/dp, dtype=None depends on the device.
         self.manifest["grid"]["pp"] = rt.mesh.pp
@@ -237,7 +238,9 @@ class Failsafe:
     def after_iteration(self, n: int) -> None:
         """Iteration `n` has been issued (on a GPU it may still be running)."""
         self.watchdog.iteration_done()
-        self.watchdog.waiting_for(f"the device to finish iteration {n}")
+        # On a GPU the host has only issued the iteration; what it waits for next is the device, which waits on
+        # the peers: name them, so a timeout there still points at the rank that was lost.
+        self.watchdog.waiting_for(f"the device to finish iteration {n} ({self._peers})")
         if self.save_dir and self.save_every and n % self.save_every == 0:
             self.save(n)
 
@@ -326,6 +329,18 @@ class Failsafe:
 
     def close(self) -> None:
         self.watchdog.stop()
+
+
+def _describe_peers(mesh: Any) -> str:
+    """'peers: rank 1 (stage 1), rank 2 (replica 1)': the ranks this rank's iteration waits on."""
+    peers = []
+    for r in (mesh.prev_rank, mesh.next_rank):
+        if r is not None:
+            peers.append(f"rank {r} (stage {r % mesh.pp})")
+    for r in mesh.dp_ranks(mesh.stage):
+        if r != mesh.rank:
+            peers.append(f"rank {r} (replica {r // mesh.pp})")
+    return "peers: " + ", ".join(peers) if peers else "no peers"
 
 
 def add_failure_flags(parser: Any) -> None:

@@ -16,79 +16,23 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, cpu_env, mpirun_cmd, torchrun_cmd
+from tests.helpers import cpu_env, mpirun_cmd, torchrun_cmd
+from tests.multiproc.failures_util import ENTRY, STARTUP_S, losses
+from tests.multiproc.failures_util import spawn as _spawn
 
 pytestmark = pytest.mark.timeout(240)
 
-
-def _entry() -> str:
-    """launch/pipeline.py once it carries the failure flags, else the test driver with the same flow."""
-    from peerline.launch.cli import build_parser
-
-    if "--save" in build_parser()._option_string_actions:
-        return str(REPO / "launch" / "pipeline.py")
-    return str(REPO / "tests" / "multiproc" / "failures_main.py")
-
-
-ENTRY = _entry()
 MODEL = ["--hidden", "32", "--layers", "4", "--seq", "8", "--micro-batch-size", "2", "-m", "4", "--device", "cpu"]
-STARTUP_S = 60  # importing torch on a loaded 2-core CI machine, gloo rendezvous
 
 
-@dataclass
-class Rank:
-    rc: int
-    out: str
-    err: str
-    seconds: float
-
-    def errors(self) -> list[str]:
-        return [ln for ln in self.err.splitlines() if ln.startswith("peerline: error:")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(n: int, args: list[str], tmp: Path, fault: str = "", limit_s: float = 120) -> list[Rank]:
-    """Start n ranks of ENTRY; wait at most limit_s for all (then kill them and fail)."""
-    port = str(_free_port())
-    procs = []
-    t0 = time.monotonic()
-    for r in range(n):
-        env = cpu_env(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PEERLINE_FAULT=fault)
-        procs.append(subprocess.Popen([sys.executable, ENTRY, *MODEL, *args], cwd=tmp, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    ranks = []
-    try:
-        for p in procs:
-            left = max(1.0, limit_s - (time.monotonic() - t0))
-            out, err = p.communicate(timeout=left)
-            ranks.append(Rank(p.returncode, out, err, time.monotonic() - t0))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"ranks still running after {limit_s} s: a hang ({[p.args for p in procs][0]})")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return ranks
-
-
-def losses(path: Path) -> list[float]:
-    return json.loads(path.read_text())["losses"]
+def spawn(n: int, args: list[str], tmp: Path, fault: str = "", limit_s: float = 120):
+    return _spawn(n, [*MODEL, *args], tmp, cpu_env(PEERLINE_FAULT=fault), limit_s)
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +140,7 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path, runs):
     assert "killed before iteration 4" in p.stderr
     got = json.loads((tmp_path / "restart.json").read_text())
     full = losses(runs / "full.json")
-    assert got["start"] == 2 and got["iterations"] == [3, 4, 5, 6]
+    assert got["iterations"] == [3, 4, 5, 6], "the restarted job did not resume from the checkpoint of iteration 2"
     assert got["losses"] == full[2:]
     assert (tmp_path / "ck" / "latest").read_text().strip() == "6"
 

@@ -1,0 +1,164 @@
+"""Failure behaviour on GPUs (issue 10): the non-finite guard inside a CUDA graph, a checkpoint of CUDA state, and
+on two GPUs (NCCL / copy engine) a killed rank, a hung rank (the peer's stream spins on a flag that never comes),
+resume == uninterrupted, and --skip-nonfinite. Skipped without CUDA (two devices for the multi-rank tests)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from peerline.distributed import checkpoint as ckpt
+from peerline.distributed.nonfinite import NonFiniteGuard
+from tests.multiproc.failures_util import STARTUP_S, losses, spawn
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_2 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                             reason="needs 2 CUDA devices")
+
+# Small model, torch kernels (no NVRTC compile inside the first watched iteration), fp32 so resumed losses can be
+# compared closely.
+MODEL = ["--hidden", "256", "--layers", "4", "--seq", "64", "--micro-batch-size", "2", "-m", "4", "--kernels", "torch",
+         "--dtype", "fp32"]
+DEADLINE = 10
+
+
+def gpu_env(fault: str = "") -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PEERLINE_DEVICE", "CUDA_VISIBLE_DEVICES")}
+    env.update(PEERLINE_FAULT=fault, OMP_NUM_THREADS="1")
+    return env
+
+
+def run2(args: list[str], tmp: Path, fault: str = "", limit_s: float = STARTUP_S + 90):
+    return spawn(2, [*MODEL, *args], tmp, gpu_env(fault), limit_s)
+
+
+@needs_cuda
+def test_guard_skips_the_step_inside_a_cuda_graph():
+    """update + arm + fused AdamW step captured once; replays with finite, NaN, finite gradients."""
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64, device=dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True, capturable=True)
+    loss = torch.zeros((), device=dev)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    guard = NonFiniteGuard(dev, skip=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        guard.prepare(opt)
+        for _ in range(3):  # warm-up: optimizer state exists before capture
+            guard.update(loss, [p.grad for p in model.parameters()])
+            guard.arm(opt)
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        guard.update(loss, [p.grad for p in model.parameters()])
+        assert guard.arm(opt)
+        opt.step()
+    torch.cuda.synchronize()
+    guard.count.fill_(10)
+    guard.first_bad.fill_(math.inf)
+    w0 = model.weight.detach().clone()
+    graph.replay()
+    w1 = model.weight.detach().clone()
+    assert not torch.equal(w0, w1), "a finite step changed nothing"
+    loss.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(model.weight, w1), "the step with a NaN loss was applied"
+    loss.zero_()
+    model.bias.grad[3] = float("inf")
+    graph.replay()
+    assert torch.equal(model.weight, w1), "the step with an inf gradient was applied"
+    model.bias.grad[3] = 0.0
+    graph.replay()
+    assert not torch.equal(model.weight, w1) and torch.isfinite(model.weight).all()
+    assert guard.first_nonfinite() == 12 and guard.skipped_steps() == 2
+
+
+@needs_cuda
+def test_checkpoint_of_cuda_state_round_trips(tmp_path):
+    dev = torch.device("cuda")
+    model = torch.nn.Linear(32, 32, device=dev)
+    opt = torch.optim.AdamW(model.parameters(), fused=True, capturable=True)
+    model(torch.randn(4, 32, device=dev)).sum().backward()
+    opt.step()
+    torch.cuda.manual_seed(3)
+    rng = ckpt.capture_rng(dev)
+    want = torch.rand(5, device=dev)
+    manifest = {"grid": {"pp": 1}}
+    ckpt.save_checkpoint(tmp_path, 0, 1, model.state_dict(), opt.state_dict(), rng, manifest)
+    other = torch.nn.Linear(32, 32, device=dev)
+    other_opt = torch.optim.AdamW(other.parameters(), fused=True, capturable=True)
+    other(torch.randn(4, 32, device=dev)).sum().backward()
+    other_opt.step()
+    torch.cuda.manual_seed(99)
+    state = ckpt.load_checkpoint(tmp_path, 0, manifest)
+    ckpt.apply_checkpoint(state, other, other_opt, dev)
+    assert torch.equal(other.weight, model.weight) and other.weight.device.type == "cuda"
+    st = other_opt.state[other.weight]
+    assert torch.equal(st["exp_avg"], opt.state[model.weight]["exp_avg"]) and st["step"].device.type == "cuda"
+    assert torch.equal(torch.rand(5, device=dev), want), "CUDA RNG state not restored"
+
+
+@needs_2
+@pytest.mark.parametrize("p2p", ["nccl", "copy-engine"])
+def test_killed_rank_ends_every_rank(tmp_path, p2p):
+    ranks = run2(["--p2p", p2p, "--iters", "8", "--timeout-s", str(DEADLINE)], tmp_path,
+                 fault="kill:rank=1:iter=4", limit_s=STARTUP_S + DEADLINE + 60)
+    r0, r1 = ranks
+    assert r1.rc == 9, r1.err[-2000:]
+    assert r0.rc != 0, r0.err[-2000:]
+    # The survivor ends by our watchdog (one line naming rank 1) or, if it wins the race, NCCL's own timeout.
+    assert r0.seconds < STARTUP_S + DEADLINE + 45
+    if r0.errors():
+        assert len(r0.errors()) == 1 and "rank 1" in r0.errors()[0], r0.err[-2000:]
+
+
+@needs_2
+def test_hung_rank_peer_stream_spinning_is_ended_by_the_watchdog(tmp_path):
+    ranks = run2(["--p2p", "copy-engine", "--iters", "8", "--timeout-s", str(DEADLINE)], tmp_path,
+                 fault="hang:rank=1:iter=4", limit_s=STARTUP_S + DEADLINE + 60)
+    r0, r1 = ranks
+    assert r1.rc == 3 and r1.errors() == [f"peerline: error: rank 1 (stage 1) timed out after {DEADLINE} s waiting "
+                                          "for iteration 4 to finish"], r1.err[-2000:]
+    assert r0.rc != 0, r0.err[-2000:]
+    if r0.errors():
+        assert len(r0.errors()) == 1 and "rank 1" in r0.errors()[0], r0.err[-2000:]
+
+
+@needs_2
+def test_resume_matches_uninterrupted_with_graphs(tmp_path):
+    """The GPU default (CUDA graphs, copy engine); the resumed process captures after its own warm-up."""
+    common = ["--p2p", "copy-engine", "--graph", "--warmup-iters", "2", "--timeout-s", "120"]
+    for name, extra in (("full", ["--iters", "6"]), ("first", ["--iters", "3", "--save", "ck"]),
+                        ("resumed", ["--iters", "6", "--resume", "ck"])):
+        ranks = run2([*common, *extra, "--json", f"{name}.json"], tmp_path)
+        assert all(r.rc == 0 for r in ranks), f"{name}: " + ranks[0].err[-2000:] + ranks[1].err[-2000:]
+    full = losses(tmp_path / "full.json")
+    assert losses(tmp_path / "first.json") == full[:3]
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert resumed["iterations"] == [4, 5, 6]
+    for got, want in zip(resumed["losses"], full[3:], strict=True):
+        assert abs(got - want) <= 1e-6 * abs(want), (resumed["losses"], full[3:])
+
+
+@needs_2
+def test_skip_nonfinite_on_gpus(tmp_path):
+    ranks = run2(["--p2p", "copy-engine", "--iters", "4", "--skip-nonfinite", "--json", "skip.json"], tmp_path,
+                 fault="nan:stage=1:iter=2")
+    assert all(r.rc == 0 for r in ranks), ranks[0].err[-2000:] + ranks[1].err[-2000:]
+    got = losses(tmp_path / "skip.json")
+    assert math.isnan(got[1]) and all(math.isfinite(v) for v in (got[0], *got[2:])), got
+    ranks = run2(["--p2p", "copy-engine", "--iters", "4"], tmp_path, fault="nan:stage=1:iter=2")
+    assert [r.rc for r in ranks] == [1, 1]
+    assert ranks[0].errors() == ["peerline: error: non-finite loss (nan) at iteration 2; rerun with "
+                                 "--skip-nonfinite to skip such steps"], ranks[0].err[-2000:]

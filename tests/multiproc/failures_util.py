@@ -1,0 +1,80 @@
+"""Start the ranks of a failure test as plain processes (torchrun's environment variables, no agent), so each
+rank's own exit code and stderr can be checked; shared by tests/multiproc/test_failures.py and
+tests/gpu/test_failures_gpu.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.helpers import REPO
+
+STARTUP_S = 60  # importing torch on a loaded 2-core CI machine, rendezvous, CUDA context
+
+
+def _entry() -> str:
+    """launch/pipeline.py once it carries the failure flags, else the test driver with the same flow."""
+    from peerline.launch.cli import build_parser
+
+    if "--save" in build_parser()._option_string_actions:
+        return str(REPO / "launch" / "pipeline.py")
+    return str(REPO / "tests" / "multiproc" / "failures_main.py")
+
+
+ENTRY = _entry()
+
+
+@dataclass
+class Rank:
+    rc: int
+    out: str
+    err: str
+    seconds: float
+
+    def errors(self) -> list[str]:
+        return [ln for ln in self.err.splitlines() if ln.startswith("peerline: error:")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Hang(AssertionError):
+    pass
+
+
+def spawn(n: int, args: list[str], cwd: Path, env: dict[str, str], limit_s: float = 120) -> list[Rank]:
+    """Start n ranks of ENTRY with `args`; wait at most limit_s for all of them, else kill them and raise Hang."""
+    port = str(_free_port())
+    procs = []
+    t0 = time.monotonic()
+    for r in range(n):
+        rank_env = dict(env, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, ENTRY, *args], cwd=cwd, env=rank_env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    ranks = []
+    try:
+        for p in procs:
+            left = max(1.0, limit_s - (time.monotonic() - t0))
+            out, err = p.communicate(timeout=left)
+            ranks.append(Rank(p.returncode, out, err, time.monotonic() - t0))
+    except subprocess.TimeoutExpired:
+        raise Hang(f"ranks still running after {limit_s} s: {' '.join(args)}") from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return ranks
+
+
+def losses(path: Path) -> list[float]:
+    return json.loads(path.read_text())["losses"]
