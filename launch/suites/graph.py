@@ -130,8 +130,9 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     shape = PipeShape(base.name, base.layers, base.hidden, base.micro_batch_size, base.seq, m, base.dtype)
     device, on_gpu = ctx.device, ctx.device.type == "cuda"
     iters = 2 if ctx.quick else 20
-    reps = args.reps or (2 if ctx.quick else 5)
-    warmup = args.warmup if args.warmup is not None else 1
+    reps = getattr(args, "reps", None) or (2 if ctx.quick else 5)
+    warmup = getattr(args, "warmup", None)
+    warmup = warmup if warmup is not None else 1
     tokens = m * shape.micro_batch_size * shape.seq
     # Every rank measures the same thing on its own device; time_blocks takes the slowest rank.
     timed: dict[str, Timing] = {}

@@ -117,9 +117,11 @@ class PipelineBench:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.pp = self.world // dp
         quick = ctx.quick
-        self.iters = args.pipeline_iters or (2 if quick else 5)
-        self.reps = args.reps or (2 if quick else 5)
-        self.warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
+        self.iters = getattr(args, "pipeline_iters", None) or (2 if quick else 5)
+        self.reps = getattr(args, "reps", None) or (2 if quick else 5)
+        warmup = getattr(args, "warmup", None)
+        self.warmup = warmup if warmup is not None else (1 if quick else 2)
+        self.draw_timeline = bool(getattr(args, "pipeline_timeline", False))
         self.stage_warmup, self.stage_reps = (1, 2) if quick else (3, 10)
 
     @property
@@ -181,7 +183,7 @@ class PipelineBench:
             timing = self._time(block)
             peak = _peak_gb(self.device)
             extra: dict[str, Any] = {"transport": rt.transport_name}
-            if not graph and self.args.pipeline_timeline:
+            if not graph and self.draw_timeline:
                 extra["timeline"] = self._timeline(rt)
             ideal = self._peerline_ideal(rt, timing)
         finally:
