@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path("runs") / f"bench-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}"
     ctx = BenchContext(out_dir=out, device=device, is_writer=rank == 0, quick=args.quick)
     ctx.facts["world_size"] = world
+    launcher = f"torchrun --nproc_per_node={world} " if world > 1 else "python "
+    ctx.facts["command"] = launcher + "launch/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
     display = Display(enabled=rank == 0, total=len(names))
     try:
         with display.running():

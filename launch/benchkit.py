@@ -207,8 +207,13 @@ class BenchContext:
         with jpath.open("w") as f:
             for r in self.records:
                 f.write(json.dumps(_finite({**asdict(r), "ratio": r.ratio, **self.facts}), allow_nan=False) + "\n")
-        lines = [f"Card: {self.facts.get('card')}, torch {self.facts.get('torch')}, date {self.facts.get('date')}",
-                 "", "| suite | case | metric | peerline | anchor | anchor is | ratio |",
+        versions = ", ".join(f"{k} {self.facts[k]}" for k in ("torch", "cuda", "nccl", "cupy", "driver")
+                             if k in self.facts)
+        lines = [f"Card: {self.facts.get('card')} x {self.facts.get('world_size', 1)} rank(s); {versions}; "
+                 f"date {self.facts.get('date')}"]
+        if "command" in self.facts:
+            lines.append(f"Command: `{self.facts['command']}`")
+        lines += ["", "| suite | case | metric | peerline | anchor | anchor is | ratio |",
                  "| --- | --- | --- | ---: | ---: | --- | ---: |"]
         for r in self.records:
             lines.append(f"| {r.suite} | {r.case} | {r.metric} | {r.peerline:.4g} | {r.anchor:.4g} | "
