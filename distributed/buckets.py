@@ -127,6 +127,8 @@ class GradBuckets:
                  device: torch.device, stream: torch.cuda.Stream | None = None, bucket_mb: float = 25,
                  first_bucket_mb: float = 1, timing: bool = True) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" means the current device
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.group = group
         self.stream = stream if self.device.type == "cuda" else None
         self.dp = dist.get_world_size(group) if group is not None else 1
