@@ -179,6 +179,7 @@ class PinnedStagingFeed:
         self.tap_enabled = True
         self.spans: list[tuple[str, int, int, torch.cuda.Event, torch.cuda.Event]] = []  # trace=True only
         self.host_fill_s = 0.0
+        self.hook_handle: torch.utils.hooks.RemovableHandle | None = None
 
     # -- construction from a Runtime -------------------------------------------------------------------------
     @classmethod
@@ -196,7 +197,8 @@ class PinnedStagingFeed:
         loss) into the static result buffers. It runs on the stage's stream, inside the iteration (and inside a
         captured graph: device copies only). The engine runs the last stage's forwards in microbatch order
         0..M-1 every iteration, in both schedules, so a counter reset by `load()` names the microbatch."""
-        return module.register_forward_hook(self._on_output)
+        self.hook_handle = module.register_forward_hook(self._on_output)
+        return self.hook_handle
 
     def _on_output(self, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
         mb = self.tap_mb % self.microbatches
@@ -360,6 +362,34 @@ class PinnedStagingFeed:
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(stream)
         return ev
+
+    # -- benchmark helpers: the copies alone, to measure the bound max(H2D, compute, D2H) ----------------------
+    def copy_in_alone(self) -> None:
+        """Enqueue one iteration's H2D copies (pinned slots -> landing buffers, round robin over the slots) on the
+        h2d stream, with no other dependency. Only for timing; the landing data is then stale."""
+        with use(self.streams.h2d):
+            for mb in range(self.microbatches):
+                slot = self.in_ring.slots[mb % len(self.in_ring)]
+                if self.inputs:
+                    self._land_in[mb].copy_(slot.inputs, non_blocking=True)
+                if self.targets:
+                    self._land_tgt[mb].copy_(slot.targets, non_blocking=True)
+
+    def copy_out_alone(self) -> None:
+        """Enqueue one iteration's D2H copies (outbox -> a pinned result slot) on the d2h stream, alone."""
+        if self.out_ring is None:
+            return
+        slot = self.out_ring.slots[0]
+        with use(self.streams.d2h):
+            slot.losses.copy_(self._outbox_losses, non_blocking=True)
+            if slot.outputs is not None:
+                slot.outputs.copy_(self._outbox_out, non_blocking=True)
+
+    def detach(self) -> None:
+        """Remove the result hook installed by attach()/install_result_hook()."""
+        if self.hook_handle is not None:
+            self.hook_handle.remove()
+            self.hook_handle = None
 
     def stats(self) -> dict[str, float]:
         """Ring waits (host waited on a slot's event), slots handed out, host fill seconds."""

@@ -1,0 +1,101 @@
+"""Child process of tests/gpu/test_single_gpu.py: one allocator backend, chosen before torch is imported.
+
+    python tests/gpu/single_worker.py KIND THRESHOLD OUT.json      (THRESHOLD: bytes, or 'none')
+
+Runs, with the staging feed and variable-size scratch (ScratchJitter) on 2 stages of one GPU, fp32:
+  1. eager, 4 iterations issued back to back (host runs ahead), per-iteration losses from the d2h results;
+  2. a second Runtime of the same seed: 1 eager iteration, then one iteration captured with torch.cuda.graph on
+     the main stream, replayed for iterations 1..3 (the feed's load() stays outside the graph).
+Writes JSON: the backend torch runs, the pool's release threshold read back, losses and checksums of both runs,
+the allocation count, and graph_error (the reason) when capture or replay failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from peerline.distributed.allocator import configure_allocator  # noqa: E402  (no torch import yet)
+
+KIND, THRESHOLD, OUT = sys.argv[1], None if sys.argv[2] == "none" else int(sys.argv[2]), sys.argv[3]
+configure_allocator(KIND, THRESHOLD)
+
+import torch  # noqa: E402
+
+from peerline.distributed.allocator import (  # noqa: E402
+    ScratchJitter,
+    active_allocator,
+    allocation_count,
+    allocator_stats,
+    apply_release_threshold,
+)
+from peerline.distributed.config import RunConfig  # noqa: E402
+from peerline.distributed.runtime import Runtime  # noqa: E402
+from peerline.distributed.staging import attach  # noqa: E402
+
+ITERS = 4
+DEVICE = os.environ.get("SINGLE_WORKER_DEVICE", "cuda")  # cpu: a smoke test of the eager part only
+
+
+def build():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cfg = RunConfig(hidden=128, layers=4, seq=64, micro_batch_size=2, microbatches=4, stages=2, schedule="1f1b",
+                    dtype="fp32", kernels="torch", device=DEVICE, iters=1000, seed=11)
+    rt = Runtime.create(cfg)
+    feed = attach(rt, results="losses")
+    ScratchJitter(0.5, cfg.microbatches).install([s.module for s in rt.engine.stages.values()])
+    return rt, feed
+
+
+def losses_of(results) -> list[float]:
+    return [float(r.losses.double().mean()) for r in results]
+
+
+def main() -> None:
+    device = torch.device(DEVICE, 0) if DEVICE == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    out: dict = {"kind": KIND, "active": active_allocator(), "threshold": THRESHOLD}
+    out["threshold_read"] = apply_release_threshold(device, THRESHOLD)
+    rt, feed = build()
+    for _ in range(ITERS):
+        rt.run_iteration()
+    out["eager_losses"] = losses_of(feed.drain())
+    out["eager_checksums"] = rt.layer_checksums()
+    out["allocs"] = allocation_count(device)
+    rt.engine.transport.close()
+    del rt, feed
+    try:
+        if device.type != "cuda":
+            raise RuntimeError("no CUDA graphs on the CPU")
+        rt, feed = build()
+        main_stream = rt.engine.main_stream
+        rt.run_iteration()  # iteration 0, eager: optimizer state exists before capture
+        torch.cuda.synchronize()
+        with torch.cuda.stream(main_stream):
+            feed.load(1)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=main_stream, capture_error_mode="thread_local"):
+            rt.engine.iteration()
+        with torch.cuda.stream(main_stream):
+            graph.replay()  # iteration 1
+            for it in range(2, ITERS):
+                feed.load(it)
+                graph.replay()
+        out["graph_losses"] = losses_of(feed.drain())
+        out["graph_checksums"] = rt.layer_checksums()
+    except Exception as exc:  # noqa: BLE001 - the reason is the result
+        out["graph_error"] = f"{type(exc).__name__}: {exc}"
+        out["graph_traceback"] = traceback.format_exc()[-3000:]
+    out["stats"] = allocator_stats(device)
+    Path(OUT).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
