@@ -61,6 +61,20 @@ def lanes(spans_by_rank: dict[int, list[Span]]) -> list[tuple[int, str]]:
     return rows
 
 
+def idle_fraction(spans: list[Span], start_ms: float, end_ms: float) -> float:
+    """Share of [start_ms, end_ms] covered by none of `spans`: on a compute lane, the bubbles (and any exposed
+    communication the stream waited for)."""
+    if end_ms <= start_ms:
+        return 0.0
+    busy, cursor = 0.0, start_ms
+    for s in sorted(spans, key=lambda s: s.start_ms):
+        a, b = max(s.start_ms, cursor), min(s.end_ms, end_ms)
+        if b > a:
+            busy += b - a
+            cursor = b
+    return 1.0 - busy / (end_ms - start_ms)
+
+
 def chrome_trace(spans_by_rank: dict[int, list[Span]]) -> dict:
     """Chrome trace events: pid = rank, tid = lane (named by metadata events), times in microseconds."""
     events: list[dict] = []
@@ -88,7 +102,8 @@ def write_chrome_trace(spans_by_rank: dict[int, list[Span]], path: Path) -> Path
 
 def draw_png(spans_by_rank: dict[int, list[Span]], path: Path, title: str | None = None) -> Path | None:
     """One horizontal lane per (rank, stream); bars coloured by kind, labelled with microbatch where they fit.
-    Gaps on a compute lane are the bubbles. Returns None when matplotlib is missing."""
+    Gaps on a compute lane are the bubbles; each compute lane is labelled with its idle share of the iteration.
+    Returns None when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -110,16 +125,19 @@ def draw_png(spans_by_rank: dict[int, list[Span]], path: Path, title: str | None
                     edgecolor="black", linewidth=0.3)
             if width > end / 60:
                 ax.text(s.start_ms + width / 2, y, s.label, ha="center", va="center", fontsize=6, clip_on=True)
+        if lane.startswith("compute"):
+            mine = [s for s in spans_by_rank[rank] if s.lane == lane]
+            ax.text(end * 1.005, y, f"idle {idle_fraction(mine, 0.0, end):.0%}", va="center", fontsize=7)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"rank {r} {lane}" for r, lane in rows], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlim(0, end * 1.01)
+    ax.set_xlim(0, end * 1.07)
     ax.set_xlabel("ms since the iteration started")
     used = {span_kind(s.label) for spans in spans_by_rank.values() for s in spans}
     ax.legend(handles=[Patch(color=c, label=k) for k, c in KIND_COLOURS.items() if k in used],
-              loc="upper right", fontsize=7, ncol=len(used) or 1)
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=len(used) or 1, frameon=False)
     ax.set_title(title or "one iteration, one lane per stream per rank (gaps on compute lanes are bubbles)",
-                 fontsize=9)
+                 fontsize=9, loc="left")
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
     fig.tight_layout()
     path = Path(path)

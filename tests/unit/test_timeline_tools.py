@@ -131,6 +131,12 @@ def test_chrome_trace_and_png(tmp_path):
     assert f0["ts"] == pytest.approx(1100.0) and f0["dur"] == pytest.approx(1000.0) and f0["cat"] == "forward"
 
 
+def test_idle_fraction_counts_gaps_once():
+    spans = [Span(0, "compute", "F0", 1.0, 3.0), Span(0, "compute", "F1", 2.0, 4.0), Span(0, "compute", "B0", 6, 8)]
+    assert timeline_draw.idle_fraction(spans, 0.0, 10.0) == pytest.approx(0.5)  # busy 1-4 and 6-8
+    assert timeline_draw.idle_fraction([], 0.0, 10.0) == 1.0
+
+
 def test_span_kinds():
     assert [timeline_draw.span_kind(x) for x in ("F3", "B12", "send act 1", "allreduce bucket 0", "optimizer",
                                                  "Fx", "SA3+RG1")] == ["forward", "backward", "copy", "allreduce",
