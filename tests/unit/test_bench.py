@@ -94,3 +94,27 @@ def test_write_only_on_rank_zero(tmp_path):
     ctx = BenchContext(out_dir=tmp_path / "x", device=torch.device("cpu"), is_writer=False)
     ctx.record(Record("s", "c", "GB/s", 1.0, 1.0, "a"))
     assert ctx.write() is None and not (tmp_path / "x").exists()
+
+
+def test_parser_carries_the_suites_own_flags():
+    args = bench.build_parser().parse_args(["pipeline", "graph", "--schedules", "1f1b", "--dp", "2",
+                                            "--pipeline-configs", "launch", "--variants", "torch,graph",
+                                            "--graph-microbatches", "4", "--reps", "3"])
+    assert args.schedules == ["1f1b"] and args.dp == 2 and args.pipeline_configs == ["launch"]
+    assert args.variants == ["torch", "graph"] and args.graph_microbatches == 4 and args.reps == 3
+
+
+def test_pipeline_suite_rejects_unknown_names_before_running(tmp_path):
+    import torch.distributed as dist
+
+    from peerline.launch.suites import pipeline
+
+    args = bench.build_parser().parse_args(["pipeline", "--schedules", "zigzag"])
+    ctx = BenchContext(out_dir=tmp_path, device=torch.device("cpu"), quick=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
+            pipeline.run(args, ctx)
+    finally:
+        dist.destroy_process_group()
+    assert ctx.records == []
