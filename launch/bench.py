@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s {PROG}[{rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S")
     out = args.out or Path("runs") / f"bench-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}"
-    ctx = BenchContext(out_dir=out, device=device, is_writer=rank == 0, quick=args.quick)
+    ctx = BenchContext(out_dir=out, device=device, is_writer=rank == 0, quick=args.quick, autosave_stem=args.stem)
     ctx.facts["world_size"] = world
     launcher = f"torchrun --nproc_per_node={world} " if world > 1 else "python "
     ctx.facts["command"] = launcher + "launch/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)

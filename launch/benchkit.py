@@ -179,19 +179,27 @@ class BenchContext:
     notes: list[str] = field(default_factory=list)
     #: called with a short description of what runs now (the progress display of launch/bench.py)
     on_step: Callable[[str], None] | None = None
+    #: when set, the files are rewritten after every record and note, so a run cut short keeps what it measured
+    autosave_stem: str | None = None
 
     def record(self, rec: Record) -> Record:
         self.records.append(rec)
         if self.is_writer:
             log.info("%s %s: peerline %.4g %s, %s %.4g, ratio %.3f", rec.suite, rec.case, rec.peerline, rec.metric,
                      rec.anchor_name, rec.anchor, rec.ratio)
+        self._autosave()
         return rec
+
+    def _autosave(self) -> None:
+        if self.autosave_stem is not None and self.is_writer:
+            self.write(self.autosave_stem)
 
     def note(self, text: str) -> None:
         """A line for the report (rank 0's notes are written)."""
         self.notes.append(text)
         if self.is_writer:
             log.info("%s", text)
+        self._autosave()
 
     def step(self, what: str) -> None:
         """Announce the measurement that starts now."""
