@@ -302,26 +302,47 @@ def goals(ctx: BenchContext) -> list[str]:
     return lines
 
 
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    """This suite's flags (prefixed, so they sit next to other suites' in launch/bench.py)."""
+    group.add_argument("--ar-hidden", dest="ar_hidden", type=int, default=None, help="block width (default 2048)")
+    group.add_argument("--ar-blocks", dest="ar_blocks", type=int, default=None, help="MLP blocks (default 8)")
+    group.add_argument("--ar-micro-batch-size", dest="ar_micro_batch", type=int, default=None,
+                       help="sequences per microbatch (default 8)")
+    group.add_argument("--ar-seq", dest="ar_seq", type=int, default=None, help="tokens per sequence (default 1024)")
+    group.add_argument("--ar-microbatches", dest="ar_microbatches", type=int, default=None,
+                       help="gradient accumulation steps (default 1)")
+    group.add_argument("--ar-bucket-mb", dest="ar_bucket_mb", type=float, default=None,
+                       help="bucket size, MiB, for peerline and DDP (default 25)")
+    group.add_argument("--ar-first-bucket-mb", dest="ar_first_bucket_mb", type=float, default=None,
+                       help="peerline's first bucket, MiB (default 1; DDP's is its own 1 MiB)")
+    group.add_argument("--ar-param-dtype", dest="ar_param_dtype", choices=("fp32", "bf16", "both"), default=None,
+                       help="parameter (and gradient) dtype (default both)")
+    group.add_argument("--ar-no-graph", dest="ar_no_graph", action="store_true", help="skip the CUDA-graph variant")
+
+
 def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     """Suite entry point (needs an initialized process group of 2+ ranks: NCCL on CUDA, gloo on the CPU)."""
     if not dist.is_initialized() or dist.get_world_size() < 2:
         raise SystemExit("allreduce bench: error: run with 2 ranks (torchrun --nproc_per_node=2)")
     quick = ctx.quick or ctx.device.type != "cuda"
+
+    def opt(name: str, default: Any) -> Any:
+        value = getattr(args, name, None)
+        return default if value is None else value
+
     if quick:
         shape = Shape(hidden=64, blocks=2, micro_batch=2, seq=16, microbatches=2, bucket_mb=0.02,
                       first_bucket_mb=0.005)
         dtypes, warmup, reps = [torch.float32], 1, 3
     else:
-        shape = Shape(hidden=getattr(args, "hidden", None) or 2048, blocks=getattr(args, "blocks", None) or 8,
-                      micro_batch=getattr(args, "micro_batch_size", None) or 8, seq=getattr(args, "seq", None) or 1024,
-                      microbatches=getattr(args, "microbatches", None) or 1,
-                      bucket_mb=getattr(args, "bucket_mb", None) or 25.0,
-                      first_bucket_mb=getattr(args, "first_bucket_mb", None) or 1.0)
-        choice = getattr(args, "param_dtype", None) or "both"
-        dtypes = {"fp32": [torch.float32], "bf16": [torch.bfloat16]}.get(choice, [torch.float32, torch.bfloat16])
-        warmup, reps = 3, getattr(args, "reps", None) or 20
+        shape = Shape(hidden=opt("ar_hidden", 2048), blocks=opt("ar_blocks", 8), micro_batch=opt("ar_micro_batch", 8),
+                      seq=opt("ar_seq", 1024), microbatches=opt("ar_microbatches", 1),
+                      bucket_mb=opt("ar_bucket_mb", 25.0), first_bucket_mb=opt("ar_first_bucket_mb", 1.0))
+        dtypes = {"fp32": [torch.float32], "bf16": [torch.bfloat16]}.get(opt("ar_param_dtype", "both"),
+                                                                          [torch.float32, torch.bfloat16])
+        warmup, reps = opt("warmup", 3), opt("reps", 20)
     for dtype in dtypes:
-        run_dtype(ctx, shape, dtype, warmup, reps, graph=not getattr(args, "no_graph", False))
+        run_dtype(ctx, shape, dtype, warmup, reps, graph=not getattr(args, "ar_no_graph", False))
     if ctx.is_writer:
         for line in goals(ctx):
             log.info("%s", line)
@@ -331,16 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for allreduce.jsonl and .md (rank 0)")
     parser.add_argument("--quick", action="store_true", help="tiny model on the CPU (gloo): a smoke test")
-    parser.add_argument("--hidden", type=int, default=None, help="block width (default 2048)")
-    parser.add_argument("--blocks", type=int, default=None, help="residual MLP blocks (default 8)")
-    parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per microbatch (default 8)")
-    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 1024)")
-    parser.add_argument("--microbatches", type=int, default=None, help="gradient accumulation steps (default 1)")
-    parser.add_argument("--bucket-mb", type=float, default=None, help="bucket size, MiB (default 25)")
-    parser.add_argument("--first-bucket-mb", type=float, default=None, help="first bucket, MiB (default 1)")
-    parser.add_argument("--param-dtype", choices=("fp32", "bf16", "both"), default="both")
     parser.add_argument("--reps", type=int, default=None, help="timed steps per variant (default 20)")
-    parser.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph variant")
+    add_arguments(parser.add_argument_group("allreduce"))
     args = parser.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
         print("allreduce bench: error: run under torchrun --nproc_per_node=2", file=sys.stderr)
