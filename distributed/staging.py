@@ -159,10 +159,14 @@ class PinnedStagingFeed:
         # Landing buffers: the second device copy of the inputs (see the module docstring).
         self._land_in = [torch.empty_like(b) for b in inputs] if gpu_overlap else []
         self._land_tgt = [torch.empty_like(b) for b in targets] if gpu_overlap else []
-        self._land_free: torch.cuda.Event | None = None  # main stream is done reading the landing buffers
+        # Per microbatch: the main stream has copied landing buffer mb out. Per microbatch, not per iteration, so
+        # the H2D of the next iteration's first microbatches need not wait for this iteration's last one.
+        self._land_free: list[torch.cuda.Event | None] = [None] * microbatches
         m = microbatches
-        self.loss_dev = torch.zeros(m, dtype=torch.float32, device=self.device) if results != "none" else None
-        self.out_dev = (torch.zeros((m, *out_shape), dtype=out_dtype, device=self.device)
+        # torch.empty launches nothing: no work on the stream that happens to be current here (the legacy default
+        # stream, outside run_iteration). The result hook writes every element before it is read.
+        self.loss_dev = torch.empty(m, dtype=torch.float32, device=self.device) if results != "none" else None
+        self.out_dev = (torch.empty((m, *out_shape), dtype=out_dtype, device=self.device)
                         if results == "outputs" else None)
         self._outbox_losses = torch.empty_like(self.loss_dev) if gpu_overlap and self.loss_dev is not None else None
         self._outbox_out = torch.empty_like(self.out_dev) if gpu_overlap and self.out_dev is not None else None
@@ -280,12 +284,12 @@ class PinnedStagingFeed:
     def _stage_inputs_overlapped(self, iteration: int) -> None:
         main = torch.cuda.current_stream(self.device)
         h2d = self.streams.h2d
-        if self._land_free is not None:
-            h2d.wait_event(self._land_free)  # the main stream has copied the previous landing data out
         ready = []
         for mb in range(self.microbatches):
             i, slot = self.in_ring.acquire()  # may wait for the event of this slot's last copy, if still busy
             self._fill_slot(slot, iteration, mb)
+            if self._land_free[mb] is not None:
+                h2d.wait_event(self._land_free[mb])  # main has copied the previous data of this buffer out
             with use(h2d):
                 start = self._timing_event(h2d)
                 if self.inputs:
@@ -304,8 +308,9 @@ class PinnedStagingFeed:
                 self.inputs[mb].copy_(self._land_in[mb], non_blocking=True)
             if self.targets:
                 self.targets[mb].copy_(self._land_tgt[mb], non_blocking=True)
-        self._land_free = torch.cuda.Event()
-        self._land_free.record(main)
+            free = torch.cuda.Event()
+            free.record(main)
+            self._land_free[mb] = free
 
     # -- results -----------------------------------------------------------------------------------------------
     def _send_results(self) -> None:

@@ -84,7 +84,9 @@ def test_stages_equal_one_stage_with_staging_feed(one_stage, schedule, stages):
 
 
 def test_h2d_compute_d2h_overlap():
-    cfg = RunConfig(hidden=128, layers=3, seq=4096, micro_batch_size=8, microbatches=4, stages=2, schedule="gpipe",
+    # GPU-bound (about 1 ms of kernels per layer and microbatch against ~0.15 ms of host launches) and compute a
+    # bit longer than the copies (128 MiB H2D per microbatch), so a compute span is running when the copies run.
+    cfg = RunConfig(hidden=256, layers=4, seq=8192, micro_batch_size=8, microbatches=4, stages=2, schedule="gpipe",
                     dtype="bf16", kernels="torch", device="cuda", iters=1000, seed=1)
     rt = Runtime.create(cfg)
     try:
