@@ -70,6 +70,9 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._wake_r: int | None = None
+        self._wake_w: int | None = None
+        self._old_wakeup = -1
+        self._old_handlers: dict[int, object] = {}
 
     # ----------------------------------------------------------------------------------------------------------
     # what the engine calls
@@ -129,6 +132,7 @@ class Watchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self._thread = None
+        self._restore_signal_handlers()
 
     # ----------------------------------------------------------------------------------------------------------
     # failures
@@ -181,10 +185,21 @@ class Watchdog:
         r, w = os.pipe()
         os.set_blocking(r, False)
         os.set_blocking(w, False)
-        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        for sig in signals:
-            signal.signal(sig, lambda _s, _f: None)  # the work is done by the watchdog thread
-        self._wake_r = r
+        self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        self._old_handlers = {sig: signal.signal(sig, lambda _s, _f: None) for sig in signals}  # the thread acts
+        self._wake_r, self._wake_w = r, w
+
+    def _restore_signal_handlers(self) -> None:
+        """Give the signals back (after a normal end, SIGTERM must end the process again)."""
+        if self._wake_r is None or threading.current_thread() is not threading.main_thread():
+            return
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._old_wakeup)
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        self._wake_r = self._wake_w = None
+        self._old_handlers = {}
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name

@@ -167,3 +167,19 @@ def test_sigterm_while_blocked_gives_one_line():
     assert p.returncode == EXIT_SIGNAL, err
     assert err.strip() == ("peerline: error: rank 2 (stage 0) stopped by SIGTERM (the launcher ends the job when a "
                            "rank fails) while waiting for grad mb 0 from rank 3 (edge stage 1->0)")
+
+
+def test_stop_gives_sigterm_back():
+    body = """
+        import os, signal, time
+        from peerline.distributed.watchdog import Watchdog
+        wd = Watchdog(rank=0, stage=0, timeout_s=60, poll_s=0.05)
+        wd.install_signal_handlers()
+        wd.start()
+        wd.stop()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        print("survived")
+    """
+    p = subprocess.run(_script(body), capture_output=True, text=True, timeout=30)
+    assert p.returncode == -15 and "survived" not in p.stdout, (p.returncode, p.stderr)
