@@ -107,6 +107,25 @@ def configure_allocator(kind: str, release_threshold: int | None = None) -> None
     _chosen.update(kind=kind, threshold=release_threshold)
 
 
+def preconfigure_from_argv(argv: list[str], env_default: str = "PEERLINE_ALLOCATOR") -> str | None:
+    """For a launcher, before its `import torch`: read --allocator / --pool-release-threshold from `argv` (default
+    $PEERLINE_ALLOCATOR, else caching) and configure. Returns the error message instead of raising, so the launcher
+    can print it as its one error line after its imports (a bad value is also caught later by RunConfig)."""
+    import argparse
+
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--allocator", default=os.environ.get(env_default, "caching"))
+    p.add_argument("--pool-release-threshold", type=int, default=None)
+    try:
+        known, _ = p.parse_known_args(argv)
+        configure_allocator(known.allocator, known.pool_release_threshold)
+    except ConfigError as exc:
+        return str(exc)
+    except SystemExit:  # argparse: a non-integer threshold; RunConfig's parser reports it
+        return None
+    return None
+
+
 def active_allocator() -> str:
     """'caching' or 'async', as torch runs it (loads torch); 'none' without a CUDA build."""
     backend = _loaded_backend()

@@ -34,7 +34,7 @@ if [ "${NGPU:-0}" -lt 1 ]; then
 fi
 
 echo "== tests: stages 2/4 == 1 stage with the staging feed, stream overlap, async allocator + graph" >> "$LOG"
-timeout -k 5 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_single_gpu.py \
+timeout -k 5 95 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_single_gpu.py \
   > "$OUT/single_tests.out" 2>&1
 rc=$?
 cat "$OUT/single_tests.out" >> "$LOG"
@@ -42,7 +42,7 @@ grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/single_tests.out" | tail -n
 report tests "$rc"
 
 echo "== bench: overlap vs serial vs bound; caching vs async allocator" >> "$LOG"
-timeout -k 5 75 "$PY" -m peerline.launch.suites.single --out "$OUT/bench_single" \
+timeout -k 5 80 "$PY" -m peerline.launch.suites.single --out "$OUT/bench_single" \
   > "$OUT/bench_single.out" 2>&1
 rc=$?
 cat "$OUT/bench_single.out" >> "$LOG"

@@ -88,3 +88,18 @@ def test_scratch_jitter_varies_sizes_and_leaves_outputs_alone():
 def test_scratch_jitter_rejects_bad_jitter():
     with pytest.raises(ConfigError, match="--seq-jitter must be in"):
         ScratchJitter(1.0, microbatches=2)
+
+
+def test_preconfigure_from_argv_before_torch():
+    code = ("import os, sys\n"
+            "from peerline.distributed.allocator import preconfigure_from_argv\n"
+            "assert preconfigure_from_argv(['--iters', '3', '--allocator', 'async', '--pool-release-threshold', '0'])"
+            " is None\n"
+            "assert 'torch' not in sys.modules\n"
+            "print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])\n"
+            "print(preconfigure_from_argv(['--allocator', 'pool']))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PEERLINE_ALLOCATOR")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["backend:cudaMallocAsync",
+                                        "unknown allocator 'pool'; choose one of caching, async"]
