@@ -46,6 +46,7 @@ def _run(stages: int, schedule: str) -> tuple[list[float], dict, list[torch.Tens
     try:
         for b in rt.engine.feed.inputs + rt.engine.feed.targets:
             b.fill_(float("nan"))  # poisoned: the feed must write every element
+        torch.cuda.synchronize()  # the fill ran on the legacy stream, which our non-blocking streams do not wait for
         feed = attach(rt, results="outputs", keep_outputs=True)
         for _ in range(ITERS):  # back to back: the host runs ahead, the overlapped path is exercised
             rt.run_iteration()
