@@ -15,8 +15,10 @@
 
 `train` runs `rt.train` and turns every failure into one line: a non-finite loss (rank 0 prints it, every rank
 exits 1 together), a communication error (`watchdog.fail`: names what this rank waited for, so the lost peer;
-exit 1), a timeout (the watchdog: exit 3). User errors (ConfigError, CheckpointError) propagate to the entry
-point, which prints them and exits 2.
+exit 1), a timeout (the watchdog: exit 3), a user error raised by one rank mid-run (a stage output that changed
+shape, a checkpoint that cannot be written: one line, exit 2 at once, since its peers wait for it). User errors
+found by `attach` (bad fault spec, unwritable --save, a checkpoint of another run) are agreed by every rank and
+propagate to the entry point, which prints them and exits 2.
 """
 
 from __future__ import annotations
@@ -280,7 +282,13 @@ class Failsafe:
         self._finite_so_far()  # never write a checkpoint of NaN weights
         engine = self.rt.engine
         model = {f"s{sid}.{k}": v for sid in self.stage_ids for k, v in engine.stages[sid].module.state_dict().items()}
-        barrier = dist.barrier if dist.is_initialized() and self.world > 1 else None
+        barrier = None
+        if dist.is_initialized() and self.world > 1:
+            def barrier() -> None:
+                # Writing is exempt from the deadline, waiting for the other ranks is not.
+                self.watchdog.waiting_for(f"the other ranks to finish writing the checkpoint of iteration {n}")
+                self.watchdog.arm()
+                dist.barrier()
         with self.watchdog.suspended(), use(engine.main_stream):
             if self.rt.device.type == "cuda":
                 torch.cuda.synchronize(self.rt.device)
@@ -319,7 +327,11 @@ class Failsafe:
             if self.rank == 0:
                 os.write(2, f"peerline: error: {exc}\n".encode())
             raise SystemExit(1) from None
-        except ConfigError:
+        except ConfigError as exc:
+            # Raised by one rank in the middle of training (a stage output that changed shape, a checkpoint that
+            # could not be written): the others are waiting for it, so a clean shutdown could hang. One line, exit 2,
+            # now; the others end by their own error or deadline.
+            self.watchdog.fatal(str(exc), 2)
             raise
         except Exception as exc:  # noqa: BLE001 - a communication failure: one line naming the wait, exit 1
             self.watchdog.fail(exc)

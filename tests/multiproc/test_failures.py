@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -123,6 +124,18 @@ def test_unwritable_save_dir_is_one_line_exit_2(tmp_path):
         assert len(r.errors()) == 1 and "blocker/ck is not writable" in r.errors()[0], r.err
         assert "Traceback" not in r.err
     assert (tmp_path / "blocker").read_text() == "a file, not a directory"
+
+
+def test_rank_failing_mid_run_leaves_no_rank_running(tmp_path):
+    """Stage 0's output changes shape in iteration 2 (a user-model error, ConfigError on rank 0 only): rank 0 exits
+    2 at once with one line, and rank 1, waiting for its activation, ends too, naming rank 0."""
+    env = cpu_env(PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    r0, r1 = _spawn(2, [*MODEL, "--model", "failures_models:shape_changer", "--iters", "4", "--timeout-s", "20"],
+                    tmp_path, env, limit_s=STARTUP_S + 20 + 15)
+    assert r0.rc == 2 and len(r0.errors()) == 1, r0.err
+    assert "stage 0 output changed between microbatches: microbatch 1" in r0.errors()[0]
+    assert r1.rc != 0 and len(r1.errors()) == 1 and "rank 0" in r1.errors()[0], r1.err
+    assert "Traceback" not in r0.err + r1.err
 
 
 @pytest.mark.slow
