@@ -4,7 +4,8 @@
 # the same code (gloo), then the allreduce bench (GradBuckets vs torch DDP, 8 blocks of h=2048).
 # Usage: bash tests/gpu/run_buckets.sh [OUT]   (or OUT=... in the environment)
 # Logs to $OUT/buckets.log, bench results to $OUT/bench_allreduce/. Prints one PASS/FAIL/SKIP line per check;
-# exits 0. Worst case about 9 minutes (every step bounded by timeout); a healthy run takes about 2.
+# exits 0. Worst case under 7 minutes (every step bounded by timeout; run.sh gives a section 420 s); a healthy
+# run takes about 2.
 set -u
 OUT="${1:-${OUT:-/tmp/peerline-gpu}}"
 mkdir -p "$OUT"
@@ -29,7 +30,7 @@ report() {  # report NAME RC
 }
 
 echo "== CPU checks of the same code (gloo: unit + torchrun dp=2)" >> "$LOG"
-timeout -k 5 150 "$PY" -m pytest -q -p no:cacheprovider -rfE tests/unit/test_buckets.py \
+timeout -k 5 90 "$PY" -m pytest -q -p no:cacheprovider -rfE tests/unit/test_buckets.py \
   tests/multiproc/test_buckets_multiproc.py -k "not mpirun" >> "$LOG" 2>&1
 report cpu "$?"
 
@@ -41,19 +42,20 @@ if [ "${NGPU:-0}" -lt 2 ]; then
 fi
 
 echo "== NCCL dp=2 checks (torchrun, 2 ranks)" >> "$LOG"
-timeout -k 5 180 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
+timeout -k 5 140 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
   tests/gpu/buckets_gpu_worker.py > "$OUT/buckets_check.out" 2>&1
 rc=$?
 cat "$OUT/buckets_check.out" >> "$LOG"
-grep -E "^(PASS|FAIL|INFO) " "$OUT/buckets_check.out" | sed 's/^/  /'
+grep -E "^(PASS|FAIL) " "$OUT/buckets_check.out" | sed -E 's/^(PASS|FAIL) /\1 buckets.nccl_dp2./'
+grep -E "^INFO " "$OUT/buckets_check.out" | sed 's/^/  /'
 report nccl_dp2 "$rc"
 
 echo "== bench (torchrun, 2 ranks)" >> "$LOG"
-timeout -k 5 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
+timeout -k 5 160 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
   launch/suites/allreduce.py --out "$OUT/bench_allreduce" > "$OUT/bench_allreduce.out" 2>&1
 rc=$?
 cat "$OUT/bench_allreduce.out" >> "$LOG"
-grep -E "^GOAL" "$OUT/bench_allreduce.out" | sed 's/^/  /'
+grep -E "^GOAL" "$OUT/bench_allreduce.out"
 [ -f "$OUT/bench_allreduce/allreduce.md" ] && cat "$OUT/bench_allreduce/allreduce.md"
 report bench "$rc"
 exit 0
