@@ -10,11 +10,27 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+_CYCLES_PER_MS: list[float] = []
+
+
 def _sleep_ms(ms: float) -> None:
-    """Busy the current stream for about `ms` (torch.cuda._sleep spins a kernel for a number of cycles)."""
-    rate_khz = torch.cuda.get_device_properties(0).clock_rate if hasattr(torch.cuda.get_device_properties(0),
-                                                                         "clock_rate") else 1_500_000
-    torch.cuda._sleep(int(ms * rate_khz))
+    """Busy the current stream for about `ms`: torch.cuda._sleep spins for a number of clock cycles, calibrated
+    once against CUDA events (clock rates vary with boost)."""
+    if not _CYCLES_PER_MS:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # warm-up: the first launch loads the kernel
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_MS.append(10_000_000 / max(start.elapsed_time(end), 1e-3))
+    torch.cuda._sleep(int(ms * _CYCLES_PER_MS[0]))
+
+
+@pytest.fixture(autouse=True)
+def calibrated_sleep():
+    _sleep_ms(0)  # calibrate outside the timed regions
+    torch.cuda.synchronize()
 
 
 def test_timeline_on_two_streams_orders_dependent_spans():
