@@ -27,12 +27,14 @@ sections=("$@")
 if [ ${#sections[@]} -eq 0 ]; then
   sections=(pipeline kernels p2p buckets single failures bench)
 fi
-for s in "${sections[@]}"; do
+for spec in "${sections[@]}"; do
+  s=${spec%%:*}  # NAME or NAME:SECONDS (that section's time limit)
+  limit=${SECTION_TIMEOUT:-420}; [ "$spec" != "$s" ] && limit=${spec#*:}
   f=tests/gpu/run_$s.sh
   [ -f "$f" ] || { echo "SECTION $s: missing"; continue; }
   echo "=== SECTION $s ($(date +%T))"
   start=$(date +%s)
-  timeout "${SECTION_TIMEOUT:-420}" bash "$f" > "$OUT/section_$s.log" 2>&1
+  timeout "$limit" bash "$f" > "$OUT/section_$s.log" 2>&1
   rc=$?
   grep -aE "^(PASS|FAIL|SKIP|GOAL)" "$OUT/section_$s.log" | head -60
   echo "=== SECTION $s rc=$rc in $(( $(date +%s) - start )) s"

@@ -29,10 +29,7 @@ report() {  # report NAME RC
   if [ "$2" -eq 0 ]; then echo "PASS buckets.$1"; else echo "FAIL buckets.$1 (rc $2, see $LOG)"; fi
 }
 
-echo "== CPU checks of the same code (gloo: unit + torchrun dp=2)" >> "$LOG"
-timeout -k 5 90 "$PY" -m pytest -q -p no:cacheprovider -rfE tests/unit/test_buckets.py \
-  tests/multiproc/test_buckets_multiproc.py -k "not mpirun" >> "$LOG" 2>&1
-report cpu "$?"
+# (The CPU checks of the same code run in CI; device time is kept for what needs GPUs.)
 
 NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
 if [ "${NGPU:-0}" -lt 2 ]; then

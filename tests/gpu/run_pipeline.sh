@@ -17,14 +17,12 @@ run1 --dtype fp32 --graph -m 4 --json $D/g1.json > $D/g1.log 2>&1; cmp $D/g1.jso
 run1 --dtype fp32 --no-graph -m 4 --kernels torch --json $D/t1.json > $D/t1.log 2>&1; cmp $D/t1.json $D/ref4.json --rtol 1e-4 --label "1 GPU peerline kernels vs torch kernels fp32"
 run1 --dtype fp32 --stages 2 -m 4 --no-graph --json $D/s2.json > $D/s2.log 2>&1; cmp $D/s2.json $D/ref4.json --rtol 1e-6 --label "1 GPU --stages 2 eager vs 1 stage"
 run1 --dtype fp32 --stages 2 -m 4 --graph --json $D/s2g.json > $D/s2g.log 2>&1; cmp $D/s2g.json $D/ref4.json --rtol 1e-6 --label "1 GPU --stages 2 graph vs 1 stage"
-for sched in 1f1b gpipe; do
-  for p2p in nccl copy-engine; do
-    for g in no-graph graph; do
-      n=pp2_${sched}_${p2p}_${g}
-      run2 --pp 2 --dtype fp32 --schedule $sched --p2p $p2p --$g -m 4 --json $D/$n.json > $D/$n.log 2>&1
-      cmp $D/$n.json $D/ref4.json --rtol 1e-5 --label "pp=2 $sched $p2p $g vs 1 GPU fp32"
-    done
-  done
+for combo in "1f1b nccl no-graph" "1f1b copy-engine no-graph" "1f1b nccl graph" "1f1b copy-engine graph" \
+             "gpipe nccl graph" "gpipe copy-engine graph"; do
+  set -- $combo; sched=$1 p2p=$2 g=$3
+  n=pp2_${sched}_${p2p}_${g}
+  run2 --pp 2 --dtype fp32 --schedule $sched --p2p $p2p --$g -m 4 --json $D/$n.json > $D/$n.log 2>&1
+  cmp $D/$n.json $D/ref4.json --rtol 1e-5 --label "pp=2 $sched $p2p $g vs 1 GPU fp32"
 done
 for g in no-graph graph; do
   run2 --pp 1 --dp 2 --dtype fp32 --$g -m 4 --json $D/dp2_$g.json > $D/dp2_$g.log 2>&1
