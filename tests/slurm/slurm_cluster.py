@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -177,6 +178,9 @@ class SlurmCluster:
             # A job that can never fit (more tasks than CPUs) is rejected at submit instead of pending forever.
             "EnforcePartLimits=ALL",
             "MailProg=/bin/true",
+            # Job ids (and with them the scripts' rendezvous ports, 20000 + id % 20000) differ between sessions,
+            # so two CI runs on one machine, or a leftover job, do not meet on the same port.
+            f"FirstJobId={random.randrange(1000, 1_000_000)}",
             "KillWait=5",
             f"StateSaveLocation={r / 'state'}",
             f"SlurmdSpoolDir={r / 'spool'}",
