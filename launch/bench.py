@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 launch/bench.py p2p allreduce pipeline
     torchrun --nproc_per_node=2 launch/bench.py all --out runs/bench-h100
 
-Suites: kernels, p2p, allreduce, graph, single, pipeline (launch/suites/). Results go to --out (default
+Suites: kernels, p2p, allreduce, batch_streams, graph, single, pipeline (launch/suites/). Results go to --out (default
 runs/bench-<date>): results.jsonl (one JSON record per measurement, with card, driver and versions) and
 results.md (a table with peerline, the anchor and their ratio). --quick runs tiny sizes (the CPU smoke test).
 Exit status: 0 when no suite failed (a suite whose module is missing is reported as not available, one that needs
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor sizes, MiB, comma-separated")
     g = p.add_argument_group("p2p")
     g.add_argument("--p2p-sizes", dest="sizes", type=_ints, default=None, help="message sizes, bytes")
-    g = p.add_argument_group("single")
+    g = p.add_argument_group("batch_streams")
     g.add_argument("--batches", type=int, default=None)
     g.add_argument("--batch-mib", dest="batch_mib", type=float, default=None)
     g.add_argument("--streams", dest="stream_counts", type=_ints, default=None)

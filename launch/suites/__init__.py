@@ -18,8 +18,9 @@ SUITES: dict[str, str] = {
     "kernels": "kernels",  # fused elementwise kernels vs torch eager
     "p2p": "p2p",  # copy-engine handoff vs NCCL send/recv
     "allreduce": "allreduce",  # bucketed all-reduce overlapped with backward vs DDP
+    "batch_streams": "batch_streams",  # multi-stream batch driver: N streams vs one
     "graph": "graph",  # whole-iteration CUDA graph vs eager
-    "single": "batch_streams",  # stages as streams of one GPU vs torch on one GPU
+    "single": "single",  # single-GPU mode: copy/compute overlap vs serial and its bound; allocators
     "pipeline": "pipeline",  # full training iteration vs torch.distributed.pipelining + DDP
 }
 
