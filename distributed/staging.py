@@ -128,7 +128,8 @@ class PinnedStagingFeed:
                  results: str = "losses", out_shape: tuple[int, ...] | None = None,
                  out_dtype: torch.dtype = torch.float32, overlap: bool = True, refill: bool = True,
                  keep_outputs: bool = False, trace: bool = False,
-                 fill: Callable[[torch.Tensor, int, int, int], None] | None = None) -> None:
+                 fill: Callable[[torch.Tensor, int, int, int], None] | None = None,
+                 result_buffers: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> None:
         if results not in RESULTS:
             raise ValueError(f"unknown results {results!r}; choose one of {', '.join(RESULTS)}")
         if slots < 1 or result_slots < 1:
@@ -163,11 +164,15 @@ class PinnedStagingFeed:
         # the H2D of the next iteration's first microbatches need not wait for this iteration's last one.
         self._land_free: list[torch.cuda.Event | None] = [None] * microbatches
         m = microbatches
-        # torch.empty launches nothing: no work on the stream that happens to be current here (the legacy default
-        # stream, outside run_iteration). The result hook writes every element before it is read.
-        self.loss_dev = torch.empty(m, dtype=torch.float32, device=self.device) if results != "none" else None
-        self.out_dev = (torch.empty((m, *out_shape), dtype=out_dtype, device=self.device)
-                        if results == "outputs" else None)
+        # The static result buffers. torch.empty launches nothing: no work on the stream that happens to be current
+        # here (the legacy default stream, outside run_iteration); the result hook writes every element before it
+        # is read. `result_buffers` reuses another feed's (a graph captured with that feed's hook writes there).
+        shared_loss, shared_out = result_buffers or (None, None)
+        self.loss_dev = None if results == "none" else (
+            shared_loss if shared_loss is not None else torch.empty(m, dtype=torch.float32, device=self.device))
+        self.out_dev = None if results != "outputs" else (
+            shared_out if shared_out is not None else torch.empty((m, *out_shape), dtype=out_dtype,
+                                                                  device=self.device))
         self._outbox_losses = torch.empty_like(self.loss_dev) if gpu_overlap and self.loss_dev is not None else None
         self._outbox_out = torch.empty_like(self.out_dev) if gpu_overlap and self.out_dev is not None else None
         self._outbox_free: torch.cuda.Event | None = None
@@ -189,10 +194,13 @@ class PinnedStagingFeed:
     @classmethod
     def from_feed(cls, feed: object, streams: RankStreams | None, *, out_spec: object | None = None,
                   **kwargs: object) -> PinnedStagingFeed:
-        """Reuse a DataFeed's static buffers (the addresses a captured graph reads) and its seed/replica/M."""
+        """Reuse a DataFeed's static buffers (the addresses a captured graph reads) and its seed/replica/M; from a
+        PinnedStagingFeed, also its static result buffers (a graph captured with its hook writes into those)."""
         if out_spec is not None:
             kwargs.setdefault("out_shape", tuple(out_spec.shape))
             kwargs.setdefault("out_dtype", out_spec.dtype)
+        if isinstance(feed, PinnedStagingFeed):
+            kwargs.setdefault("result_buffers", (feed.loss_dev, feed.out_dev))
         return cls(seed=feed.seed, replica=feed.replica, microbatches=feed.microbatches, inputs=feed.inputs,
                    targets=feed.targets, streams=streams, **kwargs)
 
@@ -406,9 +414,14 @@ class PinnedStagingFeed:
 
 
 def attach(rt: object, **kwargs: object) -> PinnedStagingFeed:
-    """Swap a PinnedStagingFeed into a built Runtime: reuse its DataFeed's static buffers, hook the last local
-    stage (when this rank holds the last stage) and set `rt.engine.feed`. Returns the feed."""
+    """Swap a PinnedStagingFeed into a built Runtime: reuse its feed's static buffers, hook the last local stage
+    (when this rank holds the last stage) and set `rt.engine.feed`. Returns the feed. Attach before the iteration
+    is captured (Runtime.maybe_capture, after the warm-up iterations), so the graph holds the result copies; a
+    feed attached later (after detach() of the old one) shares the old feed's result buffers, which the graph
+    writes."""
     engine = rt.engine
+    if isinstance(engine.feed, PinnedStagingFeed):
+        engine.feed.detach()
     last = engine.stages[engine.order[-1]]
     feed = PinnedStagingFeed.from_feed(engine.feed, rt.streams, out_spec=last.out_spec, **kwargs)
     if last.is_last:

@@ -4,8 +4,8 @@
 
 Runs, with the staging feed and variable-size scratch (ScratchJitter) on 2 stages of one GPU, fp32:
   1. eager, 4 iterations issued back to back (host runs ahead), per-iteration losses from the d2h results;
-  2. a second Runtime of the same seed: 1 eager iteration, then one iteration captured with torch.cuda.graph on
-     the main stream, replayed for iterations 1..3 (the feed's load() stays outside the graph).
+  2. a second Runtime of the same seed with graphs on (graph.py: 1 eager warm-up iteration, then the iteration is
+     captured and replayed for iterations 1..3; the feed's load() stays outside the graph).
 Writes JSON: the backend torch runs, the pool's release threshold read back, losses and checksums of both runs,
 the allocation count, and graph_error (the reason) when capture or replay failed.
 """
@@ -42,11 +42,11 @@ ITERS = 4
 DEVICE = os.environ.get("SINGLE_WORKER_DEVICE", "cuda")  # cpu: a smoke test of the eager part only
 
 
-def build():
+def build(graph: bool):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     cfg = RunConfig(hidden=128, layers=4, seq=64, micro_batch_size=2, microbatches=4, stages=2, schedule="1f1b",
-                    dtype="fp32", kernels="torch", device=DEVICE, iters=1000, seed=11)
+                    dtype="fp32", kernels="torch", device=DEVICE, iters=1000, seed=11, graph=graph, warmup_iters=1)
     rt = Runtime.create(cfg)
     feed = attach(rt, results="losses")
     ScratchJitter(0.5, cfg.microbatches).install([s.module for s in rt.engine.stages.values()])
@@ -63,7 +63,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     out: dict = {"kind": KIND, "active": active_allocator(), "threshold": THRESHOLD}
     out["threshold_read"] = apply_release_threshold(device, THRESHOLD)
-    rt, feed = build()
+    rt, feed = build(graph=False)
     for _ in range(ITERS):
         rt.run_iteration()
     out["eager_losses"] = losses_of(feed.drain())
@@ -74,20 +74,11 @@ def main() -> None:
     try:
         if device.type != "cuda":
             raise RuntimeError("no CUDA graphs on the CPU")
-        rt, feed = build()
-        main_stream = rt.engine.main_stream
-        rt.run_iteration()  # iteration 0, eager: optimizer state exists before capture
-        torch.cuda.synchronize()
-        with torch.cuda.stream(main_stream):
-            feed.load(1)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=main_stream, capture_error_mode="thread_local"):
-            rt.engine.iteration()
-        with torch.cuda.stream(main_stream):
-            graph.replay()  # iteration 1
-            for it in range(2, ITERS):
-                feed.load(it)
-                graph.replay()
+        rt, feed = build(graph=True)
+        for _ in range(ITERS):  # iteration 0 eager, then captured (Runtime.maybe_capture) and replayed
+            rt.run_iteration()
+        if rt.graph is None:
+            raise RuntimeError(f"graph.py fell back to eager: {rt.graph_failed}")
         out["graph_losses"] = losses_of(feed.drain())
         out["graph_checksums"] = rt.layer_checksums()
     except Exception as exc:  # noqa: BLE001 - the reason is the result

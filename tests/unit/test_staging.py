@@ -162,3 +162,24 @@ def test_cpu_runtime_with_staging_feed_equals_datafeed_run(schedule, stages):
         assert abs(float(r.losses.mean()) - loss) <= 1e-6 * abs(loss)
         assert r.outputs is not None and r.outputs.shape == (4, 2, 4, 16) and torch.isfinite(r.outputs).all()
     assert not torch.equal(results[0].outputs, results[1].outputs)
+
+
+def test_second_attach_detaches_the_first_and_shares_its_result_buffers():
+    from peerline.distributed.runtime import Runtime
+
+    cfg = RunConfig(hidden=16, layers=2, seq=4, micro_batch_size=2, microbatches=2, iters=2, stages=2,
+                    device="cpu", seed=1)
+    rt = Runtime.create(cfg)
+    try:
+        first = attach(rt, results="outputs")
+        rt.run_iteration()
+        second = attach(rt, results="outputs", overlap=False)
+        assert first.hook_handle is None and second.hook_handle is not None
+        # A graph captured with the first feed's hook writes the first feed's buffers: the second reads those.
+        assert second.loss_dev is first.loss_dev and second.out_dev is first.out_dev
+        rt.run_iteration()
+        got = second.drain()
+        assert [r.iteration for r in got] == [1] and torch.isfinite(got[0].losses).all()
+        assert first.tap_mb == 2  # the first hook saw iteration 0 only
+    finally:
+        rt.close()
