@@ -15,6 +15,8 @@ DEVICES = ("auto", "cuda", "cpu")
 KERNELS = ("auto", "peerline", "torch")
 P2P = ("auto", "copy-engine", "nccl")
 GRAD_SYNCS = ("buckets", "per-param")
+ALLOCATORS = ("caching", "async")
+STAGINGS = ("direct", "pinned")
 
 
 class ConfigError(ValueError):
@@ -77,6 +79,16 @@ class RunConfig:
     """Write config, losses, timings and versions to this JSON file (rank 0)."""
     timeline: str | None = None
     """Write a timeline (PNG + Chrome trace) of the last iteration with this path stem."""
+    staging: str = "direct"
+    """Inputs and results: direct (generated on the device into the static buffers) or pinned (generated on the
+    host, equal to the CPU's data, staged through a ring of pinned slots on the h2d stream; per-microbatch losses
+    back on the d2h stream: distributed/staging.py)."""
+    allocator: str = "caching"
+    """Device allocator: caching (PyTorch's) or async (cudaMallocAsync pool); chosen before torch loads."""
+    pool_release_threshold: int | None = None
+    """Bytes the async allocator's pool keeps across synchronizations (default: all of it)."""
+    seq_jitter: float = 0.0
+    """Variable-size per-microbatch scratch (sequence length varies by up to this fraction; 0: off)."""
 
     def __post_init__(self) -> None:
         def choose(name: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -88,6 +100,15 @@ class RunConfig:
         choose("kernels", self.kernels, KERNELS)
         choose("p2p", self.p2p, P2P)
         choose("grad sync", self.grad_sync, GRAD_SYNCS)
+        choose("staging", self.staging, STAGINGS)
+        choose("allocator", self.allocator, ALLOCATORS)
+        if not 0.0 <= self.seq_jitter < 1.0:
+            raise ConfigError(f"--seq-jitter must be in [0, 1), got {self.seq_jitter}")
+        if self.pool_release_threshold is not None:
+            if self.allocator != "async":
+                raise ConfigError("--pool-release-threshold applies to --allocator async only")
+            if self.pool_release_threshold < 0:
+                raise ConfigError(f"--pool-release-threshold must be >= 0 bytes, got {self.pool_release_threshold}")
         if self.dtype is not None:
             choose("dtype", self.dtype, DTYPES)
         for name in ("dp", "stages", "microbatches", "micro_batch_size", "seq", "hidden", "layers", "iters",

@@ -7,7 +7,9 @@ back once per logged iteration. launch/pipeline.py and the benchmarks both build
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,6 +77,9 @@ class Runtime:
     # -- construction --------------------------------------------------------------------------------------
     @classmethod
     def create(cls, cfg: RunConfig, info: LaunchInfo | None = None) -> Runtime:
+        from .allocator import configure_allocator
+
+        configure_allocator(cfg.allocator, cfg.pool_release_threshold)  # checks the backend torch loaded with
         info = info or detect_launch()
         pp = cfg.resolved_pp(info.world_size)  # checked before any process group exists: nothing can hang
         if cfg.stages > 1 and pp > 1:
@@ -91,6 +96,10 @@ class Runtime:
         init_distributed(info, device, cfg.timeout_s)
         mesh.create_groups()
         streams = create_rank_streams(device, cfg.stages)
+        if device.type == "cuda":
+            from .allocator import apply_release_threshold
+
+            apply_release_threshold(device, cfg.pool_release_threshold)
         modules = [m.to(device) for m in modules]
         dtype = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
         autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
@@ -140,6 +149,15 @@ class Runtime:
                  transport.describe())
         rt = cls(cfg, info, device, mesh, engine, streams, split, programs, transport.describe())
         rt.layer_offsets = {sid: bounds[sid][0] for sid in stage_ids}
+        if cfg.staging == "pinned":
+            from .staging import attach
+
+            attach(rt, results="losses")
+        if cfg.seq_jitter > 0:
+            from .allocator import ScratchJitter
+
+            rt.scratch = ScratchJitter(cfg.seq_jitter, cfg.microbatches, seed=cfg.seed).install(
+                [s.module for s in stages])
         return rt
 
     # -- training ------------------------------------------------------------------------------------------
@@ -212,10 +230,29 @@ class Runtime:
                 on_iteration(stats)
         return losses
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 20.0) -> bool:
+        """Free the transport and end the process group. Returns False when the NCCL teardown did not finish in
+        `timeout_s` (the caller then exits hard rather than hang: see below)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        # A captured graph holds references to the NCCL communicators it captured; ncclCommDestroy waits for them
+        # (pytorch/pytorch#115388), so the graph goes first.
+        self.graph = None
+        gc.collect()
         self.engine.transport.close()
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return True
+        done = threading.Event()
+
+        def destroy() -> None:
             dist.destroy_process_group()
+            done.set()
+
+        threading.Thread(target=destroy, daemon=True, name="peerline-teardown").start()
+        if not done.wait(timeout_s):
+            log.warning("process group teardown did not finish in %.0f s; exiting without it", timeout_s)
+            return False
+        return True
 
     def layer_checksums(self) -> dict[str, list[float]]:
         """{global layer index: [sum, sum of squares] of its parameters in float64}, from every replica's ranks,
@@ -235,14 +272,15 @@ class Runtime:
         return mine
 
     def write_timeline(self, path_stem: str) -> None:
-        """Gather the last iteration's spans to rank 0 and draw them (PNG + Chrome trace)."""
-        spans = self.engine.timeline.collect()
-        gathered = [spans]
-        if dist.is_initialized() and self.info.world_size > 1:
-            gathered = [None] * self.info.world_size if self.info.rank == 0 else None
-            dist.gather_object(spans, gathered, dst=0)
-        if self.info.rank == 0:
-            from .timeline_draw import write_timeline
+        """Gather the last iteration's spans to rank 0 on one clock, draw them (PNG + Chrome trace), and warn
+        about any span that starts before its dependency ended."""
+        gathered = self.engine.timeline.gather()  # collective; None except on rank 0
+        if gathered is None:
+            return
+        from .timeline_check import check_spans
+        from .timeline_draw import write_timeline
 
-            for path in write_timeline(gathered, path_stem):
-                print(f"peerline: timeline written to {path}", flush=True)
+        for path in write_timeline(gathered, path_stem):
+            print(f"peerline: timeline written to {path}", flush=True)
+        for problem in check_spans(gathered, pp=self.mesh.pp, stages_per_rank=self.cfg.stages)[:5]:
+            log.warning("timeline: %s", problem)

@@ -6,7 +6,18 @@ import argparse
 import dataclasses
 import os
 
-from peerline.distributed.config import DEVICES, DTYPES, GRAD_SYNCS, KERNELS, P2P, SCHEDULES, ConfigError, RunConfig
+from peerline.distributed.config import (
+    ALLOCATORS,
+    DEVICES,
+    DTYPES,
+    GRAD_SYNCS,
+    KERNELS,
+    P2P,
+    SCHEDULES,
+    STAGINGS,
+    ConfigError,
+    RunConfig,
+)
 
 _DEFAULTS = RunConfig()
 
@@ -64,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="(default: %(default)s)")
     g.add_argument("--timeout-s", type=float, default=_DEFAULTS.timeout_s,
                    help="deadline for any wait, seconds (default: %(default)s)")
+    g.add_argument("--staging", choices=STAGINGS, default=_DEFAULTS.staging,
+                   help="inputs/results: direct, or pinned (host ring + h2d/d2h streams; default: %(default)s)")
+    g.add_argument("--allocator", choices=ALLOCATORS, default=os.environ.get("PEERLINE_ALLOCATOR", _DEFAULTS.allocator),
+                   help="device allocator: caching or async (cudaMallocAsync; default: $PEERLINE_ALLOCATOR, else "
+                        "%(default)s)")
+    g.add_argument("--pool-release-threshold", type=int,
+                   help="bytes the async pool keeps across synchronizations (default: all)")
+    g.add_argument("--seq-jitter", type=float, default=_DEFAULTS.seq_jitter,
+                   help="variable-size scratch per microbatch: sequence varies by up to this fraction (default: 0)")
     g = p.add_argument_group("output")
     g.add_argument("--log-every", type=int, default=_DEFAULTS.log_every,
                    help="read the loss back every N iterations (default: %(default)s)")

@@ -17,6 +17,10 @@ if __package__ in (None, ""):
     sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 try:
+    # --allocator async must reach PyTorch before torch loads: read it from the command line first (no torch here).
+    from peerline.distributed.allocator import preconfigure_from_argv
+
+    _ALLOCATOR_ERROR = preconfigure_from_argv(sys.argv[1:])
     import torch
 
     from peerline.distributed.config import ConfigError
@@ -33,6 +37,8 @@ ERROR_GRACE_S = 2.0
 
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if _ALLOCATOR_ERROR:
+        raise ConfigError(_ALLOCATOR_ERROR)
     cfg = config_from_args(args)
     if args.print_schedule:
         from peerline.distributed import schedule
@@ -75,7 +81,12 @@ def run(argv: list[str] | None = None) -> int:
             final = history[-1].loss if history else float("nan")
             print(f"peerline: final loss={final:.9g} iterations={rt.iteration}", flush=True)
     finally:
-        rt.close()
+        clean = rt.close()
+    if not clean:
+        # NCCL teardown is stuck (captured communicators): everything is written, so leave without waiting on it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
