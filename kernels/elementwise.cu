@@ -11,8 +11,9 @@
 //   pl_reduce   (op 2 only) the bias gradient: a deterministic column sum of the per-block partial sums, plus the
 //               scalar head and tail elements of the vector path
 //
-// GELU is the exact one: gelu(v) = 0.5 v (1 + erf(v / sqrt 2)); gelu'(v) = Phi(v) + v phi(v). All arithmetic is
-// fp32; bf16 results are rounded to nearest even once. The bias is added in fp32 (torch's reference first rounds
+// GELU is the exact one: gelu(v) = v Phi(v) = 0.5 v (1 + erf(v / sqrt 2)); gelu'(v) = Phi(v) + v phi(v). All
+// arithmetic is fp32 (Phi: normcdff for fp32 results; with PL_GELU a cheaper Phi for bf16 results, see
+// phi_cdf_fast); bf16 results are rounded to nearest even once. The bias is added in fp32 (torch's reference first rounds
 // the bias to x's dtype and the sum to x's dtype; the fused kernel is the more accurate of the two).
 #include "ws_pipeline.cuh"
 
@@ -39,13 +40,72 @@ __device__ __forceinline__ float ldg_f32(const bf16_t* p) {
   return __uint_as_float(static_cast<u32>(__ldg(reinterpret_cast<const unsigned short*>(p))) << 16);
 }
 
-__device__ __forceinline__ float gelu_f(float v) { return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f)); }
+// GELU through Phi(v) = normcdff(v) (CUDA math: erfcf(-v / sqrt 2) with the product's rounding compensated, max
+// 5 ulp over the whole range). The first version used 0.5 (1 + erff(v / sqrt 2)): for v < 0 that sum cancels
+// (erff -> -1), the absolute error ~3e-8 of erff becomes a relative error of 1e-3 at v = -4 and erff rounds to
+// exactly -1 below v = -5.54, so gelu(v) came out 0 (the GPU run's rel err 1 on one element, issue 3).
+// PL_GELU (bf16 results only) selects a cheaper Phi for the bandwidth-bound bf16 path.
+__device__ __forceinline__ float phi_cdf(float v) { return normcdff(v); }
 
-__device__ __forceinline__ float gelu_grad_f(float v) {
-  const float cdf = 0.5f * (1.0f + erff(v * 0.70710678118654752f));
-  const float pdf = 0.39894228040143268f * expf(-0.5f * v * v);
-  return cdf + v * pdf;
+// exp(-v^2 / 2) / sqrt(2 pi) with v^2 split exactly into hi + lo (fma), so the argument's rounding (v^2/2 ulps,
+// 12 ulps at v = 5) does not reach the result: exp(-hi/2) exp(-lo/2), the second factor ~ 1 - lo/2.
+__device__ __forceinline__ float phi_pdf(float v) {
+  const float hi = v * v;
+  const float lo = fmaf(v, v, -hi);
+  return 0.39894228040143268f * expf(-0.5f * hi) * (1.0f - 0.5f * lo);
 }
+
+// PL_GELU: how bf16 results evaluate Phi (fp32 results always take normcdff):
+//   0 normcdff (exact), 1 phi_cdf_fast (the default for bf16), 2 the first version's 0.5 (1 + erff(v / sqrt 2))
+//   (kept only so the benchmark can compare against the first GPU run's kernel in the same run).
+#ifndef PL_GELU
+#define PL_GELU 1
+#endif
+
+// A cheaper Phi for bf16 results (8-bit significand: rounding alone is 2^-9 = 2e-3 relative): Abramowitz-Stegun
+// 7.1.26, erfc(z) = t (a1 + t (a2 + ... a5)) exp(-z^2), t = 1 / (1 + p z), z = |v| / sqrt 2 >= 0, absolute error
+// <= 1.5e-7 on erfc, i.e. <= 7.5e-8 on Phi, with MUFU.RCP and MUFU.EX2 (__fdividef, __expf) instead of erff's
+// polynomial + ex2. Relative to Phi that is < 2e-4 for v >= -3.4 (bf16 half-ulp is 2e-3); further into the
+// left tail the formula's own relative error grows (|gelu| < 1e-3 there), still far under the tests' 6e-3
+// norm-wise bound. Never used for fp32 results.
+__device__ __forceinline__ float phi_cdf_fast(float v) {
+  const float z = fabsf(v) * 0.70710678118654752f;
+  const float t = __fdividef(1.0f, fmaf(0.3275911f, z, 1.0f));
+  float p = fmaf(t, 1.061405429f, -1.453152027f);
+  p = fmaf(t, p, 1.421413741f);
+  p = fmaf(t, p, -0.284496736f);
+  p = fmaf(t, p, 0.254829592f);
+  const float half_erfc = 0.5f * t * p * __expf(-z * z);  // Phi(-|v|)
+  return v < 0.0f ? half_erfc : 1.0f - half_erfc;
+}
+
+template <int MODE>
+__device__ __forceinline__ float phi_cdf_t(float v) {
+  if constexpr (MODE == 1) return phi_cdf_fast(v);
+  else if constexpr (MODE == 2) return 0.5f * (1.0f + erff(v * 0.70710678118654752f));
+  else return phi_cdf(v);
+}
+
+template <int MODE>
+__device__ __forceinline__ float gelu_t(float v) { return v * phi_cdf_t<MODE>(v); }
+
+__device__ __forceinline__ float gelu_f(float v) { return gelu_t<0>(v); }
+
+// gelu'(v) = Phi(v) + v phi(v); no cancellation for v << 0 (Phi ~ phi / |v|), only near the root v = -0.7518,
+// where the result is small against its terms (an fp32 sum: error ~ eps (Phi + |v| phi)).
+template <int MODE>
+__device__ __forceinline__ float gelu_grad_t(float v) {
+  if constexpr (MODE == 0) {
+    return phi_cdf(v) + v * phi_pdf(v);
+  } else if constexpr (MODE == 2) {  // the first version, verbatim
+    return phi_cdf_t<2>(v) + v * (0.39894228040143268f * expf(-0.5f * v * v));
+  } else {
+    // bf16 results: MUFU.EX2 directly (__expf, relative error ~1e-6 at v = 5, far under bf16's 2e-3)
+    return phi_cdf_t<MODE>(v) + v * (0.39894228040143268f * __expf(-0.5f * v * v));
+  }
+}
+
+__device__ __forceinline__ float gelu_grad_f(float v) { return gelu_grad_t<0>(v); }
 
 // E bias values starting at column `col`; `vec` (uniform) says the host checked that col is a multiple of E,
 // H a multiple of E and the bias pointer aligned, so the E values are one aligned vector without wrap-around.
@@ -123,6 +183,8 @@ struct BiasGeluFwd {
   typedef TX TC;
   static constexpr int E = 16 / static_cast<int>(sizeof(TX));
   static constexpr bool HAS_B = false;
+  // The cheap Phi only where the result is bf16 (its rounding dwarfs the approximation); fp32 stays exact.
+  static constexpr int kGelu = sizeof(TX) == 2 ? PL_GELU : 0;
 
   const TX* x;
   TX* y;
@@ -138,10 +200,10 @@ struct BiasGeluFwd {
     float bb[E];
     load_bias<TBIAS, E>(bias, cols.col[s], H, bias_vec, bb);
 #pragma unroll
-    for (int k = 0; k < E; ++k) c[k] = gelu_f(a[k] + bb[k]);
+    for (int k = 0; k < E; ++k) c[k] = gelu_t<kGelu>(a[k] + bb[k]);
   }
   __device__ __forceinline__ void scalar(long long e) {
-    y[e] = from_f32<TX>(gelu_f(to_f32(x[e]) + ldg_f32(bias + e % H)));
+    y[e] = from_f32<TX>(gelu_t<kGelu>(to_f32(x[e]) + ldg_f32(bias + e % H)));
   }
   __device__ __forceinline__ void head_tail(int lane) {
     for (long long e = lane; e < head; e += 32) scalar(e);
@@ -156,6 +218,9 @@ struct BiasGeluBwd {
   typedef TX TC;  // grad_x
   static constexpr int E = 16 / static_cast<int>(sizeof(TX));
   static constexpr bool HAS_B = true;
+  // As in the forward: the cheap Phi and pdf only for bf16 grad_x (the bias gradient sums fp32 products of those
+  // values: their ~1e-7 absolute error per element is far under the bf16 bound of the bias gradient too).
+  static constexpr int kGelu = sizeof(TX) == 2 ? PL_GELU : 0;
 
   const TBIAS* bias;
   float* part;  // gridDim.x * TILE * E partial bias-gradient sums, one per (block, slot element)
@@ -177,7 +242,7 @@ struct BiasGeluBwd {
     load_bias<TBIAS, E>(bias, cols.col[s], H, bias_vec, bb);
 #pragma unroll
     for (int k = 0; k < E; ++k) {
-      c[k] = g[k] * gelu_grad_f(xv[k] + bb[k]);
+      c[k] = g[k] * gelu_grad_t<kGelu>(xv[k] + bb[k]);
       acc[s][k] += c[k];
     }
   }

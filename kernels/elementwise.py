@@ -23,6 +23,7 @@ misaligned `out`) run the scalar kernel.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -52,15 +53,23 @@ def _supported(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda and t.dtype in _DTYPES for t in tensors)
 
 
-def _new(n: int, dtype: torch.dtype, device: torch.device, head: int | None) -> torch.Tensor:
-    """A flat output of n elements whose element `head` is 16-byte aligned (any alignment if head is None)."""
+def _new(shape: tuple[int, ...] | int, dtype: torch.dtype, device: torch.device, head: int | None) -> torch.Tensor:
+    """A contiguous output of `shape` whose flat element `head` is 16-byte aligned (any alignment if head is None).
+
+    Never a view (its ._base is None): an autograd Function that returns a view of a tensor it created makes
+    autograd forbid later in-place writes to the result (the first GPU run's CUDA-graph test filled z with NaN
+    and torch raised "Output 0 of ResidualAddBackward is a view ... modified inplace"). The misaligned case
+    therefore points a fresh tensor at the padded buffer's storage with `set_` instead of slicing it."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    n = math.prod(shape)
     if head is None:
-        t = torch.empty(n, dtype=dtype, device=device)
+        t = torch.empty(shape, dtype=dtype, device=device)
     else:
         per = plan.VECTOR_BYTES // dtype.itemsize
         buf = torch.empty(n + per, dtype=dtype, device=device)
         off = plan.output_offset(buf.data_ptr(), buf.element_size(), head)
-        t = buf[off:off + n]
+        t = torch.empty(0, dtype=dtype, device=device)
+        t.set_(buf.untyped_storage(), off, shape, torch.empty(shape, device="meta").stride())
     if POISON_OUTPUTS:
         t.fill_(float("nan"))
     return t
@@ -120,12 +129,12 @@ def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | N
     xs = x.element_size()
     head = plan.common_head([(x.data_ptr(), xs)], spec.e)
     if out is None:
-        y = _new(n, x.dtype, dev, head)
+        y = _new(x.shape, x.dtype, dev, head)
     else:
-        y = _check_out(out, n, x.dtype, dev).view(-1)
+        y = _check_out(out, n, x.dtype, dev).view(x.shape)
         head = plan.common_head([(x.data_ptr(), xs), (y.data_ptr(), xs)], spec.e)
     if n == 0:
-        return y.view(x.shape)
+        return y
     op = kc.get_op(spec, dev.index)
     vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, op.max_grid)
     if vp is not None:
@@ -136,7 +145,7 @@ def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | N
     else:
         _launch(op.scalar, (_scalar_grid(n, op),), (SCALAR_THREADS,),
                 (_p(x), _p(y), _p(bias), _i64(n), _i32(hidden)), 0, dev)
-    return y.view(x.shape)
+    return y
 
 
 def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
@@ -152,15 +161,15 @@ def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
     xs = x.element_size()
     head = plan.common_head([(grad.data_ptr(), xs), (x.data_ptr(), xs)], spec.e)
     if out is None:
-        gx = _new(n, x.dtype, dev, head)
+        gx = _new(x.shape, x.dtype, dev, head)
     else:
-        gx = _check_out(out, n, x.dtype, dev).view(-1)
+        gx = _check_out(out, n, x.dtype, dev).view(x.shape)
         if head is not None:
             head = plan.common_head([(grad.data_ptr(), xs), (x.data_ptr(), xs), (gx.data_ptr(), xs)], spec.e)
     gb = _new(hidden, bias.dtype, dev, None)
     if n == 0:
         gb.zero_()
-        return gx.view(x.shape), gb
+        return gx, gb
     op = kc.get_op(spec, dev.index)
     tile_elems = spec.tile_chunks * spec.e
     vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, op.max_grid)
@@ -181,7 +190,7 @@ def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
     _launch(op.reduce, (-(-hidden // 32),), (32, 32),
             (_p(part), _i64(rows), _i32(hidden), _i64(shift), _p(grad), _p(x), _p(gx), _p(bias), _i64(n),
              _i64(rhead), _i64(tail), _p(gb)), 0, dev)
-    return gx.view(x.shape), gb
+    return gx, gb
 
 
 def residual_add_forward(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -193,14 +202,14 @@ def residual_add_forward(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | N
     rs = rdtype.itemsize
     head = plan.common_head([(x.data_ptr(), x.element_size()), (y.data_ptr(), y.element_size())], spec.e)
     if out is None:
-        o = _new(n, rdtype, dev, head)
+        o = _new(x.shape, rdtype, dev, head)
     else:
-        o = _check_out(out, n, rdtype, dev).view(-1)
+        o = _check_out(out, n, rdtype, dev).view(x.shape)
         if head is not None:
             head = plan.common_head([(x.data_ptr(), x.element_size()), (y.data_ptr(), y.element_size()),
                                      (o.data_ptr(), rs)], spec.e)
     if n == 0:
-        return o.view(x.shape)
+        return o
     op = kc.get_op(spec, dev.index)
     vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, op.max_grid)
     if vp is not None:
@@ -208,7 +217,7 @@ def residual_add_forward(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | N
                 (_p(x), _p(y), _p(o), _i64(n), _i64(vp.head), _i64(vp.nchunks)), spec.smem_bytes, dev)
     else:
         _launch(op.scalar, (_scalar_grid(n, op),), (SCALAR_THREADS,), (_p(x), _p(y), _p(o), _i64(n)), 0, dev)
-    return o.view(x.shape)
+    return o
 
 
 # ---- autograd ----

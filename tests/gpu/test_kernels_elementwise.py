@@ -36,10 +36,11 @@ def _poison(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ew, "POISON_OUTPUTS", True)
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_err(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    """||out - ref|| / ||ref|| (or / ||scale||: the magnitude an fp32 evaluation is accurate relative to)."""
     out64 = out.double()
     assert torch.isfinite(out64).all(), f"non-finite output ({(~torch.isfinite(out64)).sum().item()} elements)"
-    denom = ref.norm().item()
+    denom = (ref if scale is None else scale).norm().item()
     return (out64 - ref).norm().item() / (denom if denom > 0 else 1.0)
 
 
@@ -51,8 +52,22 @@ def randn(shape: tuple[int, ...], dtype: torch.dtype, offset: int = 0, scale: fl
     return buf[offset:].view(shape)
 
 
+def v32(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """x + b as the kernels form it: one correctly rounded fp32 add (as torch's fp32 x + b), in float64.
+
+    The reference evaluates GELU in float64 at this value rather than at the exact x + b: GELU's condition number
+    is ~v^2 in the left tail (~30 at v = -5.5), so the add's half-ulp rounding alone moves an fp32 result by up
+    to ~2e-6 relative, whatever the GELU evaluation; on a one-element tensor that is the whole norm (the first
+    GPU run's (1, 1) cases). What the tests bound is the kernels' GELU, and that stays exact to a few ulp."""
+    return (x.float() + b.float()).double()
+
+
 def gelu64(v: torch.Tensor) -> torch.Tensor:
     return 0.5 * v * (1 + torch.erf(v / math.sqrt(2)))
+
+
+def gelu_pdf64(v: torch.Tensor) -> torch.Tensor:
+    return torch.exp(-0.5 * v * v) / math.sqrt(2 * math.pi)
 
 
 def gelu_grad64(v: torch.Tensor) -> torch.Tensor:
@@ -77,7 +92,7 @@ def test_bias_gelu_forward(shape: tuple[int, ...], xdt: torch.dtype, bdt: torch.
     y = ew.bias_gelu_forward(x, b)
     torch.cuda.synchronize()
     assert y.shape == x.shape and y.dtype == xdt
-    err = rel_err(y, gelu64(x.double() + b.double()))
+    err = rel_err(y, gelu64(v32(x, b)))
     assert err < BOUND[xdt], f"rel err {err:.3g}"
 
 
@@ -91,7 +106,7 @@ def test_bias_gelu_forward_into_poisoned_out(shape: tuple[int, ...], xdt: torch.
     out = poisoned_like(shape, xdt, ooff)
     ew.bias_gelu_forward(x, b, out=out)
     torch.cuda.synchronize()
-    assert rel_err(out, gelu64(x.double() + b.double())) < BOUND[xdt]
+    assert rel_err(out, gelu64(v32(x, b))) < BOUND[xdt]
 
 
 @pytest.mark.parametrize("xdt,bdt", DTYPE_PAIRS)
@@ -105,8 +120,13 @@ def test_bias_gelu_backward(shape: tuple[int, ...], xdt: torch.dtype, bdt: torch
     gx, gb = ew.bias_gelu_backward(g, x, b)
     torch.cuda.synchronize()
     assert gx.dtype == xdt and gb.dtype == bdt and gb.shape == b.shape
-    prod = g.double() * gelu_grad64(x.double() + b.double())
-    assert rel_err(gx, prod) < BOUND[xdt]
+    v = v32(x, b)
+    prod = g.double() * gelu_grad64(v)
+    # gelu' = Phi(v) + v phi(v) crosses 0 at v = -0.7518: there an fp32 sum is only accurate relative to its
+    # terms, eps (Phi + |v| phi), not to the (tiny) result; scale the norm by that (>= |gelu'|, about the same
+    # size over a normal sample, so large tensors are bounded as before; one element near the root is not a bug)
+    terms = g.double().abs() * (0.5 * torch.special.erfc(-v / math.sqrt(2)) + v.abs() * gelu_pdf64(v))
+    assert rel_err(gx, prod, scale=terms) < BOUND[xdt]
     err_b = rel_err(gb, prod.reshape(-1, shape[-1]).sum(0))
     assert err_b < BIAS_BOUND[bdt], f"bias grad rel err {err_b:.3g}"
 
@@ -153,7 +173,7 @@ def test_autograd_through_ops(xdt: torch.dtype, bdt: torch.dtype) -> None:
     gz = randn((64, 4096), torch.float32)
     z = ops.residual_add(r, ops.bias_gelu(x, b, "peerline"), "peerline")
     z.backward(gz)
-    v = x.detach().double() + b.detach().double()
+    v = v32(x.detach(), b.detach())
     # the gradient reaching bias_gelu is gz in y's dtype (x's): the residual add's backward casts it
     gy = gz.to(xdt).double()
     prod = gy * gelu_grad64(v)
@@ -193,7 +213,7 @@ def test_cuda_graph_capture_fwd_bwd() -> None:
                 t.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        v = x.detach().double() + b.detach().double()
+        v = v32(x.detach(), b.detach())
         prod = gz.bfloat16().double() * gelu_grad64(v)  # the residual add hands bias_gelu gz in bf16
         assert rel_err(z, r.double() + gelu64(v)) < BOUND[torch.bfloat16]
         assert rel_err(gx, prod) < BOUND[torch.bfloat16]

@@ -161,3 +161,53 @@ def test_kernel_specs() -> None:
         kc.KernelSpec(kc.OP_RESIDUAL_ADD, "float16")
     src = kc.source_text()
     assert '#include "ws_pipeline.cuh"' not in src and "cuda::memcpy_async" in src
+
+
+@pytest.mark.parametrize("head", [None, 0, 1, 3])
+def test_outputs_are_never_views(head: int | None) -> None:
+    """Autograd forbids in-place writes to a view a custom Function returns (the first GPU run's CUDA-graph test):
+    _new gives a base-less tensor in the requested shape, whose element `head` is 16-byte aligned."""
+    from peerline.kernels import elementwise as ew
+
+    t = ew._new((3, 5), torch.float32, torch.device("cpu"), head)
+    assert t._base is None and t.shape == (3, 5) and t.is_contiguous()
+    if head is not None:
+        assert (t.data_ptr() + head * 4) % plan.VECTOR_BYTES == 0
+    t.fill_(1.0)  # writable, and the whole padded storage stays alive through the tensor
+    assert t.sum().item() == 15
+
+
+def test_gelu_mode_reaches_the_compiler() -> None:
+    assert "-DPL_GELU=1" in kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "bfloat16").defines()  # the default: cheap Phi
+    assert "-DPL_GELU=2" in kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "bfloat16", gelu=kc.GELU_FIRST).defines()
+    with pytest.raises(ValueError, match="gelu mode"):
+        kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "bfloat16", gelu=7)
+
+
+def _phi_fast32(v: torch.Tensor) -> torch.Tensor:
+    """elementwise.cu phi_cdf_fast in fp32 torch ops (the GPU's __fdividef / __expf differ by a few ulp)."""
+    z = v.abs() * 0.70710678118654752
+    t = 1.0 / (0.3275911 * z + 1.0)
+    p = t * 1.061405429 - 1.453152027
+    p = t * p + 1.421413741
+    p = t * p - 0.284496736
+    p = t * p + 0.254829592
+    half_erfc = 0.5 * t * p * torch.exp(-z * z)
+    return torch.where(v < 0, half_erfc, 1.0 - half_erfc)
+
+
+def test_cheap_phi_is_far_inside_bf16_rounding() -> None:
+    """The cheap GELU (bf16 results) against float64: per element under bf16's half-ulp (2^-9) down to v = -5, and
+    norm-wise on a normal sample no worse than rounding the exact result to bf16."""
+    v = torch.linspace(-5, 8, 200001, dtype=torch.float32)
+    g = v * _phi_fast32(v)
+    v64 = v.double()
+    ref = 0.5 * v64 * torch.special.erfc(-v64 / math.sqrt(2))
+    rel = ((g.double() - ref).abs() / ref.abs().clamp_min(1e-300))
+    assert rel.max().item() < 2 ** -9
+    x = torch.randn(100000, generator=torch.Generator().manual_seed(0)) * math.sqrt(5)
+    x64 = x.double()
+    exact = 0.5 * x64 * torch.special.erfc(-x64 / math.sqrt(2))
+    fast = (x * _phi_fast32(x)).bfloat16().double()
+    rounded = exact.bfloat16().double()
+    assert (fast - exact).norm() <= 1.05 * (rounded - exact).norm()
