@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from peerline.distributed import checkpoint as ckpt
 from peerline.distributed.config import ConfigError, RunConfig
 

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+
 from peerline.distributed import faults
 from peerline.distributed.config import ConfigError
 from peerline.distributed.faults import Fault, Faults, FaultSpecError, parse_faults

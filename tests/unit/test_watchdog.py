@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+
 from peerline.distributed.watchdog import EXIT_SIGNAL, EXIT_TIMEOUT, Watchdog, _oneline, describe_edge
 
 pytestmark = pytest.mark.timeout(60)
