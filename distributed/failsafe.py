@@ -39,7 +39,7 @@ from .config import ConfigError
 from .nonfinite import NonFiniteGuard, NonFiniteLossError, check_finite
 from .p2p import ACT, Transport
 from .streams import use
-from .watchdog import Watchdog
+from .watchdog import Watchdog, describe_edge
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,7 @@ class WatchedTransport(Transport):
         here = self.first_stage if (kind == ACT) != sending else self.last_stage
         there = here - 1 if (kind == ACT) != sending else here + 1
         peer = links.peer(kind, sending) if links is not None else "?"
-        src, dst = (here, there) if sending else (there, here)
-        return f"{kind} mb {mb} {'to' if sending else 'from'} rank {peer} (edge stage {src}->{dst})"
+        return describe_edge(kind, mb, peer, here, there, sending=sending)
 
     def exchange(self, sends, recvs):
         parts = [self._describe(kind, mb, False) for kind, mb in recvs]

@@ -277,7 +277,8 @@ def _oneline(exc: BaseException) -> str:
     return head.rstrip(".") or text
 
 
-def describe_edge(kind: str, mb: int, peer_rank: int, stage: int, peer_stage: int, *, sending: bool = False) -> str:
+def describe_edge(kind: str, mb: int, peer_rank: int | str, stage: int, peer_stage: int, *, sending: bool = False
+                  ) -> str:
     """The description the engine gives `waiting_for` around a transfer, in one fixed vocabulary:
     'act mb 3 from rank 0 (edge stage 0->1)' / 'grad mb 3 to rank 0 (edge stage 1->0)'."""
     src, dst = (stage, peer_stage) if sending else (peer_stage, stage)
