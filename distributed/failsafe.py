@@ -322,9 +322,11 @@ class Failsafe:
                     log.warning("%d step(s) skipped for non-finite loss", n)
             return losses
         except NonFiniteLossError as exc:
-            # Every rank raises at the same point (the loss and the flags are agreed); one line, from rank 0.
+            # Every rank raises at the same point (the loss and the flags are agreed); one line, from rank 0. A hard
+            # exit, like every other failure here: a teardown of captured NCCL communicators could still hang.
             if self.rank == 0:
                 os.write(2, f"peerline: error: {exc}\n".encode())
+            self.watchdog.fatal_quiet(1)
             raise SystemExit(1) from None
         except ConfigError as exc:
             # Raised by one rank in the middle of training (a stage output that changed shape, a checkpoint that

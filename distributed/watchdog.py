@@ -154,6 +154,14 @@ class Watchdog:
             what = exc
         self.fatal(f"{self.who} failed while waiting for {self.description()}: {what}", code)
 
+    def fatal_quiet(self, code: int) -> None:
+        """End the process like `fatal`, printing nothing (another rank reports the shared error)."""
+        if not self._fired.acquire(blocking=False):
+            return
+        _run_bounded(_flush_std_streams, 2.0)
+        self._stop.set()
+        self._exit_fn(code)
+
     def fatal(self, message: str, code: int) -> None:
         """Write `peerline: error: <message>` once, flush what can be flushed, and end the process."""
         if not self._fired.acquire(blocking=False):
