@@ -62,21 +62,38 @@ __device__ __forceinline__ float phi_pdf(float v) {
 #define PL_GELU 1
 #endif
 
+// MUFU approximations without the denormal guards of __fdividef / __expf (ftz): the reciprocal's argument is
+// >= 1, and ex2 of an argument below -126 flushing to 0 means Phi < 1e-38.
+__device__ __forceinline__ float ex2_approx(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ float rcp_approx(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // A cheaper Phi for bf16 results (8-bit significand: rounding alone is 2^-9 = 2e-3 relative): Abramowitz-Stegun
 // 7.1.26, erfc(z) = t (a1 + t (a2 + ... a5)) exp(-z^2), t = 1 / (1 + p z), z = |v| / sqrt 2 >= 0, absolute error
-// <= 1.5e-7 on erfc, i.e. <= 7.5e-8 on Phi, with MUFU.RCP and MUFU.EX2 (__fdividef, __expf) instead of erff's
-// polynomial + ex2. Relative to Phi that is < 2e-4 for v >= -3.4 (bf16 half-ulp is 2e-3); further into the
-// left tail the formula's own relative error grows (|gelu| < 1e-3 there), still far under the tests' 6e-3
-// norm-wise bound. Never used for fp32 results.
-__device__ __forceinline__ float phi_cdf_fast(float v) {
-  const float z = fabsf(v) * 0.70710678118654752f;
-  const float t = __fdividef(1.0f, fmaf(0.3275911f, z, 1.0f));
-  float p = fmaf(t, 1.061405429f, -1.453152027f);
-  p = fmaf(t, p, 1.421413741f);
-  p = fmaf(t, p, -0.284496736f);
-  p = fmaf(t, p, 0.254829592f);
-  const float half_erfc = 0.5f * t * p * __expf(-z * z);  // Phi(-|v|)
+// <= 1.5e-7 on erfc, i.e. <= 7.5e-8 on Phi; about 15 instructions with one MUFU.RCP and one MUFU.EX2 (erff: ~30).
+// Relative to Phi that is < 2e-4 for v >= -3.4 and < 1.6e-3 for v >= -5 (bf16 half-ulp: 2e-3); further into the
+// left tail (|gelu| < 1.5e-6) it grows to 1e-2 at v = -8, far under the tests' 6e-3 norm-wise bound. Never used
+// for fp32 results. Also returns e = exp(-v^2 / 2), which the backward's phi(v) reuses.
+__device__ __forceinline__ float phi_cdf_fast(float v, float& e) {
+  const float t = rcp_approx(fmaf(fabsf(v), 0.3275911f * 0.70710678118654752f, 1.0f));
+  float p = fmaf(t, 0.5f * 1.061405429f, 0.5f * -1.453152027f);  // the coefficients halved: Phi = erfc / 2
+  p = fmaf(t, p, 0.5f * 1.421413741f);
+  p = fmaf(t, p, 0.5f * -0.284496736f);
+  p = fmaf(t, p, 0.5f * 0.254829592f);
+  e = ex2_approx(v * v * -0.72134752044448170f);  // exp(-v^2 / 2) = 2^(-v^2 log2(e) / 2)
+  const float half_erfc = t * p * e;              // Phi(-|v|)
   return v < 0.0f ? half_erfc : 1.0f - half_erfc;
+}
+__device__ __forceinline__ float phi_cdf_fast(float v) {
+  float e;
+  return phi_cdf_fast(v, e);
 }
 
 template <int MODE>
@@ -100,8 +117,10 @@ __device__ __forceinline__ float gelu_grad_t(float v) {
   } else if constexpr (MODE == 2) {  // the first version, verbatim
     return phi_cdf_t<2>(v) + v * (0.39894228040143268f * expf(-0.5f * v * v));
   } else {
-    // bf16 results: MUFU.EX2 directly (__expf, relative error ~1e-6 at v = 5, far under bf16's 2e-3)
-    return phi_cdf_t<MODE>(v) + v * (0.39894228040143268f * __expf(-0.5f * v * v));
+    // bf16 results: phi(v) from the same MUFU.EX2 as Phi (relative error ~1e-6 at v = 5, bf16's is 2e-3)
+    float e;
+    const float cdf = phi_cdf_fast(v, e);
+    return fmaf(v * 0.39894228040143268f, e, cdf);
   }
 }
 
