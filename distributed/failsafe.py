@@ -198,6 +198,8 @@ class Failsafe:
         self._installed = True
         rt, engine = self.rt, self.rt.engine
         engine.transport = WatchedTransport(engine.transport, self.watchdog, min(self.stage_ids), max(self.stage_ids))
+        # A transport that can tell which flag word / slot the device is stuck on (optional) refines the timeout line.
+        self.watchdog.set_probe(getattr(engine.transport.inner, "describe_stall", None))
         # The iteration boundary: an instance attribute shadows Runtime.run_iteration (see the report for the hook
         # the runtime could offer instead).
         inner_run = rt.run_iteration
