@@ -184,29 +184,34 @@ def test_gelu_mode_reaches_the_compiler() -> None:
         kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "bfloat16", gelu=7)
 
 
+_PHI_P = (0.2538924487501417, 0.253159813190026, 0.23974045749651607, 0.11135057033300631, 0.2682330378805142,
+          -0.12634821285968728)  # elementwise.cu phi_cdf_fast, lowest power first
+
+
 def _phi_fast32(v: torch.Tensor) -> torch.Tensor:
     """elementwise.cu phi_cdf_fast in fp32 torch ops (the GPU's MUFU rcp / ex2 differ by a few ulp)."""
-    t = 1.0 / (v.abs() * (0.3275911 * 0.70710678118654752) + 1.0)
-    p = t * (0.5 * 1.061405429) + 0.5 * -1.453152027
-    p = t * p + 0.5 * 1.421413741
-    p = t * p + 0.5 * -0.284496736
-    p = t * p + 0.5 * 0.254829592
-    half_erfc = t * p * torch.exp2(v * v * -0.72134752044448170)
+    def c(x: float) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.float32)
+
+    t = 1.0 / (v.abs() * c(0.45 * 0.70710678118654752) + 1.0)
+    p = t * c(0.5 * _PHI_P[5]) + c(0.5 * _PHI_P[4])
+    for k in (3, 2, 1, 0):
+        p = t * p + c(0.5 * _PHI_P[k])
+    half_erfc = t * p * torch.exp2(v * v * c(-0.72134752044448170))
     return torch.where(v < 0, half_erfc, 1.0 - half_erfc)
 
 
 def test_cheap_phi_is_far_inside_bf16_rounding() -> None:
-    """The cheap GELU (bf16 results) against float64: per element under bf16's half-ulp (2^-9) down to v = -5, and
-    norm-wise on a normal sample no worse than rounding the exact result to bf16."""
-    v = torch.linspace(-5, 8, 200001, dtype=torch.float32)
-    g = v * _phi_fast32(v)
+    """The cheap GELU (bf16 results) against float64, per element over the whole range where gelu is a normal
+    fp32: within 1e-4 relative (bf16's half-ulp is 2^-9 = 2e-3), so one-element bf16 tests cannot see it."""
+    v = torch.linspace(-13, 10, 400001, dtype=torch.float32)
+    g = (v * _phi_fast32(v)).double()
     v64 = v.double()
     ref = 0.5 * v64 * torch.special.erfc(-v64 / math.sqrt(2))
-    rel = ((g.double() - ref).abs() / ref.abs().clamp_min(1e-300))
-    assert rel.max().item() < 2 ** -9
-    x = torch.randn(100000, generator=torch.Generator().manual_seed(0)) * math.sqrt(5)
-    x64 = x.double()
-    exact = 0.5 * x64 * torch.special.erfc(-x64 / math.sqrt(2))
-    fast = (x * _phi_fast32(x)).bfloat16().double()
-    rounded = exact.bfloat16().double()
-    assert (fast - exact).norm() <= 1.05 * (rounded - exact).norm()
+    nz = ref != 0
+    assert ((g - ref).abs()[nz] / ref.abs()[nz]).max().item() < 1e-4
+    # gelu' = Phi + v phi with phi from the same exp: accurate relative to its terms
+    pdf = torch.exp(-0.5 * v64 * v64) / math.sqrt(2 * math.pi)
+    grad = _phi_fast32(v).double() + v64 * 0.3989422804014327 * torch.exp2(v * v * -0.72134752044448170).double()
+    phi = 0.5 * torch.special.erfc(-v64 / math.sqrt(2))
+    assert ((grad - (phi + v64 * pdf)).abs() / (phi + v64.abs() * pdf)).max().item() < 1e-4
