@@ -27,17 +27,29 @@ sections=("$@")
 if [ ${#sections[@]} -eq 0 ]; then
   sections=(pipeline kernels p2p buckets single failures bench)
 fi
-for spec in "${sections[@]}"; do
-  s=${spec%%:*}  # NAME or NAME:SECONDS (that section's time limit)
-  limit=${SECTION_TIMEOUT:-420}; [ "$spec" != "$s" ] && limit=${spec#*:}
-  f=tests/gpu/run_$s.sh
-  [ -f "$f" ] || { echo "SECTION $s: missing"; continue; }
-  echo "=== SECTION $s ($(date +%T))"
+# run_section NAME LIMIT: one section, bounded, its PASS/FAIL/GOAL lines echoed.
+run_section() {
+  local s=$1 limit=$2 f=tests/gpu/run_$1.sh start rc
+  [ -f "$f" ] || { echo "SECTION $s: missing"; return; }
   start=$(date +%s)
   timeout "$limit" bash "$f" > "$OUT/section_$s.log" 2>&1
   rc=$?
-  grep -aE "^(PASS|FAIL|SKIP|GOAL)" "$OUT/section_$s.log" | head -60
-  echo "=== SECTION $s rc=$rc in $(( $(date +%s) - start )) s"
+  { echo "=== SECTION $s rc=$rc in $(( $(date +%s) - start )) s"
+    grep -aE "^(PASS|FAIL|SKIP|GOAL)" "$OUT/section_$s.log" | head -60; } > "$OUT/section_$s.summary"
+}
+for spec in "${sections[@]}"; do
+  names=${spec%%:*}  # NAME, NAME:SECONDS, or A+B:SECONDS (one-GPU sections side by side, one GPU each)
+  limit=${SECTION_TIMEOUT:-420}; [ "$spec" != "$names" ] && limit=${spec#*:}
+  echo "=== START $names ($(date +%T), limit $limit s)"
+  IFS=+ read -ra group <<< "$names"
+  if [ ${#group[@]} -eq 1 ]; then
+    run_section "$names" "$limit"
+  else
+    i=0; pids=()
+    for s in "${group[@]}"; do CUDA_VISIBLE_DEVICES=$i run_section "$s" "$limit" & pids+=($!); i=$((i + 1)); done
+    wait "${pids[@]}"  # not a bare wait: that would also wait for the tee behind this script's own output
+  fi
+  for s in "${group[@]}"; do cat "$OUT/section_$s.summary" 2>/dev/null; done
 done
 tar -czf "$FINAL/logs.tgz" -C "$FINAL" w 2>/dev/null && rm -rf "$OUT"
 exit 0
