@@ -25,8 +25,8 @@ if ! "$PY" -c "import peerline.kernels" >/dev/null 2>&1; then
   echo "run_kernels: using import shim $SHIM" >> "$LOG"
 fi
 
-report() {  # report NAME RC
-  if [ "$2" -eq 0 ]; then echo "PASS kernels.$1"; else echo "FAIL kernels.$1 (rc $2, see $LOG)"; fi
+report() {  # report NAME RC [DETAIL]
+  if [ "$2" -eq 0 ]; then echo "PASS kernels.$1${3:+ ($3)}"; else echo "FAIL kernels.$1 (rc $2${3:+, $3}, see $LOG)"; fi
 }
 
 NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
@@ -40,8 +40,7 @@ timeout -k 5 45 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/tes
   > "$OUT/kernels_tests.out" 2>&1
 rc=$?
 cat "$OUT/kernels_tests.out" >> "$LOG"
-tail -n 1 "$OUT/kernels_tests.out" | sed 's/^/  /'
-report tests "$rc"
+report tests "$rc" "$(tail -n 1 "$OUT/kernels_tests.out" | tr -d '=' | sed 's/^ *//; s/ *$//')"
 
 echo "== SASS report (nvcc -cubin + cuobjdump)" >> "$LOG"
 ARCH="$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'sm_{a}{b}')" 2>>"$LOG")"
