@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from peerline.distributed import ipc, stream_ops
 from peerline.distributed.p2p import ACT, GRAD, CollectiveTransport, Links, TensorSpec
 from peerline.distributed.p2p_copy_engine import CopyEngineTransport

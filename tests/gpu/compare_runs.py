@@ -32,7 +32,7 @@ def main() -> int:
     same_len = len(got["losses"]) == len(ref["losses"]) > 0
     ok = same_len and worst <= a.rtol
     print(f"{'PASS' if ok else 'FAIL'} {a.label}: worst relative difference {worst:.3g} (bound {a.rtol:g}); "
-          f"losses {['%.6f' % v for v in got['losses']]} vs {['%.6f' % v for v in ref['losses']]}; "
+          f"losses {[f'{v:.6f}' for v in got['losses']]} vs {[f'{v:.6f}' for v in ref['losses']]}; "
           f"graph={got.get('graph')} transport={got.get('transport')}")
     return 0 if ok else 1
 

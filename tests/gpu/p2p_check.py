@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
 from peerline.distributed.p2p import ACT, GRAD, CollectiveTransport, Links, TensorSpec
 from peerline.distributed.p2p_copy_engine import CopyEngineTransport, copy_engine_usable
 from peerline.distributed.streams import RankStreams, create_rank_streams

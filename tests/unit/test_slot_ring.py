@@ -6,6 +6,7 @@ The op sequences checked here are the ones the copy-engine transport issues on t
 from __future__ import annotations
 
 import pytest
+
 from peerline.distributed import slot_ring as sr
 
 pytestmark = pytest.mark.timeout(60)

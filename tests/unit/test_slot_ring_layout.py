@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from peerline.distributed import p2p_copy_engine as ce
 from peerline.distributed import slot_ring as sr
 from peerline.distributed.p2p import ACT, GRAD, Links, TensorSpec

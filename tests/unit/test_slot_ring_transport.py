@@ -18,6 +18,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 import torch.distributed as dist
+
 from peerline.distributed import ipc, stream_ops
 from peerline.distributed import p2p_copy_engine as ce
 from peerline.distributed.p2p import ACT, GRAD, Links, TensorSpec
