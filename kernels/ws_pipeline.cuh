@@ -157,6 +157,17 @@ struct WarpRange {
   __device__ void sync() const { asm volatile("bar.sync %0, %1;" ::"n"(BARRIER_ID), "n"(32 * NWARPS) : "memory"); }
 };
 
+// All PL_THREADS threads, reached from each role's own code (a named barrier counts arrivals, not program points,
+// as in CUTLASS's warp-specialized kernels). Used once after the pipelines are made and once before they are
+// destroyed: the states' mbarriers are initialized by one thread behind a partial (named) barrier and invalidated
+// by the last thread to quit, ordered only by an atomic counter; a full-block barrier on both sides makes that
+// ordering plain (the first GPU run's racecheck reported a few hazards, 2-16 per PC pair, a pattern that fits
+// these barrier words rather than the tiles) at the cost of two barriers per block per launch.
+constexpr int kAllRolesBarrier = 3;  // 1 and 2 are the WarpRange groups
+__device__ __forceinline__ void all_roles_sync() {
+  asm volatile("bar.sync %0, %1;" ::"n"(kAllRolesBarrier), "n"(PL_THREADS) : "memory");
+}
+
 // ---- the engine ----
 
 constexpr int kComputeWarps = PL_COMPUTE_WARPS;
@@ -221,6 +232,7 @@ __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restri
     // Loader: fill stage after stage while the compute warps work on the other one.
     cuda::pipeline<cuda::thread_scope_block> in_pipe =
         cuda::make_pipeline(LoadComputeGroup(), &in_state, cuda::pipeline_role::producer);
+    all_roles_sync();
     int stage = 0;
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
       const long long c0 = t * kTileChunks;
@@ -233,11 +245,13 @@ __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restri
       stage = (stage + 1 == kStages) ? 0 : stage + 1;
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
+    all_roles_sync();
   } else if (warp <= kComputeWarps) {
     cuda::pipeline<cuda::thread_scope_block> in_pipe =
         cuda::make_pipeline(LoadComputeGroup(), &in_state, cuda::pipeline_role::consumer);
     cuda::pipeline<cuda::thread_scope_block> out_pipe =
         cuda::make_pipeline(ComputeStoreGroup(), &out_state, cuda::pipeline_role::producer);
+    all_roles_sync();
     const int ct = threadIdx.x - 32;
     op.begin(ct);
     int stage = 0;
@@ -271,10 +285,12 @@ __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restri
       stage = (stage + 1 == kStages) ? 0 : stage + 1;
     }
     op.end(ct);
+    all_roles_sync();
   } else {
     // Storer: shared -> global, 16 bytes per lane, coalesced.
     cuda::pipeline<cuda::thread_scope_block> out_pipe =
         cuda::make_pipeline(ComputeStoreGroup(), &out_state, cuda::pipeline_role::consumer);
+    all_roles_sync();
     if (blockIdx.x == 0) op.head_tail(lane);
     int stage = 0;
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
@@ -289,6 +305,7 @@ __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restri
       out_pipe.consumer_release();
       stage = (stage + 1 == kStages) ? 0 : stage + 1;
     }
+    all_roles_sync();
   }
 }
 
