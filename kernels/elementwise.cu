@@ -48,10 +48,12 @@ __device__ __forceinline__ float ldg_f32(const bf16_t* p) {
 __device__ __forceinline__ float phi_cdf(float v) { return normcdff(v); }
 
 // exp(-v^2 / 2) / sqrt(2 pi) with v^2 split exactly into hi + lo (fma), so the argument's rounding (v^2/2 ulps,
-// 12 ulps at v = 5) does not reach the result: exp(-hi/2) exp(-lo/2), the second factor ~ 1 - lo/2.
+// 12 ulps at v = 5) does not reach the result: exp(-hi/2) exp(-lo/2), the second factor ~ 1 - lo/2. |v| is
+// clamped at 20 (phi is 0 in fp32 beyond 14) so that v^2 cannot overflow into inf * 0 = NaN.
 __device__ __forceinline__ float phi_pdf(float v) {
-  const float hi = v * v;
-  const float lo = fmaf(v, v, -hi);
+  const float a = fminf(fabsf(v), 20.0f);
+  const float hi = a * a;
+  const float lo = fmaf(a, a, -hi);
   return 0.39894228040143268f * expf(-0.5f * hi) * (1.0f - 0.5f * lo);
 }
 
