@@ -37,21 +37,7 @@ if [ "${NGPU:-0}" -lt 1 ]; then
   exit 0
 fi
 
-echo "== GPU checks of timelines, block timer, stage times (pytest)" >> "$LOG"
-timeout -k 5 45 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_bench_gpu.py \
-  > "$OUT/bench_tests.out" 2>&1
-rc=$?
-cat "$OUT/bench_tests.out" >> "$LOG"
-tail -n 1 "$OUT/bench_tests.out" | sed 's/^/  /'
-report timing_tests "$rc"
-
-echo "== graph suite: one GPU, launch-bound step, peerline eager/graph vs torch eager / hand-captured graph" >> "$LOG"
-timeout -k 5 75 env CUDA_VISIBLE_DEVICES=0 "$PY" launch/bench.py graph --out "$OUT/bench_graph" \
-  > "$OUT/bench_graph.out" 2>&1
-rc=$?
-cat "$OUT/bench_graph.out" >> "$LOG"
-[ -f "$OUT/bench_graph/results.md" ] && cat "$OUT/bench_graph/results.md"
-report graph_suite "$rc"
+# (The timing-tool checks and the one-GPU graph suite are their own section: run_graph.sh.)
 
 if [ "${NGPU:-0}" -lt 2 ]; then
   echo "SKIP bench.pipeline (needs 2 GPUs, found $NGPU)"
@@ -60,7 +46,7 @@ fi
 
 echo "== pipeline suite: compute-bound + launch-bound, 1F1B, torch / eager / graph, 2 ranks" >> "$LOG"
 RES="$OUT/bench_pipeline"
-timeout -k 10 180 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 launch/bench.py pipeline \
+timeout -k 10 185 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 launch/bench.py pipeline \
   --pipeline-configs compute,launch --schedules 1f1b --variants torch,eager,graph --pipeline-timeline \
   --pipeline-iters 5 --reps 5 --warmup 2 --out "$RES" > "$OUT/bench_pipeline.out" 2>&1
 rc=$?
