@@ -115,10 +115,10 @@ class Engine:
         """The stream an iteration forks from and joins into (the first local stage's compute stream)."""
         return self.stages[self.order[0]].stream
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def _autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=enabled)
 
     # -- one iteration -------------------------------------------------------------------------------------
     def iteration(self) -> None:
@@ -132,17 +132,24 @@ class Engine:
             wait_stream(stage.stream, main)
             with use(stage.stream):
                 stage.grad_sync.zero_grad()
-        for pos, (s, step) in enumerate(self.program):
-            stage = self.stages[s]
-            with use(stage.stream):
-                if step[0].op == "F":
-                    self._forward(stage, step[0].mb)
-                elif step[0].op == "B":
-                    if self._last_backward[s] == pos:
-                        stage.grad_sync.arm()
-                    self._backward(stage, step[0].mb)
-                else:
-                    self._communicate(stage, step)
+        # One autocast region over the whole schedule: autocast caches each weight's low-precision copy until
+        # its outermost region ends, so the weights are cast once per iteration instead of once per microbatch
+        # (the weights only change in the optimizer step, after the region). Non-forward steps run in a nested
+        # disabled region, which keeps the cache.
+        with self._autocast():
+            for pos, (s, step) in enumerate(self.program):
+                stage = self.stages[s]
+                with use(stage.stream):
+                    if step[0].op == "F":
+                        self._forward(stage, step[0].mb)
+                        continue
+                    with self._autocast(enabled=False):
+                        if step[0].op == "B":
+                            if self._last_backward[s] == pos:
+                                stage.grad_sync.arm()
+                            self._backward(stage, step[0].mb)
+                        else:
+                            self._communicate(stage, step)
         for s in self.order:
             stage = self.stages[s]
             with use(stage.stream):
@@ -160,8 +167,8 @@ class Engine:
 
     def _forward(self, stage: LocalStage, mb: int) -> None:
         x = self.feed.inputs[mb] if stage.is_first else stage.inputs[mb]
-        with self.timeline.span(self._lane(stage.index), f"F{mb}", stage.stream), self._autocast():
-            out = stage.module(x)
+        with self.timeline.span(self._lane(stage.index), f"F{mb}", stage.stream):
+            out = stage.module(x)  # inside iteration()'s autocast region
         if self.check_shapes and (tuple(out.shape) != stage.out_spec.shape or out.dtype != stage.out_spec.dtype):
             raise ConfigError(f"stage {stage.index} output changed between microbatches: microbatch {mb} gave "
                               f"{tuple(out.shape)} {out.dtype}, the first gave {stage.out_spec.shape} "
@@ -169,7 +176,8 @@ class Engine:
         stage.outputs[mb] = out
         if stage.is_last:
             # Mean over the replica's microbatches: the 1/M scale makes the summed gradients a mean.
-            loss = F.mse_loss(out.float(), self.feed.targets[mb]) / self.m
+            with self._autocast(enabled=False):
+                loss = F.mse_loss(out.float(), self.feed.targets[mb]) / self.m
             stage.losses[mb] = loss
             self.loss_sum.add_(loss.detach())
 

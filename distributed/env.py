@@ -139,7 +139,10 @@ def choose_device(requested: str, info: LaunchInfo) -> torch.device:
 
 
 def init_distributed(info: LaunchInfo, device: torch.device, timeout_s: float) -> None:
-    """Create the default process group (NCCL on GPUs, gloo on the CPU); nothing for a single process."""
+    """Create the default process group (NCCL on GPUs, gloo on the CPU); nothing for a single process.
+
+    The group's timeout is a little longer than --timeout-s, so peerline's own watchdog (one line naming what a
+    rank waited for) fires before NCCL's multi-line abort."""
     if info.world_size == 1 or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -151,5 +154,5 @@ def init_distributed(info: LaunchInfo, device: torch.device, timeout_s: float) -
         kwargs["device_id"] = device  # eager NCCL init, bound to our GPU
     dist.init_process_group(backend=backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
                             rank=info.rank, world_size=info.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+                            timeout=datetime.timedelta(seconds=timeout_s + max(5.0, 0.1 * timeout_s)), **kwargs)
     log.info("rank %d/%d up (%s, %s, device %s)", info.rank, info.world_size, info.launcher, backend, device)

@@ -66,7 +66,8 @@ class Runtime:
         self.cfg, self.info, self.device, self.mesh = cfg, info, device, mesh
         self.engine, self.streams, self.split, self.programs = engine, streams, split, programs
         self.transport_name = transport_name
-        self.iteration = 0  # iterations completed since the start of training
+        self.iteration = 0  # iterations completed since the start of training (a resumed run starts later)
+        self.iterations_run = 0  # iterations this process ran: a resumed run warms up again before capture
         self.graph = None  # an IterationGraph once the iteration is captured (graph.py)
         self.notices: list[str] = []
         self.graph_wanted = device.type == "cuda" and cfg.graph is not False
@@ -170,7 +171,7 @@ class Runtime:
         """After the eager warm-up iterations, capture the iteration (every rank at the same iteration)."""
         if not self.graph_wanted or self.graph is not None or self.graph_failed is not None:
             return
-        if self.iteration < self.cfg.warmup_iters:
+        if self.iterations_run < self.cfg.warmup_iters:
             return
         from .graph import try_capture
 
@@ -191,6 +192,7 @@ class Runtime:
             else:
                 self.engine.iteration()
         self.iteration += 1
+        self.iterations_run += 1
 
     def read_loss(self) -> float:
         """Mean loss of the last iteration over all microbatches and replicas (a host sync and one tiny all-reduce

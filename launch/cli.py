@@ -18,6 +18,7 @@ from peerline.distributed.config import (
     ConfigError,
     RunConfig,
 )
+from peerline.distributed.failsafe import add_failure_flags
 
 _DEFAULTS = RunConfig()
 
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", help="write config, losses, timings and versions to this file (rank 0)")
     g.add_argument("--timeline", help="write a timeline of the last iteration: PATH.png and PATH.json")
     g.add_argument("--print-schedule", action="store_true", help="print the schedule as a table and exit")
+    add_failure_flags(p)  # --save --save-every --resume --skip-nonfinite
     return p
 
 

@@ -23,7 +23,9 @@ try:
     _ALLOCATOR_ERROR = preconfigure_from_argv(sys.argv[1:])
     import torch
 
+    from peerline.distributed import faults
     from peerline.distributed.config import ConfigError
+    from peerline.distributed.failsafe import Failsafe, failsafe_options
     from peerline.distributed.runtime import IterationStats, Runtime
     from peerline.launch.cli import build_parser, config_from_args
     from peerline.launch.report import ProgressReporter, versions
@@ -48,8 +50,10 @@ def run(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     if cfg.device == "auto" and not torch.cuda.is_available() and rank == 0:
         print("peerline: no GPU found; running the same pipeline on the CPU with gloo", flush=True)
+    faults.active()  # a bad PEERLINE_FAULT is one clear line before anything starts
     rt = Runtime.create(cfg)
     try:
+        fs = Failsafe.attach(rt, **failsafe_options(args))  # watchdog, fault hooks, checkpoints, non-finite guard
         is_writer = rt.info.rank == 0
         if is_writer:
             print(f"peerline: {rt.info.world_size} rank(s) via {rt.info.launcher}, pp={rt.mesh.pp} dp={rt.mesh.dp} "
@@ -63,7 +67,7 @@ def run(argv: list[str] | None = None) -> int:
                 history.append(stats)
                 progress.update(stats)
 
-            rt.train(on_iteration=on_iteration)
+            fs.train(on_iteration=on_iteration)
         if cfg.timeline:
             rt.write_timeline(cfg.timeline)
         checksums = rt.layer_checksums() if cfg.json else {}

@@ -4,6 +4,7 @@ the bucketed gradients with a per-parameter all-reduce (bitwise) and a single-pr
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,8 @@ def _run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def _check(proc: subprocess.CompletedProcess) -> None:
-    ok = [line for line in proc.stdout.splitlines() if " OK " in line]
+    # Two processes share one stdout: their lines can interleave, so find each rank's report by pattern.
+    ok = re.findall(r"rank \d+ OK \d+ cases", proc.stdout)
     assert proc.returncode == 0 and len(ok) == 2, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
 
 
