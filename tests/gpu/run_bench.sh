@@ -8,28 +8,7 @@
 # Logs to $OUT/bench.log; results under $OUT/bench_pipeline/ (results.jsonl, results.md, timeline-*.png/json),
 # the timeline PNGs also copied to $OUT/. Prints one PASS/FAIL/SKIP line per check; exits 0.
 # Bounded to 5 minutes (each step under `timeout`); a healthy run on 2 x H100 should take 2 to 3.
-set -u
-OUT="${1:-${OUT:-/tmp/peerline-gpu}}"
-mkdir -p "$OUT"
-LOG="$OUT/bench.log"
-cd "$(dirname "$0")/../.." || exit 0
-ROOT="$(pwd)"
-PY="${PYTHON:-python3}"
-: > "$LOG"
-
-# peerline must be importable: use the installed package (or run.sh's shim), else a temporary shim of symlinks.
-if ! "$PY" -c "import peerline.launch.benchkit" >/dev/null 2>&1; then
-  SHIM="$(mktemp -d)"
-  mkdir -p "$SHIM/peerline"
-  ln -s "$ROOT/peerline/__init__.py" "$SHIM/peerline/__init__.py"
-  for d in distributed kernels launch; do ln -s "$ROOT/$d" "$SHIM/peerline/$d"; done
-  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
-  echo "run_bench: using import shim $SHIM" >> "$LOG"
-fi
-
-report() {  # report NAME RC
-  if [ "$2" -eq 0 ]; then echo "PASS bench.$1"; else echo "FAIL bench.$1 (rc $2, see $LOG)"; fi
-}
+. "$(dirname "$0")/common.sh" bench "${1:-}"
 
 NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
 if [ "${NGPU:-0}" -lt 1 ]; then

@@ -6,28 +6,7 @@
 # Logs to $OUT/buckets.log, bench results to $OUT/bench_allreduce/. Prints one PASS/FAIL/SKIP line per check;
 # exits 0. Worst case under 7 minutes (every step bounded by timeout; run.sh gives a section 420 s); a healthy
 # run takes about 2.
-set -u
-OUT="${1:-${OUT:-/tmp/peerline-gpu}}"
-mkdir -p "$OUT"
-LOG="$OUT/buckets.log"
-cd "$(dirname "$0")/../.." || exit 0
-ROOT="$(pwd)"
-PY="${PYTHON:-python3}"
-: > "$LOG"
-
-# peerline must be importable: use the installed package, else a temporary shim of symlinks (no pip needed).
-if ! "$PY" -c "import peerline.distributed" >/dev/null 2>&1; then
-  SHIM="$(mktemp -d)"
-  mkdir -p "$SHIM/peerline"
-  ln -s "$ROOT/peerline/__init__.py" "$SHIM/peerline/__init__.py"
-  for d in distributed kernels launch; do ln -s "$ROOT/$d" "$SHIM/peerline/$d"; done
-  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
-  echo "run_buckets: using import shim $SHIM" >> "$LOG"
-fi
-
-report() {  # report NAME RC
-  if [ "$2" -eq 0 ]; then echo "PASS buckets.$1"; else echo "FAIL buckets.$1 (rc $2, see $LOG)"; fi
-}
+. "$(dirname "$0")/common.sh" buckets "${1:-}"
 
 # (The CPU checks of the same code run in CI; device time is kept for what needs GPUs.)
 

@@ -4,14 +4,7 @@
 # on a flag, resume == uninterrupted (eager bitwise, graph 1e-6) and --skip-nonfinite. The CPU failure tests too.
 # Usage: bash tests/gpu/run_failures.sh [OUT]  (or OUT=...). Logs to $OUT/failures.log; one PASS/FAIL/SKIP line
 # per check; always exits 0. Worst case about 6 minutes (every command bounded by timeout).
-set -u
-OUT="${1:-${OUT:-/tmp/peerline-gpu}}"
-mkdir -p "$OUT"
-LOG="$OUT/failures.log"
-cd "$(dirname "$0")/../.." || exit 0
-PY="${PYTHON:-python3}"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-: > "$LOG"
+. "$(dirname "$0")/common.sh" failures "${1:-}"
 
 # pytest -rA prints "PASSED path::test[param]" / "FAILED ..." / "SKIPPED [1] path:line: reason" summary lines.
 summarize() {  # summarize LOGFILE

@@ -6,28 +6,7 @@
 # Prints one PASS/FAIL/SKIP line per check and the bench's GOAL lines (tables: $OUT/bench_kernels/*.md and the
 # log); exits 0. Bounded to 3 minutes in all (each step under `timeout`; the kernels bench writes its table after
 # each size, so a cut run keeps what it finished). First H200 run: pytest 29 s.
-set -u
-OUT="${1:-${OUT:-/tmp/peerline-gpu}}"
-mkdir -p "$OUT"
-LOG="$OUT/kernels.log"
-cd "$(dirname "$0")/../.." || exit 0
-ROOT="$(pwd)"
-PY="${PYTHON:-python3}"
-: > "$LOG"
-
-# peerline must be importable: use the installed package, else a temporary shim of symlinks (no pip needed).
-if ! "$PY" -c "import peerline.kernels" >/dev/null 2>&1; then
-  SHIM="$(mktemp -d)"
-  mkdir -p "$SHIM/peerline"
-  ln -s "$ROOT/peerline/__init__.py" "$SHIM/peerline/__init__.py"
-  for d in distributed kernels launch; do ln -s "$ROOT/$d" "$SHIM/peerline/$d"; done
-  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
-  echo "run_kernels: using import shim $SHIM" >> "$LOG"
-fi
-
-report() {  # report NAME RC [DETAIL]
-  if [ "$2" -eq 0 ]; then echo "PASS kernels.$1${3:+ ($3)}"; else echo "FAIL kernels.$1 (rc $2${3:+, $3}, see $LOG)"; fi
-}
+. "$(dirname "$0")/common.sh" kernels "${1:-}"
 
 NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
 if [ "${NGPU:-0}" -lt 1 ]; then

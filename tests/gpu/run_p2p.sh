@@ -3,28 +3,7 @@
 # torchrun, then the p2p bench. Usage: bash tests/gpu/run_p2p.sh [OUT]   (or OUT=... in the environment)
 # Logs to $OUT/p2p.log, bench results to $OUT/bench_p2p/. Prints one PASS/FAIL/SKIP line per check; exits 0.
 # Worst case about 4 minutes (every step bounded by timeout); a healthy run takes well under 2.
-set -u
-OUT="${1:-${OUT:-/tmp/peerline-gpu}}"
-mkdir -p "$OUT"
-LOG="$OUT/p2p.log"
-cd "$(dirname "$0")/../.." || exit 0
-ROOT="$(pwd)"
-PY="${PYTHON:-python3}"
-: > "$LOG"
-
-# peerline must be importable: use the installed package, else a temporary shim of symlinks (no pip needed).
-if ! "$PY" -c "import peerline.distributed" >/dev/null 2>&1; then
-  SHIM="$(mktemp -d)"
-  mkdir -p "$SHIM/peerline"
-  ln -s "$ROOT/peerline/__init__.py" "$SHIM/peerline/__init__.py"
-  for d in distributed kernels launch; do ln -s "$ROOT/$d" "$SHIM/peerline/$d"; done
-  export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
-  echo "run_p2p: using import shim $SHIM" >> "$LOG"
-fi
-
-report() {  # report NAME RC
-  if [ "$2" -eq 0 ]; then echo "PASS p2p.$1"; else echo "FAIL p2p.$1 (rc $2, see $LOG)"; fi
-}
+. "$(dirname "$0")/common.sh" p2p "${1:-}"
 
 NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
 if [ "${NGPU:-0}" -lt 1 ]; then

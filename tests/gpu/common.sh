@@ -1,0 +1,21 @@
+# Sourced by every tests/gpu/run_<section>.sh:  . "$(dirname "$0")/common.sh" SECTION "${1:-}"
+# Sets OUT (logs and results; argument, else $OUT, else /tmp/peerline-gpu), LOG ($OUT/SECTION.log, emptied), ROOT
+# (the checkout, also the working directory) and PY, makes peerline importable, and defines
+#   report NAME RC [DETAIL]   -> "PASS SECTION.NAME (DETAIL)" or "FAIL SECTION.NAME (rc RC, DETAIL, see LOG)"
+# which run.sh collects. Every section prints one such line per check and exits 0.
+set -u
+SECTION=$1
+OUT="${2:-${OUT:-/tmp/peerline-gpu}}"
+mkdir -p "$OUT"
+LOG="$OUT/$SECTION.log"
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 0
+ROOT="$(pwd)"
+PY="${PYTHON:-python3}"
+# peerline/__init__.py maps the checkout's distributed/, kernels/, launch/ folders: the checkout on the path is all
+# the install it needs (the GPU machine has no network for pip).
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+: > "$LOG"
+
+report() {  # report NAME RC [DETAIL]
+  if [ "$2" -eq 0 ]; then echo "PASS $SECTION.$1${3:+ ($3)}"; else echo "FAIL $SECTION.$1 (rc $2${3:+, $3}, see $LOG)"; fi
+}
