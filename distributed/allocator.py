@@ -10,7 +10,9 @@ library loads (at `import torch`, a static initializer), and again when CUDA ini
 initialisation fails with "Allocator backend parsed at runtime != allocator backend parsed at load time". So the
 backend can only be chosen before `import torch` (or in the environment of the process). `configure_allocator`
 therefore sets the variable when torch is not loaded yet, accepts a loaded torch whose backend already is the one
-asked for, and otherwise raises one clear ConfigError. This module imports torch lazily, so a launcher can call
+asked for, and otherwise raises one clear ConfigError. `kind=None` (a RunConfig or command line that names no
+allocator) keeps whatever the environment or an earlier call chose and never conflicts: only an explicit choice
+that differs from the loaded backend is an error. This module imports torch lazily, so a launcher can call
 `configure_allocator` before its own `import torch` (peerline.distributed imports no torch at package level).
 
 The release threshold: PyTorch sets the default pool's cudaMemPoolAttrReleaseThreshold to UINT64_MAX when it first
@@ -76,10 +78,19 @@ def _loaded_backend() -> str | None:
         return None
 
 
-def configure_allocator(kind: str, release_threshold: int | None = None) -> None:
+def configure_allocator(kind: str | None, release_threshold: int | None = None) -> None:
     """Choose the device allocator: 'caching' (PyTorch's native caching allocator) or 'async' (cudaMallocAsync
-    pool). Must run before torch is imported, unless the environment already selected the same backend.
-    `release_threshold` (bytes, async only) is applied later by `apply_release_threshold`; None keeps everything."""
+    pool). Must run before torch is imported, unless the environment already selected the same backend. None:
+    no choice, keep the backend the environment (PYTORCH_CUDA_ALLOC_CONF) or an earlier call selected.
+    `release_threshold` (bytes, async only) is applied later by `apply_release_threshold`; None keeps everything
+    (or, with kind None, the threshold of an earlier call)."""
+    if kind is None:
+        if release_threshold is not None:
+            if release_threshold < 0 or release_threshold > KEEP_ALL:
+                raise ConfigError(f"--pool-release-threshold must be 0..2**64-1 bytes, got {release_threshold}")
+            # Whether the backend is async is checked by apply_release_threshold, once CUDA runs.
+            _chosen["threshold"] = release_threshold
+        return
     if kind not in ALLOCATORS:
         raise ConfigError(f"unknown allocator {kind!r}; choose one of {', '.join(ALLOCATORS)}")
     if release_threshold is not None:
@@ -109,12 +120,14 @@ def configure_allocator(kind: str, release_threshold: int | None = None) -> None
 
 def preconfigure_from_argv(argv: list[str], env_default: str = "PEERLINE_ALLOCATOR") -> str | None:
     """For a launcher, before its `import torch`: read --allocator / --pool-release-threshold from `argv` (default
-    $PEERLINE_ALLOCATOR, else caching) and configure. Returns the error message instead of raising, so the launcher
-    can print it as its one error line after its imports (a bad value is also caught later by RunConfig)."""
+    $PEERLINE_ALLOCATOR, else no choice: the environment's backend) and configure. Returns the error message
+    instead of raising, so the launcher can print it as its one error line after its imports (a bad value is also
+    caught later by RunConfig)."""
     import argparse
 
     p = argparse.ArgumentParser(add_help=False)
-    p.add_argument("--allocator", default=os.environ.get(env_default, "caching"))
+    # No --allocator and no $PEERLINE_ALLOCATOR: leave the environment's backend alone (None), not 'caching'.
+    p.add_argument("--allocator", default=os.environ.get(env_default) or None)
     p.add_argument("--pool-release-threshold", type=int, default=None)
     try:
         known, _ = p.parse_known_args(argv)

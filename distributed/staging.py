@@ -14,6 +14,12 @@ computes; the device-to-device hop costs a few percent of the host copy (HBM is 
 Everything here happens in `load()`, outside the iteration, so a captured iteration is unaffected: it reads the
 same static buffers at the same addresses, and the result hook's copies are plain device copies inside it.
 
+Every copy on the compute side is issued on the engine's main stream (`main_stream`, set by `attach`; else the
+stream current at `load()`), also from `flush()`/`drain()`, which a caller runs outside the iteration, where the
+current stream is the legacy default stream: that stream does not wait for our non-blocking streams, so results
+copied there would read the result buffers while the last iteration still runs (the first GPU run saw exactly
+that: the last iteration's losses came back stale).
+
 Cross-stream order is events only. A pinned slot is refilled only after the copy that read it has finished: the
 host queries that copy's event and waits on that one event only when the ring comes round to a slot still in
 flight (never a device-wide sync). The host runs ahead of the GPU by about one iteration (the caller must not sync
@@ -129,7 +135,8 @@ class PinnedStagingFeed:
                  out_dtype: torch.dtype = torch.float32, overlap: bool = True, refill: bool = True,
                  keep_outputs: bool = False, trace: bool = False,
                  fill: Callable[[torch.Tensor, int, int, int], None] | None = None,
-                 result_buffers: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> None:
+                 result_buffers: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+                 main_stream: torch.cuda.Stream | None = None) -> None:
         if results not in RESULTS:
             raise ValueError(f"unknown results {results!r}; choose one of {', '.join(RESULTS)}")
         if slots < 1 or result_slots < 1:
@@ -146,6 +153,8 @@ class PinnedStagingFeed:
         self.device = (inputs or targets)[0].device if (inputs or targets) else torch.device("cpu")
         self.on_gpu = self.device.type == "cuda"
         self.streams = streams if self.on_gpu else None
+        # The stream the iterations run on; None: the stream current at load() (see the module docstring).
+        self.main_stream = main_stream if self.on_gpu else None
         if self.on_gpu and overlap and (streams is None or streams.h2d is None or streams.d2h is None):
             raise ValueError("overlapped staging on a GPU needs the h2d and d2h streams of streams.py")
         self._generator = torch.Generator()  # CPU: the same data on every device, equal to DataFeed's on the CPU
@@ -183,6 +192,7 @@ class PinnedStagingFeed:
         self._pending: deque[tuple[int, int, torch.cuda.Event | None]] = deque()
         self._done: list[Result] = []
         self._loaded: int | None = None  # the iteration whose data is in the static buffers
+        self._main: torch.cuda.Stream | None = None  # the stream current at the last load() (no main_stream)
         self._staged_results = True  # its results were already sent back
         self.tap_mb = 0  # microbatch the result hook sees next
         self.tap_enabled = True
@@ -228,12 +238,15 @@ class PinnedStagingFeed:
         """Send back the results of the iteration that just ran, then stage the data of `iteration` into the
         static buffers, ordered before whatever the caller's (main) stream runs next. No host sync, except on
         a ring slot whose copy is still in flight (that one event) and in the serial mode."""
-        if not self._staged_results:
-            self._send_results()
-        if self.on_gpu and self.overlap:
-            self._stage_inputs_overlapped(iteration)
-        else:
-            self._stage_inputs_serial(iteration)
+        if self.on_gpu and self.main_stream is None:
+            self._main = torch.cuda.current_stream(self.device)
+        with use(self._main_stream()):
+            if not self._staged_results:
+                self._send_results()
+            if self.on_gpu and self.overlap:
+                self._stage_inputs_overlapped(iteration)
+            else:
+                self._stage_inputs_serial(iteration)
         self._loaded = iteration
         self._staged_results = self.results == "none"
         self.tap_mb = 0
@@ -241,8 +254,19 @@ class PinnedStagingFeed:
     def flush(self) -> None:
         """Send back the results of the last loaded iteration (call after the final iteration)."""
         if not self._staged_results:
-            self._send_results()
+            with use(self._main_stream()):  # ordered after the last iteration, whatever stream is current here
+                self._send_results()
             self._staged_results = True
+
+    def _main_stream(self) -> torch.cuda.Stream | None:
+        """The stream the iterations run on (None on the CPU)."""
+        if not self.on_gpu:
+            return None
+        if self.main_stream is not None:
+            return self.main_stream
+        if self._main is None:
+            raise RuntimeError("the staging feed has no main stream yet: load() an iteration first")
+        return self._main
 
     def poll(self) -> list[Result]:
         """Results whose copy back has finished (no waiting), oldest first; each is returned once."""
@@ -290,7 +314,7 @@ class PinnedStagingFeed:
             self.in_ring.release(i, None)
 
     def _stage_inputs_overlapped(self, iteration: int) -> None:
-        main = torch.cuda.current_stream(self.device)
+        main = self._main_stream()
         h2d = self.streams.h2d
         ready = []
         for mb in range(self.microbatches):
@@ -339,7 +363,7 @@ class PinnedStagingFeed:
             self.out_ring.release(i, None)
             self._pending.append((self._loaded, i, None))
             return
-        main = torch.cuda.current_stream(self.device)
+        main = self._main_stream()
         d2h = self.streams.d2h
         if self._outbox_free is not None:
             main.wait_event(self._outbox_free)  # the previous copy back has read the outbox
@@ -423,6 +447,7 @@ def attach(rt: object, **kwargs: object) -> PinnedStagingFeed:
     if isinstance(engine.feed, PinnedStagingFeed):
         engine.feed.detach()
     last = engine.stages[engine.order[-1]]
+    kwargs.setdefault("main_stream", engine.main_stream)
     feed = PinnedStagingFeed.from_feed(engine.feed, rt.streams, out_spec=last.out_spec, **kwargs)
     if last.is_last:
         feed.install_result_hook(last.module)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Single-GPU mode (issue 7) on the GPU machine: the pinned staging feed and the allocator settings.
 # Usage: bash tests/gpu/run_single.sh [OUT]   (or OUT=... in the environment)
-# Logs to $OUT/single.log; bench results under $OUT/bench_single/ (results in single.md / single.jsonl).
-# Prints one PASS/FAIL/SKIP line per check and exits 0. Each step is under `timeout`; in all under 3 minutes
-# (tests about 1, bench about 1.5 on an H100).
+# Logs to $OUT/single.log; bench results in $OUT/bench_single/overlap/ and $OUT/bench_single/alloc/ (each
+# single.md / single.jsonl, rewritten after every record, so a part cut short keeps what it measured).
+# Prints one PASS/FAIL/SKIP line per check and exits 0. Each step is under `timeout`, capped (tests 60 s, overlap
+# bench 45 s, allocator bench 45 s) and never past BUDGET (140 s) from the start, so the section ends within
+# about 145 s (the -k kills only for a step that ignores SIGTERM); a step with no time left is a FAIL line.
 set -u
 OUT="${1:-${OUT:-/tmp/peerline-gpu}}"
 mkdir -p "$OUT"
@@ -14,7 +16,12 @@ PY="${PYTHON:-python3}"
 : > "$LOG"
 
 # peerline must be importable: the installed package, else a temporary shim of symlinks (no pip needed).
-if ! "$PY" -c "import peerline.distributed.staging" >/dev/null 2>&1; then
+BUDGET=140
+# Seconds a step may run: its cap, or what is left of BUDGET if less (0: no time left).
+limit() { local left=$((BUDGET - SECONDS)); if [ "$left" -lt "$1" ]; then echo $((left > 0 ? left : 0)); else echo "$1"; fi; }
+
+# (peerline.distributed.allocator imports no torch: this check takes well under a second.)
+if ! timeout -k 2 10 "$PY" -c "import peerline.distributed.allocator" >/dev/null 2>&1; then
   SHIM="$(mktemp -d)"
   mkdir -p "$SHIM/peerline"
   ln -s "$ROOT/peerline/__init__.py" "$SHIM/peerline/__init__.py"
@@ -27,29 +34,52 @@ report() {  # report NAME RC
   if [ "$2" -eq 0 ]; then echo "PASS single.$1"; else echo "FAIL single.$1 (rc $2, see $LOG)"; fi
 }
 
-NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
+NGPU="$(timeout -k 2 10 "$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
 if [ "${NGPU:-0}" -lt 1 ]; then
   echo "SKIP single (no CUDA device)"
   exit 0
 fi
 
 echo "== tests: stages 2/4 == 1 stage with the staging feed, stream overlap, async allocator + graph" >> "$LOG"
-timeout -k 5 95 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_single_gpu.py \
-  > "$OUT/single_tests.out" 2>&1
-rc=$?
+T=$(limit 60)
+if [ "$T" -gt 0 ]; then
+  timeout -k 5 "$T" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_single_gpu.py \
+    > "$OUT/single_tests.out" 2>&1
+  rc=$?
+else
+  echo "no time left" > "$OUT/single_tests.out"; rc=124
+fi
 cat "$OUT/single_tests.out" >> "$LOG"
 grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/single_tests.out" | tail -n 12 | sed 's/^/  /'
 report tests "$rc"
 
-echo "== bench: overlap vs serial vs bound; caching vs async allocator" >> "$LOG"
-timeout -k 5 80 "$PY" -m peerline.launch.suites.single --out "$OUT/bench_single" \
-  > "$OUT/bench_single.out" 2>&1
-rc=$?
-cat "$OUT/bench_single.out" >> "$LOG"
-[ -f "$OUT/bench_single/single.md" ] && cat "$OUT/bench_single/single.md"
-report bench "$rc"
-if [ -f "$OUT/bench_single/single.jsonl" ]; then
-  "$PY" - "$OUT/bench_single/single.jsonl" <<'PYEOF'
+echo "== bench: overlap vs serial vs bound" >> "$LOG"
+T=$(limit 45)
+if [ "$T" -gt 0 ]; then
+  timeout -k 5 "$T" "$PY" -m peerline.launch.suites.single --part overlap --out "$OUT/bench_single/overlap" \
+    > "$OUT/bench_single_overlap.out" 2>&1
+  rc=$?
+else
+  echo "no time left" > "$OUT/bench_single_overlap.out"; rc=124
+fi
+cat "$OUT/bench_single_overlap.out" >> "$LOG"
+[ -f "$OUT/bench_single/overlap/single.md" ] && cat "$OUT/bench_single/overlap/single.md"
+report bench_overlap "$rc"
+
+echo "== bench: caching vs async allocator (fresh processes)" >> "$LOG"
+T=$(limit 45)
+if [ "$T" -gt 0 ]; then
+  timeout -k 5 "$T" "$PY" -m peerline.launch.suites.single --part allocator --out "$OUT/bench_single/alloc" \
+    > "$OUT/bench_single_alloc.out" 2>&1
+  rc=$?
+else
+  echo "no time left" > "$OUT/bench_single_alloc.out"; rc=124
+fi
+cat "$OUT/bench_single_alloc.out" >> "$LOG"
+[ -f "$OUT/bench_single/alloc/single.md" ] && cat "$OUT/bench_single/alloc/single.md"
+report bench_alloc "$rc"
+if [ -f "$OUT/bench_single/overlap/single.jsonl" ]; then
+  timeout -k 2 5 "$PY" - "$OUT/bench_single/overlap/single.jsonl" <<'PYEOF'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 for r in rows:

@@ -46,7 +46,8 @@ def build(graph: bool):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     cfg = RunConfig(hidden=128, layers=4, seq=64, micro_batch_size=2, microbatches=4, stages=2, schedule="1f1b",
-                    dtype="fp32", kernels="torch", device=DEVICE, iters=1000, seed=11, graph=graph, warmup_iters=1)
+                    dtype="fp32", kernels="torch", device=DEVICE, iters=1000, seed=11, graph=graph, warmup_iters=1,
+                    allocator=KIND, pool_release_threshold=THRESHOLD)  # the backend chosen above, said explicitly
     rt = Runtime.create(cfg)
     feed = attach(rt, results="losses")
     ScratchJitter(0.5, cfg.microbatches).install([s.module for s in rt.engine.stages.values()])

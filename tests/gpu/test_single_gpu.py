@@ -52,7 +52,11 @@ def _run(stages: int, schedule: str) -> tuple[list[float], dict, list[torch.Tens
         feed = attach(rt, results="outputs", keep_outputs=True)
         for _ in range(ITERS):  # back to back: the host runs ahead, the overlapped path is exercised
             rt.run_iteration()
+        # drain() issues the last copy back on the main stream (not the current, legacy one) and waits for it,
+        # so the last iteration has finished: its results are complete and loss_sum is final.
         results = feed.drain()
+        # Runtime.read_loss clones loss_sum on the current stream; be explicit that nothing is still running.
+        torch.cuda.synchronize()
         assert [r.iteration for r in results] == list(range(ITERS))
         losses = [float(r.losses.double().mean()) for r in results]
         # The engine's own loss of the last iteration agrees with the per-microbatch losses that came back.

@@ -103,3 +103,31 @@ def test_preconfigure_from_argv_before_torch():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["backend:cudaMallocAsync",
                                         "unknown allocator 'pool'; choose one of caching, async"]
+
+
+def test_no_choice_keeps_the_environments_backend_and_an_explicit_conflict_is_an_error(monkeypatch):
+    # The first GPU run: a process started with the async backend, then a RunConfig that named no allocator.
+    monkeypatch.setattr(allocator, "_loaded_backend", lambda: "cudaMallocAsync")
+    monkeypatch.setitem(allocator._chosen, "threshold", None)
+    configure_allocator(None)  # no choice: whatever the environment chose
+    configure_allocator(None, 0)  # a threshold without a choice: checked against the backend once CUDA runs
+    assert allocator._chosen["threshold"] == 0
+    configure_allocator("async", 0)  # the same choice, said explicitly: fine
+    with pytest.raises(ConfigError, match="--allocator caching must be chosen before torch is imported: torch is "
+                                          "already imported with the cudaMallocAsync allocator"):
+        configure_allocator("caching")
+    with pytest.raises(ConfigError, match="--pool-release-threshold must be 0..2"):
+        configure_allocator(None, -1)
+
+
+def test_preconfigure_without_a_choice_leaves_the_environment_alone():
+    code = ("import os, sys\n"
+            "from peerline.distributed.allocator import preconfigure_from_argv\n"
+            "assert preconfigure_from_argv(['--iters', '3']) is None\n"
+            "assert 'torch' not in sys.modules\n"
+            "print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "PEERLINE_ALLOCATOR"}
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "backend:cudaMallocAsync"
