@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -230,6 +231,13 @@ class BenchContext:
             lines += ["", "Notes:", ""] + [f"- {n}" for n in self.notes]
         mpath.write_text("\n".join(lines) + "\n")
         return jpath, mpath
+
+
+    def write_and_show(self, stem: str) -> None:
+        """Write the records (rank 0) and print their markdown table: the end of a suite's own `main`."""
+        paths = self.write(stem)
+        if paths:
+            sys.stdout.write(paths[1].read_text())
 
 
 def _finite(value: Any) -> Any:

@@ -153,9 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = BenchContext(out_dir=args.out, device=torch.device("cuda", torch.cuda.current_device()),
                        quick=args.quick)
     run(args, ctx)
-    paths = ctx.write(SUITE)
-    if paths:
-        sys.stdout.write(paths[1].read_text())
+    ctx.write_and_show(SUITE)
     return 0
 
 

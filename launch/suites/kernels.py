@@ -230,9 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     ctx = BenchContext(out_dir=args.out, device=device, quick=args.quick)
     run(args, ctx)
-    paths = ctx.write(SUITE)
-    if paths:
-        sys.stdout.write(paths[1].read_text())
+    ctx.write_and_show(SUITE)
     for line in goal_lines(ctx.records):
         sys.stdout.write(line + "\n")
     return 0
