@@ -6,33 +6,10 @@
 # Prints one PASS/FAIL/SKIP line per check and exits 0. Each step is under `timeout`, capped (tests 60 s, overlap
 # bench 45 s, allocator bench 45 s) and never past BUDGET (140 s) from the start, so the section ends within
 # about 145 s (the -k kills only for a step that ignores SIGTERM); a step with no time left is a FAIL line.
-set -u
-OUT="${1:-${OUT:-/tmp/peerline-gpu}}"
-mkdir -p "$OUT"
-LOG="$OUT/single.log"
-cd "$(dirname "$0")/../.." || exit 0
-ROOT="$(pwd)"
-PY="${PYTHON:-python3}"
-: > "$LOG"
-
-# peerline must be importable: the installed package, else a temporary shim of symlinks (no pip needed).
+. "$(dirname "$0")/common.sh" single "${1:-}"
 BUDGET=140
 # Seconds a step may run: its cap, or what is left of BUDGET if less (0: no time left).
 limit() { local left=$((BUDGET - SECONDS)); if [ "$left" -lt "$1" ]; then echo $((left > 0 ? left : 0)); else echo "$1"; fi; }
-
-# (peerline.distributed.allocator imports no torch: this check takes well under a second.)
-if ! timeout -k 2 10 "$PY" -c "import peerline.distributed.allocator" >/dev/null 2>&1; then
-  SHIM="$(mktemp -d)"
-  mkdir -p "$SHIM/peerline"
-  ln -s "$ROOT/peerline/__init__.py" "$SHIM/peerline/__init__.py"
-  for d in distributed kernels launch; do ln -s "$ROOT/$d" "$SHIM/peerline/$d"; done
-  export PYTHONPATH="$SHIM:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-  echo "run_single: using import shim $SHIM" >> "$LOG"
-fi
-
-report() {  # report NAME RC
-  if [ "$2" -eq 0 ]; then echo "PASS single.$1"; else echo "FAIL single.$1 (rc $2, see $LOG)"; fi
-}
 
 NGPU="$(timeout -k 2 10 "$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
 if [ "${NGPU:-0}" -lt 1 ]; then
