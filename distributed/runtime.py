@@ -27,7 +27,7 @@ from .mesh import Mesh
 from .model import build_stages, describe_split
 from .p2p import Links, TensorSpec, make_transport
 from .probe import probe_specs
-from .streams import RankStreams, create_rank_streams
+from .streams import RankStreams, create_rank_streams, use
 from .timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -196,12 +196,14 @@ class Runtime:
 
     def read_loss(self) -> float:
         """Mean loss of the last iteration over all microbatches and replicas (a host sync and one tiny all-reduce
-        over the world: only the last stage knows the loss, and rank 0 reports it)."""
+        over the world: only the last stage knows the loss, and rank 0 reports it). Runs on the main stream, after
+        the iteration's work: never on the legacy default stream, which does not wait for our non-blocking ones."""
         holds_last = any(s.is_last for s in self.engine.stages.values())
-        value = self.engine.loss_sum.detach().clone() if holds_last else torch.zeros((), device=self.device)
-        if dist.is_initialized() and self.info.world_size > 1:
-            dist.all_reduce(value)
-        return float(value) / self.cfg.dp
+        with use(self.engine.main_stream):
+            value = self.engine.loss_sum.detach().clone() if holds_last else torch.zeros((), device=self.device)
+            if dist.is_initialized() and self.info.world_size > 1:
+                dist.all_reduce(value)
+            return float(value) / self.cfg.dp  # float() waits for the value
 
     def train(self, iters: int | None = None, on_iteration: Callable[[IterationStats], None] | None = None
               ) -> list[float]:
