@@ -263,11 +263,12 @@ class Runtime:
         gathered to all ranks: equal checksums across replicas show the replicas stayed in step, and equal
         checksums against a single-process run show the same final parameters."""
         mine: dict[str, list[float]] = {}
-        for sid, stage in self.engine.stages.items():
-            for i, layer in enumerate(stage.module):
-                params = [p.detach().double() for p in layer.parameters()]
-                key = f"r{self.mesh.replica}/{self.layer_offsets[sid] + i}"
-                mine[key] = [sum(float(p.sum()) for p in params), sum(float((p * p).sum()) for p in params)]
+        with use(self.engine.main_stream):  # after the optimizer steps queued there
+            for sid, stage in self.engine.stages.items():
+                for i, layer in enumerate(stage.module):
+                    params = [p.detach().double() for p in layer.parameters()]
+                    key = f"r{self.mesh.replica}/{self.layer_offsets[sid] + i}"
+                    mine[key] = [sum(float(p.sum()) for p in params), sum(float((p * p).sum()) for p in params)]
         if dist.is_initialized() and self.info.world_size > 1:
             everyone: list[dict[str, list[float]] | None] = [None] * self.info.world_size
             dist.all_gather_object(everyone, mine)
