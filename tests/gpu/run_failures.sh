@@ -13,7 +13,9 @@ summarize() {  # summarize LOGFILE
 }
 
 echo "== GPU failure tests (pytest -m gpu tests/gpu/test_failures_gpu.py)" >> "$LOG"
+# FAILURES_SELECT (a pytest -k expression) runs a subset when device time is short, e.g. "killed or hung".
 timeout -k 10 330 "$PY" -m pytest -q -rA -p no:cacheprovider -m gpu tests/gpu/test_failures_gpu.py \
+  ${FAILURES_SELECT:+-k "$FAILURES_SELECT"} \
   > "$OUT/failures_gpu.out" 2>&1
 rc=$?
 cat "$OUT/failures_gpu.out" >> "$LOG"
