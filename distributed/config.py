@@ -83,8 +83,9 @@ class RunConfig:
     """Inputs and results: direct (generated on the device into the static buffers) or pinned (generated on the
     host, equal to the CPU's data, staged through a ring of pinned slots on the h2d stream; per-microbatch losses
     back on the d2h stream: distributed/staging.py)."""
-    allocator: str = "caching"
-    """Device allocator: caching (PyTorch's) or async (cudaMallocAsync pool); chosen before torch loads."""
+    allocator: str | None = None
+    """Device allocator: caching (PyTorch's) or async (cudaMallocAsync pool); chosen before torch loads. None: the
+    one the environment chose (PYTORCH_CUDA_ALLOC_CONF; caching unless it names cudaMallocAsync)."""
     pool_release_threshold: int | None = None
     """Bytes the async allocator's pool keeps across synchronizations (default: all of it)."""
     seq_jitter: float = 0.0
@@ -101,11 +102,12 @@ class RunConfig:
         choose("p2p", self.p2p, P2P)
         choose("grad sync", self.grad_sync, GRAD_SYNCS)
         choose("staging", self.staging, STAGINGS)
-        choose("allocator", self.allocator, ALLOCATORS)
+        if self.allocator is not None:
+            choose("allocator", self.allocator, ALLOCATORS)
         if not 0.0 <= self.seq_jitter < 1.0:
             raise ConfigError(f"--seq-jitter must be in [0, 1), got {self.seq_jitter}")
         if self.pool_release_threshold is not None:
-            if self.allocator != "async":
+            if self.allocator == "caching":
                 raise ConfigError("--pool-release-threshold applies to --allocator async only")
             if self.pool_release_threshold < 0:
                 raise ConfigError(f"--pool-release-threshold must be >= 0 bytes, got {self.pool_release_threshold}")

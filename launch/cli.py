@@ -78,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deadline for any wait, seconds (default: %(default)s)")
     g.add_argument("--staging", choices=STAGINGS, default=_DEFAULTS.staging,
                    help="inputs/results: direct, or pinned (host ring + h2d/d2h streams; default: %(default)s)")
-    g.add_argument("--allocator", choices=ALLOCATORS, default=os.environ.get("PEERLINE_ALLOCATOR", _DEFAULTS.allocator),
+    g.add_argument("--allocator", choices=ALLOCATORS, default=os.environ.get("PEERLINE_ALLOCATOR") or None,
                    help="device allocator: caching or async (cudaMallocAsync; default: $PEERLINE_ALLOCATOR, else "
-                        "%(default)s)")
+                        "the backend PYTORCH_CUDA_ALLOC_CONF selects)")
     g.add_argument("--pool-release-threshold", type=int,
                    help="bytes the async pool keeps across synchronizations (default: all)")
     g.add_argument("--seq-jitter", type=float, default=_DEFAULTS.seq_jitter,
