@@ -232,6 +232,9 @@ class Failsafe:
         """Iteration number `n` (from 1) is about to run."""
         self.current = n
         self.watchdog.iteration_started(n)
+        # A GPU rank can block inside the iteration (a full launch queue behind a stream waiting on a peer): name
+        # the peers from the start, so that timeout too points at the rank that was lost. Seen on 2 x H200.
+        self.watchdog.waiting_for(f"iteration {n} to finish ({self._peers})")
         with use(self.rt.engine.main_stream):
             # Set, not only counted on the device: graph capture may run the step's hooks more than once.
             self.guard.count.fill_(n - 1)

@@ -173,6 +173,14 @@ class Runtime:
             return
         if self.iterations_run < self.cfg.warmup_iters:
             return
+        if torch.cuda.memory.get_allocator_backend() == "cudaMallocAsync":
+            # Seen on 2 x H200 (2026-11-26): capture under the cudaMallocAsync backend failed with "capturing
+            # stream has unjoined work", and the process then aborted in the eager fallback. Until that is
+            # understood, graphs are refused up front with the reason, on every rank alike.
+            self.graph_failed = "CUDA graphs are not used with --allocator async (cudaMallocAsync) yet"
+            if self.info.rank == 0:
+                print(f"peerline: running eager: {self.graph_failed}", flush=True)
+            return
         from .graph import try_capture
 
         self.graph, reason = try_capture(self.engine, self.device)

@@ -160,9 +160,12 @@ def test_async_allocator_run_and_graph_capture(tmp_path):
     assert caching["active"] == "caching" and async_["active"] == "async"
     assert async_["threshold_read"] == 0 and async_["stats"]["release_threshold"] == 0
     assert caching["allocs"] > 0  # the caching allocator counts its cudaMalloc calls
+    # Graphs under cudaMallocAsync are refused up front with a reason (capture failed there on H200, 2026-11-26).
+    assert "cudaMallocAsync" in async_.get("graph_error", ""), async_.get("graph_error")
     for res in (caching, async_):
         assert len(res["eager_losses"]) == 4
         assert all(map(_close, res["eager_losses"], caching["eager_losses"])), (res["kind"], res["eager_losses"])
+    for res in (caching,):
         assert "graph_error" not in res, f"{res['kind']}: graph capture failed: {res.get('graph_traceback')}"
         assert all(map(lambda a, b: _close(a, b, 1e-6), res["graph_losses"], res["eager_losses"])), res
         for key, (s, sq) in res["graph_checksums"].items():

@@ -84,7 +84,7 @@ def test_hung_rank_is_ended_by_its_watchdog(tmp_path):
     r0, r1 = ranks
     assert r1.rc == 3, r1.err
     assert r1.errors() == ["peerline: error: rank 1 (stage 1) timed out after 6 s waiting for iteration 2 to "
-                           "finish"], r1.err
+                           "finish (peers: rank 0 (stage 0))"], r1.err
     assert r0.rc != 0 and len(r0.errors()) == 1 and "rank 1" in r0.errors()[0], r0.err
     assert "Traceback" not in r0.err + r1.err
 
