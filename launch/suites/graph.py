@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -137,6 +138,7 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     # Every rank measures the same thing on its own device; time_blocks takes the slowest rank.
     timed: dict[str, Timing] = {}
     losses: dict[str, list[float]] = {}
+    host_us: dict[str, float] = {}
 
     def measure(name: str, step: Callable[[], Any], loss: Callable[[], float]) -> None:
         ctx.step(f"{shape.name} M={m} {name}")
@@ -146,6 +148,7 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
             losses[name].append(loss())
         timed[name] = time_blocks(lambda n: [step() for _ in range(n)], iters=iters, reps=reps, warmup=warmup,
                                   device=device)
+        host_us[name] = _host_us_per_step(step, iters, device)
 
     anchor = TorchStep(shape, device)
     measure("torch eager", anchor.eager_step, lambda: float(anchor.loss))
@@ -177,7 +180,26 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
                           tokens / (a.median_ms / 1e3), tokens / (b.median_ms / 1e3), theirs, sizes=sizes,
                           extra={"ms_per_step": a.median_ms, "anchor_ms_per_step": b.median_ms,
                                  "spread": a.spread, "anchor_spread": b.spread, "losses": losses[mine],
-                                 "anchor_losses": losses[theirs], "max_loss_diff": _loss_diff(mine, theirs, losses)}))
+                                 "anchor_losses": losses[theirs], "max_loss_diff": _loss_diff(mine, theirs, losses),
+                                 "host_us_per_step": host_us[mine], "anchor_host_us_per_step": host_us[theirs]}))
+    if "peerline graph" in host_us:
+        us = host_us["peerline graph"]
+        ctx.note(f"GOAL {'MET' if us < 50 else 'MISSED'} graph host time per replayed iteration: {us:.1f} us "
+                 f"(data load + replay; goal < 50 us), torch graph {host_us.get('torch graph', float('nan')):.1f} us")
+
+
+def _host_us_per_step(step: Callable[[], Any], n: int, device: torch.device) -> float:
+    """Host (CPU) microseconds to issue one step: the device is idle at the start, and n steps are issued without
+    waiting (a replayed graph is one launch, so the launch queue never fills and the host never blocks)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    us = (time.perf_counter() - t0) * 1e6 / n
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return us
 
 
 def _loss_diff(mine: str, theirs: str, losses: dict[str, list[float]]) -> float | None:
