@@ -6,19 +6,12 @@ import platform
 import sys
 from typing import Any
 
-import torch
+from peerline.launch.benchkit import environment_facts
 
 
 def versions() -> dict[str, Any]:
-    facts: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
-    if torch.cuda.is_available():
-        facts["cuda"] = torch.version.cuda
-        facts["card"] = torch.cuda.get_device_name(0)
-        try:
-            facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-        except Exception:  # noqa: BLE001 - optional fact
-            pass
-    return facts
+    """The benchmark records' facts (card, driver, torch/CUDA/NCCL/CuPy versions, date) plus Python's version."""
+    return {"python": platform.python_version(), **environment_facts()}
 
 
 def format_stats(stats: Any, total: int) -> str:

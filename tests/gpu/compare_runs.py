@@ -8,6 +8,11 @@ Prints one PASS/FAIL line; exit code 1 on FAIL.
 import argparse
 import json
 import sys
+from pathlib import Path
+
+# Run as a script from anywhere: the checkout root holds the `tests` package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.helpers import worst_difference  # noqa: E402
 
 
 def main() -> int:
@@ -22,16 +27,10 @@ def main() -> int:
     except (OSError, ValueError) as exc:
         print(f"FAIL {a.label}: cannot read results ({exc})")
         return 1
-    worst = 0.0
-    for x, y in zip(got["losses"], ref["losses"]):
-        worst = max(worst, abs(x - y) / abs(y))
-    ref_sums = {k.split("/")[1]: v for k, v in ref["layer_checksums"].items()}
-    for key, (s, sq) in got["layer_checksums"].items():
-        rs, rsq = ref_sums[key.split("/")[1]]
-        worst = max(worst, abs(s - rs) / max(1.0, abs(rs)), abs(sq - rsq) / abs(rsq))
+    worst, where = worst_difference(got, ref)
     same_len = len(got["losses"]) == len(ref["losses"]) > 0
     ok = same_len and worst <= a.rtol
-    print(f"{'PASS' if ok else 'FAIL'} {a.label}: worst relative difference {worst:.3g} (bound {a.rtol:g}); "
+    print(f"{'PASS' if ok else 'FAIL'} {a.label}: worst relative difference {worst:.3g} at {where} (bound {a.rtol:g}); "
           f"losses {[f'{v:.6f}' for v in got['losses']]} vs {[f'{v:.6f}' for v in ref['losses']]}; "
           f"graph={got.get('graph')} transport={got.get('transport')}")
     return 0 if ok else 1

@@ -13,6 +13,7 @@ import torch
 from peerline.distributed.config import RunConfig
 from peerline.distributed.env import LaunchInfo, detect_launch
 from peerline.distributed.runtime import Runtime
+from tests.helpers import assert_same_run
 
 TINY = dict(hidden=32, layers=4, seq=8, micro_batch_size=2, iters=3)
 SINGLE = LaunchInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
@@ -34,13 +35,8 @@ def _train(cfg: RunConfig, info: LaunchInfo | None) -> tuple[list[float], dict[s
 
 
 def _compare(losses, sums, ref_losses, ref_sums, rtol):
-    assert len(losses) == len(ref_losses)
-    for a, b in zip(losses, ref_losses):
-        assert abs(a - b) <= rtol * abs(b), (losses, ref_losses)
-    ref = {k.split("/")[1]: v for k, v in ref_sums.items()}
-    for key, (s, sq) in sums.items():
-        rs, rsq = ref[key.split("/")[1]]
-        assert abs(s - rs) <= rtol * max(1.0, abs(rs)) and abs(sq - rsq) <= rtol * abs(rsq), key
+    assert_same_run({"losses": losses, "layer_checksums": sums},
+                    {"losses": ref_losses, "layer_checksums": ref_sums}, rtol)
 
 
 @pytest.fixture(scope="module")
