@@ -34,12 +34,23 @@ SUITE = "graph"
 SHAPES = {
     "launch": PipeShape("launch-bound", layers=32, hidden=512, micro_batch_size=2, seq=256, microbatches=1,
                         dtype="bf16"),
+    # Twice the layers of the launch-bound step: the host time per replay must not grow with the layer count.
+    "launch64": PipeShape("launch-bound 64 layers", layers=64, hidden=512, micro_batch_size=2, seq=256,
+                          microbatches=1, dtype="bf16"),
+    # The compute-bound stage of the pipeline suite (8 of its 16 blocks, one microbatch): graphs must never be
+    # slower than eager here.
+    "compute": PipeShape("compute-bound", layers=8, hidden=2048, micro_batch_size=8, seq=512, microbatches=1,
+                         dtype="bf16"),
     "quick": PipeShape("quick", layers=4, hidden=32, micro_batch_size=2, seq=8, microbatches=1, dtype="fp32"),
 }
+DEFAULT_SHAPES = "launch,launch64,compute"
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--graph-microbatches", type=int, default=1, help="microbatches per step (default 1)")
+    group.add_argument("--graph-shapes", default=DEFAULT_SHAPES,
+                       help=f"comma list of {', '.join(k for k in SHAPES if k != 'quick')} "
+                            f"(default {DEFAULT_SHAPES}; --quick runs a tiny CPU shape)")
 
 
 class TorchStep:
@@ -124,9 +135,35 @@ def _single_gpu_runtime(shape: PipeShape, device: torch.device, graph: bool):
     return Runtime.create(cfg, info)
 
 
+def selected_shapes(args: argparse.Namespace, quick: bool) -> list[PipeShape]:
+    """The shapes named by --graph-shapes (one clear error for an unknown name)."""
+    if quick:
+        return [SHAPES["quick"]]
+    names = [n.strip() for n in (getattr(args, "graph_shapes", None) or DEFAULT_SHAPES).split(",") if n.strip()]
+    unknown = [n for n in names if n not in SHAPES or n == "quick"]
+    if unknown or not names:
+        known = ", ".join(k for k in SHAPES if k != "quick")
+        raise SystemExit(f"bench graph: unknown --graph-shapes {','.join(unknown) or '(empty)'}; known: {known}")
+    return [SHAPES[n] for n in names]
+
+
 def run(args: argparse.Namespace, ctx: BenchContext) -> None:
-    """peerline eager / graph vs torch eager / hand-captured graph, one GPU per rank."""
-    base = SHAPES["quick" if ctx.quick else "launch"]
+    """peerline eager / graph vs torch eager / hand-captured graph, one GPU per rank, for each shape."""
+    host_graph_us: dict[str, float] = {}
+    for base in selected_shapes(args, ctx.quick):
+        us = run_shape(base, args, ctx)
+        if us is not None:
+            host_graph_us[base.name] = us
+    if len(host_graph_us) > 1:
+        worst = max(host_graph_us.values())
+        ctx.note(f"GOAL {'MET' if worst < 50 else 'MISSED'} graph host time per replayed iteration across shapes: "
+                 + ", ".join(f"{k} {v:.1f} us" for k, v in host_graph_us.items()) + " (goal < 50 us for any layer "
+                 "count)")
+
+
+def run_shape(base: PipeShape, args: argparse.Namespace, ctx: BenchContext) -> float | None:
+    """One shape: records the four comparisons; returns peerline's host microseconds per replay (None if no
+    graph ran)."""
     m = getattr(args, "graph_microbatches", 1) or 1
     shape = PipeShape(base.name, base.layers, base.hidden, base.micro_batch_size, base.seq, m, base.dtype)
     device, on_gpu = ctx.device, ctx.device.type == "cuda"
@@ -182,10 +219,17 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
                                  "spread": a.spread, "anchor_spread": b.spread, "losses": losses[mine],
                                  "anchor_losses": losses[theirs], "max_loss_diff": _loss_diff(mine, theirs, losses),
                                  "host_us_per_step": host_us[mine], "anchor_host_us_per_step": host_us[theirs]}))
-    if "peerline graph" in host_us:
-        us = host_us["peerline graph"]
-        ctx.note(f"GOAL {'MET' if us < 50 else 'MISSED'} graph host time per replayed iteration: {us:.1f} us "
-                 f"(data load + replay; goal < 50 us), torch graph {host_us.get('torch graph', float('nan')):.1f} us")
+    if "peerline graph" in timed and "peerline eager" in timed and shape.name.startswith("compute"):
+        ratio = timed["peerline eager"].median_ms / timed["peerline graph"].median_ms
+        ctx.note(f"GOAL {'MET' if ratio >= 1.0 else 'MISSED'} {shape.name}: graph {ratio:.3f}x eager "
+                 "(goal: never slower)")
+    if "peerline graph" not in host_us:
+        return None
+    us = host_us["peerline graph"]
+    ctx.note(f"GOAL {'MET' if us < 50 else 'MISSED'} {shape.name}: graph host time per replayed iteration "
+             f"{us:.1f} us (data load + replay; goal < 50 us), torch graph "
+             f"{host_us.get('torch graph', float('nan')):.1f} us")
+    return us
 
 
 def _host_us_per_step(step: Callable[[], Any], n: int, device: torch.device) -> float:

@@ -2,7 +2,7 @@
 # One GPU (issue 6 benchmark, issue 8 tools): GPU checks of the timing pieces (CUDA-event timelines, block timer,
 # stage times), then the graph suite: the launch-bound step whole-graphed by peerline vs peerline eager, torch
 # eager and the same step captured by hand with torch.cuda.graph. Logs to $OUT/graph.log; results under
-# $OUT/bench_graph/. Prints one PASS/FAIL/SKIP line per check; exits 0. About 2 minutes.
+# $OUT/bench_graph/. Prints one PASS/FAIL/SKIP line per check; exits 0. About 3 minutes.
 . "$(dirname "$0")/common.sh" graph "${1:-}"
 
 NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
@@ -19,8 +19,8 @@ cat "$OUT/bench_tests.out" >> "$LOG"
 tail -n 1 "$OUT/bench_tests.out" | sed 's/^/  /'
 report timing_tests "$rc"
 
-echo "== graph suite: one GPU, launch-bound step, peerline eager/graph vs torch eager / hand-captured graph" >> "$LOG"
-timeout -k 5 75 "$PY" launch/bench.py graph --out "$OUT/bench_graph" \
+echo "== graph suite: one GPU, launch-bound (32 and 64 layers) and compute-bound steps, peerline eager/graph vs torch eager / hand-captured graph" >> "$LOG"
+timeout -k 5 150 "$PY" launch/bench.py graph --out "$OUT/bench_graph" \
   > "$OUT/bench_graph.out" 2>&1
 rc=$?
 cat "$OUT/bench_graph.out" >> "$LOG"
