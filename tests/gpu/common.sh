@@ -2,7 +2,7 @@
 # Sets OUT (logs and results; argument, else $OUT, else /tmp/peerline-gpu), LOG ($OUT/SECTION.log, emptied), ROOT
 # (the checkout, also the working directory) and PY, makes peerline importable, and defines
 #   report NAME RC [DETAIL]   -> "PASS SECTION.NAME (DETAIL)" or "FAIL SECTION.NAME (rc RC, DETAIL, see LOG)"
-# which run.sh collects. Every section prints one such line per check and exits 0.
+# which run.sh collects, and step (below). Every section prints one such line per check and exits 0.
 set -u
 SECTION=$1
 OUT="${2:-${OUT:-/tmp/peerline-gpu}}"
@@ -18,4 +18,21 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 report() {  # report NAME RC [DETAIL]
   if [ "$2" -eq 0 ]; then echo "PASS $SECTION.$1${3:+ ($3)}"; else echo "FAIL $SECTION.$1 (rc $2${3:+, $3}, see $LOG)"; fi
+}
+
+# step OUTFILE CAP CMD...: run CMD under `timeout` for CAP seconds (or what is left of $BUDGET seconds since the
+# section started, when BUDGET is set and less is left), its output in OUTFILE and appended to LOG; returns CMD's
+# rc (124: timed out or no time left). One place for the bounding every section needs.
+step() {
+  local out=$1 cap=$2 rc
+  shift 2
+  if [ -n "${BUDGET:-}" ] && [ $((BUDGET - SECONDS)) -lt "$cap" ]; then cap=$((BUDGET - SECONDS)); fi
+  if [ "$cap" -le 0 ]; then
+    echo "no time left" > "$out"; rc=124
+  else
+    timeout -k 5 "$cap" "$@" > "$out" 2>&1
+    rc=$?
+  fi
+  cat "$out" >> "$LOG"
+  return "$rc"
 }

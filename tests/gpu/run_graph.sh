@@ -12,18 +12,14 @@ if [ "${NGPU:-0}" -lt 1 ]; then
 fi
 
 echo "== GPU checks of timelines, block timer, stage times (pytest)" >> "$LOG"
-timeout -k 5 45 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_bench_gpu.py \
-  > "$OUT/bench_tests.out" 2>&1
+step "$OUT/bench_tests.out" 45 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_bench_gpu.py
 rc=$?
-cat "$OUT/bench_tests.out" >> "$LOG"
 tail -n 1 "$OUT/bench_tests.out" | sed 's/^/  /'
 report timing_tests "$rc"
 
 echo "== graph suite: one GPU, launch-bound (32 and 64 layers) and compute-bound steps, peerline eager/graph vs torch eager / hand-captured graph" >> "$LOG"
-timeout -k 5 150 "$PY" launch/bench.py graph --out "$OUT/bench_graph" \
-  > "$OUT/bench_graph.out" 2>&1
+step "$OUT/bench_graph.out" 150 "$PY" launch/bench.py graph --out "$OUT/bench_graph"
 rc=$?
-cat "$OUT/bench_graph.out" >> "$LOG"
 [ -f "$OUT/bench_graph/results.md" ] && cat "$OUT/bench_graph/results.md"
 report graph_suite "$rc"
 

@@ -7,9 +7,7 @@
 # bench 45 s, allocator bench 45 s) and never past BUDGET (140 s) from the start, so the section ends within
 # about 145 s (the -k kills only for a step that ignores SIGTERM); a step with no time left is a FAIL line.
 . "$(dirname "$0")/common.sh" single "${1:-}"
-BUDGET=140
-# Seconds a step may run: its cap, or what is left of BUDGET if less (0: no time left).
-limit() { local left=$((BUDGET - SECONDS)); if [ "$left" -lt "$1" ]; then echo $((left > 0 ? left : 0)); else echo "$1"; fi; }
+BUDGET=140  # read by step (common.sh): no step runs past it
 
 NGPU="$(timeout -k 2 10 "$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
 if [ "${NGPU:-0}" -lt 1 ]; then
@@ -18,41 +16,22 @@ if [ "${NGPU:-0}" -lt 1 ]; then
 fi
 
 echo "== tests: stages 2/4 == 1 stage with the staging feed, stream overlap, async allocator + graph" >> "$LOG"
-T=$(limit 60)
-if [ "$T" -gt 0 ]; then
-  timeout -k 5 "$T" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_single_gpu.py \
-    > "$OUT/single_tests.out" 2>&1
-  rc=$?
-else
-  echo "no time left" > "$OUT/single_tests.out"; rc=124
-fi
-cat "$OUT/single_tests.out" >> "$LOG"
+step "$OUT/single_tests.out" 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_single_gpu.py
+rc=$?
 grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/single_tests.out" | tail -n 12 | sed 's/^/  /'
 report tests "$rc"
 
 echo "== bench: overlap vs serial vs bound" >> "$LOG"
-T=$(limit 45)
-if [ "$T" -gt 0 ]; then
-  timeout -k 5 "$T" "$PY" -m peerline.launch.suites.single --part overlap --out "$OUT/bench_single/overlap" \
-    > "$OUT/bench_single_overlap.out" 2>&1
-  rc=$?
-else
-  echo "no time left" > "$OUT/bench_single_overlap.out"; rc=124
-fi
-cat "$OUT/bench_single_overlap.out" >> "$LOG"
+step "$OUT/bench_single_overlap.out" 45 "$PY" -m peerline.launch.suites.single --part overlap \
+  --out "$OUT/bench_single/overlap"
+rc=$?
 [ -f "$OUT/bench_single/overlap/single.md" ] && cat "$OUT/bench_single/overlap/single.md"
 report bench_overlap "$rc"
 
 echo "== bench: caching vs async allocator (fresh processes)" >> "$LOG"
-T=$(limit 45)
-if [ "$T" -gt 0 ]; then
-  timeout -k 5 "$T" "$PY" -m peerline.launch.suites.single --part allocator --out "$OUT/bench_single/alloc" \
-    > "$OUT/bench_single_alloc.out" 2>&1
-  rc=$?
-else
-  echo "no time left" > "$OUT/bench_single_alloc.out"; rc=124
-fi
-cat "$OUT/bench_single_alloc.out" >> "$LOG"
+step "$OUT/bench_single_alloc.out" 45 "$PY" -m peerline.launch.suites.single --part allocator \
+  --out "$OUT/bench_single/alloc"
+rc=$?
 [ -f "$OUT/bench_single/alloc/single.md" ] && cat "$OUT/bench_single/alloc/single.md"
 report bench_alloc "$rc"
 if [ -f "$OUT/bench_single/overlap/single.jsonl" ]; then
