@@ -13,8 +13,9 @@ Construction is collective over `group` (every rank of it builds its transport):
 Order of work, per rank:
   exchange(sends, recvs)  p2p stream waits for the current stream (the producer), then per send: wait FREE, clear
                           FREE, copy, write the peer's FULL. Receives go on the current stream: wait FULL, clear it.
-                          The sent tensor is kept alive for the copy with record_stream(p2p). Optional extra
-                          `lanes` (streams) carry the sends of some slots, so flag operations overlap copies.
+                          The sent tensor is kept alive for the copy with record_stream(p2p). Consecutive flag
+                          operations go to the driver as one cuStreamBatchMemOp (wait FREE + clear FREE is one
+                          call, one batch-memop node under capture). Lanes, see below.
   release(kind, mb)       current stream writes FREE = 1 into the sender's memory.
   join() / finish_iteration()
                           current stream waits for every copy issued so far. Needed once per iteration before a
@@ -27,6 +28,17 @@ after the current stream only, so nothing on another stream may still read the s
 microbatches share a slot (mb % depth) are received and released in send order. Do not send a received slot view
 itself onward (its release could free the slot before the outgoing copy read it). Keep
 CUDA_DEVICE_MAX_CONNECTIONS at its default: a stream waiting on a flag must not block unrelated streams.
+
+Lanes (send streams: `streams.p2p` plus `lanes`), grouped by `split`:
+  split=False  groups of one lane; slot s goes on group s % groups (round robin): the flag operations of one
+               message overlap the copy of the next on another lane.
+  split=True   groups of two lanes; every message (>= SPLIT_MIN_BYTES) is cut in two halves copied at once by the
+               group's two lanes (two copy engines on one message). The group's first lane does the flag
+               operations: wait FREE + clear FREE, then the second lane joins it by event (so it copies only into
+               a free slot), both copy their half, the first lane waits for the second by event, then writes FULL
+               (so FULL means both halves landed). Groups (lanes // 2 of them) take slots round robin.
+In every variant one slot's sends stay on one group, so a slot's uses keep their order, and the protocol of
+slot_ring.py is unchanged (one FREE and one FULL word per slot).
 """
 
 from __future__ import annotations
@@ -48,6 +60,8 @@ log = logging.getLogger(__name__)
 KINDS = (ACT, GRAD)
 FLAG_STRIDE = 64  # bytes between flag words: one word per 64-byte sector, no two flags share a line
 SLOT_ALIGN = 4096  # slot start alignment: every dtype view is aligned and copies start on page boundaries
+SPLIT_MIN_BYTES = 1 << 20  # smaller split messages go whole: two events would cost more than half a copy saves
+SPLIT_ALIGN = 256  # the halves of a split message start on 256-byte boundaries
 POISON = 0xFF  # initial slot bytes (NaN in bf16/fp16/fp32): a read before the first copy shows up in checksums
 
 
@@ -113,16 +127,17 @@ class CopyEngineTransport(Transport):
     num_microbatches, enough for GPipe). capture_safe: issue copies with cudaMemcpyAsync(cudaMemcpyDefault),
     which a CUDA graph can capture, instead of cudaMemcpyPeerAsync (copies issued under capture always use it).
     group: process group for the handle exchange and the closing barriers (default: the world).
-    lanes: extra streams (made by distributed/streams.py) that carry sends beside `streams.p2p`; slot s always
-    goes on lane s % lanes, so one slot's uses stay in order, while the flag operations of one message overlap
-    the copy of the next on another lane (the copy engine does not idle between messages).
+    lanes: extra streams (made by distributed/streams.py) that carry sends beside `streams.p2p`; default
+    `streams.p2p_lanes` (the extra lanes RankStreams was created with). split: cut each message in two halves
+    copied by two lanes at once (needs an even number of lanes in all). See the module docstring.
     """
 
     name = "copy-engine"
 
     def __init__(self, links: Links, device: torch.device, num_microbatches: int,
                  streams: RankStreams | None = None, *, depth: int | None = None, capture_safe: bool = False,
-                 group: dist.ProcessGroup | None = None, lanes: list[torch.cuda.Stream] | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, lanes: list[torch.cuda.Stream] | None = None,
+                 split: bool = False) -> None:
         if device.type != "cuda" or device.index is None:
             raise ValueError(f"copy-engine transport needs a CUDA device with an index, got {device}")
         depth = num_microbatches if depth is None else depth
@@ -135,7 +150,13 @@ class CopyEngineTransport(Transport):
         self.rank = dist.get_rank()
         self.streams = streams if streams is not None else create_rank_streams(device)
         self.p2p: torch.cuda.Stream = self.streams.p2p
-        self._lanes: list[torch.cuda.Stream] = [self.p2p, *(lanes or [])]
+        extra = lanes if lanes is not None else list(getattr(self.streams, "p2p_lanes", []) or [])
+        self._lanes: list[torch.cuda.Stream] = [self.p2p, *extra]
+        width = 2 if split else 1
+        if len(self._lanes) % width:
+            raise ValueError(f"split copies need an even number of p2p lanes, got {len(self._lanes)}")
+        self.split = split
+        self._groups = [self._lanes[i:i + width] for i in range(0, len(self._lanes), width)]
         self._ops = stream_ops.FlagOps()
         self._held: dict[tuple[str, int], int] = {}  # (kind, slot) -> mb received and not yet released
         self._pending: list[torch.cuda.Stream] = []  # lanes with sends issued since the last join()
@@ -166,6 +187,10 @@ class CopyEngineTransport(Transport):
             for ring in self._rings.values():
                 ring.tensor.fill_(POISON)
         # Host sync at set-up only: peers may write our flags as soon as the exchange below returns.
+        self.p2p.synchronize()
+        # Rewrite one FULL word (0, nobody writes it yet) with its own value: does the driver take batches?
+        self._ops.probe_batch(self.p2p.cuda_stream, self._flags.ptr + flag_offset(ACT, slot_ring.FULL, 0, self.depth),
+                              slot_ring.INITIAL[slot_ring.FULL])
         self.p2p.synchronize()
 
     def _ring_info(self, kind: str) -> _Ring:
@@ -217,9 +242,9 @@ class CopyEngineTransport(Transport):
         """Open the peers' rings and flags and turn the protocol's op lists into addresses."""
         by_rank = {info["rank"]: info for info in infos}
         local = self._flags.ptr
-        self._send_prog: dict[tuple[str, int], list[tuple[str, int, int]]] = {}
-        self._recv_prog: dict[tuple[str, int], list[tuple[str, int, int]]] = {}
-        self._release_prog: dict[tuple[str, int], list[tuple[str, int, int]]] = {}
+        self._send_prog: dict[tuple[str, int], list[tuple[str, object]]] = {}
+        self._recv_prog: dict[tuple[str, int], list[tuple[str, object]]] = {}
+        self._release_prog: dict[tuple[str, int], list[tuple[str, object]]] = {}
         self._send_to: dict[str, tuple[int, int, _Ring]] = {}  # kind -> (peer rank, peer device ordinal, ring)
         for kind in KINDS:
             peer = self.links.next_rank if kind == ACT else self.links.prev_rank
@@ -241,14 +266,22 @@ class CopyEngineTransport(Transport):
                                                                  peer_flags, 0)
 
     def _resolve(self, ops: tuple[slot_ring.Op, ...], kind: str, local: int, peer: int, dst: int
-                 ) -> list[tuple[str, int, int]]:
-        prog = []
+                 ) -> list[tuple[str, object]]:
+        """Turn an op list into segments: ("flags", ((action, addr, value), ...)) for each run of consecutive flag
+        operations (issued as one batch) and ("copy", dst) for the copy."""
+        prog: list[tuple[str, object]] = []
+        run: list[tuple[str, int, int]] = []
         for op in ops:
             if op.action == "copy":
-                prog.append(("copy", dst, 0))
+                if run:
+                    prog.append(("flags", tuple(run)))
+                    run = []
+                prog.append(("copy", dst))
             else:
                 base = local if op.where == slot_ring.LOCAL else peer
-                prog.append((op.action, base + flag_offset(kind, op.flag, op.slot, self.depth), op.value))
+                run.append((op.action, base + flag_offset(kind, op.flag, op.slot, self.depth), op.value))
+        if run:
+            prog.append(("flags", tuple(run)))
         return prog
 
     # --- hot path -------------------------------------------------------------------------------------------
@@ -287,34 +320,38 @@ class CopyEngineTransport(Transport):
             staged.append((kind, mb, t, self._check_send(kind, mb, t)))
         if staged:
             capture = self.capture_safe or torch.cuda.is_current_stream_capturing()
-            src_dev = self.device.index
             waited: list[torch.cuda.Stream] = []
             for kind, mb, t, (_peer, peer_dev, ring) in staged:
                 slot = slot_ring.slot_of(mb, self.depth)
-                lane = self._lanes[slot % len(self._lanes)]
-                if lane not in waited:
-                    lane.wait_stream(cur)  # "activation produced"
-                    waited.append(lane)
-                if lane not in self._pending:
-                    self._pending.append(lane)
-                s = lane.cuda_stream
-                for action, addr, value in self._send_prog[(kind, slot)]:
-                    if action == "wait":
-                        self._ops.wait_eq(s, addr, value)
-                    elif action == "write":
-                        self._ops.write(s, addr, value)
-                    else:
-                        ipc.copy_peer(addr, peer_dev, t.data_ptr(), src_dev, ring.slot_bytes, s, capture)
+                group = self._groups[slot % len(self._groups)]
+                head = group[0]
+                if head not in waited:
+                    head.wait_stream(cur)  # "activation produced"
+                    waited.append(head)
+                parts = self._parts(ring.slot_bytes) if len(group) > 1 else [(0, ring.slot_bytes)]
+                used = group[:len(parts)]
+                for lane in used:
+                    if lane not in self._pending:
+                        self._pending.append(lane)
+                for seg, arg in self._send_prog[(kind, slot)]:
+                    if seg == "flags":
+                        self._ops.batch(head.cuda_stream, arg)
+                        continue
+                    for lane in used[1:]:
+                        lane.wait_stream(head)  # the slot is free (and the producer done): the other part may copy
+                    for lane, (off, n) in zip(used, parts):
+                        ipc.copy_peer(arg + off, peer_dev, t.data_ptr() + off, self.device.index, n,
+                                      lane.cuda_stream, capture)
+                    for lane in used[1:]:
+                        head.wait_stream(lane)  # FULL only once every part landed
                 if t.is_cuda:  # (the CPU simulation in tests/unit passes host tensors)
-                    t.record_stream(lane)  # the caller may drop t; its memory is reused only after the copy
+                    for lane in used:
+                        t.record_stream(lane)  # the caller may drop t; its memory is reused only after the copy
         out = []
         c = cur.cuda_stream
         for (_kind, mb), key in zip(recvs, keys):
-            for action, addr, value in self._recv_prog[key]:
-                if action == "wait":
-                    self._ops.wait_eq(c, addr, value)
-                else:
-                    self._ops.write(c, addr, value)
+            for _seg, ops in self._recv_prog[key]:
+                self._ops.batch(c, ops)  # wait FULL + clear FULL: one call
             self._held[key] = mb
             out.append(self._views[key].detach())  # a fresh alias: callers may set requires_grad on it
         return out
@@ -324,9 +361,17 @@ class CopyEngineTransport(Transport):
         if self._held.get(key) != mb:
             raise ValueError(f"release {kind} mb {mb}: not received (slot holds {self._held.get(key)})")
         c = torch.cuda.current_stream(self.device).cuda_stream
-        for _action, addr, value in self._release_prog[key]:
-            self._ops.write(c, addr, value)
+        for _seg, ops in self._release_prog[key]:
+            self._ops.batch(c, ops)
         del self._held[key]
+
+    def _parts(self, nbytes: int) -> list[tuple[int, int]]:
+        """(offset, bytes) of the parts a split message is copied in: two halves cut at a SPLIT_ALIGN boundary, or
+        the whole message when it is small."""
+        if nbytes < SPLIT_MIN_BYTES:
+            return [(0, nbytes)]
+        half = nbytes // 2 // SPLIT_ALIGN * SPLIT_ALIGN
+        return [(0, half), (half, nbytes - half)] if half else [(0, nbytes)]
 
     def join(self) -> None:
         """Make the current stream wait for every copy issued so far (before a graph capture ends)."""
@@ -388,7 +433,9 @@ class CopyEngineTransport(Transport):
         edges = [f"{k}->{peer}" for k, (peer, _d, _r) in self._send_to.items()]
         edges += [f"{k}<-{self.links.peer_or_none(k)}" for k in self._rings]
         mode = "capture-safe copies" if self.capture_safe else "cudaMemcpyPeerAsync"
-        return f"copy-engine ({', '.join(edges) or 'no edges'}; depth {self.depth}; {mode})"
+        lanes = f"{len(self._lanes)} lane(s){', split' if self.split else ''}"
+        batch = "batched flag ops" if self._ops.batching else "single flag ops"
+        return f"copy-engine ({', '.join(edges) or 'no edges'}; depth {self.depth}; {lanes}; {mode}; {batch})"
 
     def close(self) -> None:
         """Collective: wait for local work, check the flags, unmap the peers' memory, then free ours once every

@@ -11,6 +11,12 @@ stream wrote before it, a peer copy included, is visible to whoever observes the
 Caution (CUDA's own warning): ordering made with these operations is invisible to CUDA. A stream blocked in a
 wait blocks only itself, provided streams do not share a hardware queue: keep CUDA_DEVICE_MAX_CONNECTIONS at its
 default (8) or above; `check_connections()` warns otherwise.
+
+`FlagOps.batch` issues several of these operations with ONE cuStreamBatchMemOp call ("the operations are enqueued
+in the order they appear in the array"; CUDA driver API, Stream Memory Operations), which the driver documents as
+avoiding "some performance overhead in both the API call and the device execution". A graph captures it as one
+batch-memop node (CU_GRAPH_NODE_TYPE_BATCH_MEM_OP, the node type single wait/write operations become too). If the
+driver refuses a batch (`probe_batch`), FlagOps falls back to one call per operation.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ except ImportError:  # pragma: no cover - exercised on machines without CUDA Pyt
 
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
 _WRITE_DEFAULT = 0  # CU_STREAM_WRITE_VALUE_DEFAULT: fenced write
+MAX_BATCH = 255  # cuStreamBatchMemOp: "count ... must be less than 256"
 
 
 def available() -> bool:
@@ -53,6 +60,8 @@ class FlagOps:
         _require()
         self._streams: dict[int, object] = {}
         self._ptrs: dict[int, object] = {}
+        self._batches: dict[tuple[tuple[str, int, int], ...], list] = {}  # op tuple -> CUstreamBatchMemOpParams
+        self.batching = True  # one cuStreamBatchMemOp per group of operations; False after a failed probe
         self._wait_eq = int(_cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ.value)
         if self._wait_eq != _WAIT_EQ:  # defensive: the enum value is part of the ABI, but check once
             raise RuntimeError(f"unexpected CU_STREAM_WAIT_VALUE_EQ = {self._wait_eq}")
@@ -79,10 +88,58 @@ class FlagOps:
         _check(_cu.cuStreamWriteValue32(self._stream(stream), self._ptr(addr), value, _WRITE_DEFAULT),
                "cuStreamWriteValue32")
 
+    def _params(self, ops: tuple[tuple[str, int, int], ...]) -> list:
+        params = self._batches.get(ops)
+        if params is None:
+            params = []
+            for action, addr, value in ops:
+                p = _cu.CUstreamBatchMemOpParams()
+                if action == "wait":
+                    p.operation = _cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_32
+                    p.waitValue.operation = p.operation  # the union's tag, also the struct's first field
+                    p.waitValue.address = self._ptr(addr)
+                    p.waitValue.value = value
+                    p.waitValue.flags = _WAIT_EQ
+                elif action == "write":
+                    p.operation = _cu.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32
+                    p.writeValue.operation = p.operation
+                    p.writeValue.address = self._ptr(addr)
+                    p.writeValue.value = value
+                    p.writeValue.flags = _WRITE_DEFAULT
+                else:
+                    raise ValueError(f"unknown flag operation {action!r}")
+                params.append(p)
+            self._batches[ops] = params
+        return params
+
+    def batch(self, stream: int, ops: tuple[tuple[str, int, int], ...]) -> None:
+        """Issue `ops` [("wait" | "write", addr, value)] on `stream`, in order: one cuStreamBatchMemOp when
+        batching is on (the parameter array is built once per distinct tuple and cached), else one call each."""
+        if len(ops) == 1 or not self.batching:
+            for action, addr, value in ops:
+                (self.wait_eq if action == "wait" else self.write)(stream, addr, value)
+            return
+        if len(ops) > MAX_BATCH:
+            raise ValueError(f"{len(ops)} operations in one batch; at most {MAX_BATCH}")
+        _check(_cu.cuStreamBatchMemOp(self._stream(stream), len(ops), self._params(ops), 0), "cuStreamBatchMemOp")
+
+    def probe_batch(self, stream: int, addr: int, value: int) -> bool:
+        """Try one batch (two writes of `value` to the word at `addr`, which must already hold it) on `stream`
+        outside any capture; turn batching off if the driver refuses. Returns whether batching stays on."""
+        try:
+            _check(_cu.cuStreamBatchMemOp(self._stream(stream), 2,
+                                          self._params((("write", addr, value), ("write", addr, value))), 0),
+                   "cuStreamBatchMemOp")
+        except RuntimeError as exc:
+            log.warning("cuStreamBatchMemOp unusable (%s): one driver call per flag operation", exc)
+            self.batching = False
+        return self.batching
+
     def forget(self) -> None:
         """Drop cached handles (after the memory they name was freed)."""
         self._streams.clear()
         self._ptrs.clear()
+        self._batches.clear()
 
 
 def check_connections() -> None:

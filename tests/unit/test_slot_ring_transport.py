@@ -37,7 +37,10 @@ class Sim:
         self.local = threading.local()
         self.compute = [FakeStream(self, f"compute{r}") for r in range(2)]
         self.p2p = [FakeStream(self, f"p2p{r}") for r in range(2)]
-        self.lane = [FakeStream(self, f"lane{r}") for r in range(2)]  # optional second send lane
+        # optional extra send lanes: lanes[r][i] is rank r's (i+2)-th lane
+        self.lanes = [[FakeStream(self, f"lane{r}.{i}") for i in range(3)] for r in range(2)]
+        self.lane = [ls[0] for ls in self.lanes]
+        self.batches: list[int] = []  # sizes of the flag-op batches issued
 
     # memory
     def alloc(self, nbytes: int) -> tuple[int, torch.Tensor]:
@@ -81,7 +84,7 @@ class Sim:
     def run(self, seed: int) -> bool:
         """Run every queue to its end; False on deadlock (no stream can move)."""
         rng = random.Random(seed)
-        streams = self.compute + self.p2p + self.lane
+        streams = self.compute + self.p2p + self.lanes[0] + self.lanes[1]
         while True:
             live = [s for s in streams if s.done < len(s.queue)]
             if not live:
@@ -154,6 +157,16 @@ def sim(monkeypatch: pytest.MonkeyPatch) -> Sim:
         def write(self, stream: int, addr: int, value: int) -> None:
             s.streams[stream].queue.append(("write", addr, value))
 
+        batching = True
+
+        def batch(self, stream: int, ops: tuple) -> None:
+            s.batches.append(len(ops))
+            for action, addr, value in ops:
+                s.streams[stream].queue.append((action, addr, value))
+
+        def probe_batch(self, stream: int, addr: int, value: int) -> bool:
+            return True
+
         def forget(self) -> None:
             pass
 
@@ -190,7 +203,8 @@ def sim(monkeypatch: pytest.MonkeyPatch) -> Sim:
     return s
 
 
-def build(sim: Sim, spec: TensorSpec, depth: int, lanes: int = 1) -> list[ce.CopyEngineTransport]:
+def build(sim: Sim, spec: TensorSpec, depth: int, lanes: int = 1, split: bool = False
+          ) -> list[ce.CopyEngineTransport]:
     """Both ranks' transports, constructed concurrently (the handle exchange is collective)."""
     out: list = [None, None]
     errors: list = []
@@ -201,7 +215,7 @@ def build(sim: Sim, spec: TensorSpec, depth: int, lanes: int = 1) -> list[ce.Cop
         streams = RankStreams(device=torch.device("cuda", r), stage_compute=[sim.compute[r]], p2p=sim.p2p[r])
         try:
             out[r] = ce.CopyEngineTransport(links, torch.device("cuda", r), depth, streams=streams, depth=depth,
-                                            lanes=[sim.lane[r]] if lanes == 2 else None)
+                                            lanes=sim.lanes[r][:lanes - 1], split=split)
         except Exception as exc:  # noqa: BLE001 - re-raised below in the test thread
             errors.append(exc)
 
@@ -226,10 +240,21 @@ def as_rank(sim: Sim, r: int) -> None:
     sim.local.rank = r
 
 
-@pytest.mark.parametrize(("depth", "lanes"), [(1, 1), (2, 1), (3, 1), (2, 2), (3, 2), (4, 2)])
-def test_one_way_messages_land_intact(sim: Sim, depth: int, lanes: int) -> None:
+@pytest.fixture
+def small_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Split even the tiny messages of these tests, at 4-byte boundaries."""
+    monkeypatch.setattr(ce, "SPLIT_MIN_BYTES", 0)
+    monkeypatch.setattr(ce, "SPLIT_ALIGN", 4)
+
+
+VARIANTS = [(1, 1, False), (2, 1, False), (3, 1, False), (2, 2, False), (3, 2, False), (4, 2, False),
+            (1, 2, True), (2, 2, True), (3, 2, True), (4, 4, True), (3, 4, True), (4, 3, False)]
+
+
+@pytest.mark.parametrize(("depth", "lanes", "split"), VARIANTS)
+def test_one_way_messages_land_intact(sim: Sim, small_split: None, depth: int, lanes: int, split: bool) -> None:
     shape = (3, 5)
-    tr = build(sim, TensorSpec(shape, torch.float32), depth, lanes)
+    tr = build(sim, TensorSpec(shape, torch.float32), depth, lanes, split)
     m, bad, keep = 9, [], []
     for mb in range(m):
         as_rank(sim, 0)
@@ -247,13 +272,21 @@ def test_one_way_messages_land_intact(sim: Sim, depth: int, lanes: int) -> None:
     assert bad == []
     assert tr[0].idle() and tr[1].idle()
     assert tr[0].capacity == depth
-    assert bool(sim.lane[0].queue) == (lanes == 2 and depth > 1)  # odd slots went on the second lane
+    copies = {st.name: sum(op[0] == "copy" for op in st.queue) for st in [sim.p2p[0], *sim.lanes[0]]}
+    if split:  # every message in two halves, one per lane of its group
+        assert sum(copies.values()) == 2 * m and copies["lane0.0"] > 0
+        groups = lanes // 2  # group g = lanes (2g, 2g+1); lane0.2 is the second lane of group 1
+        assert copies["lane0.2"] == sum((mb % depth) % groups == 1 for mb in range(m))
+    else:  # whole messages, round robin over min(lanes, depth) lanes
+        assert sum(copies.values()) == m
+        assert (copies["lane0.0"] > 0) == (lanes >= 2 and depth > 1)
+    assert 2 in sim.batches  # wait + clear issued as one batch
 
 
-@pytest.mark.parametrize("lanes", [1, 2])
-def test_both_directions_in_one_exchange(sim: Sim, lanes: int) -> None:
+@pytest.mark.parametrize(("lanes", "split"), [(1, False), (2, False), (2, True), (4, True)])
+def test_both_directions_in_one_exchange(sim: Sim, small_split: None, lanes: int, split: bool) -> None:
     shape = (4, 4)
-    tr = build(sim, TensorSpec(shape, torch.float32), 2, lanes)
+    tr = build(sim, TensorSpec(shape, torch.float32), 2, lanes, split)
     n, bad, keep = 6, [], []
     answers: dict[int, torch.Tensor] = {}
     for i in range(n + 1):
@@ -320,6 +353,11 @@ def test_host_side_errors(sim: Sim) -> None:
         tr[1].exchange([], [(ACT, 0), (ACT, 2)])  # same slot twice in one group
     assert all(not s.queue for s in sim.compute + sim.p2p)  # nothing was queued by the failed calls
     assert "act<-0" in tr[1].describe() and "act->1" in tr[0].describe()
+
+
+def test_split_needs_an_even_number_of_lanes(sim: Sim) -> None:
+    with pytest.raises(ValueError, match="even number of p2p lanes"):
+        build(sim, TensorSpec((2, 2), torch.float32), 2, lanes=3, split=True)
 
 
 def test_mismatched_depths_fail_on_every_rank(sim: Sim) -> None:
