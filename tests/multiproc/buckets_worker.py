@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from peerline.distributed.buckets import GradBuckets
+from peerline.distributed.buckets import GradBuckets, MiB
 
 FAILURES: list[str] = []
 
@@ -58,7 +58,7 @@ class Net(torch.nn.Module):
         self.blocks = torch.nn.ModuleList([Block(96, 333), Block(96, 57)])  # 96 x 333 fp32 = 125 KiB: > a bucket
         self.unused = torch.nn.Linear(7, 3)  # never in the graph: reduced as zeros by finish()
         self.frozen = torch.nn.Parameter(torch.randn(5), requires_grad=False)
-        self.out = torch.nn.Linear(96, 3)  # its 3-float bias is alone in the tiny first bucket
+        self.out = torch.nn.Linear(96, 3)  # its 3-float bias rides with its weight in the first bucket
 
     def layers(self) -> list[list[torch.nn.Parameter]]:
         # `unused` first, so last in ready order: a bucket never completes in backward and blocks the (in-order)
@@ -94,10 +94,15 @@ def run_case(rank: int, dp: int, bucket_mb: float, first_mb: float, M: int, iter
     small = bucket_mb < 0.1  # the odd layouts this model is sized for
     if small:
         check(len(gb.buckets) >= 4, f"{tag} expected several buckets, got {len(gb.buckets)}")
-        check(len(gb.buckets[0].params) == 1 and gb.buckets[0].params[0] is model.out.bias,
-              f"{tag} first bucket should hold only the output bias")
+        caps = [first_mb] + [bucket_mb] * (len(gb.buckets) - 1)
+        check(all(b.nbytes >= c * MiB for b, c in zip(gb.buckets[:-1], caps, strict=False)),
+              f"{tag} a bucket other than the last is below its cap: {[b.nbytes for b in gb.buckets]}")
+        check(gb.buckets[0].params[0] is model.out.bias and len(gb.buckets[0].params) > 1,
+              f"{tag} the output bias should ride in the first bucket with the output weight")
         big = [b for b in gb.buckets if any(p is model.blocks[0].up.weight for p in b.params)]
-        check(len(big) == 1 and len(big[0].params) == 1, f"{tag} a parameter larger than a bucket must be alone")
+        check(len(big) == 1 and big[0].params[-1] is model.blocks[0].up.weight,
+              f"{tag} a parameter larger than a bucket must close the bucket it joins")
+        check(any(p is model.unused.weight for p in gb.buckets[-1].params), f"{tag} unused weight not in the last")
     opt, opt_naive = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(naive.parameters(), lr=0.05)
     flat = gb.flat[torch.float32]
 

@@ -1,7 +1,8 @@
 """The main job with bucketed gradient sync against per-parameter all-reduce, on CPU ranks (gloo): with dp = 2
 both average the same two numbers per element, so losses and weights must agree to the bit, for odd bucket
-sizes (a 1 KiB first bucket, 3 KiB buckets: most layers' weights are larger and get their own) on a pp=2 x dp=2
-grid. (pp=2 x dp=1 runs the buckets without any all-reduce: test_pipeline_cpu's pp=2 checks cover it.)"""
+sizes (a 1 KiB first bucket, 3 KiB buckets: most layers' weights are larger and close the bucket they join)
+on a pp=2 x dp=2 grid. (pp=2 x dp=1 runs the buckets without any all-reduce: test_pipeline_cpu's pp=2 checks
+cover it.)"""
 
 from __future__ import annotations
 
