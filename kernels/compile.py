@@ -26,8 +26,12 @@ SOURCE = "elementwise.cu"
 HEADER = "ws_pipeline.cuh"
 # Tuning knobs for experiments. 8 compute warps since the first H200 run (bench_kernels, 256 MiB bf16): 8 warps
 # 1.14x (forward) and 1.12x (backward) over 4, a third stage no gain, so double buffering stays.
-COMPUTE_WARPS = int(os.environ.get("PEERLINE_KERNEL_WARPS", "8"))
-STAGES = int(os.environ.get("PEERLINE_KERNEL_STAGES", "2"))
+COMPUTE_WARPS = int(os.environ.get("PEERLINE_KERNEL_WARPS", str(plan.DEFAULT_WARPS)))
+STAGES = int(os.environ.get("PEERLINE_KERNEL_STAGES", str(plan.DEFAULT_STAGES)))
+# The rest of the launch shape (plan.LaunchPlan documents each): 0 / 0 / 1 are today's design.
+TILE = int(os.environ.get("PEERLINE_KERNEL_TILE", "0"))
+DIRECT = int(os.environ.get("PEERLINE_KERNEL_DIRECT", "0"))
+VEC = int(os.environ.get("PEERLINE_KERNEL_VEC", "1"))
 # How bias+GELU evaluates Phi for bf16 results (elementwise.cu PL_GELU; fp32 results always use normcdff):
 GELU_EXACT, GELU_FAST, GELU_FIRST = 0, 1, 2  # normcdff | Abramowitz-Stegun 7.1.26 on MUFU | first run's 1 + erff
 GELU = int(os.environ.get("PEERLINE_KERNEL_GELU", str(GELU_FAST)))
@@ -56,6 +60,9 @@ class KernelSpec:
     warps: int = COMPUTE_WARPS  # compute warps per block
     stages: int = STAGES  # shared-memory stages (2 = double buffering)
     gelu: int = GELU  # Phi for bf16 results: GELU_EXACT | GELU_FAST | GELU_FIRST (elementwise.cu PL_GELU)
+    tile: int = TILE  # chunks per tile; 0 = plan.tile_chunks' rule
+    direct: int = DIRECT  # 1 = compute warps store to global memory (ws_pipeline.cuh PL_DIRECT_STORE)
+    vec: int = VEC  # 16-byte vectors per chunk of the narrowest operand (PL_VEC)
 
     def __post_init__(self) -> None:
         for name in (self.x, self.bias, self.y, self.out):
@@ -65,6 +72,14 @@ class KernelSpec:
             raise ValueError(f"unknown gelu mode {self.gelu}")
         if self.op not in (OP_BIAS_GELU_FWD, OP_BIAS_GELU_BWD, OP_RESIDUAL_ADD):
             raise ValueError(f"unknown op {self.op}")
+        # the launch-shape checks live in one place
+        plan.LaunchPlan(warps=self.warps, stages=self.stages, tile_chunks=self.tile, direct_store=bool(self.direct),
+                        vec=self.vec)
+        if self.tile_chunks % (32 * self.warps):
+            raise ValueError(f"tile of {self.tile_chunks} chunks is not a multiple of 32 x {self.warps} compute warps")
+        if self.smem_bytes > plan.MAX_SMEM_PER_BLOCK:
+            raise ValueError(f"{self.label()}: {self.smem_bytes} bytes of shared memory per block "
+                             f"(> {plan.MAX_SMEM_PER_BLOCK}); use fewer stages or a smaller tile")
 
     @property
     def streamed_itemsizes(self) -> tuple[int, ...]:
@@ -84,28 +99,38 @@ class KernelSpec:
     def e(self) -> int:
         """Elements per chunk (as elementwise.cu computes it)."""
         if self.op == OP_RESIDUAL_ADD:
-            return plan.chunk_elems((ITEMSIZE[self.x], ITEMSIZE[self.y]))
-        return plan.chunk_elems((ITEMSIZE[self.x],))
+            return plan.chunk_elems((ITEMSIZE[self.x], ITEMSIZE[self.y]), self.vec)
+        return plan.chunk_elems((ITEMSIZE[self.x],), self.vec)
 
     @property
     def tile_chunks(self) -> int:
-        return plan.tile_chunks(self.e, self.streamed_itemsizes)
+        if self.tile:
+            return self.tile
+        # the rule was made for 1 vector per chunk: about the same stage bytes for vec = 2, but at least one chunk
+        # per compute thread (a whole multiple of them)
+        threads = 32 * self.warps
+        want = plan.tile_chunks(self.e // self.vec, self.streamed_itemsizes) // self.vec
+        return max(threads, want // threads * threads)
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of pl_main: STAGES x [A | B | C]."""
-        return self.stages * self.tile_chunks * self.e * sum(self.streamed_itemsizes)
+        """Dynamic shared memory of pl_main: STAGES x [A | B | C] ([A | B] with direct stores)."""
+        sizes = self.streamed_itemsizes[:-1] if self.direct else self.streamed_itemsizes
+        return self.stages * self.tile_chunks * self.e * sum(sizes)
 
     def defines(self) -> tuple[str, ...]:
         return (f"-DPL_OP={self.op}", f"-DPL_TX={CTYPES[self.x]}", f"-DPL_TBIAS={CTYPES[self.bias]}",
                 f"-DPL_TY={CTYPES[self.y]}", f"-DPL_TOUT={CTYPES[self.out]}",
                 f"-DPL_TILE_CHUNKS={self.tile_chunks}", f"-DPL_COMPUTE_WARPS={self.warps}",
-                f"-DPL_STAGES={self.stages}", f"-DPL_GELU={self.gelu}")
+                f"-DPL_STAGES={self.stages}", f"-DPL_GELU={self.gelu}", f"-DPL_DIRECT_STORE={self.direct}",
+                f"-DPL_VEC={self.vec}")
 
     def label(self) -> str:
         names = {1: "bias_gelu_fwd", 2: "bias_gelu_bwd", 3: "residual_add"}
         types = f"x={self.x},bias={self.bias}" if self.op != OP_RESIDUAL_ADD else f"x={self.x},y={self.y}"
-        return f"{names[self.op]}[{types}]"
+        shape = plan.LaunchPlan(warps=self.warps, stages=self.stages, tile_chunks=self.tile,
+                                direct_store=bool(self.direct), vec=self.vec).label()
+        return f"{names[self.op]}[{types}] {shape}"
 
 
 def source_text() -> str:
@@ -144,6 +169,10 @@ class CompiledOp:
     def max_grid(self) -> int:
         """Persistent grid: every block resident at once."""
         return self.sms * max(1, self.blocks_per_sm)
+
+    def grid_cap(self, blocks_per_sm: int) -> int:
+        """Persistent grid with at most `blocks_per_sm` resident blocks per SM (0: as many as fit)."""
+        return plan.plan_grid_cap(self.sms, self.blocks_per_sm, blocks_per_sm)
 
 
 def _attributes(cupy: Any, fn: Any) -> dict[str, int]:

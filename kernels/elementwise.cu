@@ -5,6 +5,8 @@
 //   PL_TX      x's type (float or pl::bf16_t); for the backward also grad's and grad_x's type
 //   PL_TBIAS   bias type (ops 1, 2)
 //   PL_TY      y's type (op 3); PL_TOUT the result type (op 3)
+//   launch shape (ws_pipeline.cuh): PL_COMPUTE_WARPS, PL_TILE_CHUNKS, PL_STAGES, PL_DIRECT_STORE, PL_VEC
+//   (E = PL_VEC x 16 bytes of the narrowest operand)
 // Entry points, all extern "C":
 //   pl_main     the warp-specialized kernel over the 16-byte-aligned body (ws_pipeline.cuh); PL_THREADS threads
 //   pl_scalar   a plain grid-stride kernel, used when the operands cannot share one alignment (and for tiny sizes)
@@ -205,7 +207,7 @@ struct BiasGeluFwd {
   typedef TX TA;
   typedef TX TB;  // unused: no second input
   typedef TX TC;
-  static constexpr int E = 16 / static_cast<int>(sizeof(TX));
+  static constexpr int E = PL_VEC * 16 / static_cast<int>(sizeof(TX));
   static constexpr bool HAS_B = false;
   // The cheap Phi only where the result is bf16 (its rounding dwarfs the approximation); fp32 stays exact.
   static constexpr int kGelu = sizeof(TX) == 2 ? PL_GELU : 0;
@@ -240,7 +242,7 @@ struct BiasGeluBwd {
   typedef TX TA;  // grad
   typedef TX TB;  // x
   typedef TX TC;  // grad_x
-  static constexpr int E = 16 / static_cast<int>(sizeof(TX));
+  static constexpr int E = PL_VEC * 16 / static_cast<int>(sizeof(TX));
   static constexpr bool HAS_B = true;
   // As in the forward: the cheap Phi and pdf only for bf16 grad_x (the bias gradient sums fp32 products of those
   // values: their ~1e-7 absolute error per element is far under the bf16 bound of the bias gradient too).
@@ -289,7 +291,7 @@ struct ResidualAdd {
   typedef TY TB;
   typedef TOUT TC;
   static constexpr int MIN_SIZE = sizeof(TX) < sizeof(TY) ? static_cast<int>(sizeof(TX)) : static_cast<int>(sizeof(TY));
-  static constexpr int E = 16 / MIN_SIZE;
+  static constexpr int E = PL_VEC * 16 / MIN_SIZE;
   static constexpr bool HAS_B = true;
 
   const TX* x;

@@ -38,7 +38,8 @@ SCALAR_THREADS = 256
 # Test hook: fill every output and workspace with NaN before the launch, so an element the kernel never writes
 # fails the comparison (torch.empty may hand back memory that already holds the right answer).
 POISON_OUTPUTS = False
-# Experiment hook (benchmarks): KernelSpec overrides such as {"warps": 8, "stages": 3}; empty = the design.
+# Experiment hook (benchmarks, the sweep): KernelSpec overrides such as {"warps": 8, "stages": 3} plus
+# "blocks_per_sm" (grid cap), as plan.LaunchPlan.tuning() makes them; empty = the design.
 TUNING: dict[str, int] = {}
 _warned: set[str] = set()
 
@@ -113,6 +114,16 @@ def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
         fn(grid, block, args, shared_mem=smem, stream=_stream(device))
 
 
+def _spec(op: int, x: str, **types: str) -> kc.KernelSpec:
+    """The KernelSpec of one op with TUNING's launch-shape overrides (blocks_per_sm is a grid cap, not a spec)."""
+    shape = {k: v for k, v in TUNING.items() if k != "blocks_per_sm"}
+    return kc.KernelSpec(op, x, **types, **shape)
+
+
+def _max_grid(op: kc.CompiledOp) -> int:
+    return op.grid_cap(TUNING.get("blocks_per_sm", 0))
+
+
 def _scalar_grid(n: int, op: kc.CompiledOp) -> int:
     return max(1, min(-(-n // SCALAR_THREADS), op.sms * 8))
 
@@ -125,7 +136,7 @@ def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | N
     hidden = x.shape[-1]
     x, bias = x.contiguous(), bias.contiguous()
     n, dev = x.numel(), x.device
-    spec = kc.KernelSpec(kc.OP_BIAS_GELU_FWD, _DTYPES[x.dtype], bias=_DTYPES[bias.dtype], **TUNING)
+    spec = _spec(kc.OP_BIAS_GELU_FWD, _DTYPES[x.dtype], bias=_DTYPES[bias.dtype])
     xs = x.element_size()
     head = plan.common_head([(x.data_ptr(), xs)], spec.e)
     if out is None:
@@ -136,7 +147,7 @@ def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | N
     if n == 0:
         return y
     op = kc.get_op(spec, dev.index)
-    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, op.max_grid)
+    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op))
     if vp is not None:
         bias_vec = plan.bias_vector_ok(hidden, vp.head, spec.e, bias.data_ptr(), bias.element_size())
         _launch(op.main, (vp.grid,), (spec.threads,),
@@ -157,7 +168,7 @@ def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
         grad = grad.to(x.dtype)  # documented cast: autograd hands back y's (= x's) dtype in practice
     grad, x, bias = grad.contiguous(), x.contiguous(), bias.contiguous()
     n, dev = x.numel(), x.device
-    spec = kc.KernelSpec(kc.OP_BIAS_GELU_BWD, _DTYPES[x.dtype], bias=_DTYPES[bias.dtype], **TUNING)
+    spec = _spec(kc.OP_BIAS_GELU_BWD, _DTYPES[x.dtype], bias=_DTYPES[bias.dtype])
     xs = x.element_size()
     head = plan.common_head([(grad.data_ptr(), xs), (x.data_ptr(), xs)], spec.e)
     if out is None:
@@ -172,8 +183,8 @@ def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
         return gx, gb
     op = kc.get_op(spec, dev.index)
     tile_elems = spec.tile_chunks * spec.e
-    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, op.max_grid)
-    grid = plan.backward_grid(vp.ntiles, hidden, tile_elems, op.max_grid) if vp is not None else None
+    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op))
+    grid = plan.backward_grid(vp.ntiles, hidden, tile_elems, _max_grid(op)) if vp is not None else None
     if vp is not None and grid is not None:
         part = _new(grid * tile_elems, torch.float32, dev, None)
         bias_vec = plan.bias_vector_ok(hidden, vp.head, spec.e, bias.data_ptr(), bias.element_size())
@@ -198,7 +209,7 @@ def residual_add_forward(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | N
     x, y = x.contiguous(), y.contiguous()
     n, dev = x.numel(), x.device
     rdtype = torch.result_type(x, y)
-    spec = kc.KernelSpec(kc.OP_RESIDUAL_ADD, _DTYPES[x.dtype], y=_DTYPES[y.dtype], out=_DTYPES[rdtype], **TUNING)
+    spec = _spec(kc.OP_RESIDUAL_ADD, _DTYPES[x.dtype], y=_DTYPES[y.dtype], out=_DTYPES[rdtype])
     rs = rdtype.itemsize
     head = plan.common_head([(x.data_ptr(), x.element_size()), (y.data_ptr(), y.element_size())], spec.e)
     if out is None:
@@ -211,7 +222,7 @@ def residual_add_forward(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | N
     if n == 0:
         return o
     op = kc.get_op(spec, dev.index)
-    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, op.max_grid)
+    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op))
     if vp is not None:
         _launch(op.main, (vp.grid,), (spec.threads,),
                 (_p(x), _p(y), _p(o), _i64(n), _i64(vp.head), _i64(vp.nchunks)), spec.smem_bytes, dev)

@@ -15,13 +15,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 VECTOR_BYTES = 16
+# The launch shape of the warp-specialized kernels today (compile.py may override from the environment).
+DEFAULT_WARPS = 8
+DEFAULT_STAGES = 2
+MAX_SMEM_PER_BLOCK = 227 * 1024  # sm_90's opt-in maximum of dynamic shared memory per block
 # Bias-gradient partial sums (fp32) the vector backward may write before it falls back to the scalar kernel.
 MAX_PARTIALS = 1 << 24
 
 
-def chunk_elems(itemsizes: Sequence[int]) -> int:
-    """E: elements per chunk for operands of these element sizes (bytes)."""
-    return VECTOR_BYTES // min(itemsizes)
+def chunk_elems(itemsizes: Sequence[int], vec: int = 1) -> int:
+    """E: elements per chunk for operands of these element sizes (bytes); `vec` 16-byte vectors of the narrowest."""
+    return vec * VECTOR_BYTES // min(itemsizes)
 
 
 def tile_chunks(e: int, itemsizes: Sequence[int]) -> int:
@@ -117,3 +121,68 @@ def simulate_bias_partials(n: int, hidden: int, head: int, e: int, tile_elems: i
         s += sum(values[i] for i in range(tail_start, n) if i % hidden == col)
         out[col] = s
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    """The launch shape of the warp-specialized kernels, tunable without editing the CUDA source.
+
+    warps          compute warps per block (plus one loader and one storer warp)
+    stages         shared-memory pipeline stages (2 = double buffering; 3-4 keep more loads in flight)
+    tile_chunks    chunks per tile (one stage); 0 = the default rule (`tile_chunks`); must be a multiple of
+                   32 x warps so every compute thread owns the same number of chunks
+    blocks_per_sm  cap on resident blocks per SM for the persistent grid; 0 = as many as fit (occupancy)
+    direct_store   compute warps store results from registers to global memory (no C buffers in shared memory;
+                   the storer warp keeps only the scalar head and tail)
+    vec            16-byte vectors per chunk of the narrowest operand (1 or 2: 32 contiguous bytes per lane)
+    """
+
+    warps: int = DEFAULT_WARPS
+    stages: int = DEFAULT_STAGES
+    tile_chunks: int = 0
+    blocks_per_sm: int = 0
+    direct_store: bool = False
+    vec: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.warps <= 30:
+            raise ValueError(f"warps must be 1..30 (threads = 32 x (warps + 2) <= 1024), got {self.warps}")
+        if not 1 <= self.stages <= 8:
+            raise ValueError(f"stages must be 1..8, got {self.stages}")
+        if self.tile_chunks < 0 or self.tile_chunks % (32 * self.warps) != 0:
+            raise ValueError(f"tile_chunks must be 0 (default) or a multiple of 32 x warps = {32 * self.warps}, "
+                             f"got {self.tile_chunks}")
+        if self.blocks_per_sm < 0:
+            raise ValueError(f"blocks_per_sm must be >= 0, got {self.blocks_per_sm}")
+        if self.vec not in (1, 2):
+            raise ValueError(f"vec must be 1 or 2, got {self.vec}")
+
+    def tuning(self) -> dict[str, int]:
+        """Overrides for elementwise.TUNING (KernelSpec fields plus blocks_per_sm)."""
+        return {"warps": self.warps, "stages": self.stages, "tile": self.tile_chunks,
+                "direct": int(self.direct_store), "vec": self.vec, "blocks_per_sm": self.blocks_per_sm}
+
+    def label(self) -> str:
+        """Short name, parseable by `parse_plan`: w8.s2.t0.b0.d0.v1."""
+        return (f"w{self.warps}.s{self.stages}.t{self.tile_chunks}.b{self.blocks_per_sm}"
+                f".d{int(self.direct_store)}.v{self.vec}")
+
+
+def parse_plan(text: str) -> LaunchPlan:
+    """A LaunchPlan from its label (fields may be omitted or reordered: 's3.d1' = 3 stages, direct stores)."""
+    keys = {"w": "warps", "s": "stages", "t": "tile_chunks", "b": "blocks_per_sm", "d": "direct_store", "v": "vec"}
+    fields: dict[str, int | bool] = {}
+    for part in filter(None, text.strip().split(".")):
+        key, val = part[0], part[1:]
+        if key not in keys or not val.isdigit():
+            raise ValueError(f"bad plan field {part!r} in {text!r}; expected e.g. w8.s3.t512.b2.d1.v1")
+        fields[keys[key]] = bool(int(val)) if key == "d" else int(val)
+    return LaunchPlan(**fields)  # type: ignore[arg-type]
+
+
+def plan_grid_cap(sms: int, occupancy_blocks: int, blocks_per_sm: int) -> int:
+    """Persistent grid size: SMs x resident blocks per SM, capped by the plan's blocks_per_sm (0 = no cap)."""
+    per_sm = max(1, occupancy_blocks)
+    if blocks_per_sm > 0:
+        per_sm = min(per_sm, blocks_per_sm)
+    return sms * per_sm

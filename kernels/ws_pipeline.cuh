@@ -28,6 +28,16 @@
 #ifndef PL_STAGES
 #define PL_STAGES 2
 #endif
+// 1: the compute warps store results straight from registers to global memory (16-byte vector stores, coalesced
+// across the warp) and the C buffers are not in shared memory; the storer warp then only does the scalar head and
+// tail. 0: results go through shared memory to the storer warp (the book's design). See NOTES.md.
+#ifndef PL_DIRECT_STORE
+#define PL_DIRECT_STORE 0
+#endif
+// 16-byte vectors per chunk of the narrowest operand (1 or 2): 2 makes each compute lane own 32 contiguous bytes.
+#ifndef PL_VEC
+#define PL_VEC 1
+#endif
 
 #define PL_THREADS (32 * (PL_COMPUTE_WARPS + 2))
 
@@ -136,14 +146,43 @@ __device__ __forceinline__ void store_chunk_bf16(unsigned char* p, const float (
   }
 }
 
+// Direct stores (PL_DIRECT_STORE): st.global.v4 from registers. The pointer is a generic address of global
+// memory, which the global window maps one to one (what the compiler's own cvta.to.global does); through a plain
+// uint4* NVRTC emits generic st.v4 (ST.E.128) since it cannot prove the space.
+__device__ __forceinline__ void st_global_v4(unsigned char* p, u32 a, u32 b, u32 c, u32 d) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+template <int E>
+__device__ __forceinline__ void store_chunk_f32_global(unsigned char* p, const float (&f)[E]) {
+#pragma unroll
+  for (int j = 0; j < E / 4; ++j)
+    st_global_v4(p + 16 * j, __float_as_uint(f[4 * j + 0]), __float_as_uint(f[4 * j + 1]),
+                 __float_as_uint(f[4 * j + 2]), __float_as_uint(f[4 * j + 3]));
+}
+
+template <int E>
+__device__ __forceinline__ void store_chunk_bf16_global(unsigned char* p, const float (&f)[E]) {
+#pragma unroll
+  for (int j = 0; j < E / 8; ++j)
+    st_global_v4(p + 16 * j, pack_bf16x2(f[8 * j + 0], f[8 * j + 1]), pack_bf16x2(f[8 * j + 2], f[8 * j + 3]),
+                 pack_bf16x2(f[8 * j + 4], f[8 * j + 5]), pack_bf16x2(f[8 * j + 6], f[8 * j + 7]));
+}
+
 template <class T, int E> struct ChunkIO;
 template <int E> struct ChunkIO<float, E> {
   static __device__ __forceinline__ void load(const unsigned char* p, float (&f)[E]) { load_chunk_f32<E>(p, f); }
   static __device__ __forceinline__ void store(unsigned char* p, const float (&f)[E]) { store_chunk_f32<E>(p, f); }
+  static __device__ __forceinline__ void store_global(unsigned char* p, const float (&f)[E]) {
+    store_chunk_f32_global<E>(p, f);
+  }
 };
 template <int E> struct ChunkIO<bf16_t, E> {
   static __device__ __forceinline__ void load(const unsigned char* p, float (&f)[E]) { load_chunk_bf16<E>(p, f); }
   static __device__ __forceinline__ void store(unsigned char* p, const float (&f)[E]) { store_chunk_bf16<E>(p, f); }
+  static __device__ __forceinline__ void store_global(unsigned char* p, const float (&f)[E]) {
+    store_chunk_bf16_global<E>(p, f);
+  }
 };
 
 // ---- thread groups for cuda::make_pipeline: a contiguous range of warps, synchronized by a named barrier ----
@@ -174,6 +213,9 @@ constexpr int kComputeWarps = PL_COMPUTE_WARPS;
 constexpr int kComputeThreads = 32 * PL_COMPUTE_WARPS;
 constexpr int kTileChunks = PL_TILE_CHUNKS;
 constexpr int kStages = PL_STAGES;
+constexpr bool kDirectStore = PL_DIRECT_STORE != 0;
+static_assert(kStages >= 1 && kStages <= 8, "pipeline stages");
+static_assert(PL_VEC == 1 || PL_VEC == 2, "PL_VEC is 1 or 2");
 static_assert(kTileChunks % kComputeThreads == 0, "each compute thread owns the same number of chunks per tile");
 constexpr int kChunksPerThread = kTileChunks / kComputeThreads;
 
@@ -187,6 +229,62 @@ __device__ __forceinline__ void copy_tile_async(unsigned char* dst, const unsign
     cuda::memcpy_async(static_cast<void*>(dst + 16 * u), static_cast<const void*>(src + 16 * u),
                        cuda::aligned_size_t<16>(16), pipe);
   }
+}
+
+// The compute warps' loop (compute thread ct). DIRECT: results go from registers to global memory (gc is the
+// aligned body), out_pipe is unused (the caller passes in_pipe for it) and the C buffers are not in shared
+// memory. Otherwise results go to the stage's C buffer and out_pipe hands it to the storer.
+template <class Op, int STAGE_BYTES, bool DIRECT>
+__device__ __forceinline__ void compute_tiles(Op& op, cuda::pipeline<cuda::thread_scope_block>& in_pipe,
+                                              cuda::pipeline<cuda::thread_scope_block>& out_pipe,
+                                              unsigned char* smem, unsigned char* __restrict__ gc,
+                                              long long nchunks, long long ntiles, int ct) {
+  typedef typename Op::TA TA;
+  typedef typename Op::TB TB;
+  typedef typename Op::TC TC;
+  constexpr int E = Op::E;
+  constexpr int A_CB = E * sizeof(TA);
+  constexpr int B_CB = Op::HAS_B ? E * sizeof(TB) : 0;
+  constexpr int C_CB = E * sizeof(TC);
+  constexpr int A_BYTES = kTileChunks * A_CB;
+  constexpr int B_BYTES = kTileChunks * B_CB;
+  op.begin(ct);
+  int stage = 0;
+  for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+    const long long c0 = t * kTileChunks;
+    const int valid = static_cast<int>(min(static_cast<long long>(kTileChunks), nchunks - c0));
+    const unsigned char* sa = smem + stage * STAGE_BYTES;
+    const unsigned char* sb = sa + A_BYTES;
+    unsigned char* sc = smem + stage * STAGE_BYTES + A_BYTES + B_BYTES;
+    in_pipe.consumer_wait();
+    if constexpr (!DIRECT) out_pipe.producer_acquire();
+#pragma unroll
+    for (int s = 0; s < kChunksPerThread; ++s) {
+      const int ch = ct + s * kComputeThreads;
+      if (ch < valid) {
+        float a[E], b[E], c[E];
+        ChunkIO<TA, E>::load(sa + ch * A_CB, a);
+        if constexpr (Op::HAS_B) {
+          ChunkIO<TB, E>::load(sb + ch * B_CB, b);
+        } else {
+#pragma unroll
+          for (int k = 0; k < E; ++k) b[k] = 0.f;
+        }
+        op.chunk(s, a, b, c);
+        if constexpr (DIRECT) {
+          ChunkIO<TC, E>::store_global(gc + (c0 + ch) * C_CB, c);  // STG.128 from registers
+        } else {
+          ChunkIO<TC, E>::store(sc + ch * C_CB, c);
+        }
+      }
+    }
+    if constexpr (!DIRECT) out_pipe.producer_commit();
+    in_pipe.consumer_release();
+    op.next_tile();
+    stage = (stage + 1 == kStages) ? 0 : stage + 1;
+  }
+  op.end(ct);
+  all_roles_sync();
 }
 
 /* Op concept (see elementwise.cu):
@@ -211,7 +309,7 @@ __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restri
   static_assert(A_CB % 16 == 0 && B_CB % 16 == 0 && C_CB % 16 == 0, "chunks are whole 16-byte vectors");
   constexpr int A_BYTES = kTileChunks * A_CB;
   constexpr int B_BYTES = kTileChunks * B_CB;
-  constexpr int C_BYTES = kTileChunks * C_CB;
+  constexpr int C_BYTES = kDirectStore ? 0 : kTileChunks * C_CB;  // no C buffers with direct stores
   constexpr int STAGE_BYTES = A_BYTES + B_BYTES + C_BYTES;
 
   extern __shared__ __align__(128) unsigned char smem[];
@@ -249,42 +347,20 @@ __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restri
   } else if (warp <= kComputeWarps) {
     cuda::pipeline<cuda::thread_scope_block> in_pipe =
         cuda::make_pipeline(LoadComputeGroup(), &in_state, cuda::pipeline_role::consumer);
-    cuda::pipeline<cuda::thread_scope_block> out_pipe =
-        cuda::make_pipeline(ComputeStoreGroup(), &out_state, cuda::pipeline_role::producer);
-    all_roles_sync();
     const int ct = threadIdx.x - 32;
-    op.begin(ct);
-    int stage = 0;
-    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
-      const long long c0 = t * kTileChunks;
-      const int valid = static_cast<int>(min(static_cast<long long>(kTileChunks), nchunks - c0));
-      const unsigned char* sa = smem + stage * STAGE_BYTES;
-      const unsigned char* sb = sa + A_BYTES;
-      unsigned char* sc = smem + stage * STAGE_BYTES + A_BYTES + B_BYTES;
-      in_pipe.consumer_wait();
-      out_pipe.producer_acquire();
-#pragma unroll
-      for (int s = 0; s < kChunksPerThread; ++s) {
-        const int ch = ct + s * kComputeThreads;
-        if (ch < valid) {
-          float a[E], b[E], c[E];
-          ChunkIO<TA, E>::load(sa + ch * A_CB, a);
-          if constexpr (Op::HAS_B) {
-            ChunkIO<TB, E>::load(sb + ch * B_CB, b);
-          } else {
-#pragma unroll
-            for (int k = 0; k < E; ++k) b[k] = 0.f;
-          }
-          op.chunk(s, a, b, c);
-          ChunkIO<TC, E>::store(sc + ch * C_CB, c);
-        }
-      }
-      out_pipe.producer_commit();
-      in_pipe.consumer_release();
-      op.next_tile();
-      stage = (stage + 1 == kStages) ? 0 : stage + 1;
+    if constexpr (kDirectStore) {
+      all_roles_sync();
+      compute_tiles<Op, STAGE_BYTES, true>(op, in_pipe, in_pipe, smem, gc, nchunks, ntiles, ct);
+    } else {
+      cuda::pipeline<cuda::thread_scope_block> out_pipe =
+          cuda::make_pipeline(ComputeStoreGroup(), &out_state, cuda::pipeline_role::producer);
+      all_roles_sync();
+      compute_tiles<Op, STAGE_BYTES, false>(op, in_pipe, out_pipe, smem, gc, nchunks, ntiles, ct);
     }
-    op.end(ct);
+  } else if constexpr (kDirectStore) {
+    // Storer with direct stores: only the scalar head and tail (global memory only, no shared memory).
+    all_roles_sync();
+    if (blockIdx.x == 0) op.head_tail(lane);
     all_roles_sync();
   } else {
     // Storer: shared -> global, 16 bytes per lane, coalesced.
@@ -302,6 +378,9 @@ __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restri
       out_pipe.consumer_wait();
 #pragma unroll 4
       for (int u = lane; u < units; u += 32) g[u] = sc[u];
+      // All lanes' shared-memory reads of this stage are done before any lane releases it (each lane's release
+      // only orders its own reads; the barrier counts all 32, so this is belt and braces for racecheck).
+      __syncwarp();
       out_pipe.consumer_release();
       stage = (stage + 1 == kStages) ? 0 : stage + 1;
     }
