@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels import fused_linear
 from .config import ConfigError
 from .model import fill_batch
 from .p2p import ACT, GRAD, TensorSpec, Transport
@@ -125,6 +126,7 @@ class Engine:
         """Issue one whole training iteration. No host synchronization on GPUs."""
         main = self.main_stream
         self.timeline.start_iteration(main)
+        fused_linear.new_iteration()  # weights changed since the last iteration: recast them once (fused_linear.py)
         with use(main):
             self.loss_sum.zero_()
         for s in self.order:  # fork: every stage stream starts after the data load and the last step
