@@ -14,20 +14,24 @@ import torch
 import torch.nn as nn
 
 from ..kernels import ops
+from ..kernels.fused_linear import FusedLinear
 from .config import ConfigError, RunConfig
 
 log = logging.getLogger(__name__)
 
 
 class ResidualMLPBlock(nn.Module):
-    """x + fc2(gelu(fc1(norm(x)) + b1)). fc1 has no bias of its own: its bias is fused into the GELU kernel."""
+    """x + fc2(gelu(fc1(norm(x)) + b1)). fc1 has no bias of its own: its bias is fused into the GELU kernel.
+
+    fc1/fc2 are nn.Linear subclasses (same parameters, init and state_dict); with kernels="peerline" their weight
+    gradients are accumulated straight into the fp32 .grad (kernels/fused_linear.py)."""
 
     def __init__(self, hidden: int, kernels: str = "torch") -> None:
         super().__init__()
         self.norm = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, 4 * hidden, bias=False)
+        self.fc1 = FusedLinear(hidden, 4 * hidden, bias=False, impl=kernels)
         self.fc1_bias = nn.Parameter(torch.empty(4 * hidden).uniform_(-hidden ** -0.5, hidden ** -0.5))
-        self.fc2 = nn.Linear(4 * hidden, hidden)
+        self.fc2 = FusedLinear(4 * hidden, hidden, impl=kernels)
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ warp-specialized CUDA kernels of this package. Both have the same semantics:
 
   bias_gelu(x, b)     = gelu(x + b)            exact (erf) GELU, b broadcast over the last dimension
   residual_add(x, y)  = x + y                  result in torch.result_type(x, y)
+  linear(x, w, b)     = F.linear(x, w, b)      under the caller's autocast; "peerline" accumulates dW straight
+                                               into the fp32 w.grad (fused_linear.py), also on the CPU
 
 GPU-only modules (CuPy, NVRTC) are imported lazily, inside the peerline branch.
 """
@@ -58,3 +60,17 @@ def residual_add(x: torch.Tensor, y: torch.Tensor, impl: str = "torch") -> torch
 
         return elementwise.residual_add(x, y)
     return residual_add_reference(x, y)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, impl: str = "torch",
+           cache: object | None = None) -> torch.Tensor:
+    """F.linear; with impl="peerline" (and a weight that will get a gradient) the weight's gradient is accumulated
+    in place into weight.grad by fused_linear.linear_accumulate, and its low-precision copy comes from `cache`
+    (a fused_linear.CastCache) once per iteration."""
+    if impl == "peerline" and weight.requires_grad and torch.is_grad_enabled():
+        from . import fused_linear
+
+        if cache is None:
+            cache = fused_linear.CastCache()  # no reuse across microbatches: the caller should keep one
+        return fused_linear.linear_accumulate(x, weight, bias, cache)
+    return F.linear(x, weight, bias)

@@ -1,0 +1,200 @@
+"""A Linear whose weight gradient is accumulated straight into the fp32 `.grad` (Megatron-LM's
+"gradient_accumulation_fusion").
+
+The weights are fp32 masters, the compute runs in bf16 under autocast, and M microbatches accumulate gradients.
+Under plain nn.Linear + autocast, every backward of every microbatch computes dW in bf16 into a new tensor, casts
+it to another new fp32 tensor (ToCopyBackward) and adds that into `.grad` (AccumulateGrad): about 20 bytes of
+memory traffic per parameter per microbatch besides the GEMM. Here dW goes into `.grad` by one GEMM with beta=1
+and an fp32 output (`aten::addmm.dtype_out`, bf16 inputs, fp32 accumulator): 8 bytes per parameter, and no
+allocation, so the backward stays safe to capture in a CUDA graph.
+
+  forward   x -> compute dtype (autocast's, else the weight's); the weight's low-precision copy is made once per
+            iteration (a cache keyed by `new_iteration()`'s epoch and the weight's version); y = x @ w.T + b
+  backward  dx = dy @ w;  weight.grad += dy.T @ x  in place (fp32 accumulate);  db = sum(dy) in fp32
+            (returned to autograd: tiny). The weight is hidden from autograd, so no AccumulateGrad runs for it:
+            the parameter's post-accumulate-grad hooks (bucketed all-reduce) are called here instead, once per
+            backward, after the accumulation is queued.
+
+The fp32 `addmm.dtype_out` path is checked once per process by `probe()` on a tiny exact problem, outside any
+graph capture; if the op is missing or wrong, the backward falls back to `weight.grad.add_(dy.T @ x)` (one
+logged line). `.grad` must already exist for a captured backward (peerline's gradient syncs create them).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+_epoch = 0
+# None: not probed yet; True: aten::addmm.dtype_out accumulates bf16/fp16 products into fp32 in place correctly.
+_dtype_out_ok: bool | None = None
+
+
+def new_iteration() -> None:
+    """Invalidate every cached low-precision weight copy: the engine calls this at the start of each iteration
+    (weights change in the optimizer step, and a checkpoint restore may change them without a version bump)."""
+    global _epoch
+    _epoch += 1
+
+
+@dataclass
+class CastCache:
+    """One module's cached low-precision copy of its weight (and bias), valid for one (epoch, version, dtype)."""
+
+    key: tuple | None = None
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    def get(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        key = (_epoch, weight._version, weight.data_ptr(), dtype,
+               None if bias is None else (bias._version, bias.data_ptr()))
+        if key != self.key:
+            with torch.no_grad():
+                self.weight = weight.detach().to(dtype)
+                self.bias = None if bias is None else bias.detach().to(dtype)
+            self.key = key
+        return self.weight, self.bias
+
+
+def probe(device: torch.device) -> bool:
+    """Check once per process that addmm.dtype_out adds low-precision products into an fp32 tensor in place
+    (self aliasing out, a transposed mat1, beta=1), exactly on small integers. Host sync: call outside an
+    iteration (the first forward on a GPU does)."""
+    global _dtype_out_ok
+    if _dtype_out_ok is not None:
+        return _dtype_out_ok
+    if device.type != "cuda":
+        return False  # the CPU runs fp32 (plain addmm_) or the fallback; not worth a probe
+    if torch.cuda.is_current_stream_capturing():
+        # Cannot sync inside a capture: use the fallback for this process rather than guess.
+        _dtype_out_ok = False
+        log.warning("fused linear: first use inside a CUDA graph capture; dW accumulated by the fallback "
+                    "(weight.grad.add_(dy.T @ x))")
+        return False
+    reason = ""
+    try:
+        gen = torch.Generator(device=device).manual_seed(1234)
+        with torch.no_grad(), torch.autocast("cuda", enabled=False):
+            acc = torch.randint(-64, 65, (24, 40), device=device, generator=gen).float()
+            dy = torch.randint(-4, 5, (56, 24), device=device, generator=gen).to(torch.bfloat16)
+            x = torch.randint(-4, 5, (56, 40), device=device, generator=gen).to(torch.bfloat16)
+            want = acc.double() + dy.double().T @ x.double()
+            ptr = acc.data_ptr()
+            torch.ops.aten.addmm.dtype_out(acc, dy.T, x, torch.float32, beta=1, alpha=1, out=acc)
+            ok = acc.data_ptr() == ptr and acc.dtype == torch.float32 and bool(torch.equal(acc.double(), want))
+            if not ok:
+                reason = "wrong result"
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
+        ok, reason = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    _dtype_out_ok = ok
+    if not ok:
+        log.warning("fused linear: aten::addmm.dtype_out unusable (%s); dW accumulated by the fallback "
+                    "weight.grad.add_(dy.T @ x)", reason)
+    return ok
+
+
+def _call_post_accumulate_hooks(param: torch.Tensor) -> None:
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    for hook in (hooks or {}).values():
+        hook(param)
+
+
+def _accumulate_weight_grad(weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
+    """weight.grad += dy.T @ x, in place, in weight.grad's dtype."""
+    grad = weight.grad
+    if grad is None:
+        # Outside peerline's runtime (which creates every .grad up front): allocate once. Not capturable.
+        grad = torch.zeros_like(weight)
+        weight.grad = grad
+        grad = weight.grad
+    if dy.dtype == grad.dtype:
+        grad.addmm_(dy.T, x)
+    elif _dtype_out_ok and dy.is_cuda and grad.dtype == torch.float32 and grad.is_contiguous():
+        torch.ops.aten.addmm.dtype_out(grad, dy.T, x, torch.float32, beta=1, alpha=1, out=grad)
+    else:
+        grad.add_(dy.T @ x)
+
+
+class _LinearAccumulate(torch.autograd.Function):
+    """y = x @ w_c.T + b_c with x, w_c, b_c already in the compute dtype. The fp32 master weight travels inside a
+    tuple, so autograd does not see it as an input: no AccumulateGrad node exists for it (that node would also
+    run the weight's post-accumulate-grad hooks, a second time), and backward accumulates into its .grad."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, master: tuple[torch.Tensor], w_c: torch.Tensor, bias: torch.Tensor | None,
+                b_c: torch.Tensor | None) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(x, w_c, b_c)  # the reference's own kernel (addmm with a bias epilogue)
+        ctx.save_for_backward(x, w_c)
+        ctx.weight = master[0]
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w_c = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if dy2.dtype != w_c.dtype:
+            dy2 = dy2.to(w_c.dtype)
+        dx = db = None
+        with torch.autocast(dy.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                dx = (dy2 @ w_c).view(*dy.shape[:-1], w_c.shape[1])
+            weight = ctx.weight
+            if weight.requires_grad:
+                _accumulate_weight_grad(weight, dy2, x2)
+                _call_post_accumulate_hooks(weight)
+            if ctx.has_bias and ctx.needs_input_grad[3]:
+                db = dy2.sum(0, dtype=ctx.bias_dtype)
+        return dx, None, None, db, None
+
+
+def linear_accumulate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      cache: CastCache) -> torch.Tensor:
+    """F.linear(x, weight, bias) with the same autocast semantics (compute in autocast's dtype where enabled),
+    whose weight gradient is accumulated in place into weight.grad (see the module doc)."""
+    if not (x.requires_grad or (bias is not None and bias.requires_grad)):
+        # The weight is hidden from autograd (see _LinearAccumulate): with no other input needing a gradient the
+        # backward would never run. Rare (a first layer without bias on plain data): the reference path.
+        return F.linear(x, weight, bias)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = weight.dtype
+    if x.is_cuda and dtype != weight.dtype and _dtype_out_ok is None:
+        probe(x.device)
+    if dtype == weight.dtype:
+        w_c, b_c = weight.detach(), None if bias is None else bias.detach()
+    else:
+        w_c, b_c = cache.get(weight, bias, dtype)
+    if x.dtype != dtype:
+        x = x.to(dtype)  # autograd's own cast (ToCopyBackward casts dx back), as autocast does
+    return _LinearAccumulate.apply(x, (weight,), w_c, bias, b_c)
+
+
+class FusedLinear(nn.Linear):
+    """nn.Linear (same parameters, initialisation and state_dict) whose forward uses `linear_accumulate` when
+    `impl == "peerline"`, plain F.linear (the reference) otherwise."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, impl: str = "torch") -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.impl = impl
+        self._cast_cache = CastCache()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from . import ops  # ops imports this module lazily too
+
+        return ops.linear(x, self.weight, self.bias, self.impl, self._cast_cache)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, impl={self.impl}"

@@ -1,0 +1,162 @@
+"""CPU checks of kernels/fused_linear.py: the in-place weight-gradient accumulation against nn.Linear autograd,
+the post-accumulate-grad hooks, the per-iteration weight-cast cache, and the block against --kernels torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from peerline.distributed.model import ResidualMLPBlock
+from peerline.kernels import fused_linear, ops
+from peerline.kernels.fused_linear import FusedLinear
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _pair(bias: bool, seed: int = 0) -> tuple[nn.Linear, FusedLinear]:
+    torch.manual_seed(seed)
+    ref = nn.Linear(24, 40, bias=bias)
+    torch.manual_seed(seed)
+    fused = FusedLinear(24, 40, bias=bias, impl="peerline")
+    assert torch.equal(ref.weight, fused.weight)
+    return ref, fused
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_accumulated_grads_match_nn_linear(bias: bool) -> None:
+    ref, fused = _pair(bias)
+    for m in (ref, fused):  # pre-existing grads, as peerline's gradient syncs create them
+        for p in m.parameters():
+            p.grad = torch.full_like(p, 0.25)
+    ptr = fused.weight.grad.data_ptr()
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(4):  # microbatches accumulate
+        x = torch.randn(3, 5, 24, generator=gen)
+        dy = torch.randn(3, 5, 40, generator=gen)
+        xr, xf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        yr, yf = ref(xr), fused(xf)
+        torch.testing.assert_close(yf, yr, rtol=1e-6, atol=1e-6)
+        yr.backward(dy)
+        yf.backward(dy)
+        torch.testing.assert_close(xf.grad, xr.grad, rtol=1e-6, atol=1e-6)
+    assert fused.weight.grad.data_ptr() == ptr, "weight.grad was replaced instead of accumulated in place"
+    torch.testing.assert_close(fused.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(fused.weight.grad, torch.full_like(fused.weight, 0.25))
+    if bias:
+        torch.testing.assert_close(fused.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_missing_grad_is_created() -> None:
+    ref, fused = _pair(True, seed=3)
+    x = torch.randn(6, 24)
+    ref(x).sum().backward()
+    fused(x).sum().backward()
+    assert fused.weight.grad is not None
+    torch.testing.assert_close(fused.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_post_accumulate_hooks_fire_once_per_backward() -> None:
+    _, fused = _pair(True, seed=1)
+    seen: list[tuple[str, torch.Tensor]] = []
+    for name, p in fused.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda param, name=name: seen.append((name, param.grad.clone())))
+    total = torch.zeros_like(fused.weight)
+    for i in range(3):
+        x = torch.randn(8, 24)
+        fused(x).sum().backward()
+        total += torch.ones(8, 40).T @ x
+        names = sorted(n for n, _ in seen)
+        assert names == ["bias"] * (i + 1) + ["weight"] * (i + 1), names
+        # The hook sees the gradient already accumulated (final for this backward).
+        torch.testing.assert_close([g for n, g in seen if n == "weight"][-1], total, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_autocast_bf16_matches_nn_linear() -> None:
+    ref, fused = _pair(True, seed=2)
+    for m in (ref, fused):
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        x = torch.randn(16, 24, generator=gen)
+        dy = torch.randn(16, 40, generator=gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            yr, yf = ref(x), fused(x)
+        assert yf.dtype == yr.dtype == torch.bfloat16
+        torch.testing.assert_close(yf, yr, rtol=2e-2, atol=2e-2)
+        yr.backward(dy.bfloat16())
+        yf.backward(dy.bfloat16())
+    assert fused.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(fused.weight.grad, ref.weight.grad, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(fused.bias.grad, ref.bias.grad, rtol=3e-2, atol=3e-2)
+
+
+def test_cast_cache_once_per_iteration() -> None:
+    _, fused = _pair(True, seed=4)
+    cache = fused._cast_cache
+    w1, _ = cache.get(fused.weight, fused.bias, torch.bfloat16)
+    w2, _ = cache.get(fused.weight, fused.bias, torch.bfloat16)
+    assert w1 is w2  # microbatches of one iteration share one copy
+    fused_linear.new_iteration()
+    w3, _ = cache.get(fused.weight, fused.bias, torch.bfloat16)
+    assert w3 is not w1
+    with torch.no_grad():
+        fused.weight.add_(1.0)  # an optimizer step bumps the version: stale copy refreshed even without the hook
+    w4, _ = cache.get(fused.weight, fused.bias, torch.bfloat16)
+    assert w4 is not w3 and torch.equal(w4, fused.weight.detach().bfloat16())
+
+
+def test_ops_linear_dispatch() -> None:
+    _, fused = _pair(True, seed=5)
+    x = torch.randn(4, 24)
+    with torch.no_grad():  # no gradient: plain F.linear
+        torch.testing.assert_close(ops.linear(x, fused.weight, fused.bias, "peerline"),
+                                   nn.functional.linear(x, fused.weight, fused.bias))
+    y = ops.linear(x, fused.weight, fused.bias, "peerline")
+    assert type(y.grad_fn).__name__ == "_LinearAccumulateBackward"
+    y = ops.linear(x, fused.weight, fused.bias, "torch")
+    assert type(y.grad_fn).__name__ != "_LinearAccumulateBackward"
+    assert not fused_linear.probe(torch.device("cpu"))
+
+
+def _train(kernels: str, iters: int = 3, microbatches: int = 3) -> tuple[list[float], list[torch.Tensor]]:
+    torch.manual_seed(11)
+    blocks = nn.Sequential(*[ResidualMLPBlock(16, kernels) for _ in range(2)])
+    params = list(blocks.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    losses = []
+    for it in range(iters):
+        fused_linear.new_iteration()
+        for p in params:
+            p.grad.zero_()
+        total = 0.0
+        for mb in range(microbatches):
+            gen = torch.Generator().manual_seed(100 * it + mb)
+            x = torch.randn(2, 5, 16, generator=gen)
+            t = torch.randn(2, 5, 16, generator=gen)
+            loss = nn.functional.mse_loss(blocks(x), t) / microbatches
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        losses.append(total)
+    return losses, [p.detach().clone() for p in params]
+
+
+def test_block_training_matches_torch_kernels() -> None:
+    losses_t, params_t = _train("torch")
+    losses_p, params_p = _train("peerline")
+    assert losses_p == pytest.approx(losses_t, rel=1e-5, abs=1e-6)
+    for a, b in zip(params_p, params_t):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert losses_t[-1] != losses_t[0]  # the run moved the weights
+
+
+def test_input_without_grad_still_gives_weight_grad() -> None:
+    ref, fused = _pair(False, seed=6)
+    x = torch.randn(5, 24)  # plain data, no bias: the fused path would have nothing to run backward for
+    ref(x).sum().backward()
+    fused(x).sum().backward()
+    torch.testing.assert_close(fused.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
