@@ -2,7 +2,8 @@
 
 Roles (see ARCHITECTURE.md, "Stream roles of one rank"):
   compute    forward/backward kernels of this rank's stage(s)
-  p2p        copies to / from the neighbouring stage (copy engine or NCCL)
+  p2p        copies to / from the neighbouring stage (copy engine or NCCL); `p2p_lanes` holds extra send streams
+             of the copy-engine transport (lanes 2..N: round robin or split copies, p2p_copy_engine.py)
   allreduce  bucketed gradient all-reduce; the highest priority the device allows, so a ready bucket is not
              queued behind backward kernels
   h2d / d2h  input staging from pinned host memory and results back
@@ -29,6 +30,7 @@ class RankStreams:
     device: torch.device
     stage_compute: list[torch.cuda.Stream | None] = field(default_factory=list)
     p2p: torch.cuda.Stream | None = None
+    p2p_lanes: list[torch.cuda.Stream] = field(default_factory=list)  # extra copy-engine send lanes beside p2p
     allreduce: torch.cuda.Stream | None = None
     h2d: torch.cuda.Stream | None = None
     d2h: torch.cuda.Stream | None = None
@@ -41,12 +43,17 @@ class RankStreams:
         """Role name -> stream, for logs and timelines."""
         named = {f"compute{i}" if len(self.stage_compute) > 1 else "compute": s for i, s in
                  enumerate(self.stage_compute)}
-        named.update(p2p=self.p2p, allreduce=self.allreduce, h2d=self.h2d, d2h=self.d2h)
+        named.update(p2p=self.p2p)
+        named.update({f"p2p{i + 2}": s for i, s in enumerate(self.p2p_lanes)})
+        named.update(allreduce=self.allreduce, h2d=self.h2d, d2h=self.d2h)
         return named
 
 
-def create_rank_streams(device: torch.device, local_stages: int = 1) -> RankStreams:
-    """Create the streams of one rank. The only place in peerline that constructs a stream."""
+def create_rank_streams(device: torch.device, local_stages: int = 1, p2p_lanes: int = 1) -> RankStreams:
+    """Create the streams of one rank. The only place in peerline that constructs a stream. p2p_lanes: send
+    streams of the copy-engine transport in all (`p2p` plus p2p_lanes - 1 in `p2p_lanes`)."""
+    if p2p_lanes < 1:
+        raise ValueError(f"p2p_lanes must be >= 1, got {p2p_lanes}")
     if device.type != "cuda":
         return RankStreams(device=device, stage_compute=[None] * local_stages)
     # priority_range() is (lowest, highest); on CUDA a numerically smaller value is a higher priority.
@@ -56,6 +63,7 @@ def create_rank_streams(device: torch.device, local_stages: int = 1) -> RankStre
             device=device,
             stage_compute=[torch.cuda.Stream(device=device) for _ in range(local_stages)],
             p2p=torch.cuda.Stream(device=device),
+            p2p_lanes=[torch.cuda.Stream(device=device) for _ in range(p2p_lanes - 1)],
             allreduce=torch.cuda.Stream(device=device, priority=highest),
             h2d=torch.cuda.Stream(device=device),
             d2h=torch.cuda.Stream(device=device),

@@ -5,16 +5,23 @@ rank 1. Per message size (64 KiB .. 256 MiB):
 
   bandwidth  N messages back to back. Each rank first queues all its work, rank 0's behind a gate (a stream
              waiting on a flag word), then a host barrier, then the gate opens: the GPUs run at their own pace,
-             not the Python loop's. Timed with CUDA events on rank 0 from the gate to the last copy.
-             Copy engine: the transport with a ring of 4 slots (every message waits for its slot, copies, flags);
-             raw: cudaMemcpyPeerAsync into an IPC-mapped buffer, nothing else; NCCL: the CollectiveTransport
-             (batched isend/irecv, what `--p2p nccl` runs).
+             not the Python loop's. Timed with CUDA events on rank 0 from the gate to the end of its last send.
+             Every variant moves the same N messages of the same bytes from the same source tensor:
+             copy engine: the transport with a ring of 4 slots, per message wait FREE + clear FREE (one batched
+               driver call), copy, write FULL; rank 1 consumes every message on its compute stream (wait FULL,
+               clear, release = write FREE), so the receiver is in the loop. Variants (VARIANTS): 1 lane; 2 lanes
+               round robin (slot s on lane s % 2); 2 lanes split (each message's halves copied at once by two
+               lanes, FULL after both); 4 lanes split (two split groups, round robin).
+             raw: cudaMemcpyPeerAsync into an IPC-mapped buffer on one stream, nothing else (no flags, no
+               receiver: the ceiling of one copy stream); raw split: the same with each message's halves on two
+               streams (the ceiling of two copy engines);
+             NCCL: the CollectiveTransport (batched isend/irecv, what `--p2p nccl` runs), rank 1 receiving.
   latency    ping-pong of R round trips (rank 1 answers each message once it arrived), one way = time / 2R;
              raw: one cudaMemcpyPeerAsync, start to end, as a floor.
   graph      the cost of one 64 KiB handoff inside a captured CUDA graph of 64 handoffs, against one graph launch
              per handoff (replays timed on the host, both ranks).
 
-Goals (issue 4): at >= 16 MiB, >= 95% of the raw copy and >= 1.05x NCCL.
+Goals (issue 4): at >= 16 MiB, >= 95% of the raw (one-stream) copy and >= 1.05x NCCL, one GOAL line per variant.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ log = logging.getLogger(__name__)
 
 SIZES = [(64 << 10) * 4**i for i in range(7)]  # 64 KiB .. 256 MiB
 DEPTH = 4
+VARIANTS = [("1 lane", 1, False), ("2 lanes", 2, False), ("2 lanes split", 2, True), ("4 lanes split", 4, True)]
+MAX_LANES = max(lanes for _, lanes, _ in VARIANTS)
 MAX_QUEUED = 48  # messages queued behind a closed gate: the driver's command queue must not fill up
 GOAL_FROM = 16 << 20
 
@@ -58,7 +67,10 @@ class Pair:
         self.gloo = dist.new_group(backend="gloo")
         self.ops = stream_ops.FlagOps()
         self.gate = torch.zeros(16, dtype=torch.int32, device=device)
-        self.extra_lane = create_rank_streams(device).p2p  # second send lane for the 2-lane variant
+
+    def lanes(self, n: int) -> list[torch.cuda.Stream]:
+        """The extra send lanes of an n-lane variant (made with the rank's streams, distributed/streams.py)."""
+        return self.streams.p2p_lanes[:n - 1]
         self.epoch = 0
 
     def links(self, spec: TensorSpec) -> Links:
@@ -95,8 +107,9 @@ class Pair:
         return statistics.median(self.gated(issue) for _ in range(reps))
 
 
-def _raw_copy(pair: Pair, size: int, n: int, reps: int) -> tuple[float, float]:
-    """(ms for n raw peer copies, ms for one) on rank 0; nan on rank 1."""
+def _raw_copy(pair: Pair, size: int, n: int, reps: int) -> tuple[float, float, float]:
+    """(ms for n raw peer copies on one stream, ms for n copies each split in halves over two streams, ms for one
+    copy) on rank 0; nan on rank 1."""
     dst = ipc.DeviceAllocation(size, pair.device) if pair.rank == 1 else None
     handles: list[bytes | None] = [None, None]
     dist.all_gather_object(handles, dst.handle() if dst else None, group=pair.gloo)
@@ -106,8 +119,12 @@ def _raw_copy(pair: Pair, size: int, n: int, reps: int) -> tuple[float, float]:
     uuids = _gather_uuid(pair)  # collective: every rank calls it
     peer_dev = ipc.find_device(uuids[1]) if pair.rank == 0 else -1
 
-    def copy() -> None:
-        ipc.copy_peer(peer.ptr, peer_dev, src.data_ptr(), pair.device.index, size, p2p.cuda_stream, False)
+    lane = pair.streams.p2p_lanes[0]
+    half = size // 2 // 256 * 256
+
+    def copy(off: int = 0, nbytes: int = size, stream: torch.cuda.Stream = p2p) -> None:
+        ipc.copy_peer(peer.ptr + off, peer_dev, src.data_ptr() + off, pair.device.index, nbytes, stream.cuda_stream,
+                      False)
 
     def issue() -> None:
         if pair.rank == 0:
@@ -117,7 +134,19 @@ def _raw_copy(pair: Pair, size: int, n: int, reps: int) -> tuple[float, float]:
                 copy()
             cur.wait_stream(p2p)
 
+    def issue_split() -> None:
+        if pair.rank == 0:
+            cur = torch.cuda.current_stream(pair.device)
+            p2p.wait_stream(cur)
+            lane.wait_stream(cur)
+            for _ in range(n):
+                copy(0, half, p2p)
+                copy(half, size - half, lane)
+            cur.wait_stream(p2p)
+            cur.wait_stream(lane)
+
     many = pair.median(issue, reps)
+    many_split = pair.median(issue_split, reps)
     one = float("nan")
     if pair.rank == 0:
         ones = []
@@ -135,7 +164,7 @@ def _raw_copy(pair: Pair, size: int, n: int, reps: int) -> tuple[float, float]:
     pair.host_barrier()
     if dst:
         dst.free()
-    return many, one
+    return many, many_split, one
 
 
 def _gather_uuid(pair: Pair) -> list[str]:
@@ -200,18 +229,18 @@ def bench_size(pair: Pair, ctx: BenchContext, size: int, reps: int) -> None:
     src = torch.randn(spec.shape, device=pair.device).to(spec.dtype)
     links = pair.links(spec)  # rank 1 receives activations, rank 0 gradients (the ping-pong's answers)
 
-    raw_ms, raw_one_ms = _raw_copy(pair, size, n, reps)
+    raw_ms, raw_split_ms, raw_one_ms = _raw_copy(pair, size, n, reps)
 
-    ce = CopyEngineTransport(links, pair.device, n, streams=pair.streams, depth=DEPTH, group=pair.gloo)
-    ce_ms = pair.median(_one_way(pair, ce, src, n), reps)
-    ce_lat_ms = pair.median(_ping_pong(pair, ce, src, rounds), reps)
-    pair.host_barrier()
-    ce.close()
-    ce2 = CopyEngineTransport(links, pair.device, n, streams=pair.streams, depth=DEPTH, group=pair.gloo,
-                              lanes=[pair.extra_lane])
-    ce2_ms = pair.median(_one_way(pair, ce2, src, n), reps)
-    pair.host_barrier()
-    ce2.close()
+    variant_ms: dict[str, float] = {}
+    ce_lat_ms = float("nan")
+    for name, lanes, split in VARIANTS:
+        ce = CopyEngineTransport(links, pair.device, n, streams=pair.streams, depth=DEPTH, group=pair.gloo,
+                                 lanes=pair.lanes(lanes), split=split)
+        variant_ms[name] = pair.median(_one_way(pair, ce, src, n), reps)
+        if lanes == 1:
+            ce_lat_ms = pair.median(_ping_pong(pair, ce, src, rounds), reps)
+        pair.host_barrier()
+        ce.close()
 
     nccl = CollectiveTransport(links, pair.device, 1)
     nccl_ms = pair.median(_nccl_one_way(pair, nccl, src, n), reps)
@@ -221,20 +250,28 @@ def bench_size(pair: Pair, ctx: BenchContext, size: int, reps: int) -> None:
     if pair.rank != 0:
         return
     gbps = lambda ms: n * size / (ms * 1e-3) / 1e9  # noqa: E731
-    bw_ce, bw_ce2, bw_raw, bw_nccl = gbps(ce_ms), gbps(ce2_ms), gbps(raw_ms), gbps(nccl_ms)
-    for lanes, bw in ((1, bw_ce), (2, bw_ce2)):
-        sizes = {"bytes": size, "messages": n, "depth": DEPTH, "lanes": lanes}
-        ctx.record(Record("p2p", f"bandwidth {fmt(size)} {lanes} lane(s)", "GB/s", bw, bw_nccl, "NCCL send/recv",
-                          sizes=sizes, extra={"raw_peer_copy_GBps": bw_raw, "fraction_of_raw": bw / bw_raw}))
-        ctx.record(Record("p2p", f"bandwidth {fmt(size)} {lanes} lane(s)", "GB/s", bw, bw_raw,
-                          "raw cudaMemcpyPeerAsync", sizes=sizes))
+    bw_raw, bw_raw_split, bw_nccl = gbps(raw_ms), gbps(raw_split_ms), gbps(nccl_ms)
+    parts = []
+    for name, lanes, split in VARIANTS:
+        bw = gbps(variant_ms[name])
+        sizes = {"bytes": size, "messages": n, "depth": DEPTH, "lanes": lanes, "split": split}
+        extra = {"raw_peer_copy_GBps": bw_raw, "raw_split_copy_GBps": bw_raw_split, "fraction_of_raw": bw / bw_raw,
+                 "fraction_of_raw_split": bw / bw_raw_split}
+        ctx.record(Record("p2p", f"bandwidth {fmt(size)} {name}", "GB/s", bw, bw_nccl, "NCCL send/recv",
+                          sizes=sizes, extra=extra))
+        ctx.record(Record("p2p", f"bandwidth {fmt(size)} {name}", "GB/s", bw, bw_raw, "raw cudaMemcpyPeerAsync",
+                          sizes=sizes))
+        parts.append(f"{name} {bw:6.1f}")
+    ctx.record(Record("p2p", f"bandwidth {fmt(size)} raw split over 2 streams", "GB/s", bw_raw_split, bw_raw,
+                      "raw cudaMemcpyPeerAsync", sizes={"bytes": size, "messages": n}))
     ctx.record(Record("p2p", f"latency {fmt(size)}", "us one way", ce_lat_ms * 1e3 / (2 * rounds),
                       nccl_lat_ms * 1e3 / (2 * rounds), "NCCL send/recv ping-pong", higher_is_better=False,
                       sizes={"bytes": size, "round_trips": rounds},
                       extra={"raw_single_copy_us": raw_one_ms * 1e3}))
-    log.info("%8s  copy-engine %7.1f GB/s (2 lanes %7.1f)  raw %7.1f  nccl %7.1f  (%.3f of raw, %.2fx nccl)  "
-             "latency %.1f us (nccl %.1f, raw copy %.1f)", fmt(size), bw_ce, bw_ce2, bw_raw, bw_nccl, bw_ce / bw_raw,
-             bw_ce / bw_nccl,
+    for line in goals(ctx, size):  # as soon as the size is done: a bench cut short still reports its goals
+        log.info("%s", line)
+    log.info("%8s  copy-engine GB/s: %s | raw %6.1f, raw split %6.1f, nccl %6.1f | latency %.1f us (nccl %.1f, "
+             "raw copy %.1f)", fmt(size), ", ".join(parts), bw_raw, bw_raw_split, bw_nccl,
              ce_lat_ms * 1e3 / (2 * rounds), nccl_lat_ms * 1e3 / (2 * rounds), raw_one_ms * 1e3)
 
 
@@ -246,7 +283,7 @@ def bench_graph(pair: Pair, ctx: BenchContext, size: int = 64 << 10, per_graph: 
     results = {}
     for g in (per_graph, 1):
         tr = CopyEngineTransport(pair.links(spec), pair.device, g, streams=pair.streams, depth=DEPTH,
-                                 capture_safe=True, group=pair.gloo)
+                                 capture_safe=True, group=pair.gloo, lanes=pair.lanes(1))
         body = _one_way(pair, tr, src, g)
         body()  # eager warm-up through the capture-safe path
         torch.cuda.synchronize(pair.device)
@@ -276,15 +313,17 @@ def bench_graph(pair: Pair, ctx: BenchContext, size: int = 64 << 10, per_graph: 
                  results[per_graph], per_graph, results[1])
 
 
-def goals(ctx: BenchContext) -> list[str]:
-    """One line per size >= 16 MiB: GOAL MET / GOAL MISSED for the two bandwidth goals."""
+def goals(ctx: BenchContext, size: int | None = None) -> list[str]:
+    """One line per variant and size >= 16 MiB (or only `size`): GOAL MET / GOAL MISSED for the two bandwidth
+    goals."""
     lines = []
     for r in ctx.records:
-        if r.case.startswith("bandwidth") and r.anchor_name.startswith("NCCL") and r.sizes["bytes"] >= GOAL_FROM:
+        if r.case.startswith("bandwidth") and r.anchor_name.startswith("NCCL") and r.sizes["bytes"] >= GOAL_FROM \
+                and size in (None, r.sizes["bytes"]):
             frac, vs = r.extra["fraction_of_raw"], r.ratio
             ok = frac >= 0.95 and vs >= 1.05
             lines.append(f"GOAL {'MET' if ok else 'MISSED'} p2p {r.case}: {frac:.3f} of raw (>= 0.95), "
-                         f"{vs:.2f}x NCCL (>= 1.05)")
+                         f"{vs:.2f}x NCCL (>= 1.05); {r.extra['fraction_of_raw_split']:.3f} of raw split")
     return lines
 
 
@@ -294,14 +333,11 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
         raise SystemExit("p2p bench: error: run with exactly 2 ranks (torchrun --nproc_per_node=2)")
     sizes = getattr(args, "sizes", None) or (SIZES[:3] if ctx.quick else SIZES)
     reps = getattr(args, "reps", None) or (3 if ctx.quick else 7)
-    pair = Pair(ctx.device, create_rank_streams(ctx.device))
+    pair = Pair(ctx.device, create_rank_streams(ctx.device, p2p_lanes=MAX_LANES))
     with torch.cuda.stream(pair.streams.compute):
         for size in sizes:
             bench_size(pair, ctx, size, reps)
         bench_graph(pair, ctx)
-    if ctx.is_writer:
-        for line in goals(ctx):
-            log.info("%s", line)
 
 
 def main(argv: list[str] | None = None) -> int:

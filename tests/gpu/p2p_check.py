@@ -48,21 +48,24 @@ class Pair:
 
     def __init__(self, rank: int, device: torch.device, streams: RankStreams) -> None:
         self.rank, self.device, self.streams = rank, device, streams
-        self.extra_lane = create_rank_streams(device).p2p  # a second send lane, made where streams are made
 
     def links(self, spec: TensorSpec) -> Links:
         return Links(None, 1, None, spec) if self.rank == 0 else Links(0, None, spec, None)
 
-    def transport(self, spec: TensorSpec, n: int, lanes: int = 1, **kw) -> CopyEngineTransport:
-        return CopyEngineTransport(self.links(spec), self.device, n, streams=self.streams,
-                                   lanes=[self.extra_lane] if lanes == 2 else None, **kw)
+    def transport(self, spec: TensorSpec, n: int, lanes: int = 1, split: bool = False, **kw
+                  ) -> CopyEngineTransport:
+        """A transport over `lanes` send lanes (the p2p stream plus the rank's extra lanes), split or round robin."""
+        t = CopyEngineTransport(self.links(spec), self.device, n, streams=self.streams,
+                                lanes=self.streams.p2p_lanes[:lanes - 1], split=split, **kw)
+        assert len(t._lanes) == lanes and t.split == split
+        return t
 
 
 def one_way(p: Pair, *, shape: tuple[int, ...], dtype: torch.dtype, n: int, depth: int, slow: bool,
-            capture_safe: bool, lanes: int = 1) -> torch.Tensor:
+            capture_safe: bool, lanes: int = 1, split: bool = False) -> torch.Tensor:
     """Rank 0 streams n messages to rank 1 through a ring of `depth` slots; returns mismatching elements."""
     spec = TensorSpec(shape, dtype)
-    tr = p.transport(spec, n, lanes, depth=depth, capture_safe=capture_safe)
+    tr = p.transport(spec, n, lanes, split, depth=depth, capture_safe=capture_safe)
     bad = torch.zeros((), dtype=torch.int64, device=p.device)
     for mb in range(n):
         if p.rank == 0:
@@ -81,12 +84,13 @@ def one_way(p: Pair, *, shape: tuple[int, ...], dtype: torch.dtype, n: int, dept
     return bad
 
 
-def both_ways(p: Pair, *, n: int, depth: int, capture_safe: bool) -> torch.Tensor:
+def both_ways(p: Pair, *, n: int, depth: int, capture_safe: bool, lanes: int = 1, split: bool = False
+              ) -> torch.Tensor:
     """1F1B-like traffic: each step rank 0 sends activation i and receives gradient i-1, rank 1 receives
     activation i and sends gradient i-1 = 2 * activation(i-1) + 1, in one exchange call per step."""
     shape, dtype = (512, 1024), torch.float32
     spec = TensorSpec(shape, dtype)
-    tr = p.transport(spec, n, depth=depth, capture_safe=capture_safe)
+    tr = p.transport(spec, n, lanes, split, depth=depth, capture_safe=capture_safe)
     bad = torch.zeros((), dtype=torch.int64, device=p.device)
     pending: torch.Tensor | None = None
     for i in range(n + 1):
@@ -110,11 +114,12 @@ def both_ways(p: Pair, *, n: int, depth: int, capture_safe: bool) -> torch.Tenso
     return bad
 
 
-def graph_replays(p: Pair, *, g: int, depth: int, replays: int, lanes: int = 1) -> torch.Tensor:
+def graph_replays(p: Pair, *, g: int, depth: int, replays: int, lanes: int = 1, split: bool = False
+                  ) -> torch.Tensor:
     """One CUDA graph per rank holding g handoffs (slots reused within the graph), replayed with fresh data."""
     shape, dtype = (256, 1024), torch.float32
     spec = TensorSpec(shape, dtype)
-    tr = p.transport(spec, g, lanes, depth=depth, capture_safe=True)
+    tr = p.transport(spec, g, lanes, split, depth=depth, capture_safe=True)
     src = torch.empty((g, *shape), dtype=dtype, device=p.device)
     out = torch.full((g, *shape), float("nan"), dtype=dtype, device=p.device)
     bad = torch.zeros((), dtype=torch.int64, device=p.device)
@@ -156,11 +161,12 @@ def graph_replays(p: Pair, *, g: int, depth: int, replays: int, lanes: int = 1) 
     return bad
 
 
-def against_nccl(p: Pair, *, n: int) -> torch.Tensor:
-    """The same messages through NCCL send/recv and through the copy engine must arrive bit-identical."""
+def against_nccl(p: Pair, *, n: int, lanes: int = 1, split: bool = False) -> torch.Tensor:
+    """The same messages through NCCL send/recv and through the copy engine must arrive bit-identical (an odd
+    size: split halves of unequal length)."""
     shape, dtype = (1000, 999), torch.bfloat16
     spec = TensorSpec(shape, dtype)
-    tr = p.transport(spec, n, depth=2)
+    tr = p.transport(spec, n, lanes, split, depth=2)
     nccl = CollectiveTransport(p.links(spec), p.device, n)
     bad = torch.zeros((), dtype=torch.int64, device=p.device)
     for mb in range(n):
@@ -218,7 +224,7 @@ def main() -> int:
     device = torch.device("cuda", local)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=120))
-    streams = create_rank_streams(device)
+    streams = create_rank_streams(device, p2p_lanes=4)
     p = Pair(rank, device, streams)
     usable = copy_engine_usable(p.links(TensorSpec((1,), torch.float32)), device)
     checks: list[tuple[str, Callable[[], torch.Tensor]]] = [
@@ -238,7 +244,26 @@ def main() -> int:
         ("both_ways_capture_safe", lambda: both_ways(p, n=32, depth=1, capture_safe=True)),
         ("graph_replays", lambda: graph_replays(p, g=6, depth=2, replays=5)),
         ("graph_replays_two_lanes", lambda: graph_replays(p, g=8, depth=4, replays=5, lanes=2)),
+        # split: each message (>= 1 MiB) copied in two halves by two lanes at once, FULL after both
+        ("slow_receiver_split", lambda: one_way(p, shape=(1024, 1000), dtype=torch.float32, n=48, depth=3,
+                                                slow=True, capture_safe=False, lanes=2, split=True)),
+        ("slow_receiver_split_capture_safe", lambda: one_way(p, shape=(1024, 1000), dtype=torch.float32, n=32,
+                                                             depth=2, slow=True, capture_safe=True, lanes=2,
+                                                             split=True)),
+        ("fast_receiver_four_lanes_split", lambda: one_way(p, shape=(512, 1000), dtype=torch.float32, n=200,
+                                                           depth=4, slow=False, capture_safe=False, lanes=4,
+                                                           split=True)),
+        ("slow_receiver_four_lanes_split", lambda: one_way(p, shape=(1024, 1000), dtype=torch.float32, n=32,
+                                                           depth=3, slow=True, capture_safe=False, lanes=4,
+                                                           split=True)),
+        ("both_ways_split", lambda: both_ways(p, n=32, depth=2, capture_safe=False, lanes=2, split=True)),
+        ("both_ways_split_capture_safe", lambda: both_ways(p, n=16, depth=1, capture_safe=True, lanes=2,
+                                                           split=True)),
+        ("graph_replays_split", lambda: graph_replays(p, g=6, depth=2, replays=5, lanes=2, split=True)),
+        ("graph_replays_four_lanes_split", lambda: graph_replays(p, g=8, depth=4, replays=5, lanes=4,
+                                                                 split=True)),
         ("against_nccl", lambda: against_nccl(p, n=8)),
+        ("against_nccl_split", lambda: against_nccl(p, n=8, lanes=2, split=True)),
         ("host_errors", lambda: host_errors(p)),
     ]
     failed = 0
