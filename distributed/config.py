@@ -61,6 +61,10 @@ class RunConfig:
     """Elementwise kernels: peerline (warp-specialized CUDA), torch, or auto (peerline on GPU)."""
     p2p: str = "auto"
     """Stage-to-stage transport: copy-engine, nccl (gloo on CPU), or auto."""
+    p2p_lanes: int = 2
+    """Send streams of the copy-engine transport (2: messages round robin over two lanes)."""
+    p2p_split: bool = False
+    """Copy-engine transport: each message's halves copied at once by two lanes (needs an even --p2p-lanes)."""
     graph: bool | None = None
     """Capture each iteration into a CUDA graph (default on GPU; ignored on the CPU)."""
     warmup_iters: int = 3
@@ -117,6 +121,8 @@ class RunConfig:
                      "log_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.p2p_lanes < 1 or (self.p2p_split and self.p2p_lanes % 2):
+            raise ConfigError(f"--p2p-lanes must be >= 1 (and even with --p2p-split), got {self.p2p_lanes}")
         if self.pp is not None and self.pp < 1:
             raise ConfigError(f"--pp must be >= 1, got {self.pp}")
         if self.warmup_iters < 1:

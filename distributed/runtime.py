@@ -96,7 +96,7 @@ class Runtime:
         modules, bounds = build_stages(cfg, n_stages, stage_ids, kernels)
         init_distributed(info, device, cfg.timeout_s)
         mesh.create_groups()
-        streams = create_rank_streams(device, cfg.stages)
+        streams = create_rank_streams(device, cfg.stages, p2p_lanes=cfg.p2p_lanes)
         if device.type == "cuda":
             from .allocator import apply_release_threshold
 
@@ -116,7 +116,7 @@ class Runtime:
                       act_in=in_spec if mesh.prev_rank is not None else None,
                       grad_in=out_specs[-1] if mesh.next_rank is not None else None)
         transport = make_transport(cfg.p2p, links, device, cfg.microbatches, streams=streams,
-                                   capture_safe=device.type == "cuda" and cfg.graph is not False)
+                                   capture_safe=device.type == "cuda" and cfg.graph is not False, split=cfg.p2p_split)
         # Every rank checks the whole schedule against the transport it will run on, before the first step.
         order = sched.simulate(programs, transport.capacity)
         local = [(s, step) for s, step in order if s in stage_ids]

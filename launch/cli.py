@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="elementwise kernels (default: %(default)s = peerline on GPU, torch on CPU)")
     g.add_argument("--p2p", choices=P2P, default=_DEFAULTS.p2p,
                    help="stage-to-stage transport (default: %(default)s = copy engine between GPUs of a host)")
+    g.add_argument("--p2p-lanes", type=int, default=_DEFAULTS.p2p_lanes,
+                   help="copy-engine send streams (default: %(default)s, messages round robin)")
+    g.add_argument("--p2p-split", action=argparse.BooleanOptionalAction, default=_DEFAULTS.p2p_split,
+                   help="copy-engine: copy each message's halves on two lanes at once (default: off)")
     g.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
                    help="capture each iteration into a CUDA graph (default: on for GPUs)")
     g.add_argument("--warmup-iters", type=int, default=_DEFAULTS.warmup_iters,
