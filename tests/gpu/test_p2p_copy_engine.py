@@ -69,6 +69,70 @@ def test_flag_wait_orders_a_copy_after_another_streams_write() -> None:
         flag.free()
 
 
+def test_batched_wait_and_clear_order_a_copy() -> None:
+    """wait FREE + clear FREE as ONE cuStreamBatchMemOp (what every send issues): the copy behind it must wait
+    for another stream's late write, and the clear must land after the wait."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    streams = create_rank_streams(dev)
+    ops = stream_ops.FlagOps()
+    flag = ipc.DeviceAllocation(128, dev)
+    src = torch.zeros(1 << 20, device=dev)
+    dst = torch.full_like(src, -1.0)
+    try:
+        flag.tensor.zero_()
+        torch.cuda.synchronize()
+        assert ops.probe_batch(streams.p2p.cuda_stream, flag.ptr + 64, 0), "cuStreamBatchMemOp refused"
+        ops.batch(streams.p2p.cuda_stream, (("wait", flag.ptr, 1), ("write", flag.ptr, 0), ("write", flag.ptr + 64, 3)))
+        with torch.cuda.stream(streams.p2p):
+            dst.copy_(src)
+        with torch.cuda.stream(streams.compute):
+            torch.cuda._sleep(20_000_000)
+            src.fill_(7.0)
+            ops.write(streams.compute.cuda_stream, flag.ptr, 1)
+        torch.cuda.synchronize()
+        words = flag.tensor.view(torch.int32)
+        assert torch.all(dst == 7.0)
+        assert int(words[0]) == 0 and int(words[16]) == 3  # cleared after the wait; the third op ran too
+    finally:
+        torch.cuda.synchronize()
+        flag.free()
+
+
+def test_batched_flag_ops_in_a_captured_graph_replay_correctly() -> None:
+    """A batch (wait A == 1, clear A) + copy + write B = 1, captured once and replayed: every replay waits for A
+    set by the host, copies the fresh source, and leaves A = 0, B = 1 (a batch-memop node, replayable)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    streams = create_rank_streams(dev)
+    ops = stream_ops.FlagOps()
+    flag = ipc.DeviceAllocation(128, dev)
+    words = flag.tensor.view(torch.int32)
+    src = torch.zeros(1 << 18, device=dev)
+    dst = torch.empty_like(src)
+    try:
+        words.zero_()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=streams.p2p):
+            s = torch.cuda.current_stream().cuda_stream
+            ops.batch(s, (("wait", flag.ptr, 1), ("write", flag.ptr, 0)))
+            dst.copy_(src)
+            ops.write(s, flag.ptr + 64, 1)
+        for r in range(3):
+            src.fill_(float(r + 1))
+            dst.fill_(-1.0)
+            words.zero_()
+            words[0] = 1  # "slot free"
+            torch.cuda.synchronize()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.all(dst == float(r + 1)), f"replay {r}"
+            assert int(words[0]) == 0 and int(words[16]) == 1, f"replay {r}: flags {words[:17:16].tolist()}"
+        del graph
+    finally:
+        torch.cuda.synchronize()
+        flag.free()
+
+
 @pytest.mark.gpu2
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_copy_engine_transport_on_two_gpus() -> None:
@@ -78,4 +142,5 @@ def test_copy_engine_transport_on_two_gpus() -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
-    assert "PASS p2p.graph_replays" in out and "FAIL" not in out, out[-6000:]
+    assert "PASS p2p.graph_replays" in out and "PASS p2p.graph_replays_split" in out and "FAIL" not in out, \
+        out[-6000:]
