@@ -140,6 +140,37 @@ def plan_buckets(params: Sequence[torch.nn.Parameter], bucket_mb: float, first_b
     return buckets
 
 
+def nccl_options(max_ctas: int | None = None, min_ctas: int | None = None, backend: str | None = "nccl") -> Any:
+    """`ProcessGroupNCCL.Options` for `dist.new_group(ranks, pg_options=...)` that cap the CTAs (thread blocks,
+    so SMs) the group's NCCL kernels may take: NCCL's `ncclConfig_t.maxCTAs` / `minCTAs`, per communicator.
+
+    Why: the bucket all-reduces run on the highest-priority stream, so their kernels get SMs ahead of the
+    backward GEMMs they overlap with; NCCL's default (up to 32 channels, one CTA each, on H100/H200 NVLink) slows
+    backward by more than the all-reduce it hides. Fewer CTAs: less bus bandwidth, less interference.
+
+    Returns None (the backend's defaults) when no cap is asked, when `backend` is not NCCL (gloo ignores it),
+    or when this torch has no NCCL (CPU builds). A group's communicator is created with its options: pass
+    this where the data-parallel group is created (every rank, same order, as any new_group).
+    """
+    for name, v in (("max_ctas", max_ctas), ("min_ctas", min_ctas)):
+        if v is not None and not 1 <= v <= 64:
+            raise ValueError(f"nccl {name} must be in 1..64 (NCCL's MAXCHANNELS), got {v}")
+    if max_ctas is not None and min_ctas is not None and min_ctas > max_ctas:
+        raise ValueError(f"nccl min_ctas {min_ctas} > max_ctas {max_ctas}")
+    if (max_ctas is None and min_ctas is None) or (backend is not None and "nccl" not in str(backend).lower()):
+        return None
+    if not dist.is_nccl_available():
+        log.info("NCCL not available: CTA cap ignored")
+        return None
+    opts = dist.ProcessGroupNCCL.Options()
+    # pybind's def_readwrite returns the struct by reference: these assignments change opts.config itself.
+    if max_ctas is not None:
+        opts.config.max_ctas = max_ctas
+    if min_ctas is not None:
+        opts.config.min_ctas = min_ctas
+    return opts
+
+
 class GradBuckets:
     """The gradient-sync object of one stage: flat buckets, hooks, all-reduce, metrics (see the module doc)."""
 
@@ -259,6 +290,11 @@ class GradBuckets:
         hidden = 1.0 - min(1.0, exposed / total) if total > 0 else 1.0
         return {**out, "allreduce_ms": total, "exposed_ms": exposed, "hidden_share": hidden, "bucket_ms": bucket_ms,
                 "bucket_busbw_gbs": busbw, "clock": "cuda" if self.on_cuda else "host", "timed": True}
+
+    @property
+    def bucket_tensors(self) -> list[torch.Tensor]:
+        """Each bucket's slice of its flat buffer, in launch order (benchmarks all-reduce the layout alone)."""
+        return list(self._slices)
 
     def close(self) -> None:
         """Remove the hooks (the views stay the parameters' gradients)."""

@@ -186,3 +186,25 @@ def test_existing_grads_are_kept() -> None:
         p.grad = torch.full_like(p, 2.5)
     GradBuckets([list(m.parameters()) for m in model], None, torch.device("cpu"))
     assert all(bool((p.grad == 2.5).all()) for p in model.parameters())
+
+
+def test_nccl_options_cap_the_ctas(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from peerline.distributed import buckets
+
+    class FakeOptions:  # what torch's ProcessGroupNCCL.Options exposes: .config with max_ctas / min_ctas
+        def __init__(self) -> None:
+            self.config = SimpleNamespace(max_ctas=-2147483648, min_ctas=-2147483648)
+
+    assert buckets.nccl_options(None) is None  # no cap: the backend's defaults
+    assert buckets.nccl_options(8, backend="gloo") is None
+    monkeypatch.setattr(buckets.dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(buckets.dist, "ProcessGroupNCCL", SimpleNamespace(Options=FakeOptions), raising=False)
+    opts = buckets.nccl_options(8)
+    assert opts.config.max_ctas == 8 and opts.config.min_ctas == -2147483648  # min left to NCCL
+    opts = buckets.nccl_options(16, 4)
+    assert (opts.config.max_ctas, opts.config.min_ctas) == (16, 4)
+    for bad in ((0, None), (65, None), (4, 8)):
+        with pytest.raises(ValueError, match="ctas"):
+            buckets.nccl_options(*bad)
