@@ -130,6 +130,8 @@ class CopyEngineTransport(Transport):
     lanes: extra streams (made by distributed/streams.py) that carry sends beside `streams.p2p`; default
     `streams.p2p_lanes` (the extra lanes RankStreams was created with). split: cut each message in two halves
     copied by two lanes at once (needs an even number of lanes in all). See the module docstring.
+    batch_flags: send consecutive flag operations as one cuStreamBatchMemOp (False: one driver call each, as
+    before; also PEERLINE_P2P_BATCH=0 in the environment).
     """
 
     name = "copy-engine"
@@ -137,7 +139,7 @@ class CopyEngineTransport(Transport):
     def __init__(self, links: Links, device: torch.device, num_microbatches: int,
                  streams: RankStreams | None = None, *, depth: int | None = None, capture_safe: bool = False,
                  group: dist.ProcessGroup | None = None, lanes: list[torch.cuda.Stream] | None = None,
-                 split: bool = False) -> None:
+                 split: bool = False, batch_flags: bool = True) -> None:
         if device.type != "cuda" or device.index is None:
             raise ValueError(f"copy-engine transport needs a CUDA device with an index, got {device}")
         depth = num_microbatches if depth is None else depth
@@ -158,6 +160,7 @@ class CopyEngineTransport(Transport):
         self.split = split
         self._groups = [self._lanes[i:i + width] for i in range(0, len(self._lanes), width)]
         self._ops = stream_ops.FlagOps()
+        self._ops.batching = batch_flags and os.environ.get("PEERLINE_P2P_BATCH", "1") != "0"
         self._held: dict[tuple[str, int], int] = {}  # (kind, slot) -> mb received and not yet released
         self._pending: list[torch.cuda.Stream] = []  # lanes with sends issued since the last join()
         self._closed = False
@@ -188,10 +191,11 @@ class CopyEngineTransport(Transport):
                 ring.tensor.fill_(POISON)
         # Host sync at set-up only: peers may write our flags as soon as the exchange below returns.
         self.p2p.synchronize()
-        # Rewrite one FULL word (0, nobody writes it yet) with its own value: does the driver take batches?
-        self._ops.probe_batch(self.p2p.cuda_stream, self._flags.ptr + flag_offset(ACT, slot_ring.FULL, 0, self.depth),
-                              slot_ring.INITIAL[slot_ring.FULL])
-        self.p2p.synchronize()
+        if self._ops.batching:  # rewrite one FULL word (0, nobody writes it yet): does the driver take batches?
+            self._ops.probe_batch(self.p2p.cuda_stream, self._flags.ptr + flag_offset(ACT, slot_ring.FULL, 0,
+                                                                                      self.depth),
+                                  slot_ring.INITIAL[slot_ring.FULL])
+            self.p2p.synchronize()
 
     def _ring_info(self, kind: str) -> _Ring:
         spec: TensorSpec = self.links.act_in if kind == ACT else self.links.grad_in

@@ -10,7 +10,8 @@ rank 1. Per message size (64 KiB .. 256 MiB):
              copy engine: the transport with a ring of 4 slots, per message wait FREE + clear FREE (one batched
                driver call), copy, write FULL; rank 1 consumes every message on its compute stream (wait FULL,
                clear, release = write FREE), so the receiver is in the loop. Variants (VARIANTS): 1 lane; 2 lanes
-               round robin (slot s on lane s % 2); 2 lanes split (each message's halves copied at once by two
+               round robin (slot s on lane s % 2); 1 lane unbatched (one driver call per flag operation, as
+               before batching); 2 lanes split (each message's halves copied at once by two
                lanes, FULL after both); 4 lanes split (two split groups, round robin).
              raw: cudaMemcpyPeerAsync into an IPC-mapped buffer on one stream, nothing else (no flags, no
                receiver: the ceiling of one copy stream); raw split: the same with each message's halves on two
@@ -49,8 +50,10 @@ log = logging.getLogger(__name__)
 
 SIZES = [(64 << 10) * 4**i for i in range(7)]  # 64 KiB .. 256 MiB
 DEPTH = 4
-VARIANTS = [("1 lane", 1, False), ("2 lanes", 2, False), ("2 lanes split", 2, True), ("4 lanes split", 4, True)]
-MAX_LANES = max(lanes for _, lanes, _ in VARIANTS)
+# (name, lanes, split, flag operations batched into one driver call)
+VARIANTS = [("1 lane", 1, False, True), ("1 lane unbatched", 1, False, False), ("2 lanes", 2, False, True),
+            ("2 lanes split", 2, True, True), ("4 lanes split", 4, True, True)]
+MAX_LANES = max(v[1] for v in VARIANTS)
 MAX_QUEUED = 48  # messages queued behind a closed gate: the driver's command queue must not fill up
 GOAL_FROM = 16 << 20
 
@@ -233,11 +236,11 @@ def bench_size(pair: Pair, ctx: BenchContext, size: int, reps: int) -> None:
 
     variant_ms: dict[str, float] = {}
     ce_lat_ms = float("nan")
-    for name, lanes, split in VARIANTS:
+    for name, lanes, split, batch in VARIANTS:
         ce = CopyEngineTransport(links, pair.device, n, streams=pair.streams, depth=DEPTH, group=pair.gloo,
-                                 lanes=pair.lanes(lanes), split=split)
+                                 lanes=pair.lanes(lanes), split=split, batch_flags=batch)
         variant_ms[name] = pair.median(_one_way(pair, ce, src, n), reps)
-        if lanes == 1:
+        if name == "1 lane":
             ce_lat_ms = pair.median(_ping_pong(pair, ce, src, rounds), reps)
         pair.host_barrier()
         ce.close()
@@ -252,9 +255,9 @@ def bench_size(pair: Pair, ctx: BenchContext, size: int, reps: int) -> None:
     gbps = lambda ms: n * size / (ms * 1e-3) / 1e9  # noqa: E731
     bw_raw, bw_raw_split, bw_nccl = gbps(raw_ms), gbps(raw_split_ms), gbps(nccl_ms)
     parts = []
-    for name, lanes, split in VARIANTS:
+    for name, lanes, split, batch in VARIANTS:
         bw = gbps(variant_ms[name])
-        sizes = {"bytes": size, "messages": n, "depth": DEPTH, "lanes": lanes, "split": split}
+        sizes = {"bytes": size, "messages": n, "depth": DEPTH, "lanes": lanes, "split": split, "batched": batch}
         extra = {"raw_peer_copy_GBps": bw_raw, "raw_split_copy_GBps": bw_raw_split, "fraction_of_raw": bw / bw_raw,
                  "fraction_of_raw_split": bw / bw_raw_split}
         ctx.record(Record("p2p", f"bandwidth {fmt(size)} {name}", "GB/s", bw, bw_nccl, "NCCL send/recv",

@@ -157,10 +157,11 @@ def sim(monkeypatch: pytest.MonkeyPatch) -> Sim:
         def write(self, stream: int, addr: int, value: int) -> None:
             s.streams[stream].queue.append(("write", addr, value))
 
-        batching = True
+        def __init__(self) -> None:
+            self.batching = True
 
         def batch(self, stream: int, ops: tuple) -> None:
-            s.batches.append(len(ops))
+            s.batches.append(len(ops) if self.batching else 1)
             for action, addr, value in ops:
                 s.streams[stream].queue.append((action, addr, value))
 
