@@ -206,3 +206,36 @@ def get_op(spec: KernelSpec, device_index: int) -> CompiledOp:
         raise RuntimeError(f"{spec.label()}: pl_main cannot be resident ({attrs})")
     log.info("compiled %s on cuda:%d: %s", spec.label(), device_index, attrs)
     return CompiledOp(spec, device_index, main, scalar, reduce, sms, blocks, attrs)
+
+
+def _warm_one(spec: KernelSpec, device_index: int) -> str:
+    """Compile one spec into CuPy's on-disk cache (a worker process of `warm_compile`)."""
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        cupy.RawModule(code=source_text(), options=nvrtc_options(spec), backend="nvrtc").compile()
+    return spec.label()
+
+
+def warm_compile(specs: list[KernelSpec], device_index: int, workers: int) -> int:
+    """NVRTC-compile many specs in parallel processes (about 1 s of CPU each), so the later `get_op` calls of this
+    process only load cubins from CuPy's disk cache. Returns how many compiled; failures are logged and left to
+    `get_op` (which raises them properly)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    if workers <= 1 or len(specs) <= 1:
+        return 0
+    done = 0
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that holds a CUDA context
+    try:
+        with ProcessPoolExecutor(max_workers=min(workers, len(specs)), mp_context=ctx) as ex:
+            for fut in [ex.submit(_warm_one, s, device_index) for s in specs]:
+                try:
+                    fut.result(timeout=120)
+                    done += 1
+                except Exception as e:  # noqa: BLE001 - reported, get_op raises it again in this process
+                    log.warning("parallel compile failed: %s", e)
+    except Exception as e:  # noqa: BLE001 - the pool itself (e.g. no /dev/shm): compile serially later
+        log.warning("parallel compile unavailable: %s", e)
+    return done

@@ -39,7 +39,8 @@ SCALAR_THREADS = 256
 # fails the comparison (torch.empty may hand back memory that already holds the right answer).
 POISON_OUTPUTS = False
 # Experiment hook (benchmarks, the sweep): KernelSpec overrides such as {"warps": 8, "stages": 3} plus
-# "blocks_per_sm" (grid cap), as plan.LaunchPlan.tuning() makes them; empty = the design.
+# "blocks_per_sm" (grid cap per SM), as plan.LaunchPlan.tuning() makes them, and "grid_cap" (absolute grid cap:
+# the sanitizer run makes 2 blocks wrap their pipeline stages); empty = the design.
 TUNING: dict[str, int] = {}
 _warned: set[str] = set()
 
@@ -116,12 +117,17 @@ def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
 
 def _spec(op: int, x: str, **types: str) -> kc.KernelSpec:
     """The KernelSpec of one op with TUNING's launch-shape overrides (blocks_per_sm is a grid cap, not a spec)."""
-    shape = {k: v for k, v in TUNING.items() if k != "blocks_per_sm"}
+    shape = {k: v for k, v in TUNING.items() if k not in _GRID_KEYS}
     return kc.KernelSpec(op, x, **types, **shape)
 
 
+_GRID_KEYS = ("blocks_per_sm", "grid_cap")
+
+
 def _max_grid(op: kc.CompiledOp) -> int:
-    return op.grid_cap(TUNING.get("blocks_per_sm", 0))
+    grid = op.grid_cap(TUNING.get("blocks_per_sm", 0))
+    cap = TUNING.get("grid_cap", 0)
+    return min(grid, cap) if cap > 0 else grid
 
 
 def _scalar_grid(n: int, op: kc.CompiledOp) -> int:

@@ -2,6 +2,7 @@
 device-to-device copy of the same bytes, all in one run.
 
     python -m peerline.launch.suites.kernels [--out DIR] [--sizes-mib 1,16,256,1024] [--quick]
+    python -m peerline.launch.suites.kernels --sweep [--out DIR] [--sweep-budget 60]   (launch-shape sweep)
 
 Bytes counted: every input read once and every output written once (bias vectors are negligible and not counted),
 the same figure for peerline and torch, so the GB/s ratio is the time ratio. The copy moves (read + written) / 2
@@ -224,10 +225,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-variants", dest="kernel_variants", action="store_false",
                     help="skip the kernel variants of bias+GELU at 256 MiB")
+    ap.add_argument("--sweep", action="store_true",
+                    help="launch-shape sweep instead (kernels_sweep.py): best plan per op, OUT/sweep.jsonl")
+    ap.add_argument("--sweep-budget", type=float, default=60.0, help="seconds for the sweep, compiles included")
+    ap.add_argument("--sweep-plans", default=None,
+                    help="comma list of plan labels (e.g. w8.s3.d1,w8.s4.t256); default: kernels_sweep.SWEEP_PLANS")
     args = ap.parse_args(argv)
     args.write_partial = True
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if args.sweep:
+        from peerline.kernels import plan as kp
+        from peerline.launch.suites.kernels_sweep import run_sweep
+
+        labels = args.sweep_plans.split(",") if args.sweep_plans else None
+        try:
+            for label in labels or []:
+                kp.parse_plan(label)
+        except ValueError as e:
+            sys.stderr.write(f"kernels --sweep: {e}\n")
+            return 2
+        if device.type != "cuda":
+            sys.stderr.write("kernels --sweep: needs a CUDA device\n")
+            return 2
+        run_sweep(args.out, device, args.sweep_budget, labels, args.reps if args.reps != 20 else 10)
+        return 0
     ctx = BenchContext(out_dir=args.out, device=device, quick=args.quick)
     run(args, ctx)
     ctx.write_and_show(SUITE)

@@ -1,17 +1,30 @@
 """Small launches of every kernel path, for compute-sanitizer (memcheck, racecheck) in run_kernels.sh.
 
-Vector paths with scalar heads and tails (views offset by one element), the scalar kernels (operands aligned
-differently), the bias-gradient reduction; each result is compared with torch. Exit 0 when all match.
+    python tests/gpu/kernels_sanitize.py [--plans w8.s2,w8.s3.d1] [--warm]
+
+Per launch plan (plan.LaunchPlan labels; default: today's default and the direct-store engine): vector paths with
+scalar heads and tails (views offset by one element), the scalar kernels (operands aligned differently), the
+bias-gradient reduction, and one case on a grid of 2 blocks where each block wraps around its pipeline stages
+several times (so a shared-memory buffer reused before every consumer is done with it shows up as a hazard).
+Sizes are a few KiB to ~256 KiB: under a sanitizer each launch is 10-100x slower. Each result is compared with
+torch; exit 0 when all match. --warm only compiles (run it without a sanitizer first: the sanitizer run then loads
+cubins from CuPy's disk cache instead of spending its time budget in NVRTC).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
 import torch.nn.functional as F
 
 from peerline.kernels import elementwise as ew
+from peerline.kernels import plan as kp
+
+DEFAULT_PLANS = "w8.s2,w8.s3.d1"
+# Absolute grid cap of the wrap-around case (elementwise.TUNING["grid_cap"], a test hook).
+WRAP_GRID = 2
 
 
 def view(n_rows: int, h: int, dtype: torch.dtype, offset: int) -> torch.Tensor:
@@ -24,24 +37,66 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return bool(torch.isfinite(a).all()) and (a - b).norm().item() <= tol * max(b.norm().item(), 1e-30)
 
 
-def main() -> int:
-    torch.manual_seed(0)
-    ok = True
+def run_cases(rows: int, h: int, offsets: tuple[tuple[int, int], ...]) -> list[str]:
+    """Every op and dtype on (rows, h) views at the given (x, g) offsets; names of the mismatches."""
+    bad = []
     for dt, tol in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
-        for xoff, goff in ((1, 1), (0, 1)):  # same misalignment (vector + head/tail), different (scalar)
-            x, g = view(7, 1000, dt, xoff), view(7, 1000, dt, goff)
-            b = torch.randn(1000, device="cuda")
-            ok &= close(ew.bias_gelu_forward(x, b), F.gelu(x.float() + b), tol)
+        for xoff, goff in offsets:
+            tag = f"{dt} ({rows}, {h}) offsets ({xoff}, {goff})"
+            x, g = view(rows, h, dt, xoff), view(rows, h, dt, goff)
+            b = torch.randn(h, device="cuda")
+            if not close(ew.bias_gelu_forward(x, b), F.gelu(x.float() + b), tol):
+                bad.append(f"fwd {tag}")
             gx, gb = ew.bias_gelu_backward(g, x, b)
             xr = x.float().requires_grad_()
             br = b.clone().requires_grad_()
             F.gelu(xr + br).backward(g.float())
-            ok &= close(gx, xr.grad, tol) and close(gb, br.grad, 1e-4)
-            y = view(7, 1000, torch.float32, goff)
-            ok &= close(ew.residual_add_forward(y, x), y + x.float(), 1e-6)
-    torch.cuda.synchronize()
-    print("kernels_sanitize:", "all results match" if ok else "MISMATCH")
-    return 0 if ok else 1
+            if not (close(gx, xr.grad, tol) and close(gb, br.grad, 1e-4)):
+                bad.append(f"bwd {tag}")
+            y = view(rows, h, torch.float32, goff)
+            if not torch.equal(ew.residual_add_forward(y, x), y + x.float()):
+                bad.append(f"residual fp32+{dt} {tag}")
+            x2 = view(rows, h, dt, goff)
+            if not torch.equal(ew.residual_add_forward(x2, g), x2 + g):
+                bad.append(f"residual {dt} {tag}")
+    return bad
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plans", default=DEFAULT_PLANS, help="comma list of plan labels")
+    ap.add_argument("--warm", action="store_true", help="compile only (fills CuPy's disk cache)")
+    args = ap.parse_args(argv)
+    try:
+        plans = [kp.parse_plan(s) for s in args.plans.split(",")]
+    except ValueError as e:
+        sys.stderr.write(f"kernels_sanitize: {e}\n")
+        return 2
+    if not torch.cuda.is_available():
+        sys.stderr.write("kernels_sanitize: needs a CUDA device\n")
+        return 2
+    torch.manual_seed(0)
+    ew.POISON_OUTPUTS = True
+    bad: list[str] = []
+    for p in plans:
+        ew.TUNING.clear()
+        ew.TUNING.update(p.tuning())
+        try:
+            # (7, 1000): same misalignment (vector + head/tail, non-vector bias) and different (scalar kernels)
+            bad += [f"{p.label()}: {b}" for b in run_cases(7, 1000, ((1, 1), (0, 1)))]
+            if args.warm:
+                continue
+            # 2 blocks, 64 x 1024 elements (16 tiles of bf16, 32 of fp32): each block wraps its stages
+            ew.TUNING["grid_cap"] = WRAP_GRID
+            bad += [f"{p.label()} grid {WRAP_GRID}: {b}" for b in run_cases(64, 1024, ((0, 0),))]
+        finally:
+            ew.TUNING.clear()
+        torch.cuda.synchronize()
+    for b in bad:
+        print("MISMATCH", b)
+    print("kernels_sanitize:", "all results match" if not bad else f"{len(bad)} MISMATCHES",
+          f"({len(plans)} plans{', warm-up only' if args.warm else ''})")
+    return 0 if not bad else 1
 
 
 if __name__ == "__main__":

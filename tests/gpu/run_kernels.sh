@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# Warp-specialized elementwise kernels (issue 3) on the GPU machine: correctness tests against float64, the SASS
-# report (LDGSTS, registers, shared memory), the kernels benchmark and the multi-stream batch driver.
+# Warp-specialized elementwise kernels (issue 3) on the GPU machine: (a) correctness tests against float64, (b) the
+# SASS report (LDGSTS, registers, shared memory), (c) the launch-shape sweep, (d) the kernels benchmark with the
+# default plan and the multi-stream batch driver, (e) compute-sanitizer memcheck + racecheck on small sizes.
 # Usage: bash tests/gpu/run_kernels.sh [OUT]   (or OUT=... in the environment)
-# Logs to $OUT/kernels.log; SASS report under $OUT/kernels_sass/, bench results under $OUT/bench_kernels/.
-# Prints one PASS/FAIL/SKIP line per check and the bench's GOAL lines (tables: $OUT/bench_kernels/*.md and the
-# log); exits 0. Bounded to 3 minutes in all (each step under `timeout`; the kernels bench writes its table after
-# each size, so a cut run keeps what it finished). First H200 run: pytest 29 s.
+#   KERNELS_SELECT=tests,sass,sweep,bench,sanitize (comma list; default all; "tests" includes the SASS report)
+# Logs to $OUT/kernels.log; SASS report under $OUT/kernels_sass/, bench results under $OUT/bench_kernels/, the
+# sweep under $OUT/kernels_sweep/ (sweep.jsonl), full sanitizer text in $OUT/kernels_sanitize_{memcheck,racecheck}.txt.
+# Prints one PASS/FAIL/SKIP line per check, the bench's GOAL lines and the sweep's SWEEP lines; exits 0.
+# Bounded to about 200 s in all (each step under `timeout`; the bench writes its table after each size and the
+# sweep one jsonl row per plan, so a cut run keeps what it finished). First H200 run: pytest 29 s.
 . "$(dirname "$0")/common.sh" kernels "${1:-}"
+
+SELECT=",${KERNELS_SELECT:-tests,sass,sweep,bench,sanitize},"
+selected() { case "$SELECT" in *",$1,"*) return 0 ;; esac; [ "$1" = sass ] && case "$SELECT" in *",tests,"*) return 0 ;; esac; return 1; }
 
 NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
 if [ "${NGPU:-0}" -lt 1 ]; then
@@ -14,52 +20,83 @@ if [ "${NGPU:-0}" -lt 1 ]; then
   exit 0
 fi
 
-echo "== correctness (pytest, float64 references)" >> "$LOG"
-timeout -k 5 45 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_kernels_elementwise.py \
-  > "$OUT/kernels_tests.out" 2>&1
-rc=$?
-cat "$OUT/kernels_tests.out" >> "$LOG"
-report tests "$rc" "$(tail -n 1 "$OUT/kernels_tests.out" | tr -d '=' | sed 's/^ *//; s/ *$//')"
+if selected tests; then
+  echo "== correctness (pytest, float64 references)" >> "$LOG"
+  timeout -k 5 40 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_kernels_elementwise.py \
+    > "$OUT/kernels_tests.out" 2>&1
+  rc=$?
+  cat "$OUT/kernels_tests.out" >> "$LOG"
+  report tests "$rc" "$(tail -n 1 "$OUT/kernels_tests.out" | tr -d '=' | sed 's/^ *//; s/ *$//')"
+fi
 
-echo "== SASS report (nvcc -cubin + cuobjdump)" >> "$LOG"
-ARCH="$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'sm_{a}{b}')" 2>>"$LOG")"
-timeout -k 5 25 "$PY" -m peerline.kernels.inspect_sass --arch "${ARCH:-sm_90}" --out "$OUT/kernels_sass" \
-  > "$OUT/kernels_sass.out" 2>&1
-rc=$?
-cat "$OUT/kernels_sass.out" >> "$LOG"
-sed 's/^/  /' "$OUT/kernels_sass.out" | grep -E "PASS|FAIL|error" || true
-report sass_ldgsts "$rc"
+if selected sass; then
+  echo "== SASS report (nvcc -cubin + cuobjdump)" >> "$LOG"
+  ARCH="$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'sm_{a}{b}')" 2>>"$LOG")"
+  timeout -k 5 20 "$PY" -m peerline.kernels.inspect_sass --arch "${ARCH:-sm_90}" --out "$OUT/kernels_sass" \
+    > "$OUT/kernels_sass.out" 2>&1
+  rc=$?
+  cat "$OUT/kernels_sass.out" >> "$LOG"
+  sed 's/^/  /' "$OUT/kernels_sass.out" | grep -E "PASS|FAIL|error" || true
+  report sass_ldgsts "$rc"
+fi
 
-echo "== bench: kernels (peerline vs torch eager vs d2d copy)" >> "$LOG"
-# 1024 MiB left out here (the goals start at 256 MiB; the suite's default sizes still include it).
-timeout -k 5 55 "$PY" -m peerline.launch.suites.kernels --out "$OUT/bench_kernels" --sizes-mib 1,16,256 \
-  > "$OUT/bench_kernels.out" 2>&1
-rc=$?
-cat "$OUT/bench_kernels.out" >> "$LOG"
-grep -E "^GOAL " "$OUT/bench_kernels.out" || echo "  (no GOAL lines: see $LOG)"
-report bench_kernels "$rc"
+if selected sweep; then
+  # 40 s of plans (compiles included: they run in parallel processes first); the default plan is always timed.
+  echo "== sweep: launch plans per op (correctness first, then GB/s vs torch and d2d copy)" >> "$LOG"
+  timeout -k 5 70 "$PY" -m peerline.launch.suites.kernels --sweep --sweep-budget 40 --out "$OUT/kernels_sweep" \
+    > "$OUT/kernels_sweep.out" 2>&1
+  rc=$?
+  cat "$OUT/kernels_sweep.out" >> "$LOG"
+  grep -E "^SWEEP " "$OUT/kernels_sweep.out" || echo "  (no SWEEP lines: see $LOG)"
+  report sweep "$rc" "$(grep -c '"status": "ok"' "$OUT/kernels_sweep/sweep.jsonl" 2>/dev/null || echo 0) plan timings"
+fi
 
-echo "== bench: batch_streams (multi-stream batch driver)" >> "$LOG"
-timeout -k 5 15 "$PY" -m peerline.launch.suites.batch_streams --out "$OUT/bench_kernels" \
-  > "$OUT/bench_batch_streams.out" 2>&1
-rc=$?
-cat "$OUT/bench_batch_streams.out" >> "$LOG"
-report bench_batch_streams "$rc"
+if selected bench; then
+  echo "== bench: kernels (default plan; peerline vs torch eager vs d2d copy)" >> "$LOG"
+  # 16 and 256 MiB: where the goals are (the suite's default sizes add 1 and 1024); the variants are the sweep's job.
+  timeout -k 5 35 "$PY" -m peerline.launch.suites.kernels --out "$OUT/bench_kernels" --sizes-mib 16,256 \
+    --no-variants > "$OUT/bench_kernels.out" 2>&1
+  rc=$?
+  cat "$OUT/bench_kernels.out" >> "$LOG"
+  grep -E "^GOAL " "$OUT/bench_kernels.out" || echo "  (no GOAL lines: see $LOG)"
+  report bench_kernels "$rc"
 
-# compute-sanitizer over small launches of every path (last: the first thing to drop if time runs short).
-# racecheck may not model mbarrier/cp.async ordering on every version: read a racecheck FAIL in the log first.
-SAN="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)"
-if [ -z "$SAN" ]; then
-  echo "SKIP kernels.sanitize (compute-sanitizer not found)"
-else
-  # -lineinfo builds: hazards are reported with lines of the pasted source, written next to the log
-  "$PY" -c "from peerline.kernels import compile as kc; print(kc.source_text(), end='')" \
-    > "$OUT/kernels_source_for_lineinfo.cu" 2>>"$LOG"
-  for tool in memcheck racecheck; do
-    echo "== compute-sanitizer --tool $tool" >> "$LOG"
-    limit=15; [ "$tool" = racecheck ] && limit=25
-    PEERLINE_KERNEL_LINEINFO=1 timeout -k 5 "$limit" "$SAN" --tool "$tool" --error-exitcode 3 "$PY" tests/gpu/kernels_sanitize.py >> "$LOG" 2>&1
-    report "sanitize_$tool" $?
-  done
+  echo "== bench: batch_streams (multi-stream batch driver)" >> "$LOG"
+  timeout -k 5 12 "$PY" -m peerline.launch.suites.batch_streams --out "$OUT/bench_kernels" \
+    > "$OUT/bench_batch_streams.out" 2>&1
+  rc=$?
+  cat "$OUT/bench_batch_streams.out" >> "$LOG"
+  report bench_batch_streams "$rc"
+fi
+
+# compute-sanitizer over small launches of every path, for the default and the direct-store engine. The full tool
+# output goes to its own file under $OUT, so the hazards can be read next time.
+if selected sanitize; then
+  SAN="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)"
+  if [ -z "$SAN" ]; then
+    echo "SKIP kernels.sanitize (compute-sanitizer not found)"
+  else
+    # -lineinfo builds: hazards are reported with lines of the pasted source, written next to the log
+    export PEERLINE_KERNEL_LINEINFO=1
+    "$PY" -c "from peerline.kernels import compile as kc; print(kc.source_text(), end='')" \
+      > "$OUT/kernels_source_for_lineinfo.cu" 2>>"$LOG"
+    # compile outside the sanitizer (CuPy's disk cache), so its budget goes to the launches
+    echo "== sanitizer warm-up (compile only)" >> "$LOG"
+    timeout -k 5 25 "$PY" tests/gpu/kernels_sanitize.py --warm >> "$LOG" 2>&1
+    report sanitize_warmup $?
+    for tool in memcheck racecheck; do
+      echo "== compute-sanitizer --tool $tool (full text: $OUT/kernels_sanitize_$tool.txt)" >> "$LOG"
+      opts=(--tool "$tool" --error-exitcode 3 --print-limit 200)
+      [ "$tool" = racecheck ] && opts+=(--racecheck-report all)
+      limit=30; [ "$tool" = racecheck ] && limit=40
+      timeout -k 5 "$limit" "$SAN" "${opts[@]}" "$PY" tests/gpu/kernels_sanitize.py \
+        > "$OUT/kernels_sanitize_$tool.txt" 2>&1
+      rc=$?
+      tail -n 40 "$OUT/kernels_sanitize_$tool.txt" >> "$LOG"
+      summary="$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|kernels_sanitize:" "$OUT/kernels_sanitize_$tool.txt" | tr '\n' ' ' | sed 's/=//g; s/  */ /g')"
+      [ "$rc" -eq 124 ] && summary="timed out after ${limit} s; $summary"
+      report "sanitize_$tool" "$rc" "$summary"
+    done
+  fi
 fi
 exit 0

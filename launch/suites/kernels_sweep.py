@@ -1,0 +1,254 @@
+"""Launch-shape sweep of the warp-specialized kernels (issue 3): which plan.LaunchPlan is fastest per op.
+
+    python -m peerline.launch.suites.kernels --sweep --out DIR [--sweep-budget 60] [--sweep-plans w8.s3.d1,...]
+
+For each case (op, dtype, size) the sweep times torch eager and a device-to-device copy of the same bytes once,
+then every plan of the grid (SWEEP_PLANS, default plan first) that passed a correctness check, in the same run.
+Correctness first: before a plan is timed, every op runs it on an odd-sized misaligned input (scalar head and tail)
+and on one large enough that each block wraps around its pipeline stages, outputs poisoned with NaN, against a
+float64 torch reference (bounds of tests/gpu/test_kernels_elementwise.py); a plan that fails is reported as such
+and never timed, so a fast-but-wrong plan cannot be the best. Writes DIR/sweep.jsonl (one row per case and plan)
+and prints one "SWEEP BEST" line per case. Bounded by --sweep-budget seconds (compiles included): the default plan
+is always timed, further plans only while the budget lasts.
+
+Why these plans (NOTES.md has the long form): a streaming op through shared memory loses to torch's plain
+vectorized kernel when too few bytes are in flight per SM (stages, tile size, resident blocks), when the result's
+extra shared-memory round trip and the single storer warp's issue rate throttle the stores (direct stores), or
+when the last tiles leave SMs idle (smaller tiles at 16 MiB).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Most promising first: the budget may cut the tail of the list.
+SWEEP_PLANS = (
+    "w8.s2",            # today's default
+    "w8.s2.d1",         # direct stores: no C round trip through shared memory, no storer bottleneck
+    "w8.s3.d1",
+    "w8.s4.d1",         # deeper: more loads in flight per block
+    "w8.s3",
+    "w8.s4",
+    "w8.s4.d1.v2",      # 32 contiguous bytes per compute lane
+    "w4.s4.d1",         # fewer compute warps, more blocks per SM
+    "w8.s4.t256",       # smaller tiles: shorter tail, more blocks (16 MiB)
+    "w8.s4.t1024.d1",   # bigger tiles
+    "w8.s4.t1024.d1.b2",  # ... at most 2 blocks per SM
+)
+# (case name, op, dtype, MiB of x)
+SWEEP_CASES = (
+    ("bias_gelu_fwd bf16", "fwd", torch.bfloat16, 256),
+    ("bias_gelu_bwd fp32", "bwd", torch.float32, 256),
+    ("bias_gelu_bwd bf16", "bwd", torch.bfloat16, 256),
+    ("residual_add bf16+bf16", "res", torch.bfloat16, 256),
+    ("residual_add bf16+bf16", "res", torch.bfloat16, 16),
+    ("residual_add fp32+fp32", "res", torch.float32, 256),
+    ("residual_add fp32+fp32", "res", torch.float32, 16),
+)
+BOUND = {torch.float32: 2e-6, torch.bfloat16: 6e-3}
+BIAS_BOUND = {torch.float32: 2e-5, torch.bfloat16: 6e-3}
+
+
+def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, offset: int = 0,
+           scale: float = 1.0) -> torch.Tensor:
+    n = math.prod(shape)
+    return (torch.randn(n + offset, device=device) * scale).to(dtype)[offset:].view(shape)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    out64 = out.double()
+    if not bool(torch.isfinite(out64).all()):
+        return math.inf
+    denom = (ref if scale is None else scale).norm().item()
+    return (out64 - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def _gelu64(v: torch.Tensor) -> torch.Tensor:
+    return 0.5 * v * (1 + torch.erf(v / math.sqrt(2)))
+
+
+def check_op(kind: str, dtype: torch.dtype, device: torch.device) -> str | None:
+    """None if the current ew.TUNING plan computes `kind` right on the check shapes, else what failed."""
+    from peerline.kernels import elementwise as ew
+
+    # (37, 1001) offset 1: head and tail, non-vector bias; (2063, 4096): ~8.4 M elements, every block wraps its
+    # stages several times, vector bias.
+    for shape, off in (((37, 1001), 1), ((2063, 4096), 0)):
+        h = shape[-1]
+        x = _randn(shape, dtype, device, off, 2.0)
+        b = _randn((h,), torch.float32, device)
+        v = (x.float() + b).double()
+        if kind == "fwd":
+            err = _rel(ew.bias_gelu_forward(x, b), _gelu64(v))
+            if not err < BOUND[dtype]:
+                return f"fwd {shape} off {off}: rel err {err:.3g}"
+        elif kind == "bwd":
+            g = _randn(shape, dtype, device, off)
+            gx, gb = ew.bias_gelu_backward(g, x, b)
+            pdf = torch.exp(-0.5 * v * v) / math.sqrt(2 * math.pi)
+            cdf = 0.5 * torch.special.erfc(-v / math.sqrt(2))
+            prod = g.double() * (cdf + v * pdf)
+            terms = g.double().abs() * (cdf + v.abs() * pdf)
+            err, err_b = _rel(gx, prod, terms), _rel(gb, prod.reshape(-1, h).sum(0))
+            if not (err < BOUND[dtype] and err_b < BIAS_BOUND[torch.float32]):
+                return f"bwd {shape} off {off}: grad_x rel err {err:.3g}, bias grad {err_b:.3g}"
+        else:
+            y = _randn(shape, dtype, device, off)
+            if not torch.equal(ew.residual_add_forward(x, y), x + y):
+                return f"residual_add {shape} off {off}: differs from torch's x + y"
+    return None
+
+
+def _calls(kind: str, dtype: torch.dtype, n: int, device: torch.device) -> tuple[int, list, list]:
+    """(bytes moved, peerline calls, torch calls) of one case: one call per input set, enough sets (256 MiB in all,
+    as the kernels suite) that a 16 MiB case does not run out of L2."""
+    import torch.nn.functional as F
+
+    from peerline.kernels import elementwise as ew
+    from peerline.launch.suites.kernels import HIDDEN, ROTATE_BYTES, _torch_gelu_bwd
+
+    rows = n // HIDDEN
+    es = dtype.itemsize
+    sets = max(1, min(64, ROTATE_BYTES // (n * es)))
+    xs = [torch.randn(rows, HIDDEN, device=device).to(dtype) for _ in range(sets)]
+    b32 = torch.randn(HIDDEN, device=device)
+    bx = b32.to(dtype)
+    if kind == "fwd":
+        return (2 * n * es, [(lambda x=x: ew.bias_gelu_forward(x, b32)) for x in xs],
+                [(lambda x=x: F.gelu(x + bx)) for x in xs])
+    gs = [torch.randn(rows, HIDDEN, device=device).to(dtype) for _ in range(sets)]
+    if kind == "bwd":
+        vs = [x + bx for x in xs]  # what torch's autograd saves for gelu's backward
+        return (3 * n * es, [(lambda g=g, x=x: ew.bias_gelu_backward(g, x, b32)) for g, x in zip(gs, xs)],
+                [(lambda g=g, v=v: _torch_gelu_bwd(g, v)) for g, v in zip(gs, vs)])
+    return (3 * n * es, [(lambda x=x, g=g: ew.residual_add_forward(x, g)) for x, g in zip(xs, gs)],
+            [(lambda x=x, g=g: x + g) for x, g in zip(xs, gs)])
+
+
+def _specs_for(plans: list, cases: tuple) -> list:
+    from peerline.kernels import compile as kc
+
+    names = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+    out = []
+    for p in plans:
+        t = {k: v for k, v in p.tuning().items() if k != "blocks_per_sm"}
+        for kind, dt in {(c[1], c[2]) for c in cases}:
+            d = names[dt]
+            try:
+                if kind == "fwd":
+                    out.append(kc.KernelSpec(kc.OP_BIAS_GELU_FWD, d, bias="float32", **t))
+                elif kind == "bwd":
+                    out.append(kc.KernelSpec(kc.OP_BIAS_GELU_BWD, d, bias="float32", **t))
+                else:
+                    out.append(kc.KernelSpec(kc.OP_RESIDUAL_ADD, d, y=d, out=d, **t))
+            except ValueError:
+                pass  # the plan does not fit this op (shared memory): check_op reports it
+    return list(dict.fromkeys(out))
+
+
+def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_labels: list[str] | None = None,
+              reps: int = 10) -> list[dict]:
+    """Check, then time each plan per case; write out_dir/sweep.jsonl; return its rows."""
+    from peerline.kernels import compile as kc
+    from peerline.kernels import elementwise as ew
+    from peerline.kernels import plan as kp
+    from peerline.launch.suites.kernels import ROTATE_BYTES, _copy_calls, _graph_time
+
+    t0 = time.monotonic()
+    plans = [kp.parse_plan(s) for s in (plan_labels or SWEEP_PLANS)]
+    default = kp.LaunchPlan()
+    if default not in plans:
+        plans.insert(0, default)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "sweep.jsonl"
+    rows: list[dict] = []
+
+    specs = _specs_for(plans, SWEEP_CASES)
+    workers = min(8, os.cpu_count() or 1)
+    n_warm = kc.warm_compile(specs, device.index or 0, workers)
+    log.info("sweep: %d of %d kernel builds compiled in parallel in %.1f s", n_warm, len(specs),
+             time.monotonic() - t0)
+
+    # correctness of every (plan, op kind, dtype) first
+    ok: dict[tuple[str, str, torch.dtype], str | None] = {}
+    saved_poison = ew.POISON_OUTPUTS
+    ew.POISON_OUTPUTS = True
+    try:
+        for p in plans:
+            for kind, dt in dict.fromkeys((c[1], c[2]) for c in SWEEP_CASES):
+                ew.TUNING.clear()
+                ew.TUNING.update(p.tuning())
+                try:
+                    ok[(p.label(), kind, dt)] = check_op(kind, dt, device)
+                except Exception as e:  # noqa: BLE001 - a plan that cannot build or launch is a failed plan
+                    ok[(p.label(), kind, dt)] = f"{type(e).__name__}: {e}"
+                torch.cuda.synchronize(device)
+    finally:
+        ew.TUNING.clear()
+        ew.POISON_OUTPUTS = saved_poison
+    log.info("sweep: correctness checked at %.1f s", time.monotonic() - t0)
+
+    with path.open("w") as f:
+        for name, kind, dt, mib in SWEEP_CASES:
+            n = int(mib * (1 << 20)) // dt.itemsize
+            nbytes, pl_calls, torch_calls = _calls(kind, dt, n, device)
+            t_torch = _graph_time(torch_calls, device, reps)
+            t_copy = _graph_time(_copy_calls(nbytes, device, max(1, min(len(torch_calls), ROTATE_BYTES // nbytes))),
+                                 device, reps)
+
+            def gbps(t: float, nbytes: int = nbytes) -> float:
+                return nbytes / (t * 1e-3) / 1e9
+
+            case_rows = []
+            for i, p in enumerate(plans):
+                row = {"case": f"{name} {mib:g} MiB", "plan": p.label(), **asdict(p), "bytes": nbytes,
+                       "torch_GBps": gbps(t_torch), "copy_GBps": gbps(t_copy),
+                       "device": torch.cuda.get_device_name(device)}
+                err = ok[(p.label(), kind, dt)]
+                if err is not None:
+                    row.update(status="wrong", error=err)
+                elif i > 0 and time.monotonic() - t0 > budget_s:
+                    row.update(status="skipped (budget)")
+                else:
+                    ew.TUNING.update(p.tuning())
+                    try:
+                        t = _graph_time(pl_calls, device, reps)
+                        row.update(status="ok", ms=t, GBps=gbps(t), vs_torch=t_torch / t, vs_copy=t_copy / t)
+                    except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+                        row.update(status="error", error=f"{type(e).__name__}: {e}")
+                    finally:
+                        ew.TUNING.clear()
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                case_rows.append(row)
+            rows += case_rows
+            timed = [r for r in case_rows if r["status"] == "ok"]
+            base = next((r for r in timed if r["plan"] == default.label()), None)
+            if timed:
+                best = max(timed, key=lambda r: r["GBps"])
+                sys.stdout.write(
+                    f"SWEEP BEST {name} {mib:g} MiB: {best['plan']} {best['GBps']:.0f} GB/s, "
+                    f"{best['vs_torch']:.2f}x torch ({best['torch_GBps']:.0f}), {best['vs_copy']:.2f}x copy "
+                    f"({best['copy_GBps']:.0f}); default {base['GBps'] if base else float('nan'):.0f} GB/s; "
+                    f"{len(timed)} plans timed, {sum(r['status'] == 'wrong' for r in case_rows)} wrong\n")
+            else:
+                sys.stdout.write(f"SWEEP BEST {name} {mib:g} MiB: no plan timed\n")
+            sys.stdout.flush()
+            del pl_calls, torch_calls
+            torch.cuda.empty_cache()
+    for (label, kind, dt), err in ok.items():
+        if err is not None:
+            sys.stdout.write(f"SWEEP WRONG {label} {kind} {dt}: {err}\n")
+    log.info("sweep: done in %.1f s, %s", time.monotonic() - t0, path)
+    return rows
