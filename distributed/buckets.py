@@ -27,6 +27,12 @@ the events are created here once and reused; timing events are recorded only whe
 external timing events, so a replay's times can be read after it). Run at least one eager iteration with
 arm()/finish() before capturing: it creates NCCL's communicator and the events.
 
+NCCL's kernels take SMs: each bucket's all-reduce runs one CTA per NCCL channel, and on the highest-priority
+stream those CTAs are scheduled ahead of the backward GEMMs they overlap with (on 2 x H200 the overlapped
+all-reduce slowed backward by ~1.9 ms of a 27 ms step). The SMs belong to the group's communicator, fixed when the
+group is created: create the dp group with `nccl_options(max_ctas=N)` (launch/suites/allreduce.py measures caps)
+to trade bus bandwidth for less interference. GradBuckets itself takes whatever group it is given.
+
 NCCL averages with ReduceOp.AVG. Gloo (CPU) has no AVG: it sums asynchronously (gloo's own threads overlap
 with the rest of backward) and finish() divides by dp after waiting, which is bitwise what a per-parameter
 `all_reduce(SUM)` followed by `/ dp` gives. dp = 1 (or no group): no hooks, no collectives.

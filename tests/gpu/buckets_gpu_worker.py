@@ -8,6 +8,8 @@ Checks:
                   backward) equal a per-parameter all_reduce(AVG), bitwise; equal a single-process reference of the
                   combined batch within 1e-5; hooks do nothing before arm(); buckets launch during backward;
                   metrics are timed and sane
+  eager-...-ctas4 the same on a dp group created with buckets.nccl_options(max_ctas=4) (NCCL's CTA cap), against
+                  the per-parameter all-reduce on the default group (bitwise: AVG of two values)
   priority        the all-reduce stream has the device's highest priority
   graph           the whole iteration (zero_grad, M forward/backward, arm/finish) captured in a CUDA graph and
                   replayed on fresh data gives the per-parameter all-reduce's gradients (bitwise)
@@ -27,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from peerline.distributed.buckets import GradBuckets  # noqa: E402
+from peerline.distributed.buckets import GradBuckets, nccl_options  # noqa: E402
 from peerline.distributed.streams import create_rank_streams  # noqa: E402
 
 RESULTS: list[tuple[str, bool, str]] = []
@@ -89,8 +91,9 @@ def naive_average(model: torch.nn.Module) -> None:
         dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
 
 
-def check_eager(rank: int, dp: int, dev: torch.device, streams, bucket_mb: float, first_mb: float, M: int) -> None:
-    name = f"eager-{bucket_mb}MiB-first{first_mb}-M{M}"
+def check_eager(rank: int, dp: int, dev: torch.device, streams, bucket_mb: float, first_mb: float, M: int,
+                group: dist.ProcessGroup | None = None, tag: str = "") -> None:
+    name = f"eager-{bucket_mb}MiB-first{first_mb}-M{M}{tag}"
     compute = streams.compute
     torch.manual_seed(11)
     with torch.cuda.stream(compute):
@@ -98,7 +101,7 @@ def check_eager(rank: int, dp: int, dev: torch.device, streams, bucket_mb: float
         naive, ref = copy.deepcopy(model), copy.deepcopy(model)
         zero_naive(naive)
         zero_naive(ref)
-    gb = GradBuckets(model.layers(), dist.group.WORLD, dev, streams.allreduce, bucket_mb, first_mb)
+    gb = GradBuckets(model.layers(), group or dist.group.WORLD, dev, streams.allreduce, bucket_mb, first_mb)
     problems = []
     small = bucket_mb < 1
     for it in range(3):
@@ -221,6 +224,17 @@ def main() -> int:
             check_eager(rank, dp, dev, streams, bucket_mb, first_mb, M)
         except Exception as exc:  # noqa: BLE001
             report(f"eager-{bucket_mb}", False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    try:
+        capped = dist.new_group(list(range(dp)), pg_options=nccl_options(max_ctas=4))
+        if rank == 0:
+            try:  # what torch handed to NCCL (informational: the binding may differ between versions)
+                cfg = capped._get_backend(dev).options.config
+                print(f"INFO capped group: NCCL config max_ctas={cfg.max_ctas} min_ctas={cfg.min_ctas}", flush=True)
+            except Exception as exc:  # noqa: BLE001
+                print(f"INFO capped group options unreadable: {type(exc).__name__}: {exc}", flush=True)
+        check_eager(rank, dp, dev, streams, 0.3, 0.01, 2, group=capped, tag="-ctas4")
+    except Exception as exc:  # noqa: BLE001
+        report("eager-ctas4", False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     try:
         check_graph(rank, dev, streams)
     except Exception as exc:  # noqa: BLE001
