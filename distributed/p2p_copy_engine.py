@@ -60,7 +60,9 @@ log = logging.getLogger(__name__)
 KINDS = (ACT, GRAD)
 FLAG_STRIDE = 64  # bytes between flag words: one word per 64-byte sector, no two flags share a line
 SLOT_ALIGN = 4096  # slot start alignment: every dtype view is aligned and copies start on page boundaries
-SPLIT_MIN_BYTES = 1 << 20  # smaller split messages go whole: two events would cost more than half a copy saves
+# Smaller split messages go whole (two events would cost more than half a copy saves); tests lower it through the
+# environment to split the small messages of the pipeline checks.
+SPLIT_MIN_BYTES = int(os.environ.get("PEERLINE_P2P_SPLIT_MIN", str(1 << 20)))
 SPLIT_ALIGN = 256  # the halves of a split message start on 256-byte boundaries
 POISON = 0xFF  # initial slot bytes (NaN in bf16/fp16/fp32): a read before the first copy shows up in checksums
 
