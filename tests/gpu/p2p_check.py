@@ -62,10 +62,12 @@ class Pair:
 
 
 def one_way(p: Pair, *, shape: tuple[int, ...], dtype: torch.dtype, n: int, depth: int, slow: bool,
-            capture_safe: bool, lanes: int = 1, split: bool = False) -> torch.Tensor:
+            capture_safe: bool, lanes: int = 1, split: bool = False, batch_flags: bool = True) -> torch.Tensor:
     """Rank 0 streams n messages to rank 1 through a ring of `depth` slots; returns mismatching elements."""
     spec = TensorSpec(shape, dtype)
-    tr = p.transport(spec, n, lanes, split, depth=depth, capture_safe=capture_safe)
+    tr = p.transport(spec, n, lanes, split, depth=depth, capture_safe=capture_safe, batch_flags=batch_flags)
+    if batch_flags and not tr._ops.batching:
+        raise RuntimeError("cuStreamBatchMemOp was refused on this machine (see the log): flags go one call each")
     bad = torch.zeros((), dtype=torch.int64, device=p.device)
     for mb in range(n):
         if p.rank == 0:
@@ -236,6 +238,8 @@ def main() -> int:
                                                     slow=True, capture_safe=False, lanes=2)),
         ("fast_receiver_two_lanes", lambda: one_way(p, shape=(64, 1000), dtype=torch.float32, n=200, depth=4,
                                                     slow=False, capture_safe=False, lanes=2)),
+        ("slow_receiver_unbatched", lambda: one_way(p, shape=(1024, 1000), dtype=torch.float32, n=24, depth=2,
+                                                    slow=True, capture_safe=False, batch_flags=False)),
         ("fast_receiver_small_bf16", lambda: one_way(p, shape=(7, 333), dtype=torch.bfloat16, n=300, depth=2,
                                                      slow=False, capture_safe=False)),
         ("depth1_eager", lambda: one_way(p, shape=(300, 301), dtype=torch.float32, n=40, depth=1, slow=True,
