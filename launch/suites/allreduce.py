@@ -312,12 +312,13 @@ def free_memory(dev: torch.device) -> None:
 
 
 def run_dtype(ctx: BenchContext, shape: Shape, dtype: torch.dtype, warmup: int, reps: int, graph: bool,
-              caps: list[int], headline: int | None) -> None:
-    """Measure every variant at every CTA cap; record; `headline` None = the cap of the fastest eager step."""
+              groups: dict[int, dist.ProcessGroup], headline: int | None) -> None:
+    """Measure every variant on the group of every CTA cap (0 first: NCCL's default); record; `headline` None =
+    the cap of the fastest peerline eager step."""
     dev = ctx.device
     n = dist.get_world_size()
+    caps = list(groups)
     w = Workload(shape, dev)
-    groups = {cap: make_group(cap, dev) for cap in caps}  # collective: every rank, same order
     with use(w.streams.compute):
         model = build_model(shape, dtype, dev)
     opt = make_optimizer(model, dev)
@@ -518,8 +519,9 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
         dtypes = {"fp32": [torch.float32], "bf16": [torch.bfloat16]}.get(opt("ar_param_dtype", "both"),
                                                                           [torch.float32, torch.bfloat16])
         warmup, reps = opt("warmup", 3), opt("reps", 20)
+    groups = {cap: make_group(cap, ctx.device) for cap in caps}  # collective: every rank, same order
     for dtype in dtypes:
-        run_dtype(ctx, shape, dtype, warmup, reps, not getattr(args, "ar_no_graph", False), caps, headline)
+        run_dtype(ctx, shape, dtype, warmup, reps, not getattr(args, "ar_no_graph", False), groups, headline)
     if ctx.is_writer:
         for line in goals(ctx):
             log.info("%s", line)

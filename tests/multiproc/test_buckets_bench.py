@@ -1,10 +1,12 @@
 """The allreduce bench suite's CPU smoke run (--quick: tiny model, gloo, 2 ranks under torchrun) writes its
-records: step times next to DDP, exposed all-reduce and hidden share."""
+records: step times next to DDP, exposed all-reduce and hidden share per NCCL CTA cap, bucket busbw alone after
+backward next to the plain all-reduce."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +31,14 @@ def test_allreduce_suite_quick(tmp_path: Path) -> None:
     assert 0.0 <= cases["hidden share"]["peerline"] <= 1.0
     assert cases["exposed all-reduce"]["peerline"] >= 0.0
     assert (tmp_path / "allreduce.md").exists()
+    # The CTA sweep (quick: caps 0 and 4; gloo ignores them) measures every cap, one headline; the bucket layout's
+    # busbw alone after backward sits next to the plain all-reduce for the headline cap.
+    steps = [r for r in records if r["case"].endswith("step (eager)")]
+    assert sorted(r["sizes"]["nccl_max_ctas"] for r in steps) == [0, 4]
+    assert sum(r["extra"]["headline"] for r in steps) == 1
+    alone = [r for r in records if "busbw, alone after backward" in r["case"]]
+    assert alone and all(r["peerline"] > 0 and r["anchor"] > 0 and r["extra"]["alone_ms"] > 0 for r in alone)
+    assert len(re.findall(r"^SWEEP allreduce ", proc.stdout + proc.stderr, re.M)) == 2
 
 
 def test_allreduce_suite_refuses_a_single_process(tmp_path: Path) -> None:
