@@ -18,7 +18,9 @@ NVCC = inspect_sass.find_tool("nvcc")
 # One of each op, mixed dtypes, one tuning variant (nvcc takes seconds per spec; the GPU run builds them all).
 SPECS = [kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "float32", bias="bfloat16"),
          kc.KernelSpec(kc.OP_BIAS_GELU_BWD, "bfloat16", bias="float32", warps=8, stages=3),
-         kc.KernelSpec(kc.OP_RESIDUAL_ADD, "float32", y="bfloat16", out="float32")]
+         kc.KernelSpec(kc.OP_RESIDUAL_ADD, "float32", y="bfloat16", out="float32"),
+         # the direct-store engine (compute warps store to global) with 32-byte chunks and 4 stages
+         kc.KernelSpec(kc.OP_BIAS_GELU_BWD, "float32", bias="float32", direct=1, vec=2, stages=4)]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,86 @@
+"""Launch plans of the warp-specialized kernels (plan.LaunchPlan, KernelSpec's shape fields, grid caps) and the
+sweep's command line, on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peerline.kernels import compile as kc
+from peerline.kernels import elementwise as ew
+from peerline.kernels import plan
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_default_plan_is_todays_design() -> None:
+    p = plan.LaunchPlan()
+    assert p.label() == "w8.s2.t0.b0.d0.v1"
+    spec = kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "bfloat16", **{k: v for k, v in p.tuning().items()
+                                                              if k != "blocks_per_sm"})
+    assert spec == kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "bfloat16")
+
+
+@pytest.mark.parametrize("label", ["w8.s2.t0.b0.d0.v1", "w4.s4.t512.b2.d1.v2", "w8.s3.t1024.b0.d1.v1"])
+def test_label_round_trip(label: str) -> None:
+    assert plan.parse_plan(label).label() == label
+
+
+def test_parse_partial_and_bad_labels() -> None:
+    assert plan.parse_plan("s3.d1") == plan.LaunchPlan(stages=3, direct_store=True)
+    for bad in ("w8.x3", "s", "w0", "v3", "w8.t100", "b-1"):
+        with pytest.raises(ValueError):
+            plan.parse_plan(bad)
+
+
+def test_spec_shape_fields() -> None:
+    base = dict(op=kc.OP_RESIDUAL_ADD, x="bfloat16", y="bfloat16", out="bfloat16")
+    d = kc.KernelSpec(**base, direct=1, stages=4)
+    assert d.smem_bytes == 4 * 512 * 8 * 4  # [A | B] only: no C buffers with direct stores
+    v = kc.KernelSpec(**base, vec=2)
+    assert (v.e, v.tile_chunks, v.smem_bytes) == (16, 256, 2 * 256 * 16 * 6)  # same stage bytes as vec 1
+    t = kc.KernelSpec(**base, tile=1024, warps=4)
+    assert t.tile_chunks == 1024
+    defs = kc.KernelSpec(**base, direct=1, vec=2).defines()
+    assert "-DPL_DIRECT_STORE=1" in defs and "-DPL_VEC=2" in defs
+    with pytest.raises(ValueError, match="shared memory"):
+        kc.KernelSpec(**base, tile=2048, stages=8)
+    with pytest.raises(ValueError, match="multiple of 32 x warps"):
+        kc.KernelSpec(**base, tile=300)
+    assert kc.KernelSpec(**base, warps=6).tile_chunks == 384  # the default rule rounds to whole compute threads
+
+
+def test_grid_caps() -> None:
+    assert plan.plan_grid_cap(132, 4, 0) == 528
+    assert plan.plan_grid_cap(132, 4, 2) == 264
+    assert plan.plan_grid_cap(132, 1, 3) == 132  # never more than fit
+    op = kc.CompiledOp(kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "float32"), 0, None, None, None, 132, 4, {})
+    try:
+        ew.TUNING.update({"blocks_per_sm": 2, "stages": 3})
+        assert ew._max_grid(op) == 264
+        assert ew._spec(kc.OP_BIAS_GELU_FWD, "float32", bias="float32").stages == 3  # grid keys are not spec fields
+        ew.TUNING["grid_cap"] = 2
+        assert ew._max_grid(op) == 2
+    finally:
+        ew.TUNING.clear()
+
+
+def test_every_sweep_plan_builds_a_spec_for_every_case() -> None:
+    from peerline.launch.suites import kernels_sweep as ks
+
+    plans = [plan.parse_plan(s) for s in ks.SWEEP_PLANS]
+    assert plans[0] == plan.LaunchPlan()  # the default is timed first (the budget never cuts it)
+    specs = ks._specs_for(plans, ks.SWEEP_CASES)
+    kinds = {(c[1], c[2]) for c in ks.SWEEP_CASES}
+    shapes = {tuple(v for k, v in p.tuning().items() if k != "blocks_per_sm") for p in plans}
+    assert len(specs) == len(shapes) * len(kinds)  # every shape fits every op (shared memory, tile rule)
+
+
+def test_sweep_command_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from peerline.launch.suites import kernels as suite
+
+    assert suite.main(["--sweep", "--sweep-plans", "w8.q3"]) == 2
+    assert "bad plan field" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert suite.main(["--sweep"]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
