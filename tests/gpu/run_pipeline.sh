@@ -34,13 +34,17 @@ cmp $D/s2g.json $D/ref4.json --rtol 1e-6 --label "1 GPU --stages 2 graph vs 1 st
 # autograd accumulation: bf16 rounding differs (peerline never rounds dW to bf16), so 2e-2.
 cmp $D/default1.json $D/default1_torch.json --rtol 2e-2 --label "1 GPU default bf16: peerline kernels vs torch kernels"
 # (1f1b nccl/copy-engine eager passed on 2026-11-26 02:25 on 2 x H200; the rest of the matrix is below.)
-combos=("1f1b nccl graph" "1f1b copy-engine graph" "gpipe copy-engine graph" "gpipe nccl no-graph")
-[ -n "${PIPELINE_QUICK:-}" ] && combos=("1f1b copy-engine graph" "gpipe nccl graph")
+combos=("1f1b nccl graph" "1f1b copy-engine graph" "gpipe copy-engine graph" "gpipe nccl no-graph"
+        "1f1b copy-engine graph --p2p-split" "gpipe copy-engine no-graph --p2p-lanes 1"
+        "1f1b copy-engine no-graph --p2p-split")
+[ -n "${PIPELINE_QUICK:-}" ] && combos=("1f1b copy-engine graph" "gpipe nccl graph" "1f1b copy-engine graph --p2p-split")
 for combo in "${combos[@]}"; do
-  set -- $combo; sched=$1 p2p=$2 g=$3
-  n=pp2_${sched}_${p2p}_${g}
-  run2 --pp 2 --dtype fp32 --schedule $sched --p2p $p2p --$g -m 4 --json $D/$n.json > $D/$n.log 2>&1
-  cmp $D/$n.json $D/ref4.json --rtol 1e-5 --label "pp=2 $sched $p2p $g vs 1 GPU fp32"
+  set -- $combo; sched=$1 p2p=$2 g=$3; shift 3; extra="$*"
+  n=pp2_${sched}_${p2p}_${g}$(echo -n "$extra" | tr -c 'a-z0-9' _)
+  # SPLIT_MIN=0: the tiny model's 64 KiB messages are split too (by default only messages >= 1 MiB are)
+  PEERLINE_P2P_SPLIT_MIN=0 run2 --pp 2 --dtype fp32 --schedule $sched --p2p $p2p --$g -m 4 $extra \
+    --json $D/$n.json > $D/$n.log 2>&1
+  cmp $D/$n.json $D/ref4.json --rtol 1e-5 --label "pp=2 $sched $p2p $g $extra vs 1 GPU fp32"
 done
 dp_modes="no-graph graph"; [ -n "${PIPELINE_QUICK:-}" ] && dp_modes=graph
 for g in $dp_modes; do
