@@ -19,6 +19,7 @@ stream take SMs from the backward GEMMs they overlap with. For each cap the dp g
 `nccl_options(max_ctas=cap)` (buckets.py) and peerline is measured on it; DDP is measured with NCCL's default
 and with each cap (fair: DDP could use the cap too). The headline cap (`--ar-nccl-max-ctas`, default auto = the
 cap with the fastest peerline eager step in this run) gets the GOAL lines; every cap gets a SWEEP line.
+`--ar-normal-priority` adds peerline on a normal-priority stream (NCCL's default CTAs), as DDP runs its all-reduce.
 
 Reported: step time (max over ranks), exposed all-reduce (peerline: CUDA events from the end of the last
 backward kernel to the optimizer's start; DDP: its step minus the local step), the share of the all-reduce hidden
@@ -312,9 +313,10 @@ def free_memory(dev: torch.device) -> None:
 
 
 def run_dtype(ctx: BenchContext, shape: Shape, dtype: torch.dtype, warmup: int, reps: int, graph: bool,
-              groups: dict[int, dist.ProcessGroup], headline: int | None) -> None:
+              groups: dict[int, dist.ProcessGroup], headline: int | None, normal_priority: bool = False) -> None:
     """Measure every variant on the group of every CTA cap (0 first: NCCL's default); record; `headline` None =
-    the cap of the fastest peerline eager step."""
+    the cap of the fastest peerline eager step. `normal_priority`: one more peerline variant, NCCL's default CTAs
+    with the all-reduce on a normal-priority stream (as DDP's), to tell priority from CTA count (never headline)."""
     dev = ctx.device
     n = dist.get_world_size()
     caps = list(groups)
@@ -323,17 +325,21 @@ def run_dtype(ctx: BenchContext, shape: Shape, dtype: torch.dtype, warmup: int, 
         model = build_model(shape, dtype, dev)
     opt = make_optimizer(model, dev)
     layers = [list(b.parameters()) for b in model]
-    ours: dict[int, dict[str, Any]] = {}
+    ours: dict[tuple[int, str], dict[str, Any]] = {}
     local: Timing | None = None
     bucket_bytes: list[int] = []
-    for cap in caps:
+    variants = [(cap, "high") for cap in caps] + ([(0, "normal")] if normal_priority else [])
+    for cap, prio in variants:
         if ctx.on_step:
-            ctx.on_step(f"allreduce peerline, {cap_name(cap)}")
-        gb = GradBuckets(layers, groups[cap], dev, w.streams.allreduce, shape.bucket_mb, shape.first_bucket_mb)
+            ctx.on_step(f"allreduce peerline, {cap_name(cap)}, {prio} priority")
+        # The normal-priority variant borrows the p2p role's stream (normal priority, unused in this suite): streams
+        # come only from streams.py, and there the all-reduce role is the highest priority by design.
+        stream = w.streams.allreduce if prio == "high" else w.streams.p2p
+        gb = GradBuckets(layers, groups[cap], dev, stream, shape.bucket_mb, shape.first_bucket_mb)
         bucket_bytes = [b.nbytes for b in gb.buckets]
         if local is None:
             local = w.time(partial(step_peerline, w, model, gb, opt, sync=False), warmup, reps)
-        ours[cap] = measure_peerline(w, model, gb, opt, warmup, reps, graph)
+        ours[cap, prio] = measure_peerline(w, model, gb, opt, warmup, reps, graph)
         gb.close()
         del gb
     params = sum(p.numel() for p in model.parameters())
@@ -348,22 +354,23 @@ def run_dtype(ctx: BenchContext, shape: Shape, dtype: torch.dtype, warmup: int, 
     plain = {cap: {nb: measure_plain(w, nb, dtype, reps, groups[cap]) for nb in sizes} for cap in caps}
 
     local_ms = max_over_ranks(local.median_ms, dev)
-    eager = {cap: max_over_ranks(ours[cap]["eager"].median_ms, dev) for cap in caps}
+    eager = {v: max_over_ranks(ours[v]["eager"].median_ms, dev) for v in variants}
     if headline is None:
-        headline = min(caps, key=lambda c: eager[c])
+        headline = min(caps, key=lambda c: eager[c, "high"])
     plain_total = sum(plain[0][b] for b in bucket_bytes)  # NCCL's default: what an un-overlapped sync costs
     ddp_exposed = {cap: max(0.0, ddp[cap] - local_ms) for cap in caps}
     dt = "fp32" if dtype == torch.float32 else "bf16"
     common = {"hidden": shape.hidden, "blocks": shape.blocks, "tokens": shape.micro_batch * shape.seq,
               "microbatches": shape.microbatches, "params": params, "grad_bytes": sum(bucket_bytes),
               "buckets": len(bucket_bytes), "bucket_mb": shape.bucket_mb, "dp": n}
-    for cap in caps:
-        res, label = ours[cap], f"{dt} params, {cap_name(cap)}"
-        sizes_c = {**common, "nccl_max_ctas": cap}
-        base = {"local_ms": local_ms, "plain_allreduce_total_ms": plain_total, "headline": cap == headline,
+    for cap, prio in variants:
+        res, head = ours[cap, prio], cap == headline and prio == "high"
+        label = f"{dt} params, {cap_name(cap)}" + ("" if prio == "high" else ", normal-priority stream")
+        sizes_c = {**common, "nccl_max_ctas": cap, "allreduce_stream_priority": prio}
+        base = {"local_ms": local_ms, "plain_allreduce_total_ms": plain_total, "headline": head,
                 "compute_to_allreduce": local_ms / plain_total if plain_total > 0 else float("nan"),
                 "ddp_same_cap_ms": ddp[cap], "ddp_default_ms": ddp[0], "bucket_bytes": bucket_bytes}
-        ctx.record(Record(SUITE, f"{label}: step (eager)", "ms/iter", eager[cap], ddp[0], "torch DDP eager, "
+        ctx.record(Record(SUITE, f"{label}: step (eager)", "ms/iter", eager[cap, prio], ddp[0], "torch DDP eager, "
                           "nccl default CTAs", higher_is_better=False, sizes=sizes_c, extra=base))
         if "graph" in res:
             ctx.record(Record(SUITE, f"{label}: step (graph)", "ms/iter", max_over_ranks(res["graph"].median_ms, dev),
@@ -372,7 +379,7 @@ def run_dtype(ctx: BenchContext, shape: Shape, dtype: torch.dtype, warmup: int, 
         elif "graph_error" in res:
             base = {**base, "graph_error": res["graph_error"]}
         met = res["metrics"]
-        exposed_extra = {**base, "step_minus_local_ms": max(0.0, eager[cap] - local_ms), "goal_ms": 0.25,
+        exposed_extra = {**base, "step_minus_local_ms": max(0.0, eager[cap, prio] - local_ms), "goal_ms": 0.25,
                          "launched_in_backward": res["launched_in_backward"],
                          "ddp_same_cap_exposed_ms": ddp_exposed[cap]}
         if "graph_metrics" in res:
@@ -390,7 +397,7 @@ def run_dtype(ctx: BenchContext, shape: Shape, dtype: torch.dtype, warmup: int, 
                                  "alone_busbw_gbs": busbw(big, alone_big, n),
                                  "plain_busbw_gbs": busbw(big, plain[cap][big], n),
                                  "plain_default_busbw_gbs": busbw(big, plain[0][big], n)}))
-        if cap != headline:
+        if not head:
             continue
         in_step = met.get("bucket_ms_later_start")
         for nbytes in sizes:
@@ -486,6 +493,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--ar-nccl-ctas-sweep", dest="ar_ctas_sweep", default=None,
                        help="NCCL max CTA caps of the dp group to measure, comma-separated, 0 = NCCL's default "
                             "(default 0,16,8,4)")
+    group.add_argument("--ar-normal-priority", dest="ar_normal_priority", action="store_true",
+                       help="also measure peerline with its all-reduce on a normal-priority stream (NCCL's default "
+                            "CTAs): is it the priority or the CTA count that slows backward?")
     group.add_argument("--ar-nccl-max-ctas", dest="ar_max_ctas", default=None,
                        help="the headline cap (GOAL lines): an integer (0 = NCCL's default) or auto = the sweep's "
                             "fastest peerline eager step (default auto)")
@@ -521,7 +531,8 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
         warmup, reps = opt("warmup", 3), opt("reps", 20)
     groups = {cap: make_group(cap, ctx.device) for cap in caps}  # collective: every rank, same order
     for dtype in dtypes:
-        run_dtype(ctx, shape, dtype, warmup, reps, not getattr(args, "ar_no_graph", False), groups, headline)
+        run_dtype(ctx, shape, dtype, warmup, reps, not getattr(args, "ar_no_graph", False), groups, headline,
+                  normal_priority=quick or bool(getattr(args, "ar_normal_priority", False)))
     if ctx.is_writer:
         for line in goals(ctx):
             log.info("%s", line)

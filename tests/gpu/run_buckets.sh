@@ -4,7 +4,8 @@
 #      bucketed grads vs per-parameter all-reduce (bitwise) and a single-process reference, also on a dp group
 #      with NCCL's CTAs capped (buckets.nccl_options), CUDA-graph capture + replay, timing after replay;
 #   2. the allreduce bench, bf16 parameters (the DDP anchor's setting): GradBuckets vs torch DDP on 8 blocks of
-#      h=2048 at NCCL CTA caps 0 (NCCL's default), 16, 8, 4, DDP at the default and at each cap.
+#      h=2048 at NCCL CTA caps 0 (NCCL's default), 16, 8, 4, DDP at the default and at each cap, and peerline with
+#      its all-reduce on a normal-priority stream (priority vs CTA count).
 # Usage: bash tests/gpu/run_buckets.sh [OUT]   (or OUT=... in the environment)
 # Logs to $OUT/buckets.log, bench results to $OUT/bench_allreduce/. Prints one PASS/FAIL/SKIP line per check,
 # the bench's GOAL lines (headline cap: the fastest peerline step) and one SWEEP line per cap; exits 0.
@@ -33,7 +34,7 @@ echo "== bench (torchrun, 2 ranks)" >> "$LOG"
 t0=$SECONDS
 timeout -k 5 70 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
   launch/suites/allreduce.py --out "$OUT/bench_allreduce" --ar-param-dtype bf16 --ar-nccl-ctas-sweep 0,16,8,4 \
-  --reps 15 > "$OUT/bench_allreduce.out" 2>&1
+  --ar-normal-priority --reps 15 > "$OUT/bench_allreduce.out" 2>&1
 rc=$?
 cat "$OUT/bench_allreduce.out" >> "$LOG"
 grep -E "^grad buckets:" "$OUT/bench_allreduce.out" | head -1 | sed 's/^/  /'

@@ -34,11 +34,12 @@ def test_allreduce_suite_quick(tmp_path: Path) -> None:
     # The CTA sweep (quick: caps 0 and 4; gloo ignores them) measures every cap, one headline; the bucket layout's
     # busbw alone after backward sits next to the plain all-reduce for the headline cap.
     steps = [r for r in records if r["case"].endswith("step (eager)")]
-    assert sorted(r["sizes"]["nccl_max_ctas"] for r in steps) == [0, 4]
+    assert sorted((r["sizes"]["nccl_max_ctas"], r["sizes"]["allreduce_stream_priority"]) for r in steps) == [
+        (0, "high"), (0, "normal"), (4, "high")]
     assert sum(r["extra"]["headline"] for r in steps) == 1
     alone = [r for r in records if "busbw, alone after backward" in r["case"]]
     assert alone and all(r["peerline"] > 0 and r["anchor"] > 0 and r["extra"]["alone_ms"] > 0 for r in alone)
-    assert len(re.findall(r"^SWEEP allreduce ", proc.stdout + proc.stderr, re.M)) == 2
+    assert len(re.findall(r"^SWEEP allreduce ", proc.stdout + proc.stderr, re.M)) == 3  # + normal priority
 
 
 def test_allreduce_suite_refuses_a_single_process(tmp_path: Path) -> None:
