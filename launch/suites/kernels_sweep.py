@@ -34,17 +34,18 @@ log = logging.getLogger(__name__)
 
 # Most promising first: the budget may cut the tail of the list.
 SWEEP_PLANS = (
-    "w8.s2",            # today's default
-    "w8.s2.d1",         # direct stores: no C round trip through shared memory, no storer bottleneck
+    "w8.s2",              # today's default
+    "w8.s2.d1",           # direct stores: no C round trip through shared memory, no storer hand-off
+    "w8.s4.d1",           # deeper: more loads in flight per block
+    "w8.s4",              # deeper, results still through the storer warp
     "w8.s3.d1",
-    "w8.s4.d1",         # deeper: more loads in flight per block
-    "w8.s3",
-    "w8.s4",
-    "w8.s4.d1.v2",      # 32 contiguous bytes per compute lane
-    "w4.s4.d1",         # fewer compute warps, more blocks per SM
-    "w8.s4.t256",       # smaller tiles: shorter tail, more blocks (16 MiB)
-    "w8.s4.t1024.d1",   # bigger tiles
+    "w8.s4.d1.v2",        # 32 contiguous bytes per compute lane (fewer instructions per byte)
+    "w4.s4.d1",           # fewer compute warps, more blocks per SM
+    "w8.s4.t256",         # smaller tiles: more tiles per block and a shorter tail (16 MiB)
+    "w4.s4.t256.d1",      # ... with direct stores and small blocks
+    "w8.s4.t1024.d1",     # bigger tiles: more bytes per hand-off
     "w8.s4.t1024.d1.b2",  # ... at most 2 blocks per SM
+    "w8.s3",
 )
 # (case name, op, dtype, MiB of x)
 SWEEP_CASES = (
@@ -157,6 +158,21 @@ def _specs_for(plans: list, cases: tuple) -> list:
     return list(dict.fromkeys(out))
 
 
+def best_line(case: str, rows: list[dict], default_label: str) -> str:
+    """'SWEEP BEST <case>: <plan> <GB/s>, <x> torch, <x> copy; default ...' from one case's rows."""
+    timed = [r for r in rows if r["status"] == "ok"]
+    wrong = sum(r["status"] == "wrong" for r in rows)
+    if not timed:
+        return f"SWEEP BEST {case}: no plan timed ({wrong} wrong)"
+    best = max(timed, key=lambda r: r["GBps"])
+    base = next((r for r in timed if r["plan"] == default_label), None)
+    dflt = (f"default {base['GBps']:.0f} GB/s = {base['vs_torch']:.2f}x torch, {base['vs_copy']:.2f}x copy"
+            if base else "default not timed")
+    return (f"SWEEP BEST {case}: {best['plan']} {best['GBps']:.0f} GB/s = {best['vs_torch']:.2f}x torch "
+            f"({best['torch_GBps']:.0f}), {best['vs_copy']:.2f}x copy ({best['copy_GBps']:.0f}); {dflt}; "
+            f"{len(timed)} plans timed, {wrong} wrong")
+
+
 def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_labels: list[str] | None = None,
               reps: int = 10) -> list[dict]:
     """Check, then time each plan per case; write out_dir/sweep.jsonl; return its rows."""
@@ -191,34 +207,40 @@ def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_
                 ew.TUNING.update(p.tuning())
                 try:
                     ok[(p.label(), kind, dt)] = check_op(kind, dt, device)
+                    torch.cuda.synchronize(device)
                 except Exception as e:  # noqa: BLE001 - a plan that cannot build or launch is a failed plan
                     ok[(p.label(), kind, dt)] = f"{type(e).__name__}: {e}"
-                torch.cuda.synchronize(device)
     finally:
         ew.TUNING.clear()
         ew.POISON_OUTPUTS = saved_poison
     log.info("sweep: correctness checked at %.1f s", time.monotonic() - t0)
 
+    # anchors first (torch eager, d2d copy of the same bytes), then plan after plan over all cases, so a budget that
+    # runs out cuts the same plans from every case
+    cases = []
+    for name, kind, dt, mib in SWEEP_CASES:
+        n = int(mib * (1 << 20)) // dt.itemsize
+        nbytes, pl_calls, torch_calls = _calls(kind, dt, n, device)
+        t_torch = _graph_time(torch_calls, device, reps)
+        copies = max(1, min(len(torch_calls), ROTATE_BYTES // nbytes))
+        t_copy = _graph_time(_copy_calls(nbytes, device, copies), device, reps)
+        cases.append((f"{name} {mib:g} MiB", kind, dt, nbytes, pl_calls, t_torch, t_copy))
+    log.info("sweep: anchors timed at %.1f s", time.monotonic() - t0)
+    dev_name = torch.cuda.get_device_name(device)
     with path.open("w") as f:
-        for name, kind, dt, mib in SWEEP_CASES:
-            n = int(mib * (1 << 20)) // dt.itemsize
-            nbytes, pl_calls, torch_calls = _calls(kind, dt, n, device)
-            t_torch = _graph_time(torch_calls, device, reps)
-            t_copy = _graph_time(_copy_calls(nbytes, device, max(1, min(len(torch_calls), ROTATE_BYTES // nbytes))),
-                                 device, reps)
+        for i, p in enumerate(plans):
+            over = i > 0 and time.monotonic() - t0 > budget_s
+            log.info("sweep: plan %s at %.1f s%s", p.label(), time.monotonic() - t0, " (budget spent)" if over else "")
+            for case, kind, dt, nbytes, pl_calls, t_torch, t_copy in cases:
+                def gbps(t: float, nbytes: int = nbytes) -> float:
+                    return nbytes / (t * 1e-3) / 1e9
 
-            def gbps(t: float, nbytes: int = nbytes) -> float:
-                return nbytes / (t * 1e-3) / 1e9
-
-            case_rows = []
-            for i, p in enumerate(plans):
-                row = {"case": f"{name} {mib:g} MiB", "plan": p.label(), **asdict(p), "bytes": nbytes,
-                       "torch_GBps": gbps(t_torch), "copy_GBps": gbps(t_copy),
-                       "device": torch.cuda.get_device_name(device)}
+                row = {"case": case, "plan": p.label(), **asdict(p), "bytes": nbytes, "torch_GBps": gbps(t_torch),
+                       "copy_GBps": gbps(t_copy), "device": dev_name}
                 err = ok[(p.label(), kind, dt)]
                 if err is not None:
                     row.update(status="wrong", error=err)
-                elif i > 0 and time.monotonic() - t0 > budget_s:
+                elif over:
                     row.update(status="skipped (budget)")
                 else:
                     ew.TUNING.update(p.tuning())
@@ -231,24 +253,42 @@ def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_
                         ew.TUNING.clear()
                 f.write(json.dumps(row) + "\n")
                 f.flush()
-                case_rows.append(row)
-            rows += case_rows
-            timed = [r for r in case_rows if r["status"] == "ok"]
-            base = next((r for r in timed if r["plan"] == default.label()), None)
-            if timed:
-                best = max(timed, key=lambda r: r["GBps"])
-                sys.stdout.write(
-                    f"SWEEP BEST {name} {mib:g} MiB: {best['plan']} {best['GBps']:.0f} GB/s, "
-                    f"{best['vs_torch']:.2f}x torch ({best['torch_GBps']:.0f}), {best['vs_copy']:.2f}x copy "
-                    f"({best['copy_GBps']:.0f}); default {base['GBps'] if base else float('nan'):.0f} GB/s; "
-                    f"{len(timed)} plans timed, {sum(r['status'] == 'wrong' for r in case_rows)} wrong\n")
-            else:
-                sys.stdout.write(f"SWEEP BEST {name} {mib:g} MiB: no plan timed\n")
-            sys.stdout.flush()
-            del pl_calls, torch_calls
-            torch.cuda.empty_cache()
+                rows.append(row)
+    del cases
+    torch.cuda.empty_cache()
+    for case in dict.fromkeys(r["case"] for r in rows):
+        sys.stdout.write(best_line(case, [r for r in rows if r["case"] == case], default.label()) + "\n")
     for (label, kind, dt), err in ok.items():
         if err is not None:
             sys.stdout.write(f"SWEEP WRONG {label} {kind} {dt}: {err}\n")
     log.info("sweep: done in %.1f s, %s", time.monotonic() - t0, path)
     return rows
+
+
+def summarize(path: Path) -> list[str]:
+    """The SWEEP BEST lines of a sweep.jsonl (also one cut short by a time limit)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from peerline.kernels import plan as kp
+
+    default = kp.LaunchPlan().label()
+    return [best_line(case, [r for r in rows if r["case"] == case], default)
+            for case in dict.fromkeys(r["case"] for r in rows)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m peerline.launch.suites.kernels_sweep --summarize DIR/sweep.jsonl"""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="summarize a kernels sweep (run it with: kernels --sweep)")
+    ap.add_argument("--summarize", type=Path, required=True, help="sweep.jsonl")
+    args = ap.parse_args(argv)
+    if not args.summarize.is_file():
+        sys.stderr.write(f"kernels_sweep: no such file {args.summarize}\n")
+        return 2
+    for line in summarize(args.summarize):
+        sys.stdout.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

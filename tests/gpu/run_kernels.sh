@@ -47,7 +47,14 @@ if selected sweep; then
     > "$OUT/kernels_sweep.out" 2>&1
   rc=$?
   cat "$OUT/kernels_sweep.out" >> "$LOG"
-  grep -E "^SWEEP " "$OUT/kernels_sweep.out" || echo "  (no SWEEP lines: see $LOG)"
+  if ! grep -E "^SWEEP " "$OUT/kernels_sweep.out"; then
+    # cut short: summarize the rows it wrote
+    if [ -s "$OUT/kernels_sweep/sweep.jsonl" ]; then
+      timeout -k 2 10 "$PY" -m peerline.launch.suites.kernels_sweep --summarize "$OUT/kernels_sweep/sweep.jsonl" 2>>"$LOG"
+    else
+      echo "  (no SWEEP lines: see $LOG)"
+    fi
+  fi
   report sweep "$rc" "$(grep -c '"status": "ok"' "$OUT/kernels_sweep/sweep.jsonl" 2>/dev/null || echo 0) plan timings"
 fi
 

@@ -84,3 +84,20 @@ def test_sweep_command_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
     if not torch.cuda.is_available():
         assert suite.main(["--sweep"]) == 2
         assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_sweep_summary_picks_the_fastest_correct_plan(tmp_path) -> None:
+    import json
+
+    from peerline.launch.suites import kernels_sweep as ks
+
+    rows = [{"case": "c 256 MiB", "plan": "w8.s2.t0.b0.d0.v1", "status": "ok", "GBps": 3900.0, "vs_torch": 0.91,
+             "vs_copy": 0.9, "torch_GBps": 4286.0, "copy_GBps": 4333.0},
+            {"case": "c 256 MiB", "plan": "w8.s2.t0.b0.d1.v1", "status": "ok", "GBps": 4200.0, "vs_torch": 0.98,
+             "vs_copy": 0.97, "torch_GBps": 4286.0, "copy_GBps": 4333.0},
+            {"case": "c 256 MiB", "plan": "w8.s4.t0.b0.d1.v1", "status": "wrong", "error": "rel err 1"}]
+    path = tmp_path / "sweep.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (line,) = ks.summarize(path)
+    assert line.startswith("SWEEP BEST c 256 MiB: w8.s2.t0.b0.d1.v1 4200 GB/s = 0.98x torch")
+    assert "default 3900 GB/s" in line and "2 plans timed, 1 wrong" in line
