@@ -33,6 +33,9 @@ SPECS = (
     kc.KernelSpec(kc.OP_RESIDUAL_ADD, "float32", y="bfloat16", out="float32"),
     kc.KernelSpec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16"),
     kc.KernelSpec(kc.OP_RESIDUAL_ADD, "float32", y="float32", out="float32"),
+    # the direct-store engine (compute warps STG.128 from registers), deeper pipeline: the sweep's main candidate
+    kc.KernelSpec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16", direct=1, stages=4),
+    kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "bfloat16", bias="float32", direct=1, stages=4),
 )
 
 
@@ -53,7 +56,8 @@ def build_cubin(spec: kc.KernelSpec, nvcc: str, arch: str, workdir: Path) -> Pat
     src = workdir / "elementwise_full.cu"
     if not src.exists():
         src.write_text(kc.source_text())
-    cubin = workdir / f"op{spec.op}_{spec.x}_{spec.bias}_{spec.y}_{spec.out}.cubin"
+    shape = f"w{spec.warps}s{spec.stages}t{spec.tile}d{spec.direct}v{spec.vec}g{spec.gelu}"
+    cubin = workdir / f"op{spec.op}_{spec.x}_{spec.bias}_{spec.y}_{spec.out}_{shape}.cubin"
     cmd = [nvcc, "-cubin", f"-arch={arch}", "-o", str(cubin), str(src), *kc.nvrtc_options(spec)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
     return cubin
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             main_fn = rep["functions"].get("pl_main", {})
             good = main_fn.get("LDGSTS", 0) > 0
             ok &= good
-            print(f"{'PASS' if good else 'FAIL'} {rep['spec']:<44} pl_main: LDGSTS={main_fn.get('LDGSTS')} "
+            print(f"{'PASS' if good else 'FAIL'} {rep['spec']:<62} pl_main: LDGSTS={main_fn.get('LDGSTS')} "
                   f"LDS.128={main_fn.get('LDS.128')} STG.E.128={main_fn.get('STG.E.128')} "
                   f"regs={main_fn.get('registers')} static_smem={main_fn.get('static_smem')}B(incl. 1 KiB reserved) "
                   f"dynamic_smem={rep['dynamic_smem_bytes']}B local={main_fn.get('local')} "

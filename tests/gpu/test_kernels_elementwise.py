@@ -251,3 +251,29 @@ def test_kernel_attributes_and_sass(tmp_path) -> None:
     rep = inspect_sass.inspect(spec, nvcc, cuobjdump, f"sm_{major}{minor}", tmp_path)
     main = rep["functions"]["pl_main"]
     assert main["LDGSTS"] > 0 and main["LDS.128"] > 0 and main["LDL/STL"] == 0, main
+
+
+# One non-default launch plan with every new engine feature at once (direct stores from the compute warps, 32-byte
+# chunks, 3 stages, 4 compute warps), bf16 only (3 compiles); the sweep checks each of its plans the same way.
+OTHER_PLAN = "w4.s3.d1.v2"
+
+
+@pytest.mark.parametrize("grid_cap", [0, 2])  # 2 blocks: every block wraps its pipeline stages many times
+@pytest.mark.parametrize("shape,off", [((37, 1001), 1), ((64, 4096), 0), ((7, 8193), 3)])
+def test_other_launch_plan(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], off: int,
+                           grid_cap: int) -> None:
+    from peerline.kernels import plan
+
+    tuning = {**plan.parse_plan(OTHER_PLAN).tuning(), "grid_cap": grid_cap}
+    monkeypatch.setattr(ew, "TUNING", tuning)
+    dt = torch.bfloat16
+    x, g = randn(shape, dt, off, scale=2.0), randn(shape, dt, off)
+    b = randn((shape[-1],), torch.float32)
+    v = v32(x, b)
+    assert rel_err(ew.bias_gelu_forward(x, b), gelu64(v)) < BOUND[dt]
+    gx, gb = ew.bias_gelu_backward(g, x, b)
+    prod = g.double() * gelu_grad64(v)
+    terms = g.double().abs() * (0.5 * torch.special.erfc(-v / math.sqrt(2)) + v.abs() * gelu_pdf64(v))
+    assert rel_err(gx, prod, scale=terms) < BOUND[dt]
+    assert rel_err(gb, prod.reshape(-1, shape[-1]).sum(0)) < BIAS_BOUND[torch.float32]
+    assert torch.equal(ew.residual_add_forward(x, g), x + g)
