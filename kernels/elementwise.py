@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import Any
 
 import torch
@@ -43,6 +44,12 @@ POISON_OUTPUTS = False
 # the sanitizer run makes 2 blocks wrap their pipeline stages); empty = the design.
 TUNING: dict[str, int] = {}
 _warned: set[str] = set()
+# Per-op launch plans (the sweep's winners, without editing code): PEERLINE_KERNEL_PLANS="OP[:DTYPE]=PLAN,...",
+# e.g. "residual_add=w8.s4.d1" (plan.parse_op_plans). Used when TUNING is empty; unset = the default plan.
+OP_PLANS = plan.parse_op_plans(os.environ.get("PEERLINE_KERNEL_PLANS", ""))
+_OP_NAME = {kc.OP_BIAS_GELU_FWD: "bias_gelu_fwd", kc.OP_BIAS_GELU_BWD: "bias_gelu_bwd",
+            kc.OP_RESIDUAL_ADD: "residual_add"}
+_SHORT = {"bfloat16": "bf16", "float32": "fp32"}
 
 
 def _fallback(reason: str) -> None:
@@ -115,18 +122,28 @@ def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
         fn(grid, block, args, shared_mem=smem, stream=_stream(device))
 
 
-def _spec(op: int, x: str, **types: str) -> kc.KernelSpec:
-    """The KernelSpec of one op with TUNING's launch-shape overrides (blocks_per_sm is a grid cap, not a spec)."""
-    shape = {k: v for k, v in TUNING.items() if k not in _GRID_KEYS}
-    return kc.KernelSpec(op, x, **types, **shape)
-
-
 _GRID_KEYS = ("blocks_per_sm", "grid_cap")
 
 
+def _tuning(op: int, x: str) -> dict[str, int]:
+    """TUNING if set (experiments), else the op's plan from PEERLINE_KERNEL_PLANS, else {} (the default)."""
+    if TUNING:
+        return TUNING
+    p = plan.op_plan(OP_PLANS, _OP_NAME[op], _SHORT[x]) if OP_PLANS else None
+    return p.tuning() if p is not None else {}
+
+
+def _spec(op: int, x: str, **types: str) -> kc.KernelSpec:
+    """The KernelSpec of one op with its launch-shape overrides (blocks_per_sm and grid_cap are grid caps, not
+    spec fields)."""
+    shape = {k: v for k, v in _tuning(op, x).items() if k not in _GRID_KEYS}
+    return kc.KernelSpec(op, x, **types, **shape)
+
+
 def _max_grid(op: kc.CompiledOp) -> int:
-    grid = op.grid_cap(TUNING.get("blocks_per_sm", 0))
-    cap = TUNING.get("grid_cap", 0)
+    tuning = _tuning(op.spec.op, op.spec.x)
+    grid = op.grid_cap(tuning.get("blocks_per_sm", 0))
+    cap = tuning.get("grid_cap", 0)
     return min(grid, cap) if cap > 0 else grid
 
 

@@ -186,3 +186,26 @@ def plan_grid_cap(sms: int, occupancy_blocks: int, blocks_per_sm: int) -> int:
     if blocks_per_sm > 0:
         per_sm = min(per_sm, blocks_per_sm)
     return sms * per_sm
+
+
+OP_NAMES = ("bias_gelu_fwd", "bias_gelu_bwd", "residual_add")
+DTYPE_NAMES = ("bf16", "fp32")
+
+
+def parse_op_plans(text: str) -> dict[str, LaunchPlan]:
+    """Per-op launch plans, as the sweep's best lines suggest them: "OP[:DTYPE]=PLAN,..." with OP one of OP_NAMES
+    and DTYPE (x's) one of bf16, fp32; e.g. "residual_add=w8.s4.d1,bias_gelu_bwd:fp32=w4.s4.d1". Empty: none."""
+    out: dict[str, LaunchPlan] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, label = item.partition("=")
+        op, _, dt = key.partition(":")
+        if not sep or op not in OP_NAMES or (dt and dt not in DTYPE_NAMES):
+            raise ValueError(f"bad kernel plan entry {item!r}; expected OP[:DTYPE]=PLAN with OP in "
+                             f"{', '.join(OP_NAMES)}, DTYPE in {', '.join(DTYPE_NAMES)}")
+        out[key] = parse_plan(label)
+    return out
+
+
+def op_plan(plans: dict[str, LaunchPlan], op: str, dtype: str) -> LaunchPlan | None:
+    """The plan for `op` with x of `dtype` (bf16 | fp32): OP:DTYPE first, then OP, else None (the default)."""
+    return plans.get(f"{op}:{dtype}") or plans.get(op)

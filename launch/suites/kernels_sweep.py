@@ -43,6 +43,7 @@ SWEEP_PLANS = (
     "w4.s4.d1",           # fewer compute warps, more blocks per SM
     "w8.s4.t256",         # smaller tiles: more tiles per block and a shorter tail (16 MiB)
     "w4.s4.t256.d1",      # ... with direct stores and small blocks
+    "w4.s4.t128.d1",      # ... one chunk per compute thread: the most tiles per block at 16 MiB
     "w8.s4.t1024.d1",     # bigger tiles: more bytes per hand-off
     "w8.s4.t1024.d1.b2",  # ... at most 2 blocks per SM
     "w8.s3",

@@ -101,3 +101,21 @@ def test_sweep_summary_picks_the_fastest_correct_plan(tmp_path) -> None:
     (line,) = ks.summarize(path)
     assert line.startswith("SWEEP BEST c 256 MiB: w8.s2.t0.b0.d1.v1 4200 GB/s = 0.98x torch")
     assert "default 3900 GB/s" in line and "2 plans timed, 1 wrong" in line
+
+
+def test_per_op_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    plans = plan.parse_op_plans("residual_add=w8.s4.d1, bias_gelu_bwd:fp32=w4.s4.d1.b2")
+    assert plan.op_plan(plans, "residual_add", "bf16") == plan.LaunchPlan(stages=4, direct_store=True)
+    assert plan.op_plan(plans, "bias_gelu_bwd", "fp32").blocks_per_sm == 2
+    assert plan.op_plan(plans, "bias_gelu_bwd", "bf16") is None
+    assert plan.parse_op_plans("") == {}
+    for bad in ("residual_add", "gelu=w8", "residual_add:fp16=w8", "residual_add=w8.z1"):
+        with pytest.raises(ValueError):
+            plan.parse_op_plans(bad)
+    monkeypatch.setattr(ew, "OP_PLANS", plans)
+    assert ew._spec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16").direct == 1
+    assert ew._spec(kc.OP_BIAS_GELU_BWD, "bfloat16", bias="float32").direct == 0  # no plan: the default
+    op = kc.CompiledOp(kc.KernelSpec(kc.OP_BIAS_GELU_BWD, "float32"), 0, None, None, None, 132, 4, {})
+    assert ew._max_grid(op) == 264  # the plan's blocks_per_sm
+    monkeypatch.setattr(ew, "TUNING", {"stages": 3})  # experiments win over the per-op plans
+    assert ew._spec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16").direct == 0
