@@ -178,11 +178,19 @@ def nccl_options(max_ctas: int | None = None, min_ctas: int | None = None, backe
 
 
 class GradBuckets:
-    """The gradient-sync object of one stage: flat buckets, hooks, all-reduce, metrics (see the module doc)."""
+    """The gradient-sync object of one stage: flat buckets, hooks, all-reduce, metrics (see the module doc).
+
+    `tail_group` (optional; the same ranks as `group`, e.g. NCCL's default CTAs where `group` caps them): the
+    buckets holding a parameter of the first `tail_layers` layers, which backward finishes last, are all-reduced
+    on it. Nothing is left in backward to overlap those with, so a CTA cap that spares backward's GEMMs only
+    slows them down. Which bucket uses which group is fixed here, so every rank issues the same sequence; the
+    all-reduce stream keeps the two communicators' collectives in order.
+    """
 
     def __init__(self, layers: Sequence[Sequence[torch.nn.Parameter]], group: dist.ProcessGroup | None,
                  device: torch.device, stream: torch.cuda.Stream | None = None, bucket_mb: float = 25,
-                 first_bucket_mb: float = 1, timing: bool = True) -> None:
+                 first_bucket_mb: float = 1, timing: bool = True, tail_group: dist.ProcessGroup | None = None,
+                 tail_layers: int = 1) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" means the current device
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -193,6 +201,10 @@ class GradBuckets:
         self.buckets = plan_buckets(ready_order(layers), bucket_mb, first_bucket_mb)
         # Replicas of a stage hold the same parameters, so every rank of the group agrees on this.
         self.reduce = self.dp > 1 and bool(self.buckets)
+        if tail_group is not None and group is not None and dist.get_world_size(tail_group) != self.dp:
+            raise ValueError(f"tail_group has {dist.get_world_size(tail_group)} ranks, the dp group {self.dp}")
+        tail_ids = {id(p) for layer in layers[:max(0, tail_layers)] for p in layer} if tail_group is not None else set()
+        self.bucket_groups = [tail_group if any(id(p) in tail_ids for p in b.params) else group for b in self.buckets]
         # AVG exists on NCCL (>= 2.10) only; gloo sums and finish() divides.
         self._use_avg = self.reduce and self.on_cuda and "nccl" in str(dist.get_backend(group)).lower()
 
@@ -235,9 +247,11 @@ class GradBuckets:
             self._ready = [torch.cuda.Event() for _ in self.buckets]
             self._done = [torch.cuda.Event() for _ in self.buckets]
         self._timers = _Timers(self.on_cuda, len(self.buckets), timing and self.reduce)
-        log.info("grad buckets: %d buckets, %s, dp=%d, %s", len(self.buckets),
+        tail = sum(g is not group for g in self.bucket_groups)
+        log.info("grad buckets: %d buckets, %s, dp=%d, %s%s", len(self.buckets),
                  ", ".join(f"{b.nbytes / MiB:.2f}" for b in self.buckets) + " MiB", self.dp,
-                 "nccl avg" if self._use_avg else ("sum / dp" if self.reduce else "no all-reduce"))
+                 "nccl avg" if self._use_avg else ("sum / dp" if self.reduce else "no all-reduce"),
+                 f", last {tail} on the tail group" if tail else "")
 
     # -- the engine's interface ---------------------------------------------------------------------------------
 
@@ -357,7 +371,8 @@ class GradBuckets:
         flat = self._slices[index]
         if not self.on_cuda:
             self._timers.launched(index)
-            self._works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+            self._works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.bucket_groups[index],
+                                               async_op=True))
             return
         op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
         # Without an all-reduce stream the collective runs in order on the current stream (no overlap).
@@ -367,7 +382,7 @@ class GradBuckets:
         with torch.cuda.stream(stream):
             self._timers.bucket_start(index, stream)
             # async_op=False: NCCL enqueues on the current (all-reduce) stream; no Work, no host wait.
-            dist.all_reduce(flat, op=op, group=self.group)
+            dist.all_reduce(flat, op=op, group=self.bucket_groups[index])
             if not self._use_avg:
                 flat.div_(self.dp)
             self._timers.bucket_end(index, stream)

@@ -19,6 +19,8 @@ stream take SMs from the backward GEMMs they overlap with. For each cap the dp g
 `nccl_options(max_ctas=cap)` (buckets.py) and peerline is measured on it; DDP is measured with NCCL's default
 and with each cap (fair: DDP could use the cap too). The headline cap (`--ar-nccl-max-ctas`, default auto = the
 cap with the fastest peerline eager step in this run) gets the GOAL lines; every cap gets a SWEEP line.
+With a cap, the buckets of the first block (backward finishes it last: nothing is left to overlap their
+all-reduce with) run on NCCL's default CTAs (GradBuckets' tail_group), unless `--ar-no-tail-group`.
 `--ar-normal-priority` adds peerline on a normal-priority stream (NCCL's default CTAs), as DDP runs its all-reduce.
 
 Reported: step time (max over ranks), exposed all-reduce (peerline: CUDA events from the end of the last
@@ -227,18 +229,18 @@ def measure_alone(w: Workload, gb: GradBuckets, reps: int) -> list[float]:
             events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in tensors]
                       for _ in range(reps + 1)]
             for row in events:
-                for (start, end), t in zip(row, tensors, strict=True):
+                for (start, end), t, g in zip(row, tensors, gb.bucket_groups, strict=True):
                     start.record()
-                    dist.all_reduce(t, op=op, group=gb.group)
+                    dist.all_reduce(t, op=op, group=g)
                     end.record()
             torch.cuda.synchronize(w.device)
             rows = [[s.elapsed_time(e) for s, e in row] for row in events[1:]]
         else:
             for r in range(reps + 1):
                 row = []
-                for t in tensors:
+                for t, g in zip(tensors, gb.bucket_groups, strict=True):
                     t0 = time.perf_counter()
-                    dist.all_reduce(t, op=op, group=gb.group)
+                    dist.all_reduce(t, op=op, group=g)
                     row.append((time.perf_counter() - t0) * 1e3)
                 if r:
                     rows.append(row)
@@ -313,7 +315,8 @@ def free_memory(dev: torch.device) -> None:
 
 
 def run_dtype(ctx: BenchContext, shape: Shape, dtype: torch.dtype, warmup: int, reps: int, graph: bool,
-              groups: dict[int, dist.ProcessGroup], headline: int | None, normal_priority: bool = False) -> None:
+              groups: dict[int, dist.ProcessGroup], headline: int | None, normal_priority: bool = False,
+              tail_uncapped: bool = True) -> None:
     """Measure every variant on the group of every CTA cap (0 first: NCCL's default); record; `headline` None =
     the cap of the fastest peerline eager step. `normal_priority`: one more peerline variant, NCCL's default CTAs
     with the all-reduce on a normal-priority stream (as DDP's), to tell priority from CTA count (never headline)."""
@@ -335,11 +338,15 @@ def run_dtype(ctx: BenchContext, shape: Shape, dtype: torch.dtype, warmup: int, 
         # The normal-priority variant borrows the p2p role's stream (normal priority, unused in this suite): streams
         # come only from streams.py, and there the all-reduce role is the highest priority by design.
         stream = w.streams.allreduce if prio == "high" else w.streams.p2p
-        gb = GradBuckets(layers, groups[cap], dev, stream, shape.bucket_mb, shape.first_bucket_mb)
+        # A capped group spares backward's GEMMs; the first block's buckets, whose all-reduce nothing is left to
+        # overlap, run on NCCL's default CTAs (the tail group) unless --ar-no-tail-group.
+        tail = groups[0] if cap and tail_uncapped else None
+        gb = GradBuckets(layers, groups[cap], dev, stream, shape.bucket_mb, shape.first_bucket_mb, tail_group=tail)
         bucket_bytes = [b.nbytes for b in gb.buckets]
         if local is None:
             local = w.time(partial(step_peerline, w, model, gb, opt, sync=False), warmup, reps)
         ours[cap, prio] = measure_peerline(w, model, gb, opt, warmup, reps, graph)
+        ours[cap, prio]["tail_buckets"] = sum(g is not groups[cap] for g in gb.bucket_groups)
         gb.close()
         del gb
     params = sum(p.numel() for p in model.parameters())
@@ -366,7 +373,8 @@ def run_dtype(ctx: BenchContext, shape: Shape, dtype: torch.dtype, warmup: int, 
     for cap, prio in variants:
         res, head = ours[cap, prio], cap == headline and prio == "high"
         label = f"{dt} params, {cap_name(cap)}" + ("" if prio == "high" else ", normal-priority stream")
-        sizes_c = {**common, "nccl_max_ctas": cap, "allreduce_stream_priority": prio}
+        sizes_c = {**common, "nccl_max_ctas": cap, "allreduce_stream_priority": prio,
+                   "tail_buckets_default_ctas": res["tail_buckets"]}
         base = {"local_ms": local_ms, "plain_allreduce_total_ms": plain_total, "headline": head,
                 "compute_to_allreduce": local_ms / plain_total if plain_total > 0 else float("nan"),
                 "ddp_same_cap_ms": ddp[cap], "ddp_default_ms": ddp[0], "bucket_bytes": bucket_bytes}
@@ -496,6 +504,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--ar-normal-priority", dest="ar_normal_priority", action="store_true",
                        help="also measure peerline with its all-reduce on a normal-priority stream (NCCL's default "
                             "CTAs): is it the priority or the CTA count that slows backward?")
+    group.add_argument("--ar-no-tail-group", dest="ar_no_tail_group", action="store_true",
+                       help="capped variants: all-reduce the first block's buckets (exposed: nothing left to overlap) "
+                            "on the capped group too, not on NCCL's default CTAs")
     group.add_argument("--ar-nccl-max-ctas", dest="ar_max_ctas", default=None,
                        help="the headline cap (GOAL lines): an integer (0 = NCCL's default) or auto = the sweep's "
                             "fastest peerline eager step (default auto)")
@@ -532,7 +543,8 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     groups = {cap: make_group(cap, ctx.device) for cap in caps}  # collective: every rank, same order
     for dtype in dtypes:
         run_dtype(ctx, shape, dtype, warmup, reps, not getattr(args, "ar_no_graph", False), groups, headline,
-                  normal_priority=quick or bool(getattr(args, "ar_normal_priority", False)))
+                  normal_priority=quick or bool(getattr(args, "ar_normal_priority", False)),
+                  tail_uncapped=not getattr(args, "ar_no_tail_group", False))
     if ctx.is_writer:
         for line in goals(ctx):
             log.info("%s", line)

@@ -9,7 +9,8 @@ Checks:
                   combined batch within 1e-5; hooks do nothing before arm(); buckets launch during backward;
                   metrics are timed and sane
   eager-...-ctas4 the same on a dp group created with buckets.nccl_options(max_ctas=4) (NCCL's CTA cap), against
-                  the per-parameter all-reduce on the default group (bitwise: AVG of two values)
+                  the per-parameter all-reduce on the default group (bitwise: AVG of two values); -tail: the first
+                  layer's buckets on the default group (GradBuckets' tail_group), the others on the capped one
   priority        the all-reduce stream has the device's highest priority
   graph           the whole iteration (zero_grad, M forward/backward, arm/finish) captured in a CUDA graph and
                   replayed on fresh data gives the per-parameter all-reduce's gradients (bitwise)
@@ -92,7 +93,7 @@ def naive_average(model: torch.nn.Module) -> None:
 
 
 def check_eager(rank: int, dp: int, dev: torch.device, streams, bucket_mb: float, first_mb: float, M: int,
-                group: dist.ProcessGroup | None = None, tag: str = "") -> None:
+                group: dist.ProcessGroup | None = None, tag: str = "", tail: dist.ProcessGroup | None = None) -> None:
     name = f"eager-{bucket_mb}MiB-first{first_mb}-M{M}{tag}"
     compute = streams.compute
     torch.manual_seed(11)
@@ -101,7 +102,8 @@ def check_eager(rank: int, dp: int, dev: torch.device, streams, bucket_mb: float
         naive, ref = copy.deepcopy(model), copy.deepcopy(model)
         zero_naive(naive)
         zero_naive(ref)
-    gb = GradBuckets(model.layers(), group or dist.group.WORLD, dev, streams.allreduce, bucket_mb, first_mb)
+    gb = GradBuckets(model.layers(), group or dist.group.WORLD, dev, streams.allreduce, bucket_mb, first_mb,
+                     tail_group=tail)
     problems = []
     small = bucket_mb < 1
     for it in range(3):
@@ -233,6 +235,8 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001
                 print(f"INFO capped group options unreadable: {type(exc).__name__}: {exc}", flush=True)
         check_eager(rank, dp, dev, streams, 0.3, 0.01, 2, group=capped, tag="-ctas4")
+        # The capped group for the buckets overlapped with backward, the default one for the first layer's.
+        check_eager(rank, dp, dev, streams, 0.05, 0.002, 1, group=capped, tag="-ctas4-tail", tail=dist.group.WORLD)
     except Exception as exc:  # noqa: BLE001
         report("eager-ctas4", False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     try:

@@ -6,7 +6,8 @@ For several (odd) bucket sizes and M microbatches of gradient accumulation it ch
   - after finish() the bucketed grads equal a naive per-parameter all_reduce(SUM) / dp, bitwise;
   - they equal a single-process reference over the combined batch (all ranks' microbatches) to 1e-5;
   - `.grad` stays a view into the flat buffer; an unused parameter is reduced (zeros) without hanging;
-  - after an SGD step the bucketed and naive models hold identical parameters.
+  - after an SGD step the bucketed and naive models hold identical parameters;
+  - with a tail_group, the buckets of the first layer are all-reduced there, with the same results.
 """
 
 from __future__ import annotations
@@ -82,15 +83,21 @@ def grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.requires_grad]
 
 
-def run_case(rank: int, dp: int, bucket_mb: float, first_mb: float, M: int, iters: int = 3) -> None:
-    tag = f"[bucket_mb={bucket_mb} first={first_mb} M={M}]"
+def run_case(rank: int, dp: int, bucket_mb: float, first_mb: float, M: int, iters: int = 3,
+             tail: dist.ProcessGroup | None = None) -> None:
+    tag = f"[bucket_mb={bucket_mb} first={first_mb} M={M}{' tail group' if tail is not None else ''}]"
     torch.manual_seed(7)
     model = Net()
     naive, ref = copy.deepcopy(model), copy.deepcopy(model)
     for p in [*naive.parameters(), *ref.parameters()]:
         if p.requires_grad:  # the unused parameter would otherwise keep grad None
             p.grad = torch.zeros_like(p)
-    gb = GradBuckets(model.layers(), dist.group.WORLD, torch.device("cpu"), None, bucket_mb, first_mb)
+    gb = GradBuckets(model.layers(), dist.group.WORLD, torch.device("cpu"), None, bucket_mb, first_mb, tail_group=tail)
+    if tail is not None:
+        # layers()[0] is `unused` (the first layer): only buckets holding one of its parameters use the tail group.
+        want = [any(p is q for p in b.params for q in model.unused.parameters()) for b in gb.buckets]
+        check([g is tail for g in gb.bucket_groups] == want and any(want),
+              f"{tag} tail buckets {[g is tail for g in gb.bucket_groups]}, want {want}")
     small = bucket_mb < 0.1  # the odd layouts this model is sized for
     if small:
         check(len(gb.buckets) >= 4, f"{tag} expected several buckets, got {len(gb.buckets)}")
@@ -166,9 +173,11 @@ def run_case(rank: int, dp: int, bucket_mb: float, first_mb: float, M: int, iter
 def main() -> int:
     rank, dp = init_process_group()
     cases = [(0.05, 0.001, 3), (0.0123, 0.0007, 1), (0.2, 0.01, 2), (25, 1, 2)]
-    for bucket_mb, first_mb, M in cases:
+    tail = dist.new_group(list(range(dp)))  # a second gloo group: the tail buckets' all-reduces go there
+    cases = [*cases, (0.05, 0.001, 2, tail)]
+    for bucket_mb, first_mb, M, *rest in cases:
         try:
-            run_case(rank, dp, bucket_mb, first_mb, M)
+            run_case(rank, dp, bucket_mb, first_mb, M, tail=rest[0] if rest else None)
         except Exception as exc:  # noqa: BLE001 - report and keep the ranks in step
             FAILURES.append(f"[bucket_mb={bucket_mb}] raised {type(exc).__name__}: {exc}")
             break
