@@ -58,6 +58,9 @@ SWEEP_CASES = (
     ("residual_add fp32+fp32", "res", torch.float32, 256),
     ("residual_add fp32+fp32", "res", torch.float32, 16),
 )
+# (shape, offset of the inputs' views): head and tail with a non-vector bias; then ~8.4 M elements, so every block
+# wraps its stages several times, with a vector bias
+CHECK_SHAPES = (((37, 1001), 1), ((2063, 4096), 0))
 BOUND = {torch.float32: 2e-6, torch.bfloat16: 6e-3}
 BIAS_BOUND = {torch.float32: 2e-5, torch.bfloat16: 6e-3}
 
@@ -84,9 +87,7 @@ def check_op(kind: str, dtype: torch.dtype, device: torch.device) -> str | None:
     """None if the current ew.TUNING plan computes `kind` right on the check shapes, else what failed."""
     from peerline.kernels import elementwise as ew
 
-    # (37, 1001) offset 1: head and tail, non-vector bias; (2063, 4096): ~8.4 M elements, every block wraps its
-    # stages several times, vector bias.
-    for shape, off in (((37, 1001), 1), ((2063, 4096), 0)):
+    for shape, off in CHECK_SHAPES:
         h = shape[-1]
         x = _randn(shape, dtype, device, off, 2.0)
         b = _randn((h,), torch.float32, device)

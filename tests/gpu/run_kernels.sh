@@ -22,7 +22,7 @@ fi
 
 if selected tests; then
   echo "== correctness (pytest, float64 references)" >> "$LOG"
-  timeout -k 5 40 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_kernels_elementwise.py \
+  timeout -k 5 45 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_kernels_elementwise.py \
     > "$OUT/kernels_tests.out" 2>&1
   rc=$?
   cat "$OUT/kernels_tests.out" >> "$LOG"

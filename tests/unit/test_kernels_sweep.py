@@ -1,0 +1,80 @@
+"""The kernels sweep's flow on the CPU: the GPU launches and timings replaced by torch references and a fake clock.
+A plan that computes wrong results must be reported as such and never be the best, however fast."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from peerline.kernels import compile as kc
+from peerline.kernels import elementwise as ew
+from peerline.launch.suites import kernels as suite
+from peerline.launch.suites import kernels_sweep as ks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _fake_fwd(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    y = F.gelu(x.double() + b.double())
+    if ew.TUNING.get("stages") == 4:  # the "fast but wrong" plan
+        y = y * 1.01
+    return y.to(x.dtype)
+
+
+def _fake_bwd(g: torch.Tensor, x: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    v = (x.float() + b).double()
+    d = 0.5 * torch.special.erfc(-v / math.sqrt(2)) + v * torch.exp(-0.5 * v * v) / math.sqrt(2 * math.pi)
+    prod = g.double() * d
+    return prod.to(x.dtype), prod.reshape(-1, x.shape[-1]).sum(0).float()
+
+
+def _fake_time(calls: list, device: torch.device, reps: int) -> float:
+    for c in calls:
+        c()
+    t = ew.TUNING
+    if not t:  # anchors: torch eager and the copy
+        return 1.0
+    return 0.5 if t.get("stages") == 4 else (0.8 if t.get("direct") else 1.2)
+
+
+def test_sweep_flow_on_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(ks, "SWEEP_CASES", (("bias_gelu_fwd fp32", "fwd", torch.float32, 0.125),
+                                            ("bias_gelu_bwd bf16", "bwd", torch.bfloat16, 0.0625),
+                                            ("residual_add fp32+fp32", "res", torch.float32, 0.125)))
+    monkeypatch.setattr(ks, "CHECK_SHAPES", (((5, 101), 1), ((16, 256), 0)))
+    monkeypatch.setattr(ew, "bias_gelu_forward", _fake_fwd)
+    monkeypatch.setattr(ew, "bias_gelu_backward", _fake_bwd)
+    monkeypatch.setattr(ew, "residual_add_forward", lambda x, y: x + y)
+    monkeypatch.setattr(suite, "_graph_time", _fake_time)
+    monkeypatch.setattr(kc, "warm_compile", lambda specs, dev, workers: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake")
+    rows = ks.run_sweep(tmp_path, torch.device("cpu"), budget_s=60, plan_labels=["w8.s2.d1", "w8.s4"], reps=2)
+    out = capsys.readouterr().out
+    assert [r["plan"] for r in rows[:3]] == ["w8.s2.t0.b0.d0.v1"] * 3  # the default is inserted and timed first
+    wrong = [r for r in rows if r["status"] == "wrong"]
+    assert {r["plan"] for r in wrong} == {"w8.s4.t0.b0.d0.v1"} and all("fwd" in r["case"] for r in wrong)
+    assert "SWEEP BEST bias_gelu_fwd fp32 0.125 MiB: w8.s2.t0.b0.d1.v1" in out  # not the 0.5 ms wrong plan
+    assert "SWEEP BEST bias_gelu_bwd bf16 0.0625 MiB: w8.s4.t0.b0.d0.v1" in out  # right for the backward
+    assert "SWEEP WRONG w8.s4.t0.b0.d0.v1 fwd" in out
+    lines = (tmp_path / "sweep.jsonl").read_text().splitlines()
+    assert len(lines) == 9 and all(json.loads(line)["device"] == "fake" for line in lines)
+    ok = [r for r in rows if r["status"] == "ok" and r["plan"] == "w8.s2.t0.b0.d1.v1"]
+    assert all(r["vs_torch"] == pytest.approx(1 / 0.8) for r in ok)
+    assert ew.TUNING == {}  # left as found
+
+
+def test_spent_budget_times_only_the_default(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setattr(ks, "SWEEP_CASES", (("residual_add fp32+fp32", "res", torch.float32, 0.125),))
+    monkeypatch.setattr(ks, "CHECK_SHAPES", (((5, 101), 1),))
+    monkeypatch.setattr(ew, "residual_add_forward", lambda x, y: x + y)
+    monkeypatch.setattr(suite, "_graph_time", _fake_time)
+    monkeypatch.setattr(kc, "warm_compile", lambda specs, dev, workers: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake")
+    rows = ks.run_sweep(tmp_path, torch.device("cpu"), budget_s=-1, plan_labels=["w8.s2", "w8.s2.d1"], reps=2)
+    assert [r["status"] for r in rows] == ["ok", "skipped (budget)"]
