@@ -19,6 +19,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from peerline.kernels import compile as kc
 from peerline.kernels import elementwise as ew
 from peerline.kernels import plan as kp
 
@@ -62,6 +63,18 @@ def run_cases(rows: int, h: int, offsets: tuple[tuple[int, int], ...]) -> list[s
     return bad
 
 
+def specs_of(p: kp.LaunchPlan) -> list[kc.KernelSpec]:
+    """The kernel builds run_cases needs under plan p (bias fp32; residual x fp32 + y in x's dtype, and alike)."""
+    shape = {k: v for k, v in p.tuning().items() if k != "blocks_per_sm"}
+    out = []
+    for d in ("bfloat16", "float32"):
+        out += [kc.KernelSpec(kc.OP_BIAS_GELU_FWD, d, bias="float32", **shape),
+                kc.KernelSpec(kc.OP_BIAS_GELU_BWD, d, bias="float32", **shape),
+                kc.KernelSpec(kc.OP_RESIDUAL_ADD, "float32", y=d, out="float32", **shape),
+                kc.KernelSpec(kc.OP_RESIDUAL_ADD, d, y=d, out=d, **shape)]
+    return list(dict.fromkeys(out))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plans", default=DEFAULT_PLANS, help="comma list of plan labels")
@@ -76,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("kernels_sanitize: needs a CUDA device\n")
         return 2
     torch.manual_seed(0)
+    if args.warm:  # NVRTC in parallel processes (CuPy's disk cache); the cases below then only load cubins
+        specs = [s for p in plans for s in specs_of(p)]
+        done = kc.warm_compile(specs, torch.cuda.current_device(), 8)
+        print(f"kernels_sanitize: {done} of {len(specs)} builds compiled in parallel")
     ew.POISON_OUTPUTS = True
     bad: list[str] = []
     for p in plans:
