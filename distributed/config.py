@@ -75,6 +75,9 @@ class RunConfig:
     """Gradient bucket size for the data-parallel all-reduce, MiB."""
     first_bucket_mb: float = 1.0
     """Size of the first (last-layer) bucket, MiB, so the all-reduce starts early."""
+    nccl_max_ctas: int | None = None
+    """Cap on the CTAs (SMs) of the dp group's NCCL kernels (bucket all-reduces overlapped with backward); None:
+    NCCL's default."""
     timeout_s: float = 300.0
     """Deadline for any wait: process-group timeout and the per-iteration watchdog."""
     log_every: int = 1
@@ -127,6 +130,8 @@ class RunConfig:
             raise ConfigError(f"--pp must be >= 1, got {self.pp}")
         if self.warmup_iters < 1:
             raise ConfigError(f"--warmup-iters must be >= 1, got {self.warmup_iters}")
+        if self.nccl_max_ctas is not None and not 1 <= self.nccl_max_ctas <= 64:
+            raise ConfigError(f"--nccl-max-ctas must be in 1..64, got {self.nccl_max_ctas}")
         if self.bucket_mb <= 0 or self.first_bucket_mb <= 0:
             raise ConfigError("--bucket-mb and --first-bucket-mb must be positive")
         if self.timeout_s <= 0:

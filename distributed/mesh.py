@@ -7,6 +7,7 @@ Layout: replicas of whole pipelines, rank = replica * pp + stage, so a pipeline'
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 
@@ -58,13 +59,14 @@ class Mesh:
     def pp_ranks(self, replica: int) -> list[int]:
         return [self.rank_of(s, replica) for s in range(self.pp)]
 
-    def create_groups(self) -> None:
+    def create_groups(self, dp_options: Any = None) -> None:
         """Create every dp and pp group. new_group is collective over the world: every rank creates every group,
-        in the same order, and keeps its own."""
+        in the same order, and keeps its own. `dp_options`: backend options of the dp groups
+        (buckets.nccl_options: a cap on NCCL's CTAs), None for the defaults."""
         if not dist.is_initialized() or self.world_size == 1:
             return
         for stage in range(self.pp):
-            group = dist.new_group(self.dp_ranks(stage))
+            group = dist.new_group(self.dp_ranks(stage), pg_options=dp_options)
             if stage == self.stage:
                 self.dp_group = group
         for replica in range(self.dp):

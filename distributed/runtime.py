@@ -43,6 +43,16 @@ class IterationStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+def dp_group_options(cfg: RunConfig):
+    """NCCL options of the dp groups: --nccl-max-ctas caps the SMs the overlapped bucket all-reduces take from
+    backward. None (the default, or not NCCL) keeps the backend's defaults."""
+    if cfg.nccl_max_ctas is None or not dist.is_initialized() or dist.get_backend() != "nccl":
+        return None
+    from .buckets import nccl_options
+
+    return nccl_options(cfg.nccl_max_ctas, backend="nccl")
+
+
 def make_grad_sync(cfg: RunConfig, params, mesh: Mesh, device: torch.device, streams: RankStreams):
     """Bucketed all-reduce (buckets.py) when available, else one all-reduce per parameter."""
     if cfg.grad_sync == "buckets":
@@ -95,7 +105,7 @@ class Runtime:
         # same error on every rank, and nobody is left waiting in a collective.
         modules, bounds = build_stages(cfg, n_stages, stage_ids, kernels)
         init_distributed(info, device, cfg.timeout_s)
-        mesh.create_groups()
+        mesh.create_groups(dp_options=dp_group_options(cfg))
         streams = create_rank_streams(device, cfg.stages, p2p_lanes=cfg.p2p_lanes)
         if device.type == "cuda":
             from .allocator import apply_release_threshold

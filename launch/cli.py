@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bucket-mb", type=float, default=_DEFAULTS.bucket_mb, help="(default: %(default)s)")
     g.add_argument("--first-bucket-mb", type=float, default=_DEFAULTS.first_bucket_mb,
                    help="(default: %(default)s)")
+    g.add_argument("--nccl-max-ctas", type=int, default=_DEFAULTS.nccl_max_ctas,
+                   help="cap on the CTAs (SMs) of the dp group's NCCL all-reduce kernels (default: NCCL's)")
     g.add_argument("--timeout-s", type=float, default=_DEFAULTS.timeout_s,
                    help="deadline for any wait, seconds (default: %(default)s)")
     g.add_argument("--staging", choices=STAGINGS, default=_DEFAULTS.staging,
