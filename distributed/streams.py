@@ -8,18 +8,36 @@ Roles (see ARCHITECTURE.md, "Stream roles of one rank"):
              queued behind backward kernels
   h2d / d2h  input staging from pinned host memory and results back
 
-All CUDA streams are non-blocking (torch creates its streams with cudaStreamNonBlocking): nothing ever runs on
-the legacy default stream. On the CPU every role is None and `use(stream)` is a no-op context, so the same engine
-code runs under gloo.
+All CUDA streams are non-blocking (cudaStreamNonBlocking): nothing ever runs on the legacy default stream. On the
+CPU every role is None and `use(stream)` is a no-op context, so the same engine code runs under gloo.
+
+Hardware queues. A stream waiting on a flag (cuStreamWaitValue32, the copy-engine transport) blocks the hardware
+queue (connection) it is mapped to, and with it every other stream on that queue. The driver maps streams onto
+CUDA_DEVICE_MAX_CONNECTIONS queues (default 8) round robin in creation order. torch's stream pool is created in one
+go, priorities interleaved (stream i of priority p is created (i * priorities + p)-th), so its low-priority streams
+land on only a couple of queues: a compute stream and a p2p stream drawn from it can share one, and a wait on one
+then stalls the other (seen on an H200: a test that waits on one stream for another stream's write hung). So peerline
+creates its own streams here, one after the other (consecutive creations get different queues), wraps them as
+torch.cuda.ExternalStream, and asks for 32 queues (the most there are) unless the user set a value before CUDA
+starts. Without cuda-bindings it falls back to torch's pool with a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+log = logging.getLogger(__name__)
+
+#: hardware queues asked for (read by the driver when the CUDA context is created: importing this module early,
+#: as every peerline entry point does, is enough); a value the user set is kept
+HARDWARE_QUEUES = 32
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(HARDWARE_QUEUES))
 
 
 @dataclass
@@ -61,13 +79,44 @@ def create_rank_streams(device: torch.device, local_stages: int = 1, p2p_lanes: 
     with torch.cuda.device(device):
         return RankStreams(
             device=device,
-            stage_compute=[torch.cuda.Stream(device=device) for _ in range(local_stages)],
-            p2p=torch.cuda.Stream(device=device),
-            p2p_lanes=[torch.cuda.Stream(device=device) for _ in range(p2p_lanes - 1)],
-            allreduce=torch.cuda.Stream(device=device, priority=highest),
-            h2d=torch.cuda.Stream(device=device),
-            d2h=torch.cuda.Stream(device=device),
+            stage_compute=[new_stream(device) for _ in range(local_stages)],
+            p2p=new_stream(device),
+            p2p_lanes=[new_stream(device) for _ in range(p2p_lanes - 1)],
+            allreduce=new_stream(device, priority=highest),
+            h2d=new_stream(device),
+            d2h=new_stream(device),
         )
+
+
+_CUDA_STREAM_NON_BLOCKING = 0x01  # cudaStreamNonBlocking (ABI constant of cuda_runtime_api.h)
+_pool_reason: str | None = None  # why streams come from torch's pool, once that happened
+
+
+def new_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
+    """A fresh non-blocking CUDA stream of its own (not torch's pool; see the module docstring), as a torch
+    stream. Lives until the process ends (ExternalStream never destroys it; a rank creates its streams once).
+    Falls back to torch's pool, with one warning, if cuda-bindings is missing or the call fails."""
+    global _pool_reason
+    if _pool_reason is None:
+        try:
+            from cuda.bindings import runtime as cudart
+
+            with torch.cuda.device(device):
+                torch.cuda.init()
+                err, handle = cudart.cudaStreamCreateWithPriority(_CUDA_STREAM_NON_BLOCKING, priority)
+            if int(err) == 0:
+                return torch.cuda.ExternalStream(int(handle), device=device)
+            _pool_reason = f"cudaStreamCreateWithPriority returned {err}"
+        except Exception as exc:  # noqa: BLE001 - any failure here means: use torch's pool, and say so
+            _pool_reason = f"{type(exc).__name__}: {exc}"
+        log.warning("peerline streams come from torch's pool (%s): a stream waiting on a flag may stall another "
+                    "stream that shares its hardware queue", _pool_reason)
+    return torch.cuda.Stream(device=device, priority=priority)
+
+
+def own_streams() -> bool:
+    """Whether streams are peerline's own (False once new_stream fell back to torch's pool)."""
+    return _pool_reason is None
 
 
 @contextlib.contextmanager

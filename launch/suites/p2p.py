@@ -70,11 +70,11 @@ class Pair:
         self.gloo = dist.new_group(backend="gloo")
         self.ops = stream_ops.FlagOps()
         self.gate = torch.zeros(16, dtype=torch.int32, device=device)
+        self.epoch = 0  # the gate's value: a new one per timed run, so a stale write never opens it
 
     def lanes(self, n: int) -> list[torch.cuda.Stream]:
         """The extra send lanes of an n-lane variant (made with the rank's streams, distributed/streams.py)."""
         return self.streams.p2p_lanes[:n - 1]
-        self.epoch = 0
 
     def links(self, spec: TensorSpec) -> Links:
         return Links(None, 1, None, spec) if self.rank == 0 else Links(0, None, spec, None)

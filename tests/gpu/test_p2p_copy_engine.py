@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from peerline.distributed import ipc, stream_ops  # noqa: E402
-from peerline.distributed.streams import create_rank_streams  # noqa: E402
+from peerline.distributed.streams import create_rank_streams, own_streams  # noqa: E402
 
 if not (ipc.available() and stream_ops.available()):
     pytest.skip("needs CuPy and cuda-bindings", allow_module_level=True)
@@ -47,6 +47,8 @@ def test_flag_wait_orders_a_copy_after_another_streams_write() -> None:
     source: the copy must see the written data, never the stale one."""
     dev = torch.device("cuda", torch.cuda.current_device())
     streams = create_rank_streams(dev)
+    # peerline's own streams (distributed/streams.py), not torch's pool, where this wait hung on an H200
+    assert own_streams() and isinstance(streams.p2p, torch.cuda.ExternalStream)
     ops = stream_ops.FlagOps()
     flag = ipc.DeviceAllocation(64, dev)
     src = torch.zeros(1 << 20, device=dev)
