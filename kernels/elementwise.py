@@ -44,9 +44,15 @@ POISON_OUTPUTS = False
 # the sanitizer run makes 2 blocks wrap their pipeline stages); empty = the design.
 TUNING: dict[str, int] = {}
 _warned: set[str] = set()
-# Per-op launch plans (the sweep's winners, without editing code): PEERLINE_KERNEL_PLANS="OP[:DTYPE]=PLAN,...",
-# e.g. "residual_add=w8.s4.d1" (plan.parse_op_plans). Used when TUNING is empty; unset = the default plan.
-OP_PLANS = plan.parse_op_plans(os.environ.get("PEERLINE_KERNEL_PLANS", ""))
+# Per-op launch plans: the sweep's winners on an H200 (launch/suites/kernels_sweep.py, 2026-11-26 04:00 UTC:
+# bias+GELU fwd bf16 3476 -> 3621 GB/s, bwd bf16 3784 -> 3904, bwd fp32 2878 -> 2960, residual add bf16 16 MiB
+# 3289 -> 3569; docs/benchmarks), then PEERLINE_KERNEL_PLANS="OP[:DTYPE]=PLAN,..." on top (plan.parse_op_plans),
+# e.g. "residual_add=w8.s4.d1"; PEERLINE_KERNEL_PLANS=default drops the tuned plans. Used when TUNING is empty.
+TUNED_PLANS = ("bias_gelu_fwd=w8.s3.d1,bias_gelu_bwd:bf16=w8.s4,bias_gelu_bwd:fp32=w8.s4.d1.v2,"
+               "residual_add=w4.s4.t256.d1")
+_USER_PLANS = os.environ.get("PEERLINE_KERNEL_PLANS", "")
+OP_PLANS = ({} if _USER_PLANS.strip() == "default" else
+            {**plan.parse_op_plans(TUNED_PLANS), **plan.parse_op_plans(_USER_PLANS)})
 _OP_NAME = {kc.OP_BIAS_GELU_FWD: "bias_gelu_fwd", kc.OP_BIAS_GELU_BWD: "bias_gelu_bwd",
             kc.OP_RESIDUAL_ADD: "residual_add"}
 _SHORT = {"bfloat16": "bf16", "float32": "fp32"}
