@@ -12,7 +12,7 @@ rank 1. Per message size (64 KiB .. 256 MiB):
                clear, release = write FREE), so the receiver is in the loop. Variants (VARIANTS): 1 lane; 2 lanes
                round robin (slot s on lane s % 2); 1 lane unbatched (one driver call per flag operation, as
                before batching); 2 lanes split (each message's halves copied at once by two
-               lanes, FULL after both); 4 lanes split (two split groups, round robin).
+               lanes, FULL after both); 3 and 4 lanes round robin; 4 lanes split (two split groups, round robin).
              raw: cudaMemcpyPeerAsync into an IPC-mapped buffer on one stream, nothing else (no flags, no
                receiver: the ceiling of one copy stream); raw split: the same with each message's halves on two
                streams (the ceiling of two copy engines);
@@ -52,7 +52,8 @@ SIZES = [(64 << 10) * 4**i for i in range(7)]  # 64 KiB .. 256 MiB
 DEPTH = 4
 # (name, lanes, split, flag operations batched into one driver call)
 VARIANTS = [("1 lane", 1, False, True), ("1 lane unbatched", 1, False, False), ("2 lanes", 2, False, True),
-            ("2 lanes split", 2, True, True), ("4 lanes split", 4, True, True)]
+            ("3 lanes", 3, False, True), ("4 lanes", 4, False, True), ("2 lanes split", 2, True, True),
+            ("4 lanes split", 4, True, True)]
 MAX_LANES = max(v[1] for v in VARIANTS)
 MAX_QUEUED = 48  # messages queued behind a closed gate: the driver's command queue must not fill up
 GOAL_FROM = 16 << 20

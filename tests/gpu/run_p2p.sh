@@ -16,8 +16,9 @@ if [ "${NGPU:-0}" -lt 1 ]; then
 fi
 
 echo "== building blocks (1 GPU)" >> "$LOG"
-step "$OUT/p2p_blocks.out" 25 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_p2p_copy_engine.py \
-  -k "not two_gpus"
+# -v --timeout 40: a hung test is named, with its stack (pytest-timeout), before the step's own limit
+step "$OUT/p2p_blocks.out" 55 "$PY" -m pytest -v -rA --timeout 40 --durations=0 -p no:cacheprovider -m gpu \
+  tests/gpu/test_p2p_copy_engine.py -k "not two_gpus"
 report building_blocks $? "$(tail -n 1 "$OUT/p2p_blocks.out")"
 
 if [ "$NGPU" -lt 2 ]; then
