@@ -22,21 +22,22 @@ fi
 
 echo "== NCCL dp=2 checks (torchrun, 2 ranks)" >> "$LOG"
 t0=$SECONDS
-timeout -k 5 45 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
-  tests/gpu/buckets_gpu_worker.py > "$OUT/buckets_check.out" 2>&1
+step "$OUT/buckets_check.out" 45 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
+  tests/gpu/buckets_gpu_worker.py
 rc=$?
-cat "$OUT/buckets_check.out" >> "$LOG"
 grep -E "^(PASS|FAIL) " "$OUT/buckets_check.out" | sed -E 's/^(PASS|FAIL) /\1 buckets.nccl_dp2./'
 grep -E "^INFO " "$OUT/buckets_check.out" | sed 's/^/  /'
 report nccl_dp2 "$rc" "$((SECONDS - t0)) s"
 
+# AR_CTAS (CTA caps swept, 0 = NCCL's default), AR_REPS and AR_EXTRA (more suite flags) shape the bench: e.g.
+# AR_CTAS=0,16 AR_REPS=40 AR_EXTRA= for a longer, steadier comparison of two settings against DDP.
 echo "== bench (torchrun, 2 ranks)" >> "$LOG"
 t0=$SECONDS
-timeout -k 5 70 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
-  launch/suites/allreduce.py --out "$OUT/bench_allreduce" --ar-param-dtype bf16 --ar-nccl-ctas-sweep 0,16,8,4 \
-  --ar-normal-priority --reps 15 > "$OUT/bench_allreduce.out" 2>&1
+# shellcheck disable=SC2086 # AR_EXTRA is a list of flags
+step "$OUT/bench_allreduce.out" 70 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
+  launch/suites/allreduce.py --out "$OUT/bench_allreduce" --ar-param-dtype bf16 \
+  --ar-nccl-ctas-sweep "${AR_CTAS:-0,16,8,4}" --reps "${AR_REPS:-15}" ${AR_EXTRA---ar-normal-priority}
 rc=$?
-cat "$OUT/bench_allreduce.out" >> "$LOG"
 grep -E "^grad buckets:" "$OUT/bench_allreduce.out" | head -1 | sed 's/^/  /'
 grep -E "^(GOAL|SWEEP) " "$OUT/bench_allreduce.out"
 [ -f "$OUT/bench_allreduce/allreduce.md" ] && cat "$OUT/bench_allreduce/allreduce.md"
