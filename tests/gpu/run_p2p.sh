@@ -20,6 +20,7 @@ echo "== building blocks (1 GPU)" >> "$LOG"
 step "$OUT/p2p_blocks.out" 55 "$PY" -m pytest -v -rA --timeout 40 --durations=0 -p no:cacheprovider -m gpu \
   tests/gpu/test_p2p_copy_engine.py -k "not two_gpus"
 report building_blocks $? "$(tail -n 1 "$OUT/p2p_blocks.out")"
+[ "${P2P_SELECT:-}" = blocks ] && exit 0  # P2P_SELECT=blocks: the one-GPU building blocks only
 
 if [ "$NGPU" -lt 2 ]; then
   echo "SKIP p2p.transport (needs 2 GPUs, found $NGPU)"

@@ -129,7 +129,7 @@ def test_hung_rank_peer_stream_spinning_is_ended_by_the_watchdog(tmp_path):
                  fault="hang:rank=1:iter=4", limit_s=STARTUP_S + DEADLINE + 60)
     r0, r1 = ranks
     assert r1.rc == 3 and r1.errors() == [f"peerline: error: rank 1 (stage 1) timed out after {DEADLINE} s waiting "
-                                          "for iteration 4 to finish"], r1.err[-2000:]
+                                          "for iteration 4 to finish (peers: rank 0 (stage 0))"], r1.err[-2000:]
     assert r0.rc != 0, r0.err[-2000:]
     if r0.errors():
         assert len(r0.errors()) == 1 and "rank 1" in r0.errors()[0], r0.err[-2000:]

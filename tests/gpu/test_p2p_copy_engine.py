@@ -25,6 +25,22 @@ if not (ipc.available() and stream_ops.available()):
 HERE = Path(__file__).resolve().parent
 
 
+def _load_kernels(dev: torch.device, *streams: torch.cuda.Stream) -> None:
+    """Launch once, with nothing waiting, every kernel these tests launch while a flag wait is pending. CUDA loads
+    modules lazily (CUDA_MODULE_LOADING=LAZY, the default), and loading a kernel may synchronize the context: a
+    first launch on one stream while another stream sits in a flag wait that only that launch would release
+    deadlocks (CUDA C++ Programming Guide, Lazy Loading, "Concurrent execution"). Seen on an H200: the
+    wait-for-another-stream test hung in three runs."""
+    a = torch.zeros(1 << 10, device=dev)
+    b = torch.full_like(a, -1.0)
+    for s in streams:
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(1000)
+            a.fill_(7.0)
+            b.copy_(a)
+    torch.cuda.synchronize()
+
+
 def test_device_allocation_is_a_tensor_over_cudamalloc_memory() -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     alloc = ipc.DeviceAllocation(3 * 4096, dev)
@@ -49,6 +65,7 @@ def test_flag_wait_orders_a_copy_after_another_streams_write() -> None:
     streams = create_rank_streams(dev)
     # peerline's own streams (distributed/streams.py), not torch's pool, where this wait hung on an H200
     assert own_streams() and isinstance(streams.p2p, torch.cuda.ExternalStream)
+    _load_kernels(dev, streams.p2p, streams.compute)
     ops = stream_ops.FlagOps()
     flag = ipc.DeviceAllocation(64, dev)
     src = torch.zeros(1 << 20, device=dev)
@@ -76,6 +93,7 @@ def test_batched_wait_and_clear_order_a_copy() -> None:
     for another stream's late write, and the clear must land after the wait."""
     dev = torch.device("cuda", torch.cuda.current_device())
     streams = create_rank_streams(dev)
+    _load_kernels(dev, streams.p2p, streams.compute)
     ops = stream_ops.FlagOps()
     flag = ipc.DeviceAllocation(128, dev)
     src = torch.zeros(1 << 20, device=dev)
@@ -105,6 +123,7 @@ def test_batched_flag_ops_in_a_captured_graph_replay_correctly() -> None:
     set by the host, copies the fresh source, and leaves A = 0, B = 1 (a batch-memop node, replayable)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     streams = create_rank_streams(dev)
+    _load_kernels(dev, streams.p2p, streams.compute)
     ops = stream_ops.FlagOps()
     flag = ipc.DeviceAllocation(128, dev)
     words = flag.tensor.view(torch.int32)
