@@ -234,7 +234,21 @@ __device__ __forceinline__ void copy_tile_async(unsigned char* dst, const unsign
 // The compute warps' loop (compute thread ct). DIRECT: results go from registers to global memory (gc is the
 // aligned body), out_pipe is unused (the caller passes in_pipe for it) and the C buffers are not in shared
 // memory. Otherwise results go to the stage's C buffer and out_pipe hands it to the storer.
-template <class Op, int STAGE_BYTES, bool DIRECT>
+// Byte sizes of one op's chunks (E elements of each input and of the output) and of one pipeline stage's
+// [A | B | C] tiles in shared memory; the loader, compute and storer warps all address the stages with these.
+template <class Op>
+struct TileBytes {
+  static constexpr int A_CB = Op::E * sizeof(typename Op::TA);
+  static constexpr int B_CB = Op::HAS_B ? Op::E * sizeof(typename Op::TB) : 0;
+  static constexpr int C_CB = Op::E * sizeof(typename Op::TC);
+  static_assert(A_CB % 16 == 0 && B_CB % 16 == 0 && C_CB % 16 == 0, "chunks are whole 16-byte vectors");
+  static constexpr int A = kTileChunks * A_CB;
+  static constexpr int B = kTileChunks * B_CB;
+  static constexpr int C = kDirectStore ? 0 : kTileChunks * C_CB;  // no C buffers with direct stores
+  static constexpr int STAGE = A + B + C;
+};
+
+template <class Op, bool DIRECT>
 __device__ __forceinline__ void compute_tiles(Op& op, cuda::pipeline<cuda::thread_scope_block>& in_pipe,
                                               cuda::pipeline<cuda::thread_scope_block>& out_pipe,
                                               unsigned char* smem, unsigned char* __restrict__ gc,
@@ -242,20 +256,16 @@ __device__ __forceinline__ void compute_tiles(Op& op, cuda::pipeline<cuda::threa
   typedef typename Op::TA TA;
   typedef typename Op::TB TB;
   typedef typename Op::TC TC;
+  typedef TileBytes<Op> L;
   constexpr int E = Op::E;
-  constexpr int A_CB = E * sizeof(TA);
-  constexpr int B_CB = Op::HAS_B ? E * sizeof(TB) : 0;
-  constexpr int C_CB = E * sizeof(TC);
-  constexpr int A_BYTES = kTileChunks * A_CB;
-  constexpr int B_BYTES = kTileChunks * B_CB;
   op.begin(ct);
   int stage = 0;
   for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
     const long long c0 = t * kTileChunks;
     const int valid = static_cast<int>(min(static_cast<long long>(kTileChunks), nchunks - c0));
-    const unsigned char* sa = smem + stage * STAGE_BYTES;
-    const unsigned char* sb = sa + A_BYTES;
-    unsigned char* sc = smem + stage * STAGE_BYTES + A_BYTES + B_BYTES;
+    const unsigned char* sa = smem + stage * L::STAGE;
+    const unsigned char* sb = sa + L::A;
+    unsigned char* sc = smem + stage * L::STAGE + L::A + L::B;
     in_pipe.consumer_wait();
     if constexpr (!DIRECT) out_pipe.producer_acquire();
 #pragma unroll
@@ -263,18 +273,18 @@ __device__ __forceinline__ void compute_tiles(Op& op, cuda::pipeline<cuda::threa
       const int ch = ct + s * kComputeThreads;
       if (ch < valid) {
         float a[E], b[E], c[E];
-        ChunkIO<TA, E>::load(sa + ch * A_CB, a);
+        ChunkIO<TA, E>::load(sa + ch * L::A_CB, a);
         if constexpr (Op::HAS_B) {
-          ChunkIO<TB, E>::load(sb + ch * B_CB, b);
+          ChunkIO<TB, E>::load(sb + ch * L::B_CB, b);
         } else {
 #pragma unroll
           for (int k = 0; k < E; ++k) b[k] = 0.f;
         }
         op.chunk(s, a, b, c);
         if constexpr (DIRECT) {
-          ChunkIO<TC, E>::store_global(gc + (c0 + ch) * C_CB, c);  // STG.128 from registers
+          ChunkIO<TC, E>::store_global(gc + (c0 + ch) * L::C_CB, c);  // STG.128 from registers
         } else {
-          ChunkIO<TC, E>::store(sc + ch * C_CB, c);
+          ChunkIO<TC, E>::store(sc + ch * L::C_CB, c);
         }
       }
     }
@@ -299,18 +309,7 @@ template <class Op>
 __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restrict__ ga,
                                            const unsigned char* __restrict__ gb, unsigned char* __restrict__ gc,
                                            long long nchunks) {
-  typedef typename Op::TA TA;
-  typedef typename Op::TB TB;
-  typedef typename Op::TC TC;
-  constexpr int E = Op::E;
-  constexpr int A_CB = E * sizeof(TA);
-  constexpr int B_CB = Op::HAS_B ? E * sizeof(TB) : 0;
-  constexpr int C_CB = E * sizeof(TC);
-  static_assert(A_CB % 16 == 0 && B_CB % 16 == 0 && C_CB % 16 == 0, "chunks are whole 16-byte vectors");
-  constexpr int A_BYTES = kTileChunks * A_CB;
-  constexpr int B_BYTES = kTileChunks * B_CB;
-  constexpr int C_BYTES = kDirectStore ? 0 : kTileChunks * C_CB;  // no C buffers with direct stores
-  constexpr int STAGE_BYTES = A_BYTES + B_BYTES + C_BYTES;
+  typedef TileBytes<Op> L;
 
   extern __shared__ __align__(128) unsigned char smem[];
   // As in the CUDA programming guide: the states are left unconstructed (warning 20054 says so) and
@@ -335,10 +334,10 @@ __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restri
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
       const long long c0 = t * kTileChunks;
       const int valid = static_cast<int>(min(static_cast<long long>(kTileChunks), nchunks - c0));
-      unsigned char* s = smem + stage * STAGE_BYTES;
+      unsigned char* s = smem + stage * L::STAGE;
       in_pipe.producer_acquire();
-      copy_tile_async(s, ga + c0 * A_CB, valid * A_CB, lane, in_pipe);
-      if constexpr (Op::HAS_B) copy_tile_async(s + A_BYTES, gb + c0 * B_CB, valid * B_CB, lane, in_pipe);
+      copy_tile_async(s, ga + c0 * L::A_CB, valid * L::A_CB, lane, in_pipe);
+      if constexpr (Op::HAS_B) copy_tile_async(s + L::A, gb + c0 * L::B_CB, valid * L::B_CB, lane, in_pipe);
       in_pipe.producer_commit();
       stage = (stage + 1 == kStages) ? 0 : stage + 1;
     }
@@ -350,12 +349,12 @@ __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restri
     const int ct = threadIdx.x - 32;
     if constexpr (kDirectStore) {
       all_roles_sync();
-      compute_tiles<Op, STAGE_BYTES, true>(op, in_pipe, in_pipe, smem, gc, nchunks, ntiles, ct);
+      compute_tiles<Op, true>(op, in_pipe, in_pipe, smem, gc, nchunks, ntiles, ct);
     } else {
       cuda::pipeline<cuda::thread_scope_block> out_pipe =
           cuda::make_pipeline(ComputeStoreGroup(), &out_state, cuda::pipeline_role::producer);
       all_roles_sync();
-      compute_tiles<Op, STAGE_BYTES, false>(op, in_pipe, out_pipe, smem, gc, nchunks, ntiles, ct);
+      compute_tiles<Op, false>(op, in_pipe, out_pipe, smem, gc, nchunks, ntiles, ct);
     }
   } else if constexpr (kDirectStore) {
     // Storer with direct stores: only the scalar head and tail (global memory only, no shared memory).
@@ -372,9 +371,9 @@ __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restri
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
       const long long c0 = t * kTileChunks;
       const int valid = static_cast<int>(min(static_cast<long long>(kTileChunks), nchunks - c0));
-      const uint4* sc = reinterpret_cast<const uint4*>(smem + stage * STAGE_BYTES + A_BYTES + B_BYTES);
-      uint4* g = reinterpret_cast<uint4*>(gc + c0 * C_CB);
-      const int units = (valid * C_CB) >> 4;
+      const uint4* sc = reinterpret_cast<const uint4*>(smem + stage * L::STAGE + L::A + L::B);
+      uint4* g = reinterpret_cast<uint4*>(gc + c0 * L::C_CB);
+      const int units = (valid * L::C_CB) >> 4;
       out_pipe.consumer_wait();
 #pragma unroll 4
       for (int u = lane; u < units; u += 32) g[u] = sc[u];

@@ -36,3 +36,15 @@ step() {
   cat "$out" >> "$LOG"
   return "$rc"
 }
+
+# NGPU: CUDA devices this section sees. need_gpus N CHECK...: with fewer than N, one "SKIP CHECK" line per check and
+# the section ends (exit 0, as every section does).
+NGPU="$(timeout -k 2 30 "$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
+NGPU=${NGPU:-0}
+need_gpus() {
+  local n=$1 check
+  shift
+  [ "$NGPU" -ge "$n" ] && return 0
+  for check in "$@"; do echo "SKIP $check (needs $n GPU(s), found $NGPU)"; done
+  exit 0
+}

@@ -10,18 +10,11 @@
 # Bounded to 5 minutes (each step under `timeout`); a healthy run on 2 x H100 should take 2 to 3.
 . "$(dirname "$0")/common.sh" bench "${1:-}"
 
-NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
-if [ "${NGPU:-0}" -lt 1 ]; then
-  echo "SKIP bench (no CUDA device)"
-  exit 0
-fi
+need_gpus 1 bench
 
 # (The timing-tool checks and the one-GPU graph suite are their own section: run_graph.sh.)
 
-if [ "${NGPU:-0}" -lt 2 ]; then
-  echo "SKIP bench.pipeline (needs 2 GPUs, found $NGPU)"
-  exit 0
-fi
+need_gpus 2 bench.pipeline
 
 echo "== pipeline suite: compute-bound + launch-bound, 1F1B, torch / eager / graph, 2 ranks" >> "$LOG"
 RES="$OUT/bench_pipeline"

@@ -13,12 +13,7 @@
 
 # (The CPU checks of the same code run in CI; device time is kept for what needs GPUs.)
 
-NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
-if [ "${NGPU:-0}" -lt 2 ]; then
-  echo "SKIP buckets.nccl_dp2 (needs 2 GPUs, found ${NGPU:-0})"
-  echo "SKIP buckets.bench (needs 2 GPUs, found ${NGPU:-0})"
-  exit 0
-fi
+need_gpus 2 buckets.nccl_dp2 buckets.bench
 
 echo "== NCCL dp=2 checks (torchrun, 2 ranks)" >> "$LOG"
 t0=$SECONDS

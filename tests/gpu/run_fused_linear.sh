@@ -8,11 +8,7 @@
 . "$(dirname "$0")/common.sh" fused_linear "${1:-}"
 BUDGET=100  # read by step (common.sh): no step runs past it
 
-NGPU="$(timeout -k 2 20 "$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
-if [ "${NGPU:-0}" -lt 1 ]; then
-  echo "SKIP fused_linear (no CUDA device)"
-  exit 0
-fi
+need_gpus 1 fused_linear
 
 echo "== tests: probe, bf16 grads vs float64, hooks, graph replay vs eager" >> "$LOG"
 step "$OUT/fused_linear_tests.out" 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE \

@@ -5,11 +5,7 @@
 # $OUT/bench_graph/. Prints one PASS/FAIL/SKIP line per check; exits 0. About 3 minutes.
 . "$(dirname "$0")/common.sh" graph "${1:-}"
 
-NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
-if [ "${NGPU:-0}" -lt 1 ]; then
-  echo "SKIP bench (no CUDA device)"
-  exit 0
-fi
+need_gpus 1 graph
 
 echo "== GPU checks of timelines, block timer, stage times (pytest)" >> "$LOG"
 step "$OUT/bench_tests.out" 45 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_bench_gpu.py

@@ -14,11 +14,7 @@
 SELECT=",${KERNELS_SELECT:-tests,sass,sweep,bench,sanitize},"
 selected() { case "$SELECT" in *",$1,"*) return 0 ;; esac; [ "$1" = sass ] && case "$SELECT" in *",tests,"*) return 0 ;; esac; return 1; }
 
-NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
-if [ "${NGPU:-0}" -lt 1 ]; then
-  echo "SKIP kernels (no CUDA device)"
-  exit 0
-fi
+need_gpus 1 kernels
 
 if selected tests; then
   echo "== correctness (pytest, float64 references)" >> "$LOG"

@@ -9,11 +9,7 @@
 . "$(dirname "$0")/common.sh" p2p "${1:-}"
 BUDGET="${BUDGET:-120}"
 
-NGPU="$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
-if [ "${NGPU:-0}" -lt 1 ]; then
-  echo "SKIP p2p (no CUDA device)"
-  exit 0
-fi
+need_gpus 1 p2p
 
 echo "== building blocks (1 GPU)" >> "$LOG"
 # -v --timeout 40: a hung test is named, with its stack (pytest-timeout), before the step's own limit
@@ -22,11 +18,7 @@ step "$OUT/p2p_blocks.out" 55 "$PY" -m pytest -v -rA --timeout 40 --durations=0 
 report building_blocks $? "$(tail -n 1 "$OUT/p2p_blocks.out")"
 [ "${P2P_SELECT:-}" = blocks ] && exit 0  # P2P_SELECT=blocks: the one-GPU building blocks only
 
-if [ "$NGPU" -lt 2 ]; then
-  echo "SKIP p2p.transport (needs 2 GPUs, found $NGPU)"
-  echo "SKIP p2p.bench (needs 2 GPUs, found $NGPU)"
-  exit 0
-fi
+need_gpus 2 p2p.transport p2p.bench
 
 echo "== transport checks (torchrun, 2 ranks)" >> "$LOG"
 P2P_CHECK_TIMEOUT=45 step "$OUT/p2p_check.out" 50 "$PY" -m torch.distributed.run --standalone \

@@ -9,11 +9,7 @@
 . "$(dirname "$0")/common.sh" single "${1:-}"
 BUDGET=140  # read by step (common.sh): no step runs past it
 
-NGPU="$(timeout -k 2 10 "$PY" -c "import torch; print(torch.cuda.device_count())" 2>>"$LOG" || echo 0)"
-if [ "${NGPU:-0}" -lt 1 ]; then
-  echo "SKIP single (no CUDA device)"
-  exit 0
-fi
+need_gpus 1 single
 
 echo "== tests: stages 2/4 == 1 stage with the staging feed, stream overlap, async allocator + graph" >> "$LOG"
 step "$OUT/single_tests.out" 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_single_gpu.py

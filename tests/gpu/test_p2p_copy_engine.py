@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -58,41 +59,17 @@ def test_device_allocation_is_a_tensor_over_cudamalloc_memory() -> None:
         alloc.free()
 
 
-def test_flag_wait_orders_a_copy_after_another_streams_write() -> None:
-    """Stream p2p waits for a flag that the compute stream sets only after a long spin and a write of the
-    source: the copy must see the written data, never the stale one."""
+QueueWait = Callable[["stream_ops.FlagOps", int, int], None]
+
+
+def _copy_behind_a_late_flag(queue_wait: QueueWait) -> tuple[torch.Tensor, list[int]]:
+    """queue_wait(ops, p2p stream, flag address) queues the flag operations on the p2p stream; a copy of the
+    source follows them there. The compute stream spins ~10 ms, then writes the source, then sets the flag word to
+    1. Returns the copy and the flag words 0 and 16 after both streams are done."""
     dev = torch.device("cuda", torch.cuda.current_device())
     streams = create_rank_streams(dev)
-    # peerline's own streams (distributed/streams.py), not torch's pool, where this wait hung on an H200
+    # peerline's own streams (distributed/streams.py), not torch's pool, where a wait like this one hung on an H200
     assert own_streams() and isinstance(streams.p2p, torch.cuda.ExternalStream)
-    _load_kernels(dev, streams.p2p, streams.compute)
-    ops = stream_ops.FlagOps()
-    flag = ipc.DeviceAllocation(64, dev)
-    src = torch.zeros(1 << 20, device=dev)
-    dst = torch.full_like(src, -1.0)
-    try:
-        flag.tensor.zero_()
-        torch.cuda.synchronize()
-        ops.wait_eq(streams.p2p.cuda_stream, flag.ptr, 1)
-        with torch.cuda.stream(streams.p2p):
-            dst.copy_(src)
-        with torch.cuda.stream(streams.compute):
-            torch.cuda._sleep(20_000_000)  # ~10 ms: the copy would run now if the wait did not hold it
-            src.fill_(7.0)
-            ops.write(streams.compute.cuda_stream, flag.ptr, 1)
-        torch.cuda.synchronize()
-        assert torch.all(dst == 7.0)
-        assert int(flag.tensor.view(torch.int32)[0]) == 1
-    finally:
-        torch.cuda.synchronize()
-        flag.free()
-
-
-def test_batched_wait_and_clear_order_a_copy() -> None:
-    """wait FREE + clear FREE as ONE cuStreamBatchMemOp (what every send issues): the copy behind it must wait
-    for another stream's late write, and the clear must land after the wait."""
-    dev = torch.device("cuda", torch.cuda.current_device())
-    streams = create_rank_streams(dev)
     _load_kernels(dev, streams.p2p, streams.compute)
     ops = stream_ops.FlagOps()
     flag = ipc.DeviceAllocation(128, dev)
@@ -101,21 +78,38 @@ def test_batched_wait_and_clear_order_a_copy() -> None:
     try:
         flag.tensor.zero_()
         torch.cuda.synchronize()
-        assert ops.probe_batch(streams.p2p.cuda_stream, flag.ptr + 64, 0), "cuStreamBatchMemOp refused"
-        ops.batch(streams.p2p.cuda_stream, (("wait", flag.ptr, 1), ("write", flag.ptr, 0), ("write", flag.ptr + 64, 3)))
+        queue_wait(ops, streams.p2p.cuda_stream, flag.ptr)
         with torch.cuda.stream(streams.p2p):
             dst.copy_(src)
         with torch.cuda.stream(streams.compute):
-            torch.cuda._sleep(20_000_000)
+            torch.cuda._sleep(20_000_000)  # ~10 ms: the copy would run now if the wait did not hold it
             src.fill_(7.0)
             ops.write(streams.compute.cuda_stream, flag.ptr, 1)
         torch.cuda.synchronize()
         words = flag.tensor.view(torch.int32)
-        assert torch.all(dst == 7.0)
-        assert int(words[0]) == 0 and int(words[16]) == 3  # cleared after the wait; the third op ran too
+        return dst, [int(words[0]), int(words[16])]
     finally:
         torch.cuda.synchronize()
         flag.free()
+
+
+def test_flag_wait_orders_a_copy_after_another_streams_write() -> None:
+    """The copy must see the source written by the other stream, never the stale one."""
+    dst, words = _copy_behind_a_late_flag(lambda ops, stream, addr: ops.wait_eq(stream, addr, 1))
+    assert torch.all(dst == 7.0)
+    assert words[0] == 1
+
+
+def test_batched_wait_and_clear_order_a_copy() -> None:
+    """wait FREE + clear FREE as ONE cuStreamBatchMemOp (what every send issues): the copy behind it must wait
+    for another stream's late write, and the clear must land after the wait."""
+    def queue(ops: stream_ops.FlagOps, stream: int, addr: int) -> None:
+        assert ops.probe_batch(stream, addr + 64, 0), "cuStreamBatchMemOp refused"
+        ops.batch(stream, (("wait", addr, 1), ("write", addr, 0), ("write", addr + 64, 3)))
+
+    dst, words = _copy_behind_a_late_flag(queue)
+    assert torch.all(dst == 7.0)
+    assert words == [0, 3]  # cleared after the wait; the third operation ran too
 
 
 def test_batched_flag_ops_in_a_captured_graph_replay_correctly() -> None:
