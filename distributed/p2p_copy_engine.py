@@ -37,6 +37,18 @@ Lanes (send streams: `streams.p2p` plus `lanes`), grouped by `split`:
                operations: wait FREE + clear FREE, then the second lane joins it by event (so it copies only into
                a free slot), both copy their half, the first lane waits for the second by event, then writes FULL
                (so FULL means both halves landed). Groups (lanes // 2 of them) take slots round robin.
+  decoupled=True
+               the flag operations leave the copy streams: with lanes [c0, .., ck, F, W] the copy lanes c0..ck take
+               slots round robin and do nothing but copies (back to back, like raw cudaMemcpyPeerAsync: on H200 the
+               flag operations between copies on one stream cost ~10% at 16 MiB, and two copy engines at once are
+               slower than one). F does wait FREE + clear FREE and records the slot's event E_free; the copy lane
+               waits E_free (long satisfied in steady state), copies, records E_copied; W waits E_copied and writes
+               FULL. FREE and FULL need two streams: on one, the wait for message m's copy would hold back message
+               m+1's FREE wait, and so m+1's copy. Each of the three streams keeps the message order of a single
+               lane and waits only for what that lane would, so decoupled never blocks where one lane would not.
+               Events: one E_free and one E_copied per (kind, slot), made at set-up (capture-safe: under capture
+               they become graph edges); reusing a slot's event is safe because a wait binds to the record
+               issued before it.
 In every variant one slot's sends stay on one group, so a slot's uses keep their order, and the protocol of
 slot_ring.py is unchanged (one FREE and one FULL word per slot).
 """
@@ -133,7 +145,8 @@ class CopyEngineTransport(Transport):
     `streams.p2p_lanes` (the extra lanes RankStreams was created with). split: cut each message in two halves
     copied by two lanes at once (needs an even number of lanes in all). See the module docstring.
     batch_flags: send consecutive flag operations as one cuStreamBatchMemOp (False: one driver call each, as
-    before; also PEERLINE_P2P_BATCH=0 in the environment).
+    before; also PEERLINE_P2P_BATCH=0 in the environment). decoupled: the last two lanes carry the FREE and the
+    FULL flag operations, the others only copies (needs >= 3 lanes, not with split).
     """
 
     name = "copy-engine"
@@ -141,7 +154,7 @@ class CopyEngineTransport(Transport):
     def __init__(self, links: Links, device: torch.device, num_microbatches: int,
                  streams: RankStreams | None = None, *, depth: int | None = None, capture_safe: bool = False,
                  group: dist.ProcessGroup | None = None, lanes: list[torch.cuda.Stream] | None = None,
-                 split: bool = False, batch_flags: bool = True) -> None:
+                 split: bool = False, batch_flags: bool = True, decoupled: bool = False) -> None:
         if device.type != "cuda" or device.index is None:
             raise ValueError(f"copy-engine transport needs a CUDA device with an index, got {device}")
         depth = num_microbatches if depth is None else depth
@@ -159,8 +172,15 @@ class CopyEngineTransport(Transport):
         width = 2 if split else 1
         if len(self._lanes) % width:
             raise ValueError(f"split copies need an even number of p2p lanes, got {len(self._lanes)}")
-        self.split = split
-        self._groups = [self._lanes[i:i + width] for i in range(0, len(self._lanes), width)]
+        self.split, self.decoupled = split, decoupled
+        copy_lanes = self._lanes
+        if decoupled:
+            if split or len(self._lanes) < 3:
+                raise ValueError("decoupled flags need >= 3 p2p lanes (copy lanes, then a FREE and a FULL flag "
+                                 f"stream) and no split, got {len(self._lanes)} lane(s){', split' if split else ''}")
+            *copy_lanes, self._free_lane, self._full_lane = self._lanes
+        self._groups = [copy_lanes[i:i + width] for i in range(0, len(copy_lanes), width)]
+        self._events: dict[tuple[str, int], tuple[torch.cuda.Event, torch.cuda.Event]] = {}  # E_free, E_copied
         self._ops = stream_ops.FlagOps()
         self._ops.batching = batch_flags and os.environ.get("PEERLINE_P2P_BATCH", "1") != "0"
         self._held: dict[tuple[str, int], int] = {}  # (kind, slot) -> mb received and not yet released
@@ -191,6 +211,12 @@ class CopyEngineTransport(Transport):
             self._flags.tensor.view(torch.int32).copy_(self._initial_flags())
             for ring in self._rings.values():
                 ring.tensor.fill_(POISON)
+        if self.decoupled:  # torch creates an event at its first record: do that here, never in the send path
+            for kind in KINDS:
+                for slot in range(self.depth):
+                    pair = self._events[(kind, slot)] = (torch.cuda.Event(), torch.cuda.Event())
+                    for ev in pair:
+                        ev.record(self.p2p)
         # Host sync at set-up only: peers may write our flags as soon as the exchange below returns.
         self.p2p.synchronize()
         if self._ops.batching:  # rewrite one FULL word (0, nobody writes it yet): does the driver take batches?
@@ -324,7 +350,9 @@ class CopyEngineTransport(Transport):
         for kind, mb, t in sends:
             t = t.detach().contiguous()  # on the current stream, before the p2p stream waits for it
             staged.append((kind, mb, t, self._check_send(kind, mb, t)))
-        if staged:
+        if staged and self.decoupled:
+            self._send_decoupled(cur, staged)
+        elif staged:
             capture = self.capture_safe or torch.cuda.is_current_stream_capturing()
             waited: list[torch.cuda.Stream] = []
             for kind, mb, t, (_peer, peer_dev, ring) in staged:
@@ -361,6 +389,38 @@ class CopyEngineTransport(Transport):
             self._held[key] = mb
             out.append(self._views[key].detach())  # a fresh alias: callers may set requires_grad on it
         return out
+
+    def _send_decoupled(self, cur: torch.cuda.Stream, staged: list) -> None:
+        """Sends with the flag operations on their own streams (module docstring, decoupled=True)."""
+        capture = self.capture_safe or torch.cuda.is_current_stream_capturing()
+        free, full = self._free_lane, self._full_lane
+        waited: list[torch.cuda.Stream] = []
+        for kind, mb, t, (_peer, peer_dev, ring) in staged:
+            slot = slot_ring.slot_of(mb, self.depth)
+            lane = self._groups[slot % len(self._groups)][0]
+            e_free, e_copied = self._events[(kind, slot)]
+            # The copy lane waits for the producer; the FREE stream too, which also forks it into a capture.
+            for s in (free, lane):
+                if s not in waited:
+                    s.wait_stream(cur)
+                    waited.append(s)
+            for s in (free, lane, full):
+                if s not in self._pending:
+                    self._pending.append(s)  # join() rejoins all three (a capture must join every fork)
+            flags_on = free
+            for seg, arg in self._send_prog[(kind, slot)]:
+                if seg == "flags":  # before the copy: wait FREE + clear FREE; after it: write the peer's FULL
+                    self._ops.batch(flags_on.cuda_stream, arg)
+                    continue
+                e_free.record(free)
+                lane.wait_event(e_free)  # never copy into a slot the receiver still reads
+                ipc.copy_peer(arg, peer_dev, t.data_ptr(), self.device.index, ring.slot_bytes, lane.cuda_stream,
+                              capture)
+                e_copied.record(lane)
+                full.wait_event(e_copied)  # FULL only once the copy landed
+                flags_on = full
+            if t.is_cuda:  # (the CPU simulation in tests/unit passes host tensors)
+                t.record_stream(lane)  # only the copy lane reads t
 
     def release(self, kind: str, mb: int) -> None:
         key = (kind, slot_ring.slot_of(mb, self.depth))
@@ -440,6 +500,8 @@ class CopyEngineTransport(Transport):
         edges += [f"{k}<-{self.links.peer_or_none(k)}" for k in self._rings]
         mode = "capture-safe copies" if self.capture_safe else "cudaMemcpyPeerAsync"
         lanes = f"{len(self._lanes)} lane(s){', split' if self.split else ''}"
+        if self.decoupled:
+            lanes += f", decoupled flags ({len(self._groups)} copy lane(s))"
         batch = "batched flag ops" if self._ops.batching else "single flag ops"
         return f"copy-engine ({', '.join(edges) or 'no edges'}; depth {self.depth}; {lanes}; {mode}; {batch})"
 

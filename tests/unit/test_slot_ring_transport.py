@@ -41,6 +41,7 @@ class Sim:
         self.lanes = [[FakeStream(self, f"lane{r}.{i}") for i in range(3)] for r in range(2)]
         self.lane = [ls[0] for ls in self.lanes]
         self.batches: list[int] = []  # sizes of the flag-op batches issued
+        self.drop_event_waits = False  # a broken transport, to show the tests catch a missing event wait
 
     # memory
     def alloc(self, nbytes: int) -> tuple[int, torch.Tensor]:
@@ -107,11 +108,26 @@ class FakeStream:
     def wait_stream(self, other: FakeStream) -> None:
         self.queue.append(("after", other, len(other.queue)))
 
+    def wait_event(self, event: FakeEvent) -> None:
+        if not event.sim.drop_event_waits:
+            self.queue.append(("after", *event.at))  # the record issued before this wait, as in CUDA
+
     def synchronize(self) -> None:
         pass
 
     def call(self, fn) -> None:
         self.queue.append(("call", fn))
+
+
+class FakeEvent:
+    """torch.cuda.Event: a record remembers its stream's queue position; a wait binds to the latest record."""
+
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+        self.at: tuple[FakeStream, int] | None = None
+
+    def record(self, stream: FakeStream) -> None:
+        self.at = (stream, len(stream.queue))
 
 
 class _NoDevice:
@@ -195,6 +211,7 @@ def sim(monkeypatch: pytest.MonkeyPatch) -> Sim:
     monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "device", _NoDevice)
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: FakeEvent(s))
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: nullcontext())
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: s.compute[rank()])
@@ -204,7 +221,7 @@ def sim(monkeypatch: pytest.MonkeyPatch) -> Sim:
     return s
 
 
-def build(sim: Sim, spec: TensorSpec, depth: int, lanes: int = 1, split: bool = False
+def build(sim: Sim, spec: TensorSpec, depth: int, lanes: int = 1, split: bool = False, decoupled: bool = False
           ) -> list[ce.CopyEngineTransport]:
     """Both ranks' transports, constructed concurrently (the handle exchange is collective)."""
     out: list = [None, None]
@@ -216,7 +233,7 @@ def build(sim: Sim, spec: TensorSpec, depth: int, lanes: int = 1, split: bool = 
         streams = RankStreams(device=torch.device("cuda", r), stage_compute=[sim.compute[r]], p2p=sim.p2p[r])
         try:
             out[r] = ce.CopyEngineTransport(links, torch.device("cuda", r), depth, streams=streams, depth=depth,
-                                            lanes=sim.lanes[r][:lanes - 1], split=split)
+                                            lanes=sim.lanes[r][:lanes - 1], split=split, decoupled=decoupled)
         except Exception as exc:  # noqa: BLE001 - re-raised below in the test thread
             errors.append(exc)
 
@@ -284,10 +301,12 @@ def test_one_way_messages_land_intact(sim: Sim, small_split: None, depth: int, l
     assert 2 in sim.batches  # wait + clear issued as one batch
 
 
-@pytest.mark.parametrize(("lanes", "split"), [(1, False), (2, False), (2, True), (4, True)])
-def test_both_directions_in_one_exchange(sim: Sim, small_split: None, lanes: int, split: bool) -> None:
+@pytest.mark.parametrize(("lanes", "split", "decoupled"), [(1, False, False), (2, False, False), (2, True, False),
+                                                          (4, True, False), (3, False, True), (4, False, True)])
+def test_both_directions_in_one_exchange(sim: Sim, small_split: None, lanes: int, split: bool, decoupled: bool
+                                         ) -> None:
     shape = (4, 4)
-    tr = build(sim, TensorSpec(shape, torch.float32), 2, lanes, split)
+    tr = build(sim, TensorSpec(shape, torch.float32), 2, lanes, split, decoupled)
     n, bad, keep = 6, [], []
     answers: dict[int, torch.Tensor] = {}
     for i in range(n + 1):
@@ -317,6 +336,63 @@ def test_both_directions_in_one_exchange(sim: Sim, small_split: None, lanes: int
     assert sim.run(seed=5)
     assert bad == []
     assert tr[0].idle() and tr[1].idle()
+
+
+def stream_rounds(sim: Sim, tr: list[ce.CopyEngineTransport], shape: tuple[int, ...], rounds: int, m: int
+                  ) -> list[int] | None:
+    """`rounds` times: queue m messages rank 0 -> rank 1 (the receiver checks each on its compute stream), then
+    run the simulation with a new seed. Returns the microbatches that arrived wrong, None on a deadlock."""
+    bad: list[int] = []
+    keep = []
+    for r in range(rounds):
+        for mb in range(r * m, (r + 1) * m):
+            as_rank(sim, 0)
+            keep.append(pattern(mb, shape))  # host memory must outlive the simulated copy
+            tr[0].exchange([(ACT, mb, keep[-1])], [])
+            as_rank(sim, 1)
+            (got,) = tr[1].exchange([], [(ACT, mb)])
+            sim.compute[1].call(lambda got=got, mb=mb: bad.append(mb) if not torch.equal(got, pattern(mb, shape))
+                                else None)
+            tr[1].release(ACT, mb)
+        as_rank(sim, 0)
+        tr[0].finish_iteration()
+        if not sim.run(seed=r):
+            return None
+    return bad
+
+
+@pytest.mark.parametrize(("depth", "lanes"), [(1, 3), (2, 3), (4, 3), (2, 4), (3, 4), (4, 4)])
+def test_decoupled_flags_keep_the_copy_lanes_free_of_flag_operations(sim: Sim, depth: int, lanes: int) -> None:
+    shape = (3, 5)
+    tr = build(sim, TensorSpec(shape, torch.float32), depth, lanes, decoupled=True)
+    assert stream_rounds(sim, tr, shape, rounds=4, m=9) == []
+    assert tr[0].idle() and tr[1].idle()
+    streams = [sim.p2p[0], *sim.lanes[0][:lanes - 1]]
+    *copy_lanes, free, full = streams
+    kinds = {st.name: {op[0] for op in st.queue} for st in streams}
+    for lane in copy_lanes:  # only copies, plus the waits for the producer and for E_free
+        assert kinds[lane.name] == {"copy", "after"}
+    assert "copy" not in kinds[free.name] and "copy" not in kinds[full.name]
+    assert sum(op[0] == "wait" for op in free.queue) == 36  # every FREE wait on the FREE stream
+    assert sum(op[0] == "write" for op in full.queue) == 36  # every FULL write on the FULL stream
+    copies = [sum(op[0] == "copy" for op in lane.queue) for lane in copy_lanes]
+    assert copies == [sum(mb % depth % len(copy_lanes) == i for mb in range(36)) for i in range(len(copy_lanes))]
+    assert "decoupled flags" in tr[0].describe()
+
+
+def test_decoupled_flags_without_the_event_waits_are_caught(sim: Sim) -> None:
+    """The simulation must notice a copy lane that does not wait for E_free and a FULL written before E_copied:
+    wrong data, or a deadlock (a FULL written early is cleared by the receiver's previous use of the slot)."""
+    shape = (3, 5)
+    sim.drop_event_waits = True
+    tr = build(sim, TensorSpec(shape, torch.float32), 2, 3, decoupled=True)
+    assert stream_rounds(sim, tr, shape, rounds=8, m=9) != []
+
+
+@pytest.mark.parametrize(("lanes", "split"), [(2, False), (4, True)])
+def test_decoupled_flags_need_three_lanes_and_no_split(sim: Sim, lanes: int, split: bool) -> None:
+    with pytest.raises(ValueError, match="decoupled flags need >= 3 p2p lanes"):
+        build(sim, TensorSpec((2, 2), torch.float32), 2, lanes=lanes, split=split, decoupled=True)
 
 
 def test_gpipe_with_a_shallow_ring_deadlocks(sim: Sim) -> None:
