@@ -23,6 +23,7 @@ propagate to the entry point, which prints them and exits 2.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -45,7 +46,13 @@ log = logging.getLogger(__name__)
 
 
 class WatchedTransport(Transport):
-    """Delegates to the real transport; tells the watchdog what each exchange waits for."""
+    """Delegates to the real transport; tells the watchdog what each exchange waits for.
+
+    On the CPU a receive blocks the host, so the description set before it is what a timeout names. On a GPU the
+    host only queues the wait and moves on; so after each receive an event is recorded on the stream that waits
+    (external events: they become graph nodes under capture, and replays record them again), and at a timeout
+    `describe_stall` names the first receive whose event has not completed: the edge and microbatch the device
+    is stuck on."""
 
     def __init__(self, inner: Transport, watchdog: Watchdog, first_stage: int, last_stage: int) -> None:
         self.inner = inner
@@ -53,6 +60,41 @@ class WatchedTransport(Transport):
         self.first_stage, self.last_stage = first_stage, last_stage
         self.name = inner.name
         self.capacity = inner.capacity
+        self._arrived: dict[tuple[str, int], torch.cuda.Event] = {}  # one per (kind, mb), reused every iteration
+        self._order: list[tuple[torch.cuda.Event, str]] = []  # this iteration's receives, in the order queued
+        self._stale = False  # a new iteration began: the first receive it queues starts a new order
+        self._device: torch.device | None = None
+
+    def new_iteration(self) -> None:
+        """An iteration begins. A replayed graph queues no receive from the host: the captured order stays."""
+        self._stale = True
+
+    def describe_stall(self) -> str | None:
+        """The first receive of the iteration that the device has not got past, or None (host-side hang, or all
+        done). Only queries events: safe from the watchdog thread while streams are blocked."""
+        if not self._order:
+            return None
+        # The watchdog thread has no current device of its own.
+        with torch.cuda.device(self._device) if self._device is not None else contextlib.nullcontext():
+            for event, desc in self._order:
+                if not event.query():
+                    return f"{desc} (the device is stuck there)"
+        return None
+
+    def _mark_arrivals(self, recvs: list[tuple[str, int]], descs: list[str], out: list[torch.Tensor]) -> None:
+        if not out or not out[0].is_cuda:
+            return
+        if self._stale:
+            self._order.clear()
+            self._stale = False
+        self._device = out[0].device
+        stream = torch.cuda.current_stream(self._device)
+        for (kind, mb), desc in zip(recvs, descs, strict=True):
+            event = self._arrived.get((kind, mb))
+            if event is None:
+                event = self._arrived[(kind, mb)] = torch.cuda.Event(external=True)
+            event.record(stream)
+            self._order.append((event, desc))
 
     def _describe(self, kind: str, mb: int, sending: bool) -> str:
         links = getattr(self.inner, "links", None)
@@ -63,11 +105,13 @@ class WatchedTransport(Transport):
         return describe_edge(kind, mb, peer, here, there, sending=sending)
 
     def exchange(self, sends, recvs):
-        parts = [self._describe(kind, mb, False) for kind, mb in recvs]
-        parts += [self._describe(kind, mb, True) for kind, mb, _t in sends]
+        received = [self._describe(kind, mb, False) for kind, mb in recvs]
+        parts = received + [self._describe(kind, mb, True) for kind, mb, _t in sends]
         if parts:
             self.watchdog.waiting_for(", ".join(parts))
-        return self.inner.exchange(sends, recvs)
+        out = self.inner.exchange(sends, recvs)
+        self._mark_arrivals(recvs, received, out)
+        return out
 
     def release(self, kind: str, mb: int) -> None:
         self.inner.release(kind, mb)
@@ -198,8 +242,8 @@ class Failsafe:
         self._installed = True
         rt, engine = self.rt, self.rt.engine
         engine.transport = WatchedTransport(engine.transport, self.watchdog, min(self.stage_ids), max(self.stage_ids))
-        # A transport that can tell which flag word / slot the device is stuck on (optional) refines the timeout line.
-        self.watchdog.set_probe(getattr(engine.transport.inner, "describe_stall", None))
+        # At a timeout, the receive the device is stuck on (edge and microbatch) refines the line.
+        self.watchdog.set_probe(engine.transport.describe_stall)
         # The iteration boundary: an instance attribute shadows Runtime.run_iteration (see the report for the hook
         # the runtime could offer instead).
         inner_run = rt.run_iteration
@@ -232,6 +276,9 @@ class Failsafe:
         """Iteration number `n` (from 1) is about to run."""
         self.current = n
         self.watchdog.iteration_started(n)
+        new_iteration = getattr(self.rt.engine.transport, "new_iteration", None)
+        if new_iteration is not None:  # the watched transport (installed at set-up)
+            new_iteration()
         # A GPU rank can block inside the iteration (a full launch queue behind a stream waiting on a peer): name
         # the peers from the start, so that timeout too points at the rank that was lost. Seen on 2 x H200.
         self.watchdog.waiting_for(f"iteration {n} to finish ({self._peers})")

@@ -130,9 +130,14 @@ def test_hung_rank_peer_stream_spinning_is_ended_by_the_watchdog(tmp_path):
     r0, r1 = ranks
     assert r1.rc == 3 and r1.errors() == [f"peerline: error: rank 1 (stage 1) timed out after {DEADLINE} s waiting "
                                           "for iteration 4 to finish (peers: rank 0 (stage 0))"], r1.err[-2000:]
+    # Rank 0's device spins on the flag of a gradient rank 1 never sends: its line (unless rank 1's exit ended it
+    # first, through NCCL) names that edge and microbatch (failsafe.WatchedTransport.describe_stall, from the
+    # events recorded after each receive).
     assert r0.rc != 0, r0.err[-2000:]
     if r0.errors():
-        assert len(r0.errors()) == 1 and "rank 1" in r0.errors()[0], r0.err[-2000:]
+        line = r0.errors()[0]
+        assert len(r0.errors()) == 1 and "from rank 1 (edge stage 1->0)" in line, r0.err[-2000:]
+        assert " mb " in line and "the device is stuck there" in line, r0.err[-2000:]
 
 
 @needs_2

@@ -184,3 +184,30 @@ def test_stop_gives_sigterm_back():
     """
     p = subprocess.run(_script(body), capture_output=True, text=True, timeout=30)
     assert p.returncode == -15 and "survived" not in p.stdout, (p.returncode, p.stderr)
+
+
+class _FakeEvent:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_watched_transport_names_the_first_receive_the_device_is_stuck_on() -> None:
+    """describe_stall walks the receives in the order they were queued and names the first whose event has not
+    completed; none pending (a host-side hang) -> None, so the watchdog keeps its own description."""
+    from peerline.distributed.failsafe import WatchedTransport
+
+    class Inner:
+        name, capacity = "fake", 4
+
+    wt = WatchedTransport(Inner(), watchdog=None, first_stage=0, last_stage=0)  # type: ignore[arg-type]
+    assert wt.describe_stall() is None
+    wt._order = [(_FakeEvent(True), "grad mb 0 from rank 1 (edge stage 1->0)"),
+                 (_FakeEvent(False), "grad mb 1 from rank 1 (edge stage 1->0)"),
+                 (_FakeEvent(False), "grad mb 2 from rank 1 (edge stage 1->0)")]
+    assert wt.describe_stall() == "grad mb 1 from rank 1 (edge stage 1->0) (the device is stuck there)"
+    wt._order[1] = (_FakeEvent(True), wt._order[1][1])
+    wt._order[2] = (_FakeEvent(True), wt._order[2][1])
+    assert wt.describe_stall() is None
