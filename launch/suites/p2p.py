@@ -12,7 +12,9 @@ rank 1. Per message size (64 KiB .. 256 MiB):
                clear, release = write FREE), so the receiver is in the loop. Variants (VARIANTS): 1 lane; 2 lanes
                round robin (slot s on lane s % 2); 1 lane unbatched (one driver call per flag operation, as
                before batching); 2 lanes split (each message's halves copied at once by two
-               lanes, FULL after both); 3 and 4 lanes round robin; 4 lanes split (two split groups, round robin).
+               lanes, FULL after both); 3 and 4 lanes round robin; 4 lanes split (two split groups, round robin);
+               decoupled (one stream does only the copies, wait FREE + clear on a second, FULL on a third, joined
+               by events); decoupled 2 lanes (copies alternate two streams, flags on two more).
              raw: cudaMemcpyPeerAsync into an IPC-mapped buffer on one stream, nothing else (no flags, no
                receiver: the ceiling of one copy stream); raw split: the same with each message's halves on two
                streams (the ceiling of two copy engines);
@@ -50,10 +52,12 @@ log = logging.getLogger(__name__)
 
 SIZES = [(64 << 10) * 4**i for i in range(7)]  # 64 KiB .. 256 MiB
 DEPTH = 4
-# (name, lanes, split, flag operations batched into one driver call)
-VARIANTS = [("1 lane", 1, False, True), ("1 lane unbatched", 1, False, False), ("2 lanes", 2, False, True),
-            ("3 lanes", 3, False, True), ("4 lanes", 4, False, True), ("2 lanes split", 2, True, True),
-            ("4 lanes split", 4, True, True)]
+# (name, lanes, split, flag operations batched into one driver call, decoupled flags: the last two lanes are the
+# FREE and FULL flag streams, the others copy)
+VARIANTS = [("1 lane", 1, False, True, False), ("1 lane unbatched", 1, False, False, False),
+            ("2 lanes", 2, False, True, False), ("3 lanes", 3, False, True, False), ("4 lanes", 4, False, True, False),
+            ("2 lanes split", 2, True, True, False), ("4 lanes split", 4, True, True, False),
+            ("decoupled", 3, False, True, True), ("decoupled 2 lanes", 4, False, True, True)]
 MAX_LANES = max(v[1] for v in VARIANTS)
 MAX_QUEUED = 48  # messages queued behind a closed gate: the driver's command queue must not fill up
 GOAL_FROM = 16 << 20
@@ -226,7 +230,7 @@ def _nccl_ping_pong(pair: Pair, tr: CollectiveTransport, src: torch.Tensor, n: i
     return issue
 
 
-def bench_size(pair: Pair, ctx: BenchContext, size: int, reps: int) -> None:
+def bench_size(pair: Pair, ctx: BenchContext, size: int, reps: int, variants: list[tuple] = VARIANTS) -> None:
     n = max(4, min(MAX_QUEUED, (2 << 30) // size))
     rounds = 16 if size <= (4 << 20) else 4
     spec = TensorSpec((size // 2,), torch.bfloat16)
@@ -237,9 +241,9 @@ def bench_size(pair: Pair, ctx: BenchContext, size: int, reps: int) -> None:
 
     variant_ms: dict[str, float] = {}
     ce_lat_ms = float("nan")
-    for name, lanes, split, batch in VARIANTS:
+    for name, lanes, split, batch, decoupled in variants:
         ce = CopyEngineTransport(links, pair.device, n, streams=pair.streams, depth=DEPTH, group=pair.gloo,
-                                 lanes=pair.lanes(lanes), split=split, batch_flags=batch)
+                                 lanes=pair.lanes(lanes), split=split, batch_flags=batch, decoupled=decoupled)
         variant_ms[name] = pair.median(_one_way(pair, ce, src, n), reps)
         if name == "1 lane":
             ce_lat_ms = pair.median(_ping_pong(pair, ce, src, rounds), reps)
@@ -256,9 +260,10 @@ def bench_size(pair: Pair, ctx: BenchContext, size: int, reps: int) -> None:
     gbps = lambda ms: n * size / (ms * 1e-3) / 1e9  # noqa: E731
     bw_raw, bw_raw_split, bw_nccl = gbps(raw_ms), gbps(raw_split_ms), gbps(nccl_ms)
     parts = []
-    for name, lanes, split, batch in VARIANTS:
+    for name, lanes, split, batch, decoupled in variants:
         bw = gbps(variant_ms[name])
-        sizes = {"bytes": size, "messages": n, "depth": DEPTH, "lanes": lanes, "split": split, "batched": batch}
+        sizes = {"bytes": size, "messages": n, "depth": DEPTH, "lanes": lanes, "split": split, "batched": batch,
+                 "decoupled": decoupled}
         extra = {"raw_peer_copy_GBps": bw_raw, "raw_split_copy_GBps": bw_raw_split, "fraction_of_raw": bw / bw_raw,
                  "fraction_of_raw_split": bw / bw_raw_split}
         ctx.record(Record("p2p", f"bandwidth {fmt(size)} {name}", "GB/s", bw, bw_nccl, "NCCL send/recv",
@@ -337,11 +342,23 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
         raise SystemExit("p2p bench: error: run with exactly 2 ranks (torchrun --nproc_per_node=2)")
     sizes = getattr(args, "sizes", None) or (SIZES[:3] if ctx.quick else SIZES)
     reps = getattr(args, "reps", None) or (3 if ctx.quick else 7)
+    names = getattr(args, "p2p_variants", None) or [v[0] for v in VARIANTS]
+    unknown = sorted(set(names) - {v[0] for v in VARIANTS})
+    if unknown:
+        raise SystemExit(f"p2p bench: error: unknown variant(s) {unknown}; known: {[v[0] for v in VARIANTS]}")
+    variants = [v for v in VARIANTS if v[0] in names]
     pair = Pair(ctx.device, create_rank_streams(ctx.device, p2p_lanes=MAX_LANES))
     with torch.cuda.stream(pair.streams.compute):
         for size in sizes:
-            bench_size(pair, ctx, size, reps)
+            bench_size(pair, ctx, size, reps, variants)
         bench_graph(pair, ctx)
+
+
+def add_arguments(group: argparse._ActionsContainer) -> None:
+    """Flags of this suite, also under launch/bench.py."""
+    group.add_argument("--p2p-variants", dest="p2p_variants", type=lambda s: [x.strip() for x in s.split(",")],
+                       default=None, help="copy-engine variants, comma separated names of VARIANTS (default: all; "
+                       "raw and NCCL always run)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -349,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path, help="folder for p2p.jsonl and p2p.md (rank 0)")
     parser.add_argument("--sizes", type=lambda s: [int(x) << 10 for x in s.split(",")], default=None,
                         help="message sizes in KiB, comma separated (default 64 KiB .. 256 MiB)")
+    add_arguments(parser)
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement")
     parser.add_argument("--quick", action="store_true", help="small sizes only")
     args = parser.parse_args(argv)

@@ -4,6 +4,7 @@ Rank 0 is stage 0, rank 1 stage 1. Every message carries a deterministic pattern
 replay) that the receiver recomputes and compares element by element; slots start poisoned with NaN, so a read
 before the copy landed or an overwrite of a slot still in use shows up as mismatches. Rank 0 prints one
 `PASS p2p.<check>` / `FAIL p2p.<check>` line per check; the exit status is 0 only if every check passed.
+P2P_CHECK_ONLY=<text> runs only the checks whose name contains it (e.g. decoupled).
 """
 
 from __future__ import annotations
@@ -52,20 +53,23 @@ class Pair:
     def links(self, spec: TensorSpec) -> Links:
         return Links(None, 1, None, spec) if self.rank == 0 else Links(0, None, spec, None)
 
-    def transport(self, spec: TensorSpec, n: int, lanes: int = 1, split: bool = False, **kw
-                  ) -> CopyEngineTransport:
-        """A transport over `lanes` send lanes (the p2p stream plus the rank's extra lanes), split or round robin."""
+    def transport(self, spec: TensorSpec, n: int, lanes: int = 1, split: bool = False, decoupled: bool = False,
+                  **kw) -> CopyEngineTransport:
+        """A transport over `lanes` send lanes (the p2p stream plus the rank's extra lanes), split or round robin,
+        or decoupled (the last two lanes carry the flags, the others only copies)."""
         t = CopyEngineTransport(self.links(spec), self.device, n, streams=self.streams,
-                                lanes=self.streams.p2p_lanes[:lanes - 1], split=split, **kw)
-        assert len(t._lanes) == lanes and t.split == split
+                                lanes=self.streams.p2p_lanes[:lanes - 1], split=split, decoupled=decoupled, **kw)
+        assert len(t._lanes) == lanes and t.split == split and t.decoupled == decoupled
         return t
 
 
 def one_way(p: Pair, *, shape: tuple[int, ...], dtype: torch.dtype, n: int, depth: int, slow: bool,
-            capture_safe: bool, lanes: int = 1, split: bool = False, batch_flags: bool = True) -> torch.Tensor:
+            capture_safe: bool, lanes: int = 1, split: bool = False, batch_flags: bool = True,
+            decoupled: bool = False) -> torch.Tensor:
     """Rank 0 streams n messages to rank 1 through a ring of `depth` slots; returns mismatching elements."""
     spec = TensorSpec(shape, dtype)
-    tr = p.transport(spec, n, lanes, split, depth=depth, capture_safe=capture_safe, batch_flags=batch_flags)
+    tr = p.transport(spec, n, lanes, split, decoupled, depth=depth, capture_safe=capture_safe,
+                     batch_flags=batch_flags)
     bad = torch.zeros((), dtype=torch.int64, device=p.device)
     if batch_flags and not tr._ops.batching:  # cuStreamBatchMemOp refused (logged): the batched path went untested
         bad += 1_000_000_000
@@ -86,13 +90,13 @@ def one_way(p: Pair, *, shape: tuple[int, ...], dtype: torch.dtype, n: int, dept
     return bad
 
 
-def both_ways(p: Pair, *, n: int, depth: int, capture_safe: bool, lanes: int = 1, split: bool = False
-              ) -> torch.Tensor:
+def both_ways(p: Pair, *, n: int, depth: int, capture_safe: bool, lanes: int = 1, split: bool = False,
+              decoupled: bool = False) -> torch.Tensor:
     """1F1B-like traffic: each step rank 0 sends activation i and receives gradient i-1, rank 1 receives
     activation i and sends gradient i-1 = 2 * activation(i-1) + 1, in one exchange call per step."""
     shape, dtype = (512, 1024), torch.float32
     spec = TensorSpec(shape, dtype)
-    tr = p.transport(spec, n, lanes, split, depth=depth, capture_safe=capture_safe)
+    tr = p.transport(spec, n, lanes, split, decoupled, depth=depth, capture_safe=capture_safe)
     bad = torch.zeros((), dtype=torch.int64, device=p.device)
     pending: torch.Tensor | None = None
     for i in range(n + 1):
@@ -116,12 +120,12 @@ def both_ways(p: Pair, *, n: int, depth: int, capture_safe: bool, lanes: int = 1
     return bad
 
 
-def graph_replays(p: Pair, *, g: int, depth: int, replays: int, lanes: int = 1, split: bool = False
-                  ) -> torch.Tensor:
+def graph_replays(p: Pair, *, g: int, depth: int, replays: int, lanes: int = 1, split: bool = False,
+                  decoupled: bool = False) -> torch.Tensor:
     """One CUDA graph per rank holding g handoffs (slots reused within the graph), replayed with fresh data."""
     shape, dtype = (256, 1024), torch.float32
     spec = TensorSpec(shape, dtype)
-    tr = p.transport(spec, g, lanes, split, depth=depth, capture_safe=True)
+    tr = p.transport(spec, g, lanes, split, decoupled, depth=depth, capture_safe=True)
     src = torch.empty((g, *shape), dtype=dtype, device=p.device)
     out = torch.full((g, *shape), float("nan"), dtype=dtype, device=p.device)
     bad = torch.zeros((), dtype=torch.int64, device=p.device)
@@ -163,12 +167,13 @@ def graph_replays(p: Pair, *, g: int, depth: int, replays: int, lanes: int = 1, 
     return bad
 
 
-def against_nccl(p: Pair, *, n: int, lanes: int = 1, split: bool = False) -> torch.Tensor:
+def against_nccl(p: Pair, *, n: int, lanes: int = 1, split: bool = False, decoupled: bool = False
+                 ) -> torch.Tensor:
     """The same messages through NCCL send/recv and through the copy engine must arrive bit-identical (an odd
     size: split halves of unequal length)."""
     shape, dtype = (1000, 999), torch.bfloat16
     spec = TensorSpec(shape, dtype)
-    tr = p.transport(spec, n, lanes, split, depth=2)
+    tr = p.transport(spec, n, lanes, split, decoupled, depth=2)
     nccl = CollectiveTransport(p.links(spec), p.device, n)
     bad = torch.zeros((), dtype=torch.int64, device=p.device)
     for mb in range(n):
@@ -266,10 +271,36 @@ def main() -> int:
         ("graph_replays_split", lambda: graph_replays(p, g=6, depth=2, replays=5, lanes=2, split=True)),
         ("graph_replays_four_lanes_split", lambda: graph_replays(p, g=8, depth=4, replays=5, lanes=4,
                                                                  split=True)),
+        # decoupled flags: 3 lanes = copies on one stream, FREE and FULL on two more; 4 lanes = copies on two
+        ("slow_receiver_decoupled", lambda: one_way(p, shape=(1024, 1000), dtype=torch.float32, n=48, depth=3,
+                                                    slow=True, capture_safe=False, lanes=3, decoupled=True)),
+        ("slow_receiver_decoupled_capture_safe", lambda: one_way(p, shape=(1024, 1000), dtype=torch.float32, n=32,
+                                                                 depth=2, slow=True, capture_safe=True, lanes=3,
+                                                                 decoupled=True)),
+        ("fast_receiver_decoupled", lambda: one_way(p, shape=(64, 1000), dtype=torch.float32, n=200, depth=4,
+                                                    slow=False, capture_safe=False, lanes=3, decoupled=True)),
+        ("slow_receiver_decoupled_two_lanes", lambda: one_way(p, shape=(1024, 1000), dtype=torch.float32, n=48,
+                                                              depth=4, slow=True, capture_safe=False, lanes=4,
+                                                              decoupled=True)),
+        ("fast_receiver_decoupled_two_lanes", lambda: one_way(p, shape=(7, 333), dtype=torch.bfloat16, n=300,
+                                                              depth=4, slow=False, capture_safe=False, lanes=4,
+                                                              decoupled=True)),
+        ("depth1_decoupled", lambda: one_way(p, shape=(300, 301), dtype=torch.float32, n=40, depth=1, slow=True,
+                                             capture_safe=False, lanes=3, decoupled=True)),
+        ("both_ways_decoupled", lambda: both_ways(p, n=32, depth=2, capture_safe=False, lanes=3, decoupled=True)),
+        ("both_ways_decoupled_capture_safe", lambda: both_ways(p, n=16, depth=1, capture_safe=True, lanes=4,
+                                                               decoupled=True)),
+        ("graph_replays_decoupled", lambda: graph_replays(p, g=6, depth=2, replays=5, lanes=3, decoupled=True)),
+        ("graph_replays_decoupled_two_lanes", lambda: graph_replays(p, g=8, depth=4, replays=5, lanes=4,
+                                                                    decoupled=True)),
         ("against_nccl", lambda: against_nccl(p, n=8)),
         ("against_nccl_split", lambda: against_nccl(p, n=8, lanes=2, split=True)),
+        ("against_nccl_decoupled", lambda: against_nccl(p, n=8, lanes=4, decoupled=True)),
         ("host_errors", lambda: host_errors(p)),
     ]
+    only = os.environ.get("P2P_CHECK_ONLY")  # e.g. "decoupled": only the checks whose name contains it
+    if only:
+        checks = [c for c in checks if only in c[0]]
     failed = 0
     if rank == 0:
         print(f"{'PASS' if usable else 'FAIL'} p2p.usable (copy_engine_usable={usable})", flush=True)
