@@ -356,9 +356,11 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
 
 def add_arguments(group: argparse._ActionsContainer) -> None:
     """Flags of this suite, also under launch/bench.py."""
-    group.add_argument("--p2p-variants", dest="p2p_variants", type=lambda s: [x.strip() for x in s.split(",")],
-                       default=None, help="copy-engine variants, comma separated names of VARIANTS (default: all; "
-                       "raw and NCCL always run)")
+    names = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
+    env = os.environ.get("P2P_VARIANTS")  # lets tests/gpu/run_p2p.sh's fixed command line run a few variants
+    group.add_argument("--p2p-variants", dest="p2p_variants", type=names, default=names(env) if env else None,
+                       help="copy-engine variants, comma separated names of VARIANTS (default: $P2P_VARIANTS, "
+                       "else all; raw and NCCL always run)")
 
 
 def main(argv: list[str] | None = None) -> int:
