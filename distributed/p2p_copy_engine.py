@@ -43,7 +43,8 @@ Lanes (send streams: `streams.p2p` plus `lanes`), grouped by `split`:
                flag operations between copies on one stream cost ~10% at 16 MiB, and two copy engines at once are
                slower than one). F does wait FREE + clear FREE and records the slot's event E_free; the copy lane
                waits E_free (long satisfied in steady state), copies, records E_copied; W waits E_copied and writes
-               FULL. FREE and FULL need two streams: on one, the wait for message m's copy would hold back message
+               FULL. The copy lane follows the producer through E_free (F waits for the current stream).
+               FREE and FULL need two streams: on one, the wait for message m's copy would hold back message
                m+1's FREE wait, and so m+1's copy. Each of the three streams keeps the message order of a single
                lane and waits only for what that lane would, so decoupled never blocks where one lane would not.
                Events: one E_free and one E_copied per (kind, slot), made at set-up (capture-safe: under capture
@@ -394,16 +395,16 @@ class CopyEngineTransport(Transport):
         """Sends with the flag operations on their own streams (module docstring, decoupled=True)."""
         capture = self.capture_safe or torch.cuda.is_current_stream_capturing()
         free, full = self._free_lane, self._full_lane
-        waited: list[torch.cuda.Stream] = []
+        waited: list[torch.cuda.Stream] = []  # the FREE stream, once it waits for the producer
         for kind, mb, t, (_peer, peer_dev, ring) in staged:
             slot = slot_ring.slot_of(mb, self.depth)
             lane = self._groups[slot % len(self._groups)][0]
             e_free, e_copied = self._events[(kind, slot)]
-            # The copy lane waits for the producer; the FREE stream too, which also forks it into a capture.
-            for s in (free, lane):
-                if s not in waited:
-                    s.wait_stream(cur)
-                    waited.append(s)
+            # Only the FREE stream waits for the producer (and so joins a capture): the copy lane follows it
+            # through E_free, which keeps one more wait off the copy stream.
+            if not waited:
+                free.wait_stream(cur)
+                waited.append(free)
             for s in (free, lane, full):
                 if s not in self._pending:
                     self._pending.append(s)  # join() rejoins all three (a capture must join every fork)

@@ -340,14 +340,17 @@ def test_both_directions_in_one_exchange(sim: Sim, small_split: None, lanes: int
 
 def stream_rounds(sim: Sim, tr: list[ce.CopyEngineTransport], shape: tuple[int, ...], rounds: int, m: int
                   ) -> list[int] | None:
-    """`rounds` times: queue m messages rank 0 -> rank 1 (the receiver checks each on its compute stream), then
-    run the simulation with a new seed. Returns the microbatches that arrived wrong, None on a deadlock."""
+    """`rounds` times: queue m messages rank 0 -> rank 1 (produced on the sender's compute stream, checked on the
+    receiver's), then run the simulation with a new seed. Returns the microbatches that arrived wrong, None on a
+    deadlock."""
     bad: list[int] = []
     keep = []
     for r in range(rounds):
         for mb in range(r * m, (r + 1) * m):
             as_rank(sim, 0)
-            keep.append(pattern(mb, shape))  # host memory must outlive the simulated copy
+            keep.append(torch.full(shape, float("nan")))  # host memory must outlive the simulated copy
+            # produced on the sender's compute stream: the copy must wait for it
+            sim.compute[0].call(lambda x=keep[-1], mb=mb: x.copy_(pattern(mb, shape)))
             tr[0].exchange([(ACT, mb, keep[-1])], [])
             as_rank(sim, 1)
             (got,) = tr[1].exchange([], [(ACT, mb)])
