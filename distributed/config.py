@@ -65,6 +65,9 @@ class RunConfig:
     """Send streams of the copy-engine transport (2: messages round robin over two lanes)."""
     p2p_split: bool = False
     """Copy-engine transport: each message's halves copied at once by two lanes (needs an even --p2p-lanes)."""
+    p2p_decoupled: bool = False
+    """Copy-engine transport: the last two lanes carry the FREE / FULL flags, the others only copies (--p2p-lanes
+    >= 3, not with --p2p-split)."""
     graph: bool | None = None
     """Capture each iteration into a CUDA graph (default on GPU; ignored on the CPU)."""
     warmup_iters: int = 3
@@ -126,6 +129,8 @@ class RunConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.p2p_lanes < 1 or (self.p2p_split and self.p2p_lanes % 2):
             raise ConfigError(f"--p2p-lanes must be >= 1 (and even with --p2p-split), got {self.p2p_lanes}")
+        if self.p2p_decoupled and (self.p2p_split or self.p2p_lanes < 3):
+            raise ConfigError(f"--p2p-decoupled needs --p2p-lanes >= 3 and no --p2p-split, got {self.p2p_lanes}")
         if self.pp is not None and self.pp < 1:
             raise ConfigError(f"--pp must be >= 1, got {self.pp}")
         if self.warmup_iters < 1:

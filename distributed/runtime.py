@@ -126,7 +126,8 @@ class Runtime:
                       act_in=in_spec if mesh.prev_rank is not None else None,
                       grad_in=out_specs[-1] if mesh.next_rank is not None else None)
         transport = make_transport(cfg.p2p, links, device, cfg.microbatches, streams=streams,
-                                   capture_safe=device.type == "cuda" and cfg.graph is not False, split=cfg.p2p_split)
+                                   capture_safe=device.type == "cuda" and cfg.graph is not False, split=cfg.p2p_split,
+                                   decoupled=cfg.p2p_decoupled)
         # Every rank checks the whole schedule against the transport it will run on, before the first step.
         order = sched.simulate(programs, transport.capacity)
         local = [(s, step) for s, step in order if s in stage_ids]

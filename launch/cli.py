@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="copy-engine send streams (default: %(default)s, messages round robin)")
     g.add_argument("--p2p-split", action=argparse.BooleanOptionalAction, default=_DEFAULTS.p2p_split,
                    help="copy-engine: copy each message's halves on two lanes at once (default: off)")
+    g.add_argument("--p2p-decoupled", action=argparse.BooleanOptionalAction, default=_DEFAULTS.p2p_decoupled,
+                   help="copy-engine: flags on the last two lanes, copies alone on the others (default: off)")
     g.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
                    help="capture each iteration into a CUDA graph (default: on for GPUs)")
     g.add_argument("--warmup-iters", type=int, default=_DEFAULTS.warmup_iters,
