@@ -13,6 +13,20 @@ run2() { timeout 180 torchrun --standalone --nproc_per_node=2 $PL $TINY "$@"; }
 cmp() { python3 tests/gpu/compare_runs.py "$@"; }
 # One-GPU runs two at a time, one per GPU.
 on() { CUDA_VISIBLE_DEVICES=$1; shift; export CUDA_VISIBLE_DEVICES; "$@"; }
+pp2() {  # pp2 LABEL ARGS...: a 2-rank fp32 run against the 1-GPU reference
+  local label=$1 n; shift
+  n=pp2_$(echo -n "$label" | tr -c 'a-z0-9' _)
+  PEERLINE_P2P_SPLIT_MIN=0 run2 --pp 2 --dtype fp32 -m 4 "$@" --json $D/$n.json > $D/$n.log 2>&1
+  cmp $D/$n.json $D/ref4.json --rtol 1e-5 --label "pp=2 $label vs 1 GPU fp32"
+}
+if [ -n "${PIPELINE_SMOKE:-}" ]; then  # PIPELINE_SMOKE=1: graph == eager on 1 GPU and two pp=2 graph runs
+  ( on 0 run1 --dtype fp32 --no-graph -m 4 --json $D/ref4.json > $D/ref4.log 2>&1 ) &
+  ( on 1 run1 --dtype fp32 --graph -m 4 --json $D/g1.json > $D/g1.log 2>&1 ) & wait
+  cmp $D/g1.json $D/ref4.json --rtol 1e-6 --label "1 GPU graph vs eager fp32"
+  pp2 "1f1b copy-engine graph" --schedule 1f1b --p2p copy-engine --graph
+  pp2 "1f1b copy-engine graph decoupled" --schedule 1f1b --p2p copy-engine --graph --p2p-decoupled --p2p-lanes 3
+  exit 0
+fi
 ( on 0 run1 --dtype fp32 --no-graph -m 4 --json $D/ref4.json > $D/ref4.log 2>&1 ) &
 ( on 1 run1 --dtype fp32 --no-graph -m 8 --json $D/ref8.json > $D/ref8.log 2>&1 ) & wait
 ( on 0 run1 --dtype fp32 --graph -m 4 --json $D/g1.json > $D/g1.log 2>&1 ) &
