@@ -126,13 +126,15 @@ def test_killed_rank_ends_every_rank(tmp_path, p2p):
 @needs_2
 def test_hung_rank_peer_stream_spinning_is_ended_by_the_watchdog(tmp_path):
     ranks = run2(["--p2p", "copy-engine", "--iters", "8", "--timeout-s", str(DEADLINE)], tmp_path,
-                 fault="hang:rank=1:iter=4", limit_s=STARTUP_S + DEADLINE + 60)
+                 fault="hang:rank=1:iter=6", limit_s=STARTUP_S + DEADLINE + 60)
     r0, r1 = ranks
     assert r1.rc == 3 and r1.errors() == [f"peerline: error: rank 1 (stage 1) timed out after {DEADLINE} s waiting "
-                                          "for iteration 4 to finish (peers: rank 0 (stage 0))"], r1.err[-2000:]
-    # Rank 0's device spins on the flag of a gradient rank 1 never sends: its line (unless rank 1's exit ended it
-    # first, through NCCL) names that edge and microbatch (failsafe.WatchedTransport.describe_stall, from the
-    # events recorded after each receive).
+                                          "for iteration 6 to finish (peers: rank 0 (stage 0))"], r1.err[-2000:]
+    # Iteration 6 is a graph replay (captured at iteration 4, after 3 eager warm-ups): rank 0's device spins on the
+    # flag of a gradient rank 1 never sends, and its line (unless rank 1's exit ended it first, through NCCL) names
+    # that edge and microbatch (failsafe.WatchedTransport.describe_stall: the events recorded after each receive,
+    # replayed by the graph). A hang before the capture leaves rank 0's host in the pre-capture barrier instead,
+    # with no receive queued: then the line names the peers only.
     assert r0.rc != 0, r0.err[-2000:]
     if r0.errors():
         line = r0.errors()[0]
