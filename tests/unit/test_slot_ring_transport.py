@@ -253,6 +253,15 @@ def pattern(mb: int, shape: tuple[int, ...], salt: int = 0) -> torch.Tensor:
         n *= d
     return (torch.arange(n, dtype=torch.float32) * 3 + mb * 1000 + salt).view(shape)
 
+def _consume(sim, tr, mb: int, shape, bad: list[int]) -> None:
+    """Rank 1 receives activation `mb`, checks it on its compute stream (a wrong one lands in `bad`), releases
+    the slot."""
+    as_rank(sim, 1)
+    (got,) = tr[1].exchange([], [(ACT, mb)])
+    sim.compute[1].call(lambda: bad.append(mb) if not torch.equal(got, pattern(mb, shape)) else None)
+    tr[1].release(ACT, mb)
+
+
 
 def as_rank(sim: Sim, r: int) -> None:
     sim.local.rank = r
@@ -279,11 +288,7 @@ def test_one_way_messages_land_intact(sim: Sim, small_split: None, depth: int, l
         x = pattern(mb, shape)
         keep.append(x)  # host memory must outlive the simulated copy (record_stream does this on a GPU)
         tr[0].exchange([(ACT, mb, x)], [])
-        as_rank(sim, 1)
-        (got,) = tr[1].exchange([], [(ACT, mb)])
-        sim.compute[1].call(lambda got=got, mb=mb: bad.append(mb) if not torch.equal(got, pattern(mb, shape))
-                            else None)
-        tr[1].release(ACT, mb)
+        _consume(sim, tr, mb, shape, bad)
     as_rank(sim, 0)
     tr[0].finish_iteration()
     assert sim.run(seed=depth)
@@ -352,11 +357,7 @@ def stream_rounds(sim: Sim, tr: list[ce.CopyEngineTransport], shape: tuple[int, 
             # produced on the sender's compute stream: the copy must wait for it
             sim.compute[0].call(lambda x=keep[-1], mb=mb: x.copy_(pattern(mb, shape)))
             tr[0].exchange([(ACT, mb, keep[-1])], [])
-            as_rank(sim, 1)
-            (got,) = tr[1].exchange([], [(ACT, mb)])
-            sim.compute[1].call(lambda got=got, mb=mb: bad.append(mb) if not torch.equal(got, pattern(mb, shape))
-                                else None)
-            tr[1].release(ACT, mb)
+            _consume(sim, tr, mb, shape, bad)
         as_rank(sim, 0)
         tr[0].finish_iteration()
         if not sim.run(seed=r):
