@@ -136,6 +136,7 @@ def test_hung_rank_peer_stream_spinning_is_ended_by_the_watchdog(tmp_path):
     # replayed by the graph). A hang before the capture leaves rank 0's host in the pre-capture barrier instead,
     # with no receive queued: then the line names the peers only.
     assert r0.rc != 0, r0.err[-2000:]
+    print("rank 0:", r0.rc, r0.errors())  # kept in the log (-rA): which way rank 0 ended
     if r0.errors():
         line = r0.errors()[0]
         assert len(r0.errors()) == 1 and "from rank 1 (edge stage 1->0)" in line, r0.err[-2000:]
