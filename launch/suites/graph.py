@@ -189,10 +189,10 @@ def run_shape(base: PipeShape, args: argparse.Namespace, ctx: BenchContext) -> f
             losses[name].append(loss())
         timed[name] = time_blocks(lambda n: [step() for _ in range(n)], iters=iters, reps=reps, warmup=warmup,
                                   device=device)
-        host_us[name] = _host_us_per_step(step, iters, device)
+        host_us[name] = _median_call_us(step, iters, device, idle_each=True)
         host_b2b_us[name] = _host_us_back_to_back(step, iters, device)
         if replay is not None:
-            replay_us[name] = _host_us_per_replay(replay, device)
+            replay_us[name] = _median_call_us(replay, 8, device, idle_each=False)
 
     anchor = TorchStep(shape, device)
     measure("torch eager", anchor.eager_step, lambda: float(anchor.loss))
@@ -246,20 +246,31 @@ def run_shape(base: PipeShape, args: argparse.Namespace, ctx: BenchContext) -> f
     return us
 
 
-def _host_us_per_step(step: Callable[[], Any], n: int, device: torch.device) -> float:
-    """Host (CPU) microseconds to issue one step, median of n: the device is idle before each step, so this is
-    the cost of issuing the iteration (data load + replay, or every eager launch), not time spent blocked behind
-    a full launch queue. A GPU-bound run issued back to back blocks the host whatever issues it (seen on an H200
-    for the compute-bound step, graph or not): that is `_host_us_back_to_back`, kept for information."""
-    samples = []
-    for _ in range(n):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        samples.append((time.perf_counter() - t0) * 1e6)
+def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _median_call_us(call: Callable[[], Any], n: int, device: torch.device, *, idle_each: bool) -> float:
+    """Median host (CPU) microseconds of one call(), over n.
+
+    idle_each=True: the device is idle before each call, so this is the cost of issuing it (a step: data load +
+    replay, or every eager launch), not time spent blocked behind a full launch queue. A GPU-bound run issued back
+    to back blocks the host whatever issues it (seen on an H200 for the compute-bound step, graph or not): that is
+    `_host_us_back_to_back`, kept for information.
+    idle_each=False: the calls go back to back after one untimed call (the GPU busy, so no wake-up after idle; few
+    enough that the launch queue never fills): the host cost of a graph replay call."""
+    _sync(device)
+    if not idle_each:
+        call()
+    samples = []
+    for _ in range(n):
+        if idle_each:
+            _sync(device)
+        t0 = time.perf_counter()
+        call()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    _sync(device)
     return statistics.median(samples)
 
 
@@ -269,31 +280,14 @@ def _replay_on_main(rt) -> None:
         rt.graph.replay()
 
 
-def _host_us_per_replay(replay: Callable[[], Any], device: torch.device, n: int = 8) -> float:
-    """Host microseconds of one graph replay call (cudaGraphLaunch and its wrapper), median of n calls issued back
-    to back after one untimed replay (the GPU busy, so no wake-up after idle; few enough that the launch queue
-    never fills)."""
-    torch.cuda.synchronize(device)
-    replay()
-    samples = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        replay()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize(device)
-    return statistics.median(samples)
-
-
 def _host_us_back_to_back(step: Callable[[], Any], n: int, device: torch.device) -> float:
     """Host microseconds per step when n steps are issued without waiting (the device idle at the start)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     t0 = time.perf_counter()
     for _ in range(n):
         step()
     us = (time.perf_counter() - t0) * 1e6 / n
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     return us
 
 
