@@ -18,20 +18,18 @@ need_gpus 1 kernels
 
 if selected tests; then
   echo "== correctness (pytest, float64 references)" >> "$LOG"
-  timeout -k 5 45 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_kernels_elementwise.py \
-    > "$OUT/kernels_tests.out" 2>&1
+  step "$OUT/kernels_tests.out" 45 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/gpu/test_kernels_elementwise.py
   rc=$?
-  cat "$OUT/kernels_tests.out" >> "$LOG"
   report tests "$rc" "$(tail -n 1 "$OUT/kernels_tests.out" | tr -d '=' | sed 's/^ *//; s/ *$//')"
 fi
 
 if selected sass; then
   echo "== SASS report (nvcc -cubin + cuobjdump)" >> "$LOG"
   ARCH="$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'sm_{a}{b}')" 2>>"$LOG")"
-  timeout -k 5 20 "$PY" -m peerline.kernels.inspect_sass --arch "${ARCH:-sm_90}" --out "$OUT/kernels_sass" \
-    > "$OUT/kernels_sass.out" 2>&1
+  step "$OUT/kernels_sass.out" 20 "$PY" -m peerline.kernels.inspect_sass --arch "${ARCH:-sm_90}" \
+    --out "$OUT/kernels_sass"
   rc=$?
-  cat "$OUT/kernels_sass.out" >> "$LOG"
   sed 's/^/  /' "$OUT/kernels_sass.out" | grep -E "PASS|FAIL|error" || true
   report sass_ldgsts "$rc"
 fi
@@ -39,10 +37,9 @@ fi
 if selected sweep; then
   # 40 s of plans (compiles included: they run in parallel processes first); the default plan is always timed.
   echo "== sweep: launch plans per op (correctness first, then GB/s vs torch and d2d copy)" >> "$LOG"
-  timeout -k 5 70 "$PY" -m peerline.launch.suites.kernels --sweep --sweep-budget 40 --out "$OUT/kernels_sweep" \
-    > "$OUT/kernels_sweep.out" 2>&1
+  step "$OUT/kernels_sweep.out" 70 "$PY" -m peerline.launch.suites.kernels --sweep --sweep-budget 40 \
+    --out "$OUT/kernels_sweep"
   rc=$?
-  cat "$OUT/kernels_sweep.out" >> "$LOG"
   if ! grep -E "^SWEEP " "$OUT/kernels_sweep.out"; then
     # cut short: summarize the rows it wrote
     if [ -s "$OUT/kernels_sweep/sweep.jsonl" ]; then
@@ -57,18 +54,15 @@ fi
 if selected bench; then
   echo "== bench: kernels (default plan; peerline vs torch eager vs d2d copy)" >> "$LOG"
   # 16 and 256 MiB: where the goals are (the suite's default sizes add 1 and 1024); the variants are the sweep's job.
-  timeout -k 5 35 "$PY" -m peerline.launch.suites.kernels --out "$OUT/bench_kernels" --sizes-mib 16,256 \
-    --no-variants > "$OUT/bench_kernels.out" 2>&1
+  step "$OUT/bench_kernels.out" 35 "$PY" -m peerline.launch.suites.kernels --out "$OUT/bench_kernels" \
+    --sizes-mib 16,256 --no-variants
   rc=$?
-  cat "$OUT/bench_kernels.out" >> "$LOG"
   grep -E "^GOAL " "$OUT/bench_kernels.out" || echo "  (no GOAL lines: see $LOG)"
   report bench_kernels "$rc"
 
   echo "== bench: batch_streams (multi-stream batch driver)" >> "$LOG"
-  timeout -k 5 12 "$PY" -m peerline.launch.suites.batch_streams --out "$OUT/bench_kernels" \
-    > "$OUT/bench_batch_streams.out" 2>&1
+  step "$OUT/bench_batch_streams.out" 12 "$PY" -m peerline.launch.suites.batch_streams --out "$OUT/bench_kernels"
   rc=$?
-  cat "$OUT/bench_batch_streams.out" >> "$LOG"
   report bench_batch_streams "$rc"
 fi
 
