@@ -276,9 +276,7 @@ class Failsafe:
         """Iteration number `n` (from 1) is about to run."""
         self.current = n
         self.watchdog.iteration_started(n)
-        new_iteration = getattr(self.rt.engine.transport, "new_iteration", None)
-        if new_iteration is not None:  # the watched transport (installed at set-up)
-            new_iteration()
+        self.rt.engine.transport.new_iteration()  # the WatchedTransport _install() put there
         # A GPU rank can block inside the iteration (a full launch queue behind a stream waiting on a peer): name
         # the peers from the start, so that timeout too points at the rank that was lost. Seen on 2 x H200.
         self.watchdog.waiting_for(f"iteration {n} to finish ({self._peers})")

@@ -27,7 +27,8 @@ after the microbatch's backward, which is what `capacity = depth` tells the sche
 after the current stream only, so nothing on another stream may still read the slot; messages of one kind whose
 microbatches share a slot (mb % depth) are received and released in send order. Do not send a received slot view
 itself onward (its release could free the slot before the outgoing copy read it). Keep
-CUDA_DEVICE_MAX_CONNECTIONS at its default: a stream waiting on a flag must not block unrelated streams.
+CUDA_DEVICE_MAX_CONNECTIONS at 8 or more (streams.py asks for 32): a stream waiting on a flag must not block
+unrelated streams.
 
 Lanes (send streams: `streams.p2p` plus `lanes`), grouped by `split`:
   split=False  groups of one lane; slot s goes on group s % groups (round robin): the flag operations of one
@@ -395,16 +396,13 @@ class CopyEngineTransport(Transport):
         """Sends with the flag operations on their own streams (module docstring, decoupled=True)."""
         capture = self.capture_safe or torch.cuda.is_current_stream_capturing()
         free, full = self._free_lane, self._full_lane
-        waited: list[torch.cuda.Stream] = []  # the FREE stream, once it waits for the producer
+        # Only the FREE stream waits for the producer (and so joins a capture): the copy lanes follow it through
+        # E_free, which keeps one more wait off the copy streams.
+        free.wait_stream(cur)
         for kind, mb, t, (_peer, peer_dev, ring) in staged:
             slot = slot_ring.slot_of(mb, self.depth)
             lane = self._groups[slot % len(self._groups)][0]
             e_free, e_copied = self._events[(kind, slot)]
-            # Only the FREE stream waits for the producer (and so joins a capture): the copy lane follows it
-            # through E_free, which keeps one more wait off the copy stream.
-            if not waited:
-                free.wait_stream(cur)
-                waited.append(free)
             for s in (free, lane, full):
                 if s not in self._pending:
                     self._pending.append(s)  # join() rejoins all three (a capture must join every fork)

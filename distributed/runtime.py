@@ -46,11 +46,11 @@ class IterationStats:
 def dp_group_options(cfg: RunConfig):
     """NCCL options of the dp groups: --nccl-max-ctas caps the SMs the overlapped bucket all-reduces take from
     backward. None (the default, or not NCCL) keeps the backend's defaults."""
-    if cfg.nccl_max_ctas is None or not dist.is_initialized() or dist.get_backend() != "nccl":
+    if cfg.nccl_max_ctas is None or not dist.is_initialized():
         return None
     from .buckets import nccl_options
 
-    return nccl_options(cfg.nccl_max_ctas, backend="nccl")
+    return nccl_options(cfg.nccl_max_ctas, backend=dist.get_backend())  # None for gloo
 
 
 def make_grad_sync(cfg: RunConfig, params, mesh: Mesh, device: torch.device, streams: RankStreams):

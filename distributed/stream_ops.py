@@ -10,10 +10,11 @@ stream wrote before it, a peer copy included, is visible to whoever observes the
 
 Caution (CUDA's own warning): ordering made with these operations is invisible to CUDA. A stream blocked in a
 wait blocks only itself, provided streams do not share a hardware queue: keep CUDA_DEVICE_MAX_CONNECTIONS at its
-default (8) or above; `check_connections()` warns otherwise. And CUDA loads kernels lazily (CUDA_MODULE_LOADING=LAZY):
-a kernel's first launch may synchronize the context, so a first launch while a stream of the same process sits in a
-wait that only later work releases can deadlock (CUDA C++ Programming Guide, Lazy Loading); launch such kernels
-once before (the GPU tests do; the runtime's eager warm-up iterations load the engine's kernels).
+default (8) or above (streams.py asks for 32); `check_connections()` warns otherwise. And CUDA loads kernels
+lazily (CUDA_MODULE_LOADING=LAZY): a kernel's first launch may synchronize the context, so a first launch while a
+stream of the same process sits in a wait that only later work releases can deadlock (CUDA C++ Programming Guide,
+Lazy Loading); launch such kernels once before (the GPU tests do). The runtime's first iteration is exposed in
+principle (it has not happened in any run); CUDA_MODULE_LOADING=EAGER removes the risk at start-up cost.
 
 `FlagOps.batch` issues several of these operations with ONE cuStreamBatchMemOp call ("the operations are enqueued
 in the order they appear in the array"; CUDA driver API, Stream Memory Operations), which the driver documents as

@@ -111,9 +111,7 @@ def _accumulate_weight_grad(weight: torch.Tensor, dy: torch.Tensor, x: torch.Ten
     grad = weight.grad
     if grad is None:
         # Outside peerline's runtime (which creates every .grad up front): allocate once. Not capturable.
-        grad = torch.zeros_like(weight)
-        weight.grad = grad
-        grad = weight.grad
+        weight.grad = grad = torch.zeros_like(weight)
     if dy.dtype == grad.dtype:
         grad.addmm_(dy.T, x)
     elif _dtype_out_ok and dy.is_cuda and grad.dtype == torch.float32 and grad.is_contiguous():
