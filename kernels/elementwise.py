@@ -132,7 +132,8 @@ _GRID_KEYS = ("blocks_per_sm", "grid_cap")
 
 
 def _tuning(op: int, x: str) -> dict[str, int]:
-    """TUNING if set (experiments), else the op's plan from PEERLINE_KERNEL_PLANS, else {} (the default)."""
+    """TUNING if set (experiments), else the op's plan from OP_PLANS (tuned, PEERLINE_KERNEL_PLANS on top), else {}
+    (the default plan)."""
     if TUNING:
         return TUNING
     p = plan.op_plan(OP_PLANS, _OP_NAME[op], _SHORT[x]) if OP_PLANS else None
@@ -212,8 +213,9 @@ def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
         return gx, gb
     op = kc.get_op(spec, dev.index)
     tile_elems = spec.tile_chunks * spec.e
-    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op))
-    grid = plan.backward_grid(vp.ntiles, hidden, tile_elems, _max_grid(op)) if vp is not None else None
+    max_grid = _max_grid(op)
+    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, max_grid)
+    grid = plan.backward_grid(vp.ntiles, hidden, tile_elems, max_grid) if vp is not None else None
     if vp is not None and grid is not None:
         part = _new(grid * tile_elems, torch.float32, dev, None)
         bias_vec = plan.bias_vector_ok(hidden, vp.head, spec.e, bias.data_ptr(), bias.element_size())
