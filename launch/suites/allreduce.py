@@ -13,6 +13,8 @@ stack of residual MLP blocks (LayerNorm -> Linear h->4h, no bias -> + bias, GELU
   alone      the same bucket buffers all-reduced back to back after backward (same sizes, same NCCL sequence,
              nothing else on the GPU): the bus bandwidth of the bucket layout itself
   plain      a lone NCCL all-reduce of each bucket size, repeated
+  head-to-head  peerline eager / graph / DDP interleaved round by round, on this model and a launch-heavy one
+             (allreduce_h2h.py): the step-time goals are judged there, on paired ratios
 
 CTA caps (`--ar-nccl-ctas-sweep`, default 0,16,8,4; 0 = NCCL's default): NCCL kernels on the highest-priority
 stream take SMs from the backward GEMMs they overlap with. For each cap the dp group is created with
@@ -58,6 +60,8 @@ from torch.nn.parallel import DistributedDataParallel
 from peerline.distributed.buckets import GradBuckets, MiB, nccl_options
 from peerline.distributed.streams import create_rank_streams, use
 from peerline.launch.benchkit import BenchContext, Record, Timing, time_fn
+from peerline.launch.suites.allreduce_h2h import goal_lines as h2h_goal_lines
+from peerline.launch.suites.allreduce_h2h import h2h_shapes, run_head_to_head
 
 log = logging.getLogger(__name__)
 SUITE = "allreduce"
@@ -247,23 +251,31 @@ def measure_alone(w: Workload, gb: GradBuckets, reps: int) -> list[float]:
     return later_start_ms(rows, w.device, gb.group)
 
 
-def measure_graph(w: Workload, model, gb: GradBuckets, opt, reps: int) -> dict[str, Any]:
-    compute = w.streams.compute
+def capture_step(w: Workload, model, gb: GradBuckets, opt) -> torch.cuda.CUDAGraph | str:
+    """peerline's whole step captured into one CUDA graph on the compute stream, or the reason it failed (a failed
+    capture is a result, not a crash of the suite)."""
     torch.cuda.synchronize()
     dist.barrier()
     g = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(g, stream=compute, capture_error_mode="thread_local"):
+        with torch.cuda.graph(g, stream=w.streams.compute, capture_error_mode="thread_local"):
             step_peerline(w, model, gb, opt)
-    except Exception as exc:  # noqa: BLE001 - a failed capture is a result, not a crash of the suite
+    except Exception as exc:  # noqa: BLE001 - see the docstring
         log.warning("graph capture failed: %s: %s", type(exc).__name__, exc)
         torch.cuda.synchronize()
         dist.barrier()
-        return {"graph_error": f"{type(exc).__name__}: {exc}"}
+        return f"{type(exc).__name__}: {exc}"
+    return g
+
+
+def measure_graph(w: Workload, model, gb: GradBuckets, opt, reps: int) -> dict[str, Any]:
+    g = capture_step(w, model, gb, opt)
+    if isinstance(g, str):
+        return {"graph_error": g}
     out: dict[str, Any] = {"graph": w.time(g.replay, 3, reps)}
     samples = []
     for _ in range(max(3, reps // 2)):
-        with use(compute):
+        with use(w.streams.compute):
             g.replay()
         m = gb.metrics()
         if m.get("timed"):
@@ -516,6 +528,16 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--ar-no-tail-group", dest="ar_no_tail_group", action="store_true",
                        help="capped variants: all-reduce the first block's buckets (exposed: nothing left to overlap) "
                             "on the capped group too, not on NCCL's default CTAs")
+    group.add_argument("--ar-h2h-shapes", dest="ar_h2h_shapes", default=None,
+                       help="head-to-head rounds (peerline eager / graph vs DDP, interleaved) on these shapes: "
+                            "anchor (the suite's model), launch (16 blocks h=512, 4 microbatches), or none "
+                            "(default anchor,launch)")
+    group.add_argument("--ar-h2h-rounds", dest="ar_h2h_rounds", type=int, default=None,
+                       help="interleaved rounds per head-to-head shape (default 12)")
+    group.add_argument("--ar-h2h-steps", dest="ar_h2h_steps", type=int, default=None,
+                       help="steps of each variant per round (default 3)")
+    group.add_argument("--ar-h2h-only", dest="ar_h2h_only", action="store_true",
+                       help="only the head-to-head rounds (skip the CTA sweep, busbw and exposure measurements)")
     group.add_argument("--ar-nccl-max-ctas", dest="ar_max_ctas", default=None,
                        help="the headline cap (GOAL lines): an integer (0 = NCCL's default) or auto = the sweep's "
                             "fastest peerline eager step (default auto)")
@@ -550,12 +572,21 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
                                                                           [torch.float32, torch.bfloat16])
         warmup, reps = opt("warmup", 3), opt("reps", 20)
     groups = {cap: make_group(cap, ctx.device) for cap in caps}  # collective: every rank, same order
-    for dtype in dtypes:
-        run_dtype(ctx, shape, dtype, warmup, reps, not getattr(args, "ar_no_graph", False), groups, headline,
-                  normal_priority=quick or bool(getattr(args, "ar_normal_priority", False)),
-                  tail_uncapped=not getattr(args, "ar_no_tail_group", False))
+    if not getattr(args, "ar_h2h_only", False):
+        for dtype in dtypes:
+            run_dtype(ctx, shape, dtype, warmup, reps, not getattr(args, "ar_no_graph", False), groups, headline,
+                      normal_priority=quick or bool(getattr(args, "ar_normal_priority", False)),
+                      tail_uncapped=not getattr(args, "ar_no_tail_group", False))
+    rounds = opt("ar_h2h_rounds", 2 if quick else 12)
+    if rounds < 1 or opt("ar_h2h_steps", 1) < 1:
+        raise SystemExit("allreduce bench: error: --ar-h2h-rounds and --ar-h2h-steps must be >= 1")
+    h2h_dtype = torch.float32 if quick else torch.bfloat16  # bf16: the DDP anchor's setting
+    for name, h2h_shape in h2h_shapes(str(opt("ar_h2h_shapes", "anchor,launch")), shape, quick).items():
+        if ctx.on_step:
+            ctx.on_step(f"allreduce head-to-head, {name}")
+        run_head_to_head(ctx, name, h2h_shape, h2h_dtype, rounds, opt("ar_h2h_steps", 1 if quick else 3), groups[0])
     if ctx.is_writer:
-        for line in goals(ctx):
+        for line in goals(ctx) + h2h_goal_lines(ctx):
             log.info("%s", line)
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from peerline.distributed.streams import new_stream
 from peerline.launch.benchkit import BenchContext, Record, Timing, time_blocks
 from peerline.launch.suites.torch_pipelining import PipeShape, build_stage_module, fill
 
@@ -176,9 +177,9 @@ def run_shape(base: PipeShape, args: argparse.Namespace, ctx: BenchContext) -> f
     # Every rank measures the same thing on its own device; time_blocks takes the slowest rank.
     timed: dict[str, Timing] = {}
     losses: dict[str, list[float]] = {}
-    host_us: dict[str, float] = {}
+    host_us: dict[str, dict[str, float]] = {}  # variant -> HOST_MODES mode -> us per step (data load + replay)
     host_b2b_us: dict[str, float] = {}
-    replay_us: dict[str, float] = {}
+    replay_us: dict[str, dict[str, float]] = {}  # graph variants: mode -> us per replay() call
 
     def measure(name: str, step: Callable[[], Any], loss: Callable[[], float],
                 replay: Callable[[], Any] | None = None) -> None:
@@ -189,10 +190,10 @@ def run_shape(base: PipeShape, args: argparse.Namespace, ctx: BenchContext) -> f
             losses[name].append(loss())
         timed[name] = time_blocks(lambda n: [step() for _ in range(n)], iters=iters, reps=reps, warmup=warmup,
                                   device=device)
-        host_us[name] = _median_call_us(step, iters, device, idle_each=True)
+        host_us[name] = {mode: _median_call_us(step, iters, device, mode) for mode in HOST_MODES}
         host_b2b_us[name] = _host_us_back_to_back(step, iters, device)
         if replay is not None:
-            replay_us[name] = _median_call_us(replay, 8, device, idle_each=False)
+            replay_us[name] = {mode: _median_call_us(replay, iters, device, mode) for mode in HOST_MODES}
 
     anchor = TorchStep(shape, device)
     measure("torch eager", anchor.eager_step, lambda: float(anchor.loss))
@@ -230,19 +231,23 @@ def run_shape(base: PipeShape, args: argparse.Namespace, ctx: BenchContext) -> f
                                  "host_us_back_to_back": host_b2b_us[mine],
                                  "anchor_host_us_back_to_back": host_b2b_us[theirs],
                                  "host_us_per_replay": replay_us.get(mine),
-                                 "anchor_host_us_per_replay": replay_us.get(theirs)}))
+                                 "anchor_host_us_per_replay": replay_us.get(theirs),
+                                 "host_modes": HOST_MODE_TEXT}))
     if "peerline graph" in timed and "peerline eager" in timed and shape.name.startswith("compute"):
         ratio = timed["peerline eager"].median_ms / timed["peerline graph"].median_ms
         ctx.note(f"GOAL {'MET' if ratio >= 1.0 else 'MISSED'} {shape.name}: graph {ratio:.3f}x eager "
                  "(goal: never slower)")
     if "peerline graph" not in replay_us:
         return None
-    us = replay_us["peerline graph"]
-    ctx.note(f"GOAL {'MET' if us < 50 else 'MISSED'} {shape.name}: host time per graph replay {us:.1f} us (goal < 50 "
-             f"us), torch graph {replay_us.get('torch graph', float('nan')):.1f} us; a whole iteration (data load + "
-             f"replay) issued with the device idle {host_us['peerline graph']:.1f} us, back to back "
-             f"{host_b2b_us['peerline graph']:.1f} us (torch graph {host_us.get('torch graph', float('nan')):.1f} / "
-             f"{host_b2b_us.get('torch graph', float('nan')):.1f} us)")
+    mine, torch_graph = host_us["peerline graph"], host_us.get("torch graph", {})
+    us = mine["busy"]
+    ctx.note(f"GOAL {'MET' if us < 50 else 'MISSED'} {shape.name}: host time per replayed iteration (data load + "
+             f"replay, issued while the GPU runs earlier work) {us:.1f} us (goal < 50 us), torch graph "
+             f"{torch_graph.get('busy', float('nan')):.1f} us; replay() alone {replay_us['peerline graph']['busy']:.1f}"
+             f" us (torch {replay_us.get('torch graph', {}).get('busy', float('nan')):.1f}); the same iteration "
+             f"issued with the device idle {mine['idle']:.1f} us, a short burst after one untimed step "
+             f"{mine['burst']:.1f} us, {iters} back to back {host_b2b_us['peerline graph']:.1f} us per step "
+             f"(GPU-bound runs block the host there: torch graph {host_b2b_us.get('torch graph', float('nan')):.1f})")
     return us
 
 
@@ -251,22 +256,48 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_call_us(call: Callable[[], Any], n: int, device: torch.device, *, idle_each: bool) -> float:
-    """Median host (CPU) microseconds of one call(), over n.
+# Host (CPU) time of issuing one call, three ways (each a median over calls, microseconds):
+#   busy   the GPU is kept busy by a spin kernel queued just before the timed call, so the call neither wakes an idle
+#          device nor waits for room in a full launch queue: the cost of issuing work while the GPU runs earlier
+#          work, which is what a host running ahead of its GPU pays every iteration. The goal is judged on this.
+#   idle   the device is idle (synchronized) before each call: adds whatever an idle device costs the first launch.
+#   burst  calls back to back after one untimed call, few enough that the queue rarely fills (GPU-bound steps can
+#          still block here: seen on an H200 for the compute-bound step, graph or not).
+HOST_MODES = ("busy", "idle", "burst")
+HOST_MODE_TEXT = ("busy: behind a spin kernel (GPU busy, launch queue empty); idle: device synchronized before each "
+                  "call; burst: back to back after one untimed call")
+SPIN_MS = 3.0  # longer than the host work timed behind it, far shorter than a full launch queue
 
-    idle_each=True: the device is idle before each call, so this is the cost of issuing it (a step: data load +
-    replay, or every eager launch), not time spent blocked behind a full launch queue. A GPU-bound run issued back
-    to back blocks the host whatever issues it (seen on an H200 for the compute-bound step, graph or not): that is
-    `_host_us_back_to_back`, kept for information.
-    idle_each=False: the calls go back to back after one untimed call (the GPU busy, so no wake-up after idle; few
-    enough that the launch queue never fills): the host cost of a graph replay call."""
+
+_SPIN_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _spin(device: torch.device, ms: float = SPIN_MS) -> None:
+    """Keep the device busy for about `ms` (torch's own spin kernel) on a stream of its own (role: the benchmark's
+    spin), so the timed call queues nothing behind it and nothing runs on the legacy default stream."""
+    if device.type != "cuda":
+        return
+    if device not in _SPIN_STREAMS:
+        _SPIN_STREAMS[device] = new_stream(device)
+    # kHz = cycles per ms; CUDA 13 builds may not report it (cudaDeviceProp lost clockRate): assume 2 GHz
+    rate_khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 2_000_000
+    with torch.cuda.stream(_SPIN_STREAMS[device]):
+        torch.cuda._sleep(int(ms * rate_khz))
+
+
+def _median_call_us(call: Callable[[], Any], n: int, device: torch.device, mode: str = "busy") -> float:
+    """Median host microseconds of one call() over n calls, in one of HOST_MODES (see there)."""
+    if mode not in HOST_MODES:
+        raise ValueError(f"host timing mode {mode!r}: expected one of {HOST_MODES}")
     _sync(device)
-    if not idle_each:
+    if mode == "burst":
         call()
     samples = []
     for _ in range(n):
-        if idle_each:
+        if mode != "burst":
             _sync(device)
+        if mode == "busy":
+            _spin(device)
         t0 = time.perf_counter()
         call()
         samples.append((time.perf_counter() - t0) * 1e6)

@@ -40,6 +40,17 @@ def test_allreduce_suite_quick(tmp_path: Path) -> None:
     alone = [r for r in records if "busbw, alone after backward" in r["case"]]
     assert alone and all(r["peerline"] > 0 and r["anchor"] > 0 and r["extra"]["alone_ms"] > 0 for r in alone)
     assert len(re.findall(r"^SWEEP allreduce ", proc.stdout + proc.stderr, re.M)) == 3  # + normal priority
+    # Head-to-head rounds (quick: 2 rounds on each of the two shape names; no graph on the CPU): peerline eager
+    # against DDP, interleaved, with per-round times and the paired ratio, and their GOAL lines.
+    h2h = [r for r in records if r["case"].startswith("head-to-head ")]
+    assert sorted(r["case"] for r in h2h) == ["head-to-head anchor: peerline eager step vs DDP",
+                                              "head-to-head launch: peerline eager step vs DDP"]
+    for r in h2h:
+        e = r["extra"]
+        assert len(e["round_ms"]) == len(e["ddp_round_ms"]) == e["rounds"] == 2
+        assert all(x > 0 for x in e["round_ms"] + e["ddp_round_ms"])
+        assert e["paired_ratio_min"] <= e["paired_ratio_median"] <= e["paired_ratio_max"]
+    assert len(re.findall(r"^GOAL (MET|MISSED) allreduce head-to-head ", proc.stdout + proc.stderr, re.M)) == 2
 
 
 def test_allreduce_suite_refuses_a_single_process(tmp_path: Path) -> None:
