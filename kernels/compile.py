@@ -32,8 +32,10 @@ STAGES = int(os.environ.get("PEERLINE_KERNEL_STAGES", str(plan.DEFAULT_STAGES)))
 TILE = int(os.environ.get("PEERLINE_KERNEL_TILE", "0"))
 DIRECT = int(os.environ.get("PEERLINE_KERNEL_DIRECT", "0"))
 VEC = int(os.environ.get("PEERLINE_KERNEL_VEC", "1"))
-# How bias+GELU evaluates Phi for bf16 results (elementwise.cu PL_GELU; fp32 results always use normcdff):
-GELU_EXACT, GELU_FAST, GELU_FIRST = 0, 1, 2  # normcdff | Abramowitz-Stegun 7.1.26 on MUFU | first run's 1 + erff
+# How bias+GELU evaluates Phi (elementwise.cu PL_GELU): GELU_EXACT normcdff everywhere; GELU_FAST (default) the
+# A&S 7.1.26 form on MUFU for bf16 results (3.5e-5) and its fp32 refit phi_cdf_acc for fp32 results (< 1e-6);
+# GELU_FIRST the first run's 1 + erff for bf16 results (normcdff for fp32); GELU_ACC phi_cdf_acc everywhere.
+GELU_EXACT, GELU_FAST, GELU_FIRST, GELU_ACC = 0, 1, 2, 3
 GELU = int(os.environ.get("PEERLINE_KERNEL_GELU", str(GELU_FAST)))
 
 OP_BIAS_GELU_FWD, OP_BIAS_GELU_BWD, OP_RESIDUAL_ADD = 1, 2, 3
@@ -59,7 +61,7 @@ class KernelSpec:
     out: str = "float32"  # op 3
     warps: int = COMPUTE_WARPS  # compute warps per block
     stages: int = STAGES  # shared-memory stages (2 = double buffering)
-    gelu: int = GELU  # Phi for bf16 results: GELU_EXACT | GELU_FAST | GELU_FIRST (elementwise.cu PL_GELU)
+    gelu: int = GELU  # Phi: GELU_EXACT | GELU_FAST | GELU_FIRST | GELU_ACC (elementwise.cu PL_GELU)
     tile: int = TILE  # chunks per tile; 0 = plan.tile_chunks' rule
     direct: int = DIRECT  # 1 = compute warps store to global memory (ws_pipeline.cuh PL_DIRECT_STORE)
     vec: int = VEC  # 16-byte vectors per chunk of the narrowest operand (PL_VEC)
@@ -68,7 +70,7 @@ class KernelSpec:
         for name in (self.x, self.bias, self.y, self.out):
             if name not in CTYPES:
                 raise ValueError(f"unsupported dtype {name!r} for a peerline kernel; supported: {', '.join(CTYPES)}")
-        if self.gelu not in (GELU_EXACT, GELU_FAST, GELU_FIRST):
+        if self.gelu not in (GELU_EXACT, GELU_FAST, GELU_FIRST, GELU_ACC):
             raise ValueError(f"unknown gelu mode {self.gelu}")
         if self.op not in (OP_BIAS_GELU_FWD, OP_BIAS_GELU_BWD, OP_RESIDUAL_ADD):
             raise ValueError(f"unknown op {self.op}")

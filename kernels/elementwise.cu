@@ -14,9 +14,9 @@
 //               scalar head and tail elements of the vector path
 //
 // GELU is the exact one: gelu(v) = v Phi(v) = 0.5 v (1 + erf(v / sqrt 2)); gelu'(v) = Phi(v) + v phi(v). All
-// arithmetic is fp32 (Phi: normcdff for fp32 results; with PL_GELU a cheaper Phi for bf16 results, see
-// phi_cdf_fast); bf16 results are rounded to nearest even once. The bias is added in fp32 (torch's reference first rounds
-// the bias to x's dtype and the sum to x's dtype; the fused kernel is the more accurate of the two).
+// arithmetic is fp32 (Phi: phi_cdf_acc for fp32 results, < 1e-6 relative; phi_cdf_fast for bf16 results; PL_GELU 0
+// = normcdff everywhere); bf16 results are rounded to nearest even once. The bias is added in fp32 (torch's
+// reference first rounds the bias to x's dtype and the sum to x's dtype; the fused kernel is the more accurate).
 #include "ws_pipeline.cuh"
 
 #ifndef PL_OP
@@ -46,7 +46,7 @@ __device__ __forceinline__ float ldg_f32(const bf16_t* p) {
 // 5 ulp over the whole range). The first version used 0.5 (1 + erff(v / sqrt 2)): for v < 0 that sum cancels
 // (erff -> -1), the absolute error ~3e-8 of erff becomes a relative error of 1e-3 at v = -4 and erff rounds to
 // exactly -1 below v = -5.54, so gelu(v) came out 0 (the GPU run's rel err 1 on one element, issue 3).
-// PL_GELU (bf16 results only) selects a cheaper Phi for the bandwidth-bound bf16 path.
+// Since then PL_GELU selects cheaper forms of the same erfc (phi_cdf_fast, phi_cdf_acc); normcdff is PL_GELU 0.
 __device__ __forceinline__ float phi_cdf(float v) { return normcdff(v); }
 
 // exp(-v^2 / 2) / sqrt(2 pi) with v^2 split exactly into hi + lo (fma), so the argument's rounding (v^2/2 ulps,
@@ -59,9 +59,12 @@ __device__ __forceinline__ float phi_pdf(float v) {
   return 0.39894228040143268f * expf(-0.5f * hi) * (1.0f - 0.5f * lo);
 }
 
-// PL_GELU: how bf16 results evaluate Phi (fp32 results always take normcdff):
-//   0 normcdff (exact), 1 phi_cdf_fast (the default for bf16), 2 the first version's 0.5 (1 + erff(v / sqrt 2))
-//   (kept only so the benchmark can compare against the first GPU run's kernel in the same run).
+// PL_GELU: how Phi is evaluated (gelu_mode below maps it per result type):
+//   0 normcdff for every result type (the exact reference, kept for comparisons),
+//   1 the default: phi_cdf_fast for bf16 results, phi_cdf_acc for fp32 results,
+//   2 bf16 results: the first version's 0.5 (1 + erff(v / sqrt 2)) (kept only so the benchmark can compare against
+//     the first GPU run's kernel in the same run); fp32 results: normcdff,
+//   3 phi_cdf_acc for every result type.
 #ifndef PL_GELU
 #define PL_GELU 1
 #endif
@@ -103,15 +106,60 @@ __device__ __forceinline__ float phi_cdf_fast(float v) {
   return phi_cdf_fast(v, e);
 }
 
+// Phi for fp32 results (PL_GELU 1, the default; 3 also for bf16): the same erfc form as phi_cdf_fast,
+// erfc(z) = t P(t) exp(-z^2), t = 1 / (1 + p z), refitted for fp32 (kernels/fit_phi.py: p = 0.4, P of degree 8,
+// max 1.3e-7 relative on erfc over all z), and exp(-v^2 / 2) = 2^(-v^2 log2(e) / 2) evaluated so that no argument
+// rounding reaches the result: v^2 = hi + lo exactly (fma, as phi_pdf), the product x = hi * C rounded, and what
+// the rounding dropped (the product's error, C's own float32 error, lo * C) collected in r (|r| < 2^-16) and
+// applied as 2^r = 1 + r ln 2. A float32 model of exactly this sequence (fit_phi.model_acc32) is within 5.4e-7
+// relative of float64 for gelu, 5.0e-7 for Phi, 4.5e-7 for gelu' (relative to its terms) over |v| <= 10, plus at
+// most 3 ulp (3.6e-7) from MUFU.RCP / MUFU.EX2: < 1e-6 per element; normcdff (5 ulp) stays as PL_GELU 0. About 26
+// instructions with 2 MUFU ops (normcdff: ~45, with a division). |v| is clamped at 20 (Phi(-20) = 0 in fp32) so
+// that v^2 stays finite (inf would make lo = -inf and r * e0 = NaN). Also returns e = exp(-v^2 / 2).
+__device__ __forceinline__ float phi_cdf_acc(float v, float& e) {
+  const float a = fminf(fabsf(v), 20.0f);
+  const float t = rcp_approx(fmaf(a, 0.4f * 0.70710678118654752f, 1.0f));
+  // P's coefficients halved (Phi = erfc / 2), highest power first (fit_phi.ACC_COEFFS)
+  float p = fmaf(t, 0.5f * 0.05025735994305048f, 0.5f * -0.1828845096544581f);
+  p = fmaf(t, p, 0.5f * 0.1690612871201941f);
+  p = fmaf(t, p, 0.5f * -0.005589969411778523f);
+  p = fmaf(t, p, 0.5f * 0.1414245264182734f);
+  p = fmaf(t, p, 0.5f * 0.16854340181834646f);
+  p = fmaf(t, p, 0.5f * 0.2078425628500767f);
+  p = fmaf(t, p, 0.5f * 0.22566960249285803f);
+  p = fmaf(t, p, 0.5f * 0.22567586191585753f);
+  const float hi = a * a;
+  const float lo = fmaf(a, a, -hi);            // v^2 = hi + lo
+  const float C = -0.72134752044448170f;       // -log2(e) / 2
+  const float x = hi * C;
+  float r = fmaf(hi, C, -x);                   // rounding error of hi * C
+  r = fmaf(hi, -9.629815167500055e-09f, r);    // C's own rounding: -log2(e)/2 - C
+  r = fmaf(lo, C, r);                          // lo * C
+  const float e0 = ex2_approx(x);
+  e = fmaf(e0, r * 0.69314718055994531f, e0);  // 2^(x + r) = 2^x (1 + r ln 2)
+  const float half_erfc = (t * p) * e;         // Phi(-|v|)
+  return v < 0.0f ? half_erfc : 1.0f - half_erfc;
+}
+__device__ __forceinline__ float phi_cdf_acc(float v) {
+  float e;
+  return phi_cdf_acc(v, e);
+}
+
 template <int MODE>
 __device__ __forceinline__ float phi_cdf_t(float v) {
   if constexpr (MODE == 1) return phi_cdf_fast(v);
   else if constexpr (MODE == 2) return 0.5f * (1.0f + erff(v * 0.70710678118654752f));
+  else if constexpr (MODE == 3) return phi_cdf_acc(v);
   else return phi_cdf(v);
 }
 
 template <int MODE>
 __device__ __forceinline__ float gelu_t(float v) { return v * phi_cdf_t<MODE>(v); }
+
+// The Phi evaluation (MODE of phi_cdf_t) for results of `bytes` bytes under PL_GELU (see above).
+constexpr int gelu_mode(int bytes) {
+  return bytes == 2 ? PL_GELU : (PL_GELU == 1 || PL_GELU == 3 ? 3 : 0);
+}
 
 __device__ __forceinline__ float gelu_f(float v) { return gelu_t<0>(v); }
 
@@ -123,6 +171,11 @@ __device__ __forceinline__ float gelu_grad_t(float v) {
     return phi_cdf(v) + v * phi_pdf(v);
   } else if constexpr (MODE == 2) {  // the first version, verbatim
     return phi_cdf_t<2>(v) + v * (0.39894228040143268f * expf(-0.5f * v * v));
+  } else if constexpr (MODE == 3) {
+    // fp32 results: phi(v) = e / sqrt(2 pi) from phi_cdf_acc's exp (accurate to ~1 ulp, argument split)
+    float e;
+    const float cdf = phi_cdf_acc(v, e);
+    return fmaf(v * 0.39894228040143268f, e, cdf);
   } else {
     // bf16 results: phi(v) from the same MUFU.EX2 as Phi (relative error ~1e-6 at v = 5, bf16's is 2e-3)
     float e;
@@ -209,8 +262,8 @@ struct BiasGeluFwd {
   typedef TX TC;
   static constexpr int E = PL_VEC * 16 / static_cast<int>(sizeof(TX));
   static constexpr bool HAS_B = false;
-  // The cheap Phi only where the result is bf16 (its rounding dwarfs the approximation); fp32 stays exact.
-  static constexpr int kGelu = sizeof(TX) == 2 ? PL_GELU : 0;
+  // The cheap Phi where the result is bf16 (its rounding dwarfs the approximation); the accurate one for fp32.
+  static constexpr int kGelu = gelu_mode(sizeof(TX));
 
   const TX* x;
   TX* y;
@@ -245,8 +298,9 @@ struct BiasGeluBwd {
   static constexpr int E = PL_VEC * 16 / static_cast<int>(sizeof(TX));
   static constexpr bool HAS_B = true;
   // As in the forward: the cheap Phi and pdf only for bf16 grad_x (the bias gradient sums fp32 products of those
-  // values: their ~1e-7 absolute error per element is far under the bf16 bound of the bias gradient too).
-  static constexpr int kGelu = sizeof(TX) == 2 ? PL_GELU : 0;
+  // values: their ~1e-7 absolute error per element is far under the bf16 bound of the bias gradient too); fp32
+  // grad_x takes phi_cdf_acc and its exp.
+  static constexpr int kGelu = gelu_mode(sizeof(TX));
 
   const TBIAS* bias;
   float* part;  // gridDim.x * TILE * E partial bias-gradient sums, one per (block, slot element)
