@@ -524,7 +524,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                             "(default 0,16,8,4)")
     group.add_argument("--ar-normal-priority", dest="ar_normal_priority", action="store_true",
                        help="also measure peerline with its all-reduce on a normal-priority stream (NCCL's default "
-                            "CTAs): is it the priority or the CTA count that slows backward?")
+                            "CTAs), in the sweep and in the head-to-head rounds: is it the priority or the CTA count "
+                            "that slows backward?")
     group.add_argument("--ar-no-tail-group", dest="ar_no_tail_group", action="store_true",
                        help="capped variants: all-reduce the first block's buckets (exposed: nothing left to overlap) "
                             "on the capped group too, not on NCCL's default CTAs")
@@ -584,7 +585,8 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     for name, h2h_shape in h2h_shapes(str(opt("ar_h2h_shapes", "anchor,launch")), shape, quick).items():
         if ctx.on_step:
             ctx.on_step(f"allreduce head-to-head, {name}")
-        run_head_to_head(ctx, name, h2h_shape, h2h_dtype, rounds, opt("ar_h2h_steps", 1 if quick else 3), groups[0])
+        run_head_to_head(ctx, name, h2h_shape, h2h_dtype, rounds, opt("ar_h2h_steps", 1 if quick else 3), groups[0],
+                         normal_priority=bool(getattr(args, "ar_normal_priority", False)))
     if ctx.is_writer:
         for line in goals(ctx) + h2h_goal_lines(ctx):
             log.info("%s", line)

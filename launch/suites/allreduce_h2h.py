@@ -33,7 +33,7 @@ from peerline.launch.benchkit import BenchContext, Record
 log = logging.getLogger(__name__)
 
 SUITE = "allreduce"
-VARIANTS = ("DDP", "peerline eager", "peerline graph")
+VARIANTS = ("DDP", "peerline eager", "peerline graph", "peerline eager, normal-priority stream")
 
 
 def h2h_shapes(names: str, anchor: Any, quick: bool) -> dict[str, Any]:
@@ -54,9 +54,10 @@ def h2h_shapes(names: str, anchor: Any, quick: bool) -> dict[str, Any]:
 
 
 def run_head_to_head(ctx: BenchContext, name: str, shape: Any, dtype: torch.dtype, rounds: int, steps: int,
-                     group: dist.ProcessGroup) -> dict[str, Any]:
+                     group: dist.ProcessGroup, normal_priority: bool = False) -> dict[str, Any]:
     """Build both models (same weights), capture peerline's step, run `rounds` interleaved rounds; record one
-    Record per peerline variant against DDP and return the summary."""
+    Record per peerline variant against DDP and return the summary. `normal_priority` adds a third model whose
+    buckets all-reduce on a normal-priority stream (as DDP's), to tell the stream priority's share of a gap."""
     from peerline.launch.suites.allreduce import (
         Workload,
         build_model,
@@ -80,6 +81,16 @@ def run_head_to_head(ctx: BenchContext, name: str, shape: Any, dtype: torch.dtyp
     gb = GradBuckets(layers, group, dev, w.streams.allreduce, shape.bucket_mb, shape.first_bucket_mb)
     steps_of: dict[str, Callable[[], Any]] = {"DDP": partial(step_ddp, w, ddp, ddp_opt),
                                               "peerline eager": partial(step_peerline, w, model, gb, opt)}
+    extra_buckets = []
+    if normal_priority:
+        with use(w.streams.compute):
+            model_n = build_model(shape, dtype, dev)
+        opt_n = make_optimizer(model_n, dev)
+        # the p2p role's stream: normal priority and unused in this suite (streams come only from streams.py)
+        gb_n = GradBuckets([list(b.parameters()) for b in model_n], group, dev, w.streams.p2p, shape.bucket_mb,
+                           shape.first_bucket_mb)
+        extra_buckets.append(gb_n)
+        steps_of["peerline eager, normal-priority stream"] = partial(step_peerline, w, model_n, gb_n, opt_n)
     for fn in steps_of.values():  # warm-up: DDP rebuilds its buckets after its first step
         with use(w.streams.compute):
             for _ in range(5):
@@ -93,7 +104,8 @@ def run_head_to_head(ctx: BenchContext, name: str, shape: Any, dtype: torch.dtyp
             steps_of["peerline graph"] = graph.replay
     names = [v for v in VARIANTS if v in steps_of]
     per_round = _interleaved_rounds(w, steps_of, names, rounds, steps)
-    gb.close()
+    for b in [gb, *extra_buckets]:
+        b.close()
     summary = _summarize(per_round, names)
     sizes = {"hidden": shape.hidden, "blocks": shape.blocks, "tokens": shape.micro_batch * shape.seq,
              "microbatches": shape.microbatches, "bucket_mb": shape.bucket_mb, "dp": dist.get_world_size(),
@@ -111,7 +123,7 @@ def run_head_to_head(ctx: BenchContext, name: str, shape: Any, dtype: torch.dtyp
                                  "ratio_is": "DDP ms / peerline ms in the same round (> 1: peerline faster)"}))
     if graph_note:
         ctx.note(f"head-to-head {name}: peerline's step did not capture: {graph_note}")
-    del steps_of, gb, ddp, ddp_model, model, opt, ddp_opt, layers, w
+    del steps_of, gb, ddp, ddp_model, model, opt, ddp_opt, layers, w, extra_buckets
     free_memory(dev)
     return summary
 
@@ -168,6 +180,8 @@ def goal_lines(ctx: BenchContext) -> list[str]:
         if not r.case.startswith("head-to-head "):
             continue
         e = r.extra
+        if "normal-priority" in r.case:
+            continue  # a diagnostic variant, not the runtime's setting
         graph = "graph" in r.case
         met = e["paired_ratio_median"] > 1.0 if graph else e["paired_ratio_median"] >= 1.0
         want = "better than DDP" if graph else "no worse than DDP"

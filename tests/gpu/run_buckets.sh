@@ -39,4 +39,14 @@ grep -E "^grad buckets:" "$OUT/bench_allreduce.out" | head -1 | sed 's/^/  /'
 grep -E "^(GOAL|SWEEP) " "$OUT/bench_allreduce.out"
 [ -f "$OUT/bench_allreduce/allreduce.md" ] && cat "$OUT/bench_allreduce/allreduce.md"
 report bench "$rc" "$((SECONDS - t0)) s"
+
+# AR_PROFILE=1: where peerline's eager step spends host time that DDP's does not (a diagnostic, INFO lines only)
+if [ "${AR_PROFILE:-0}" = 1 ]; then
+  echo "== diagnostic: host profile of the launch-heavy eager step, peerline vs DDP" >> "$LOG"
+  step "$OUT/buckets_h2h_profile.out" 60 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
+    tests/gpu/h2h_profile.py
+  rc=$?
+  grep -E "^INFO " "$OUT/buckets_h2h_profile.out" | sed 's/^/  /'
+  report h2h_profile "$rc"
+fi
 exit 0
