@@ -2,7 +2,8 @@
 device-to-device copy of the same bytes, all in one run.
 
     python -m peerline.launch.suites.kernels [--out DIR] [--sizes-mib 1,16,256,1024] [--quick]
-    python -m peerline.launch.suites.kernels --sweep [--out DIR] [--sweep-budget 60]   (launch-shape sweep)
+    python -m peerline.launch.suites.kernels --sweep [--out DIR] [--sweep-budget 60] [--sweep-plans L,...]
+        [--sweep-cases SUBSTR,...]   (launch-shape sweep)
 
 Bytes counted: every input read once and every output written once (bias vectors are negligible and not counted),
 the same figure for peerline and torch, so the GB/s ratio is the time ratio. The copy moves (read + written) / 2
@@ -229,26 +230,31 @@ def main(argv: list[str] | None = None) -> int:
                     help="launch-shape sweep instead (kernels_sweep.py): best plan per op, OUT/sweep.jsonl")
     ap.add_argument("--sweep-budget", type=float, default=60.0, help="seconds for the sweep, compiles included")
     ap.add_argument("--sweep-plans", default=None,
-                    help="comma list of plan labels (e.g. w8.s3.d1,w8.s4.t256); default: kernels_sweep.SWEEP_PLANS")
+                    help="comma list of plan labels (e.g. w8.s3.d1,w16.s3.d1@fwd+bwd,w4.s4.t256.d1.l1@res: '@' "
+                         "restricts a plan to op kinds fwd|bwd|res); default: kernels_sweep.SWEEP_PLANS")
+    ap.add_argument("--sweep-cases", default=None,
+                    help="comma list of substrings of case names to keep (e.g. 'residual_add,fwd fp32'); "
+                         "default: every case of kernels_sweep.SWEEP_CASES")
     args = ap.parse_args(argv)
     args.write_partial = True
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if args.sweep:
-        from peerline.kernels import plan as kp
-        from peerline.launch.suites.kernels_sweep import run_sweep
+        from peerline.launch.suites.kernels_sweep import SWEEP_CASES, parse_sweep_plan, run_sweep, select_cases
 
-        labels = args.sweep_plans.split(",") if args.sweep_plans else None
+        labels = [t for t in args.sweep_plans.split(",") if t.strip()] if args.sweep_plans else None
+        cases = [t for t in args.sweep_cases.split(",") if t.strip()] if args.sweep_cases else None
         try:
             for label in labels or []:
-                kp.parse_plan(label)
+                parse_sweep_plan(label)
+            select_cases(SWEEP_CASES, cases)
         except ValueError as e:
             sys.stderr.write(f"kernels --sweep: {e}\n")
             return 2
         if device.type != "cuda":
             sys.stderr.write("kernels --sweep: needs a CUDA device\n")
             return 2
-        run_sweep(args.out, device, args.sweep_budget, labels, args.reps if args.reps != 20 else 10)
+        run_sweep(args.out, device, args.sweep_budget, labels, args.reps if args.reps != 20 else 10, cases)
         return 0
     ctx = BenchContext(out_dir=args.out, device=device, quick=args.quick)
     run(args, ctx)

@@ -32,25 +32,38 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Most promising first: the budget may cut the tail of the list.
+# Most promising first: the budget may cut the tail of the list. "@fwd+bwd" after a label restricts a plan to those
+# op kinds (fwd | bwd | res): it is neither checked nor timed on the others (saves budget where a plan cannot help).
 SWEEP_PLANS = (
-    "w8.s2",              # today's default
-    "w8.s2.d1",           # direct stores: no C round trip through shared memory, no storer hand-off
-    "w8.s4.d1",           # deeper: more loads in flight per block
-    "w8.s4",              # deeper, results still through the storer warp
-    "w8.s3.d1",
-    "w8.s4.d1.v2",        # 32 contiguous bytes per compute lane (fewer instructions per byte)
-    "w4.s4.d1",           # fewer compute warps, more blocks per SM
-    "w8.s4.t256",         # smaller tiles: more tiles per block and a shorter tail (16 MiB)
-    "w4.s4.t256.d1",      # ... with direct stores and small blocks
-    "w4.s4.t128.d1",      # ... one chunk per compute thread: the most tiles per block at 16 MiB
-    "w8.s4.t1024.d1",     # bigger tiles: more bytes per hand-off
-    "w8.s4.t1024.d1.b2",  # ... at most 2 blocks per SM
+    "w8.s2",                   # today's default (always timed first)
+    # the tuned plans of the last H200 sweep (elementwise.TUNED_PLANS), so the new ones are judged against them
+    "w8.s3.d1",                # bias+GELU fwd
+    "w4.s4.t256.d1",           # residual add
+    "w8.s4@bwd",               # bias+GELU bwd bf16
+    "w8.s4.d1.v2@bwd",         # bias+GELU bwd fp32
+    # more compute warps for the issue-bound GELU paths (12 / 16 compute warps: 448 / 576 threads a block)
+    "w16.s3.d1@fwd+bwd",
+    "w12.s3.d1@fwd+bwd",
+    "w16.s2.d1@fwd+bwd",
+    "w12.s4.d1@fwd+bwd",
+    "w16.s4.d1@fwd+bwd",
+    "w12.s2.d1@fwd+bwd",
+    "w16.s4@bwd",              # ... through the storer warp (bwd bf16's best so far had no direct stores)
+    "w16.s3.t1024.d1@fwd+bwd",  # 2 chunks per compute thread at 16 warps
+    # the rest of the first sweep's grid (each was best or near it somewhere)
+    "w8.s2.d1",                # direct stores: no C round trip through shared memory, no storer hand-off
+    "w8.s4.d1",                # deeper: more loads in flight per block
+    "w4.s4.d1",                # fewer compute warps, more blocks per SM
+    "w4.s4.t128.d1@res",       # one chunk per compute thread: the most tiles per block at 16 MiB
+    "w8.s4.t1024.d1@res",      # bigger tiles: more bytes per hand-off
     "w8.s3",
+    "w8.s4.t256",
 )
+KINDS = ("fwd", "bwd", "res")
 # (case name, op, dtype, MiB of x)
 SWEEP_CASES = (
     ("bias_gelu_fwd bf16", "fwd", torch.bfloat16, 256),
+    ("bias_gelu_fwd fp32", "fwd", torch.float32, 256),
     ("bias_gelu_bwd fp32", "bwd", torch.float32, 256),
     ("bias_gelu_bwd bf16", "bwd", torch.bfloat16, 256),
     ("residual_add bf16+bf16", "res", torch.bfloat16, 256),
@@ -58,6 +71,34 @@ SWEEP_CASES = (
     ("residual_add fp32+fp32", "res", torch.float32, 256),
     ("residual_add fp32+fp32", "res", torch.float32, 16),
 )
+
+
+def parse_sweep_plan(text: str) -> tuple[str, frozenset[str]]:
+    """'w16.s3.d1@fwd+bwd' -> (plan label, its op kinds); no '@': every kind. ValueError on a bad label or kind."""
+    from peerline.kernels import plan as kp
+
+    label, _, kinds = text.strip().partition("@")
+    kp.parse_plan(label)
+    ks = frozenset(filter(None, kinds.split("+"))) if kinds else frozenset(KINDS)
+    bad = ks - set(KINDS)
+    if bad:
+        raise ValueError(f"bad op kind(s) {sorted(bad)} in sweep plan {text!r}; kinds: {', '.join(KINDS)}")
+    return label, ks
+
+
+def select_cases(cases: tuple, filters: list[str] | None) -> tuple:
+    """The cases whose full name ('<case> <MiB> MiB', e.g. 'residual_add bf16+bf16 16 MiB') contains any of the
+    filter strings (all cases when filters is empty or None); '/' in a filter stands for a space (shell-friendly:
+    'fwd/fp32', 'bf16+bf16/16/MiB'). ValueError when nothing is left."""
+    if not filters:
+        return cases
+    out = tuple(c for c in cases if any(f.replace("/", " ") in f"{c[0]} {c[3]:g} MiB" for f in filters))
+    if not out:
+        raise ValueError(f"no sweep case matches {filters}; cases: "
+                         + "; ".join(f"{c[0]} {c[3]:g} MiB" for c in cases))
+    return out
+
+
 # (shape, offset of the inputs' views): head and tail with a non-vector bias; then ~8.4 M elements, so every block
 # wraps its stages several times, with a vector bias
 CHECK_SHAPES = (((37, 1001), 1), ((2063, 4096), 0))
@@ -140,13 +181,14 @@ def _calls(kind: str, dtype: torch.dtype, n: int, device: torch.device) -> tuple
 
 
 def _specs_for(plans: list, cases: tuple) -> list:
+    """KernelSpecs of every (plan, op kind, dtype) the sweep will run; plans are (LaunchPlan, kinds) pairs."""
     from peerline.kernels import compile as kc
 
     names = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
     out = []
-    for p in plans:
+    for p, kinds in plans:
         t = {k: v for k, v in p.tuning().items() if k != "blocks_per_sm"}
-        for kind, dt in {(c[1], c[2]) for c in cases}:
+        for kind, dt in {(c[1], c[2]) for c in cases if c[1] in kinds}:
             d = names[dt]
             try:
                 if kind == "fwd":
@@ -176,23 +218,29 @@ def best_line(case: str, rows: list[dict], default_label: str) -> str:
 
 
 def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_labels: list[str] | None = None,
-              reps: int = 10) -> list[dict]:
-    """Check, then time each plan per case; write out_dir/sweep.jsonl; return its rows."""
+              reps: int = 10, case_filters: list[str] | None = None) -> list[dict]:
+    """Check, then time each plan per case; write out_dir/sweep.jsonl; return its rows. `plan_labels` entries may
+    carry '@kinds' (parse_sweep_plan); `case_filters` keeps the cases whose name contains one of the strings."""
     from peerline.kernels import compile as kc
     from peerline.kernels import elementwise as ew
     from peerline.kernels import plan as kp
     from peerline.launch.suites.kernels import ROTATE_BYTES, _copy_calls, _graph_time
 
     t0 = time.monotonic()
-    plans = [kp.parse_plan(s) for s in (plan_labels or SWEEP_PLANS)]
+    sweep_cases = select_cases(SWEEP_CASES, case_filters)
+    plans: list[tuple[kp.LaunchPlan, frozenset[str]]] = []
+    for text in plan_labels or SWEEP_PLANS:
+        label, kinds = parse_sweep_plan(text)
+        plans.append((kp.parse_plan(label), kinds))
     default = kp.LaunchPlan()
-    if default not in plans:
-        plans.insert(0, default)
+    plans = [(p, k) for p, k in plans if p != default]
+    plans.insert(0, (default, frozenset(KINDS)))  # always first, on every case
+    plans = list(dict.fromkeys(plans))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "sweep.jsonl"
     rows: list[dict] = []
 
-    specs = _specs_for(plans, SWEEP_CASES)
+    specs = _specs_for(plans, sweep_cases)
     workers = min(8, os.cpu_count() or 1)
     n_warm = kc.warm_compile(specs, device.index or 0, workers)
     log.info("sweep: %d of %d kernel builds compiled in parallel in %.1f s", n_warm, len(specs),
@@ -203,8 +251,8 @@ def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_
     saved_poison = ew.POISON_OUTPUTS
     ew.POISON_OUTPUTS = True
     try:
-        for p in plans:
-            for kind, dt in dict.fromkeys((c[1], c[2]) for c in SWEEP_CASES):
+        for p, kinds in plans:
+            for kind, dt in dict.fromkeys((c[1], c[2]) for c in sweep_cases if c[1] in kinds):
                 ew.TUNING.clear()
                 ew.TUNING.update(p.tuning())
                 try:
@@ -220,7 +268,7 @@ def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_
     # anchors first (torch eager, d2d copy of the same bytes), then plan after plan over all cases, so a budget that
     # runs out cuts the same plans from every case
     cases = []
-    for name, kind, dt, mib in SWEEP_CASES:
+    for name, kind, dt, mib in sweep_cases:
         n = int(mib * (1 << 20)) // dt.itemsize
         nbytes, pl_calls, torch_calls = _calls(kind, dt, n, device)
         t_torch = _graph_time(torch_calls, device, reps)
@@ -230,10 +278,13 @@ def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_
     log.info("sweep: anchors timed at %.1f s", time.monotonic() - t0)
     dev_name = torch.cuda.get_device_name(device)
     with path.open("w") as f:
-        for i, p in enumerate(plans):
+        for i, (p, kinds) in enumerate(plans):
             over = i > 0 and time.monotonic() - t0 > budget_s
             log.info("sweep: plan %s at %.1f s%s", p.label(), time.monotonic() - t0, " (budget spent)" if over else "")
             for case, kind, dt, nbytes, pl_calls, t_torch, t_copy in cases:
+                if kind not in kinds:
+                    continue
+
                 def gbps(t: float, nbytes: int = nbytes) -> float:
                     return nbytes / (t * 1e-3) / 1e9
 
@@ -258,8 +309,8 @@ def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_
                 rows.append(row)
     del cases
     torch.cuda.empty_cache()
-    for case in dict.fromkeys(r["case"] for r in rows):
-        sys.stdout.write(best_line(case, [r for r in rows if r["case"] == case], default.label()) + "\n")
+    for line in report_lines(rows, default.label()):
+        sys.stdout.write(line + "\n")
     for (label, kind, dt), err in ok.items():
         if err is not None:
             sys.stdout.write(f"SWEEP WRONG {label} {kind} {dt}: {err}\n")
@@ -267,14 +318,73 @@ def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_
     return rows
 
 
+# case name prefix -> (elementwise op name, x dtype) of the TUNED_PLANS key (plan.parse_op_plans)
+_OP_KEYS = {"bias_gelu_fwd": "bias_gelu_fwd", "bias_gelu_bwd": "bias_gelu_bwd", "residual_add": "residual_add"}
+
+
+def _op_key(case: str) -> str | None:
+    """'residual_add bf16+bf16 16 MiB' -> 'residual_add:bf16' (op and x's dtype, as TUNED_PLANS keys plans; the
+    fp32 key also covers fp32 + bf16 residuals, which the sweep does not time); None for other case names."""
+    parts = case.split()
+    if len(parts) < 2 or parts[0] not in _OP_KEYS:
+        return None
+    return f"{_OP_KEYS[parts[0]]}:{parts[1].split('+')[0]}"
+
+
+def tuned_choice(rows: list[dict]) -> dict[str, tuple[str, float]]:
+    """Per TUNED_PLANS key (op:dtype): the plan with the best geometric mean of vs_torch over that key's cases,
+    among plans timed (status ok) on all of them, and that mean. A plan wrong on any case of the key never wins."""
+    by_key: dict[str, dict[str, dict[str, float]]] = {}
+    cases_of: dict[str, set[str]] = {}
+    for r in rows:
+        key = _op_key(r["case"])
+        if key is None:
+            continue
+        cases_of.setdefault(key, set()).add(r["case"])
+        if r["status"] == "ok":
+            by_key.setdefault(key, {}).setdefault(r["plan"], {})[r["case"]] = r["vs_torch"]
+    wrong = {(_op_key(r["case"]), r["plan"]) for r in rows if r["status"] == "wrong"}
+    out = {}
+    for key, plans in by_key.items():
+        full = {p: v for p, v in plans.items() if set(v) == cases_of[key] and (key, p) not in wrong}
+        if full:
+            best = max(full, key=lambda p: math.prod(full[p].values()) ** (1 / len(full[p])))
+            out[key] = (best, math.prod(full[best].values()) ** (1 / len(full[best])))
+    return out
+
+
+def _short(label: str) -> str:
+    """w8.s3.t0.b0.d1.v1 -> w8.s3.d1 (fields at their LaunchPlan default dropped; parse_plan reads either)."""
+    from peerline.kernels import plan as kp
+
+    p, d = kp.parse_plan(label), kp.LaunchPlan()
+    keep = [f for f, name in zip(label.split("."), ("warps", "stages", "tile_chunks", "blocks_per_sm",
+                                                      "direct_store", "vec", "loader"))
+            if name in ("warps", "stages") or getattr(p, name) != getattr(d, name)]
+    return ".".join(keep)
+
+
+def report_lines(rows: list[dict], default_label: str) -> list[str]:
+    """SWEEP BEST per case, SWEEP TUNED per op:dtype, and the TUNED_PLANS string to paste into elementwise.py."""
+    lines = [best_line(case, [r for r in rows if r["case"] == case], default_label)
+             for case in dict.fromkeys(r["case"] for r in rows)]
+    choice = tuned_choice(rows)
+    for key, (label, gmean) in choice.items():
+        cases = sorted({r["case"] for r in rows if _op_key(r["case"]) == key})
+        lines.append(f"SWEEP TUNED {key}={_short(label)} ({gmean:.3f}x torch, geometric mean over {', '.join(cases)})")
+    if choice:
+        entries = ",".join(f"{k}={_short(v[0])}" for k, v in sorted(choice.items()))
+        lines.append(f'SWEEP TUNED_PLANS = "{entries}"   (kernels/elementwise.py TUNED_PLANS, or '
+                     f'PEERLINE_KERNEL_PLANS="{entries}")')
+    return lines
+
+
 def summarize(path: Path) -> list[str]:
-    """The SWEEP BEST lines of a sweep.jsonl (also one cut short by a time limit)."""
+    """The SWEEP BEST / TUNED lines of a sweep.jsonl (also one cut short by a time limit)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     from peerline.kernels import plan as kp
 
-    default = kp.LaunchPlan().label()
-    return [best_line(case, [r for r in rows if r["case"] == case], default)
-            for case in dict.fromkeys(r["case"] for r in rows)]
+    return report_lines(rows, kp.LaunchPlan().label())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,10 +4,13 @@
 # default plan and the multi-stream batch driver, (e) compute-sanitizer memcheck + racecheck on small sizes.
 # Usage: bash tests/gpu/run_kernels.sh [OUT]   (or OUT=... in the environment)
 #   KERNELS_SELECT=tests,sass,sweep,bench,sanitize (comma list; default all; "tests" includes the SASS report)
+#   KERNELS_SWEEP_ARGS="..." extra arguments for the sweep, e.g. --sweep-cases residual_add,fwd/fp32 (substrings
+#     of case names, '/' for a space), --sweep-plans "w8.s4.d1.l1@res,w16.s3.d1@fwd+bwd" (plans; '@' restricts to op kinds fwd|bwd|res),
+#     --sweep-budget 60 (seconds of plans; the step's cap is KERNELS_SWEEP_CAP, default 80)
 # Logs to $OUT/kernels.log; SASS report under $OUT/kernels_sass/, bench results under $OUT/bench_kernels/, the
 # sweep under $OUT/kernels_sweep/ (sweep.jsonl), full sanitizer text in $OUT/kernels_sanitize_{memcheck,racecheck}.txt.
 # Prints one PASS/FAIL/SKIP line per check, the bench's GOAL lines and the sweep's SWEEP lines; exits 0.
-# Bounded to about 200 s in all (each step under `timeout`; the bench writes its table after each size and the
+# Bounded to about 230 s in all, 210 s without the sanitizer (each step under `timeout`; the bench writes its table after each size and the
 # sweep one jsonl row per plan, so a cut run keeps what it finished). First H200 run: pytest 29 s.
 . "$(dirname "$0")/common.sh" kernels "${1:-}"
 
@@ -18,7 +21,7 @@ need_gpus 1 kernels
 
 if selected tests; then
   echo "== correctness (pytest, float64 references)" >> "$LOG"
-  step "$OUT/kernels_tests.out" 45 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE \
+  step "$OUT/kernels_tests.out" 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/gpu/test_kernels_elementwise.py
   rc=$?
   report tests "$rc" "$(tail -n 1 "$OUT/kernels_tests.out" | tr -d '=' | sed 's/^ *//; s/ *$//')"
@@ -35,10 +38,12 @@ if selected sass; then
 fi
 
 if selected sweep; then
-  # 40 s of plans (compiles included: they run in parallel processes first); the default plan is always timed.
+  # 50 s of plans (compiles included: they run in parallel processes first); the default plan is always timed.
+  # KERNELS_SWEEP_ARGS is split on spaces on purpose (a flag list); a later --sweep-budget wins over this one.
   echo "== sweep: launch plans per op (correctness first, then GB/s vs torch and d2d copy)" >> "$LOG"
-  step "$OUT/kernels_sweep.out" 70 "$PY" -m peerline.launch.suites.kernels --sweep --sweep-budget 40 \
-    --out "$OUT/kernels_sweep"
+  # shellcheck disable=SC2086
+  step "$OUT/kernels_sweep.out" "${KERNELS_SWEEP_CAP:-80}" "$PY" -m peerline.launch.suites.kernels --sweep \
+    --sweep-budget 50 --out "$OUT/kernels_sweep" ${KERNELS_SWEEP_ARGS:-}
   rc=$?
   if ! grep -E "^SWEEP " "$OUT/kernels_sweep.out"; then
     # cut short: summarize the rows it wrote

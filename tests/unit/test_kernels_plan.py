@@ -68,12 +68,15 @@ def test_grid_caps() -> None:
 def test_every_sweep_plan_builds_a_spec_for_every_case() -> None:
     from peerline.launch.suites import kernels_sweep as ks
 
-    plans = [plan.parse_plan(s) for s in ks.SWEEP_PLANS]
-    assert plans[0] == plan.LaunchPlan()  # the default is timed first (the budget never cuts it)
+    plans = [(plan.parse_plan(label), kinds) for label, kinds in map(ks.parse_sweep_plan, ks.SWEEP_PLANS)]
+    assert plans[0][0] == plan.LaunchPlan()  # the default is timed first (the budget never cuts it)
+    assert len({p for p, _ in plans}) == len(plans)  # no plan twice
     specs = ks._specs_for(plans, ks.SWEEP_CASES)
-    kinds = {(c[1], c[2]) for c in ks.SWEEP_CASES}
-    shapes = {tuple(v for k, v in p.tuning().items() if k != "blocks_per_sm") for p in plans}
-    assert len(specs) == len(shapes) * len(kinds)  # every shape fits every op (shared memory, tile rule)
+    want = set()
+    for p, kinds in plans:  # every shape fits every op it is meant for (shared memory, tile rule)
+        shape = tuple(v for k, v in p.tuning().items() if k != "blocks_per_sm")
+        want |= {(shape, c[1], c[2]) for c in ks.SWEEP_CASES if c[1] in kinds}
+    assert len(specs) == len(want)
 
 
 def test_sweep_command_line_errors(capsys: pytest.CaptureFixture[str]) -> None:

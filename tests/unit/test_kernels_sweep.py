@@ -78,3 +78,47 @@ def test_spent_budget_times_only_the_default(monkeypatch: pytest.MonkeyPatch, tm
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake")
     rows = ks.run_sweep(tmp_path, torch.device("cpu"), budget_s=-1, plan_labels=["w8.s2", "w8.s2.d1"], reps=2)
     assert [r["status"] for r in rows] == ["ok", "skipped (budget)"]
+
+
+def test_sweep_plan_kinds_and_case_filter() -> None:
+    assert ks.parse_sweep_plan("w16.s3.d1@fwd+bwd") == ("w16.s3.d1", frozenset({"fwd", "bwd"}))
+    assert ks.parse_sweep_plan("w8.s2")[1] == frozenset(ks.KINDS)
+    for bad in ("w16.s3@gelu", "w8.q2@res"):
+        with pytest.raises(ValueError):
+            ks.parse_sweep_plan(bad)
+    cases = ks.select_cases(ks.SWEEP_CASES, ["residual_add bf16+bf16 16 MiB", "fwd/fp32"])
+    assert [(c[0], c[3]) for c in cases] == [("bias_gelu_fwd fp32", 256), ("residual_add bf16+bf16", 16)]
+    assert ks.select_cases(ks.SWEEP_CASES, None) == ks.SWEEP_CASES
+    with pytest.raises(ValueError, match="no sweep case"):
+        ks.select_cases(ks.SWEEP_CASES, ["nothing"])
+
+
+def test_tuned_plans_line(tmp_path) -> None:
+    """One TUNED_PLANS entry per op:dtype: the best geometric mean over that key's sizes, never a plan that was
+    wrong or not timed on every size; the printed string parses as PEERLINE_KERNEL_PLANS."""
+    from peerline.kernels import plan
+
+    def row(case: str, label: str, vs: float | None) -> dict:
+        base = {"case": case, "plan": label, "torch_GBps": 4000.0, "copy_GBps": 4000.0}
+        if vs is None:
+            return {**base, "status": "wrong", "error": "x"}
+        return {**base, "status": "ok", "GBps": 4000.0 * vs, "vs_torch": vs, "vs_copy": vs}
+
+    rows = [row("residual_add bf16+bf16 256 MiB", "w8.s2.t0.b0.d0.v1", 0.90),
+            row("residual_add bf16+bf16 16 MiB", "w8.s2.t0.b0.d0.v1", 0.90),
+            row("residual_add bf16+bf16 256 MiB", "w4.s4.t256.b0.d1.v1", 0.95),
+            row("residual_add bf16+bf16 16 MiB", "w4.s4.t256.b0.d1.v1", 0.93),
+            row("residual_add bf16+bf16 256 MiB", "w8.s3.t0.b0.d1.v1", 1.20),  # only one size timed
+            row("residual_add bf16+bf16 256 MiB", "w8.s4.t0.b0.d1.v1", 1.50),  # wrong at 16 MiB
+            row("residual_add bf16+bf16 16 MiB", "w8.s4.t0.b0.d1.v1", None),
+            row("bias_gelu_fwd fp32 256 MiB", "w16.s3.t0.b0.d1.v1", 2.0),
+            row("bias_gelu_fwd fp32 256 MiB", "w8.s2.t0.b0.d0.v1", 1.5)]
+    assert ks.tuned_choice(rows)["residual_add:bf16"][0] == "w4.s4.t256.b0.d1.v1"
+    path = tmp_path / "sweep.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = ks.summarize(path)
+    (paste,) = [line for line in lines if line.startswith("SWEEP TUNED_PLANS")]
+    entries = paste.split('"')[1]
+    assert entries == "bias_gelu_fwd:fp32=w16.s3.d1,residual_add:bf16=w4.s4.t256.d1"
+    parsed = plan.parse_op_plans(entries)
+    assert parsed["residual_add:bf16"] == plan.LaunchPlan(warps=4, stages=4, tile_chunks=256, direct_store=True)
