@@ -65,8 +65,9 @@ def main() -> None:
         with torch.cuda.stream(stream):
             g.replay()  # first launch uploads the graph
         torch.cuda.synchronize()
-        print(f"INFO graph launch probe: {kind:4s} h={hidden:4d} x{nodes:3d} nodes: replay() {replay_us(g, stream):6.1f}"
-              " us host (median of 30, device idle before each)", flush=True)
+        us = replay_us(g, stream)
+        print(f"INFO graph launch probe: {kind:4s} h={hidden:4d} x{nodes:3d} nodes: replay() {us:6.1f} us host "
+              "(median of 30, device idle before each)", flush=True)
         del g
 
 

@@ -19,4 +19,13 @@ rc=$?
 [ -f "$OUT/bench_graph/results.md" ] && cat "$OUT/bench_graph/results.md"
 report graph_suite "$rc"
 
+# GRAPH_PROBE=1: host cost of cudaGraphLaunch by kernel kind and node count (a diagnostic, INFO lines only)
+if [ "${GRAPH_PROBE:-0}" = 1 ]; then
+  echo "== diagnostic: graph launch probe" >> "$LOG"
+  step "$OUT/graph_launch_probe.out" 40 "$PY" tests/gpu/graph_launch_probe.py
+  rc=$?
+  grep -E "^INFO " "$OUT/graph_launch_probe.out" | sed 's/^/  /'
+  report graph_launch_probe "$rc"
+fi
+
 exit 0
