@@ -14,7 +14,8 @@ tail -n 1 "$OUT/bench_tests.out" | sed 's/^/  /'
 report timing_tests "$rc"
 
 echo "== graph suite: one GPU, launch-bound (32 and 64 layers) and compute-bound steps, peerline eager/graph vs torch eager / hand-captured graph" >> "$LOG"
-step "$OUT/bench_graph.out" 150 "$PY" launch/bench.py graph --out "$OUT/bench_graph"
+# shellcheck disable=SC2086 # GRAPH_ARGS: more suite flags, e.g. --graph-shapes compute
+step "$OUT/bench_graph.out" 150 "$PY" launch/bench.py graph --out "$OUT/bench_graph" ${GRAPH_ARGS:-}
 rc=$?
 [ -f "$OUT/bench_graph/results.md" ] && cat "$OUT/bench_graph/results.md"
 report graph_suite "$rc"
