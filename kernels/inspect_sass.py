@@ -1,10 +1,12 @@
-"""SASS report of the elementwise kernels: LDGSTS (cp.async global->shared) in pl_main, registers, shared memory.
+"""SASS report of the elementwise kernels: LDGSTS (cp.async global->shared) in pl_main, or UBLKCP (cp.async.bulk)
+for the bulk loader (PL_LOADER 1), registers, shared memory.
 
     python -m peerline.kernels.inspect_sass [--arch sm_90] [--out DIR]
 
 Builds each KernelSpec's cubin with nvcc from the same source text NVRTC compiles (kernels/compile.py), then reads
-it with `cuobjdump -sass` and `cuobjdump -res-usage`. Exit status 1 if a pl_main has no LDGSTS, 2 if the tools are
-missing. Needs nvcc and cuobjdump (the GPU machine has both); no GPU.
+it with `cuobjdump -sass` and `cuobjdump -res-usage`. Exit status 1 if a pl_main lacks its loader's copies (LDGSTS
+for loader 0, UBLKCP for loader 1), 2 if the tools are missing. Needs nvcc and cuobjdump (the GPU machine has
+both); no GPU.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ SPECS = (
     # the direct-store engine (compute warps STG.128 from registers), deeper pipeline: the sweep's main candidate
     kc.KernelSpec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16", direct=1, stages=4),
     kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "bfloat16", bias="float32", direct=1, stages=4),
+    # the bulk loader (PL_LOADER 1: cp.async.bulk per tile, UBLKCP instead of LDGSTS), direct and through the storer
+    kc.KernelSpec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16", direct=1, stages=4, loader=1),
+    kc.KernelSpec(kc.OP_BIAS_GELU_BWD, "float32", bias="float32", stages=3, loader=1),
 )
 
 
@@ -56,7 +61,7 @@ def build_cubin(spec: kc.KernelSpec, nvcc: str, arch: str, workdir: Path) -> Pat
     src = workdir / "elementwise_full.cu"
     if not src.exists():
         src.write_text(kc.source_text())
-    shape = f"w{spec.warps}s{spec.stages}t{spec.tile}d{spec.direct}v{spec.vec}g{spec.gelu}"
+    shape = f"w{spec.warps}s{spec.stages}t{spec.tile}d{spec.direct}v{spec.vec}g{spec.gelu}l{spec.loader}"
     cubin = workdir / f"op{spec.op}_{spec.x}_{spec.bias}_{spec.y}_{spec.out}_{shape}.cubin"
     cmd = [nvcc, "-cubin", f"-arch={arch}", "-o", str(cubin), str(src), *kc.nvrtc_options(spec)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
@@ -92,6 +97,7 @@ def inspect(spec: kc.KernelSpec, nvcc: str, cuobjdump: str, arch: str, workdir: 
     for fname, body in funcs.items():
         rows[fname] = {
             "LDGSTS": len(re.findall(r"\bLDGSTS\.E", body)),  # the copies themselves (not LDGSTSBAR)
+            "UBLKCP": len(re.findall(r"\bUBLKCP\b", body)),  # cp.async.bulk (the bulk loader)
             "LDS.128": len(re.findall(r"\bLDS\.128\b", body)),
             "STG.E.128": len(re.findall(r"\bSTG\.E\.128\b", body)),
             "LDL/STL": len(re.findall(r"\b(?:LDL|STL)\b", body)),
@@ -99,7 +105,16 @@ def inspect(spec: kc.KernelSpec, nvcc: str, cuobjdump: str, arch: str, workdir: 
         }
     return {"spec": spec.label(), "arch": arch, "sass_pl_main": funcs.get("pl_main", ""),
             "dynamic_smem_bytes": spec.smem_bytes, "tile_chunks": spec.tile_chunks, "threads": spec.threads,
+            "loader": spec.loader,
             "functions": rows}
+
+
+def loader_copies_present(counts: dict, loader: int) -> bool:
+    """The loader's asynchronous global->shared copies are in pl_main: LDGSTS for the cp.async loader (and no
+    bulk copies), UBLKCP for the bulk loader."""
+    if loader == 1:
+        return counts.get("UBLKCP", 0) > 0
+    return counts.get("LDGSTS", 0) > 0 and counts.get("UBLKCP", 0) == 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             reports = list(pool.map(lambda spec: inspect(spec, nvcc, cuobjdump, args.arch, Path(tmp)), SPECS))
         for rep in reports:
             main_fn = rep["functions"].get("pl_main", {})
-            good = main_fn.get("LDGSTS", 0) > 0
+            good = loader_copies_present(main_fn, rep["loader"])
             ok &= good
             print(f"{'PASS' if good else 'FAIL'} {rep['spec']:<62} pl_main: LDGSTS={main_fn.get('LDGSTS')} "
+                  f"UBLKCP={main_fn.get('UBLKCP')} "
                   f"LDS.128={main_fn.get('LDS.128')} STG.E.128={main_fn.get('STG.E.128')} "
                   f"regs={main_fn.get('registers')} static_smem={main_fn.get('static_smem')}B(incl. 1 KiB reserved) "
                   f"dynamic_smem={rep['dynamic_smem_bytes']}B local={main_fn.get('local')} "

@@ -135,6 +135,8 @@ class LaunchPlan:
     direct_store   compute warps store results from registers to global memory (no C buffers in shared memory;
                    the storer warp keeps only the scalar head and tail)
     vec            16-byte vectors per chunk of the narrowest operand (1 or 2: 32 contiguous bytes per lane)
+    loader         0: the loader warp copies with cp.async, 16 bytes per lane (LDGSTS); 1: one lane issues a
+                   cp.async.bulk per operand tile (TMA, UBLKCP; sm_90), completing on mbarriers (PL_LOADER)
     """
 
     warps: int = DEFAULT_WARPS
@@ -143,6 +145,7 @@ class LaunchPlan:
     blocks_per_sm: int = 0
     direct_store: bool = False
     vec: int = 1
+    loader: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.warps <= 30:
@@ -156,21 +159,26 @@ class LaunchPlan:
             raise ValueError(f"blocks_per_sm must be >= 0, got {self.blocks_per_sm}")
         if self.vec not in (1, 2):
             raise ValueError(f"vec must be 1 or 2, got {self.vec}")
+        if self.loader not in (0, 1):
+            raise ValueError(f"loader must be 0 (cp.async) or 1 (cp.async.bulk), got {self.loader}")
 
     def tuning(self) -> dict[str, int]:
         """Overrides for elementwise.TUNING (KernelSpec fields plus blocks_per_sm)."""
         return {"warps": self.warps, "stages": self.stages, "tile": self.tile_chunks,
-                "direct": int(self.direct_store), "vec": self.vec, "blocks_per_sm": self.blocks_per_sm}
+                "direct": int(self.direct_store), "vec": self.vec, "loader": self.loader,
+                "blocks_per_sm": self.blocks_per_sm}
 
     def label(self) -> str:
-        """Short name, parseable by `parse_plan`: w8.s2.t0.b0.d0.v1."""
+        """Short name, parseable by `parse_plan`: w8.s2.t0.b0.d0.v1 (plus .l1 for the bulk loader only, so the
+        labels of earlier runs stay the same)."""
         return (f"w{self.warps}.s{self.stages}.t{self.tile_chunks}.b{self.blocks_per_sm}"
-                f".d{int(self.direct_store)}.v{self.vec}")
+                f".d{int(self.direct_store)}.v{self.vec}" + (f".l{self.loader}" if self.loader else ""))
 
 
 def parse_plan(text: str) -> LaunchPlan:
     """A LaunchPlan from its label (fields may be omitted or reordered: 's3.d1' = 3 stages, direct stores)."""
-    keys = {"w": "warps", "s": "stages", "t": "tile_chunks", "b": "blocks_per_sm", "d": "direct_store", "v": "vec"}
+    keys = {"w": "warps", "s": "stages", "t": "tile_chunks", "b": "blocks_per_sm", "d": "direct_store", "v": "vec",
+            "l": "loader"}
     fields: dict[str, int | bool] = {}
     for part in filter(None, text.strip().split(".")):
         key, val = part[0], part[1:]

@@ -39,6 +39,15 @@
 #define PL_VEC 1
 #endif
 
+// How the loader warp moves a tile global -> shared:
+//   0 cp.async, 16 bytes per lane (LDGSTS), completion through the block-scoped cuda::pipeline in_pipe (the book's);
+//   1 Hopper bulk copies: one elected lane issues one cp.async.bulk per operand tile (UBLKCP in SASS; the TMA unit
+//     moves the whole tile, no per-16-byte instructions), completing on a per-stage "full" mbarrier by transaction
+//     bytes; the compute threads free a stage by arriving on its "empty" mbarrier. sm_90 or newer.
+#ifndef PL_LOADER
+#define PL_LOADER 0
+#endif
+
 #define PL_THREADS (32 * (PL_COMPUTE_WARPS + 2))
 
 namespace pl {
@@ -207,6 +216,62 @@ __device__ __forceinline__ void all_roles_sync() {
   asm volatile("bar.sync %0, %1;" ::"n"(kAllRolesBarrier), "n"(PL_THREADS) : "memory");
 }
 
+// ---- the bulk loader's mbarriers (PL_LOADER 1): PTX as CUTLASS's SM90 pipelines use it ----
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+// One arrival (release: this thread's earlier shared-memory reads are ordered before the phase completes).
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+  u64 state;
+  asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1];" : "=l"(state) : "r"(smem_u32(bar)) : "memory");
+  (void)state;
+}
+// One arrival that also expects `bytes` of transactions (the bulk copies' complete_tx) before the phase completes.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
+  u64 state;
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;"
+               : "=l"(state) : "r"(smem_u32(bar)), "r"(bytes) : "memory");
+  (void)state;
+}
+// Waits until the phase of parity `parity` has completed (acquire: the tile's bytes are then visible).
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+  const u32 addr = smem_u32(bar);
+  u32 done = 0;
+  do {
+    asm volatile("{\n\t.reg .pred p;\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                 "selp.u32 %0, 1, 0, p;\n\t}"
+                 : "=r"(done) : "r"(addr), "r"(parity) : "memory");
+  } while (!done);
+}
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) global -> shared by the TMA unit, completing on `bar`.
+__device__ __forceinline__ void bulk_copy_g2s(unsigned char* dst, const unsigned char* src, u32 bytes, u64* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+
+// The compute side of the bulk loader's hand-off, with the two calls compute_tiles makes of a cuda::pipeline
+// consumer. Every compute thread walks the stages in the same order as the loader: stage s of round r is full when
+// phase r of full[s] completes (parity r & 1); each compute thread's release is one arrival of the
+// kComputeThreads that complete phase r of empty[s], which the loader waits for before refilling the stage.
+struct BulkInPipe {
+  u64* full;
+  u64* empty;
+  int stage;
+  u32 phase;
+  __device__ __forceinline__ void consumer_wait() { mbar_wait(full + stage, phase); }
+  __device__ __forceinline__ void consumer_release() {
+    mbar_arrive(empty + stage);
+    if (++stage == PL_STAGES) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
 // ---- the engine ----
 
 constexpr int kComputeWarps = PL_COMPUTE_WARPS;
@@ -214,6 +279,11 @@ constexpr int kComputeThreads = 32 * PL_COMPUTE_WARPS;
 constexpr int kTileChunks = PL_TILE_CHUNKS;
 constexpr int kStages = PL_STAGES;
 constexpr bool kDirectStore = PL_DIRECT_STORE != 0;
+constexpr bool kBulkLoader = PL_LOADER == 1;
+static_assert(PL_LOADER == 0 || PL_LOADER == 1, "PL_LOADER is 0 (cp.async) or 1 (cp.async.bulk)");
+#if PL_LOADER == 1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "PL_LOADER=1 (cp.async.bulk) needs sm_90 or newer"
+#endif
 static_assert(kStages >= 1 && kStages <= 8, "pipeline stages");
 static_assert(PL_VEC == 1 || PL_VEC == 2, "PL_VEC is 1 or 2");
 static_assert(kTileChunks % kComputeThreads == 0, "each compute thread owns the same number of chunks per tile");
@@ -231,8 +301,9 @@ __device__ __forceinline__ void copy_tile_async(unsigned char* dst, const unsign
   }
 }
 
-// The compute warps' loop (compute thread ct). DIRECT: results go from registers to global memory (gc is the
-// aligned body), out_pipe is unused (the caller passes in_pipe for it) and the C buffers are not in shared
+// The compute warps' loop (compute thread ct). InPipe: a cuda::pipeline consumer (LDGSTS loader) or BulkInPipe.
+// DIRECT: results go from registers to global memory (gc is the aligned body), out_pipe is unused (the caller
+// passes in_pipe for it) and the C buffers are not in shared
 // memory. Otherwise results go to the stage's C buffer and out_pipe hands it to the storer.
 // Byte sizes of one op's chunks (E elements of each input and of the output) and of one pipeline stage's
 // [A | B | C] tiles in shared memory; the loader, compute and storer warps all address the stages with these.
@@ -248,9 +319,8 @@ struct TileBytes {
   static constexpr int STAGE = A + B + C;
 };
 
-template <class Op, bool DIRECT>
-__device__ __forceinline__ void compute_tiles(Op& op, cuda::pipeline<cuda::thread_scope_block>& in_pipe,
-                                              cuda::pipeline<cuda::thread_scope_block>& out_pipe,
+template <class Op, bool DIRECT, class InPipe, class OutPipe>
+__device__ __forceinline__ void compute_tiles(Op& op, InPipe& in_pipe, OutPipe& out_pipe,
                                               unsigned char* smem, unsigned char* __restrict__ gc,
                                               long long nchunks, long long ntiles, int ct) {
   typedef typename Op::TA TA;
@@ -318,6 +388,9 @@ __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restri
   __shared__ cuda::pipeline_shared_state<cuda::thread_scope_block, kStages> in_state;
   __shared__ cuda::pipeline_shared_state<cuda::thread_scope_block, kStages> out_state;
 #pragma nv_diag_default 20054
+  // the bulk loader's per-stage barriers (unused with PL_LOADER 0)
+  __shared__ __align__(8) u64 bulk_full[kStages];
+  __shared__ __align__(8) u64 bulk_empty[kStages];
   typedef WarpRange<0, 1 + kComputeWarps, 1> LoadComputeGroup;
   typedef WarpRange<1, kComputeWarps + 1, 2> ComputeStoreGroup;
 
@@ -325,7 +398,55 @@ __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restri
   const int lane = threadIdx.x & 31;
   const long long ntiles = (nchunks + kTileChunks - 1) / kTileChunks;
 
-  if (warp == 0) {
+  if constexpr (kBulkLoader) {
+    // Barriers made by one thread before the first all-roles barrier, which every role passes before using them.
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < kStages; ++s) {
+        mbar_init(bulk_full + s, 1);                // the loader's arrive.expect_tx; then the tile's bytes
+        mbar_init(bulk_empty + s, kComputeThreads);  // every compute thread's release
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the TMA unit (async proxy)
+    }
+  }
+
+  if (kBulkLoader && warp == 0) {
+    // Bulk loader: lane 0 issues, per stage, one cp.async.bulk per operand tile; the warp stays converged (the
+    // all-roles barrier is bar.sync, warp-aligned), lanes 1-31 only walk the loop.
+    all_roles_sync();
+    int stage = 0;
+    u32 round = 0;
+    for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
+      const long long c0 = t * kTileChunks;
+      const int valid = static_cast<int>(min(static_cast<long long>(kTileChunks), nchunks - c0));
+      unsigned char* s = smem + stage * L::STAGE;
+      if (lane == 0) {
+        if (round > 0) mbar_wait(bulk_empty + stage, (round - 1) & 1u);  // the compute threads freed it
+        const u32 a_bytes = static_cast<u32>(valid * L::A_CB);
+        const u32 b_bytes = Op::HAS_B ? static_cast<u32>(valid * L::B_CB) : 0u;
+        mbar_arrive_expect_tx(bulk_full + stage, a_bytes + b_bytes);
+        bulk_copy_g2s(s, ga + c0 * L::A_CB, a_bytes, bulk_full + stage);
+        if constexpr (Op::HAS_B) bulk_copy_g2s(s + L::A, gb + c0 * L::B_CB, b_bytes, bulk_full + stage);
+      }
+      __syncwarp();
+      if (++stage == kStages) {
+        stage = 0;
+        ++round;
+      }
+    }
+    all_roles_sync();
+  } else if (kBulkLoader && warp <= kComputeWarps) {
+    BulkInPipe in_pipe{bulk_full, bulk_empty, 0, 0u};
+    const int ct = threadIdx.x - 32;
+    if constexpr (kDirectStore) {
+      all_roles_sync();
+      compute_tiles<Op, true>(op, in_pipe, in_pipe, smem, gc, nchunks, ntiles, ct);  // no out_pipe: direct
+    } else {
+      cuda::pipeline<cuda::thread_scope_block> out_pipe =
+          cuda::make_pipeline(ComputeStoreGroup(), &out_state, cuda::pipeline_role::producer);
+      all_roles_sync();
+      compute_tiles<Op, false>(op, in_pipe, out_pipe, smem, gc, nchunks, ntiles, ct);
+    }
+  } else if (warp == 0) {
     // Loader: fill stage after stage while the compute warps work on the other one.
     cuda::pipeline<cuda::thread_scope_block> in_pipe =
         cuda::make_pipeline(LoadComputeGroup(), &in_state, cuda::pipeline_role::producer);

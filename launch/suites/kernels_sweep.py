@@ -40,7 +40,15 @@ SWEEP_PLANS = (
     "w8.s3.d1",                # bias+GELU fwd
     "w4.s4.t256.d1",           # residual add
     "w8.s4@bwd",               # bias+GELU bwd bf16
-    "w8.s4.d1.v2@bwd",         # bias+GELU bwd fp32
+    "w8.s4.d1.v2@bwd+res",     # bias+GELU bwd fp32; for residual add: 32 contiguous bytes per lane, direct stores
+    # residual add: the Hopper bulk loader (one cp.async.bulk per operand tile on an mbarrier, PL_LOADER 1) with
+    # direct stores, from the current tuned shape to more bytes in flight per SM (deeper, bigger tiles, 2 blocks)
+    "w4.s4.t256.d1.l1@res",
+    "w8.s4.d1.l1@res",
+    "w4.s8.t256.d1.l1@res",    # 8 stages x 8 KiB (bf16): ~64 KiB in flight per block from one issuing lane
+    "w8.s4.t1024.d1.l1@res",
+    "w8.s3.t1024.d1.b2.l1@res",
+    "w8.s2.l1@res",            # bulk loader through the storer warp (the book's output path)
     # more compute warps for the issue-bound GELU paths (12 / 16 compute warps: 448 / 576 threads a block)
     "w16.s3.d1@fwd+bwd",
     "w12.s3.d1@fwd+bwd",

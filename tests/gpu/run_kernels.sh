@@ -21,7 +21,7 @@ need_gpus 1 kernels
 
 if selected tests; then
   echo "== correctness (pytest, float64 references)" >> "$LOG"
-  step "$OUT/kernels_tests.out" 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE \
+  step "$OUT/kernels_tests.out" 75 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/gpu/test_kernels_elementwise.py
   rc=$?
   report tests "$rc" "$(tail -n 1 "$OUT/kernels_tests.out" | tr -d '=' | sed 's/^ *//; s/ *$//')"

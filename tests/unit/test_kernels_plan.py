@@ -122,3 +122,22 @@ def test_per_op_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ew._max_grid(op) == 264  # the plan's blocks_per_sm
     monkeypatch.setattr(ew, "TUNING", {"stages": 3})  # experiments win over the per-op plans
     assert ew._spec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16").direct == 0
+
+
+def test_bulk_loader_plan_and_spec() -> None:
+    """loader=1 (cp.async.bulk) is a plan field (.l1 in labels, absent at 0 so old labels stay), a KernelSpec field
+    and a macro; the SASS check asks UBLKCP of it and LDGSTS (no UBLKCP) of the cp.async loader."""
+    from peerline.kernels import inspect_sass
+
+    p = plan.parse_plan("w8.s4.d1.l1")
+    assert p.loader == 1 and p.label() == "w8.s4.t0.b0.d1.v1.l1" and plan.parse_plan(p.label()) == p
+    assert plan.LaunchPlan().label() == "w8.s2.t0.b0.d0.v1"
+    with pytest.raises(ValueError, match="loader"):
+        plan.LaunchPlan(loader=2)
+    spec = kc.KernelSpec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16",
+                         **{k: v for k, v in p.tuning().items() if k != "blocks_per_sm"})
+    assert "-DPL_LOADER=1" in spec.defines() and spec.label().endswith(".l1")
+    assert inspect_sass.loader_copies_present({"LDGSTS": 0, "UBLKCP": 2}, 1)
+    assert not inspect_sass.loader_copies_present({"LDGSTS": 14, "UBLKCP": 0}, 1)
+    assert inspect_sass.loader_copies_present({"LDGSTS": 14, "UBLKCP": 0}, 0)
+    assert not inspect_sass.loader_copies_present({"LDGSTS": 14, "UBLKCP": 2}, 0)
