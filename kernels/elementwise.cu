@@ -157,7 +157,7 @@ template <int MODE>
 __device__ __forceinline__ float gelu_t(float v) { return v * phi_cdf_t<MODE>(v); }
 
 // The Phi evaluation (MODE of phi_cdf_t) for results of `bytes` bytes under PL_GELU (see above).
-constexpr int gelu_mode(int bytes) {
+__host__ __device__ constexpr int gelu_mode(int bytes) {  // __device__: NVRTC compiles no host code
   return bytes == 2 ? PL_GELU : (PL_GELU == 1 || PL_GELU == 3 ? 3 : 0);
 }
 

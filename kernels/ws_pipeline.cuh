@@ -225,16 +225,11 @@ __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
 }
 // One arrival (release: this thread's earlier shared-memory reads are ordered before the phase completes).
 __device__ __forceinline__ void mbar_arrive(u64* bar) {
-  u64 state;
-  asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1];" : "=l"(state) : "r"(smem_u32(bar)) : "memory");
-  (void)state;
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");  // '_': no state
 }
 // One arrival that also expects `bytes` of transactions (the bulk copies' complete_tx) before the phase completes.
 __device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
-  u64 state;
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 %0, [%1], %2;"
-               : "=l"(state) : "r"(smem_u32(bar)), "r"(bytes) : "memory");
-  (void)state;
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
 // Waits until the phase of parity `parity` has completed (acquire: the tile's bytes are then visible).
 __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
