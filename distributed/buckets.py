@@ -214,7 +214,11 @@ class GradBuckets:
         self.flat = {dt: torch.zeros(n, dtype=dt, device=self.device) for dt, n in sizes.items()}
         self._slices = [self.flat[b.dtype][b.offset:b.offset + b.numel] for b in self.buckets]
         self._views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        # per bucket, per slot: the parameter's view and its address, so a hook compares one integer instead of
+        # slicing a tensor (hooks run on autograd's thread while the host races ahead of the GPU in eager mode)
+        self._slot_views: list[list[tuple[torch.Tensor, int]]] = []
         for b, flat in zip(self.buckets, self._slices, strict=True):
+            slots = []
             for p, start in zip(b.params, b.starts, strict=True):
                 if p.device != self.device:
                     raise ValueError(f"parameter on {p.device}, buckets on {self.device}")
@@ -223,6 +227,8 @@ class GradBuckets:
                     view.copy_(p.grad)
                 p.grad = view
                 self._views.append((p, view))
+                slots.append((view, view.data_ptr()))
+            self._slot_views.append(slots)
 
         if self.on_cuda:
             # The buffers were written on whatever stream built us; the compute and all-reduce streams are
@@ -344,11 +350,11 @@ class GradBuckets:
             raise RuntimeError(f"gradient of a parameter in bucket {index} accumulated twice after arm(): "
                                "arm() must come right before the last backward of the iteration")
         self._seen[index][slot] = True
-        view = self._slices[index][self.buckets[index].starts[slot]:][:param.numel()]
-        if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+        view, address = self._slot_views[index][slot]
+        if param.grad is None or param.grad.data_ptr() != address:
             # Someone replaced .grad (set_to_none, an assignment): fold it back into the bucket.
-            view.copy_(param.grad.reshape(-1))
-            param.grad = view.view_as(param)
+            view.copy_(param.grad)
+            param.grad = view
         self._pending[index] -= 1
         if self._pending[index] == 0:
             self._mark_ready(index)

@@ -492,12 +492,12 @@ def goals(ctx: BenchContext) -> list[str]:
     return lines + sweep
 
 
-def parse_caps(text: str) -> list[int]:
+def parse_caps(text: str, flag: str = "--ar-nccl-ctas-sweep") -> list[int]:
     """'0,16,8,4' -> [0, 16, 8, 4] (0: NCCL's default); NCCL's default is always measured (the DDP anchor)."""
     try:
         caps = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SystemExit(f"allreduce bench: error: --ar-nccl-ctas-sweep wants integers, got {text!r}") from None
+        raise SystemExit(f"allreduce bench: error: {flag} wants integers, got {text!r}") from None
     if any(c < 0 or c > 64 for c in caps):
         raise SystemExit(f"allreduce bench: error: CTA caps must be 0 (default) or 1..64, got {text!r}")
     return [0] + [c for c in dict.fromkeys(caps) if c != 0]
@@ -537,6 +537,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="interleaved rounds per head-to-head shape (default 12)")
     group.add_argument("--ar-h2h-steps", dest="ar_h2h_steps", type=int, default=None,
                        help="steps of each variant per round (default 3)")
+    group.add_argument("--ar-h2h-caps", dest="ar_h2h_caps", default=None,
+                       help="head-to-head: also peerline eager on dp groups with these NCCL CTA caps (comma list; "
+                            "diagnostic variants, default none)")
     group.add_argument("--ar-h2h-only", dest="ar_h2h_only", action="store_true",
                        help="only the head-to-head rounds (skip the CTA sweep, busbw and exposure measurements)")
     group.add_argument("--ar-nccl-max-ctas", dest="ar_max_ctas", default=None,
@@ -572,6 +575,8 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
         dtypes = {"fp32": [torch.float32], "bf16": [torch.bfloat16]}.get(opt("ar_param_dtype", "both"),
                                                                           [torch.float32, torch.bfloat16])
         warmup, reps = opt("warmup", 3), opt("reps", 20)
+    h2h_caps = [c for c in parse_caps(str(opt("ar_h2h_caps", "")), "--ar-h2h-caps") if c]
+    caps += [c for c in h2h_caps if c not in caps]
     groups = {cap: make_group(cap, ctx.device) for cap in caps}  # collective: every rank, same order
     if not getattr(args, "ar_h2h_only", False):
         for dtype in dtypes:
@@ -586,7 +591,8 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
         if ctx.on_step:
             ctx.on_step(f"allreduce head-to-head, {name}")
         run_head_to_head(ctx, name, h2h_shape, h2h_dtype, rounds, opt("ar_h2h_steps", 1 if quick else 3), groups[0],
-                         normal_priority=bool(getattr(args, "ar_normal_priority", False)))
+                         normal_priority=bool(getattr(args, "ar_normal_priority", False)),
+                         capped_groups={c: groups[c] for c in h2h_caps})
     if ctx.is_writer:
         for line in goals(ctx) + h2h_goal_lines(ctx):
             log.info("%s", line)

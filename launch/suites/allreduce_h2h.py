@@ -33,7 +33,7 @@ from peerline.launch.benchkit import BenchContext, Record
 log = logging.getLogger(__name__)
 
 SUITE = "allreduce"
-VARIANTS = ("DDP", "peerline eager", "peerline graph", "peerline eager, normal-priority stream")
+VARIANTS = ("DDP", "peerline eager", "peerline graph")  # then any diagnostic variants (extra_variants)
 
 
 def h2h_shapes(names: str, anchor: Any, quick: bool) -> dict[str, Any]:
@@ -54,10 +54,12 @@ def h2h_shapes(names: str, anchor: Any, quick: bool) -> dict[str, Any]:
 
 
 def run_head_to_head(ctx: BenchContext, name: str, shape: Any, dtype: torch.dtype, rounds: int, steps: int,
-                     group: dist.ProcessGroup, normal_priority: bool = False) -> dict[str, Any]:
+                     group: dist.ProcessGroup, normal_priority: bool = False,
+                     capped_groups: dict[int, dist.ProcessGroup] | None = None) -> dict[str, Any]:
     """Build both models (same weights), capture peerline's step, run `rounds` interleaved rounds; record one
-    Record per peerline variant against DDP and return the summary. `normal_priority` adds a third model whose
-    buckets all-reduce on a normal-priority stream (as DDP's), to tell the stream priority's share of a gap."""
+    Record per peerline variant against DDP and return the summary. Diagnostic eager variants, each on a model of
+    its own: `normal_priority` all-reduces on a normal-priority stream (as DDP's), `capped_groups` {cap: group} on
+    a dp group whose NCCL CTAs are capped (the all-reduce stream stays the highest priority)."""
     from peerline.launch.suites.allreduce import (
         Workload,
         build_model,
@@ -82,15 +84,16 @@ def run_head_to_head(ctx: BenchContext, name: str, shape: Any, dtype: torch.dtyp
     steps_of: dict[str, Callable[[], Any]] = {"DDP": partial(step_ddp, w, ddp, ddp_opt),
                                               "peerline eager": partial(step_peerline, w, model, gb, opt)}
     extra_buckets = []
-    if normal_priority:
+    extras = [("peerline eager, normal-priority stream", group, w.streams.p2p)] if normal_priority else []
+    # (the p2p role's stream: normal priority and unused in this suite; streams come only from streams.py)
+    extras += [(f"peerline eager, max {cap} CTAs", g, w.streams.allreduce) for cap, g in (capped_groups or {}).items()]
+    for label, extra_group, stream in extras:
         with use(w.streams.compute):
-            model_n = build_model(shape, dtype, dev)
-        opt_n = make_optimizer(model_n, dev)
-        # the p2p role's stream: normal priority and unused in this suite (streams come only from streams.py)
-        gb_n = GradBuckets([list(b.parameters()) for b in model_n], group, dev, w.streams.p2p, shape.bucket_mb,
+            model_x = build_model(shape, dtype, dev)
+        gb_x = GradBuckets([list(b.parameters()) for b in model_x], extra_group, dev, stream, shape.bucket_mb,
                            shape.first_bucket_mb)
-        extra_buckets.append(gb_n)
-        steps_of["peerline eager, normal-priority stream"] = partial(step_peerline, w, model_n, gb_n, opt_n)
+        extra_buckets.append(gb_x)
+        steps_of[label] = partial(step_peerline, w, model_x, gb_x, make_optimizer(model_x, dev))
     for fn in steps_of.values():  # warm-up: DDP rebuilds its buckets after its first step
         with use(w.streams.compute):
             for _ in range(5):
@@ -102,7 +105,7 @@ def run_head_to_head(ctx: BenchContext, name: str, shape: Any, dtype: torch.dtyp
             graph_note = graph
         else:
             steps_of["peerline graph"] = graph.replay
-    names = [v for v in VARIANTS if v in steps_of]
+    names = [v for v in VARIANTS if v in steps_of] + [v for v in steps_of if v not in VARIANTS]
     per_round = _interleaved_rounds(w, steps_of, names, rounds, steps)
     for b in [gb, *extra_buckets]:
         b.close()
@@ -180,8 +183,8 @@ def goal_lines(ctx: BenchContext) -> list[str]:
         if not r.case.startswith("head-to-head "):
             continue
         e = r.extra
-        if "normal-priority" in r.case:
-            continue  # a diagnostic variant, not the runtime's setting
+        if "normal-priority" in r.case or " CTAs step" in r.case:
+            continue  # diagnostic variants, not the runtime's setting
         graph = "graph" in r.case
         met = e["paired_ratio_median"] > 1.0 if graph else e["paired_ratio_median"] >= 1.0
         want = "better than DDP" if graph else "no worse than DDP"
