@@ -15,6 +15,7 @@ DEVICES = ("auto", "cuda", "cpu")
 KERNELS = ("auto", "peerline", "torch")
 P2P = ("auto", "copy-engine", "nccl")
 GRAD_SYNCS = ("buckets", "per-param")
+ALLREDUCE_PRIORITIES = ("highest", "normal")
 ALLOCATORS = ("caching", "async")
 STAGINGS = ("direct", "pinned")
 
@@ -81,6 +82,10 @@ class RunConfig:
     nccl_max_ctas: int | None = None
     """Cap on the CTAs (SMs) of the dp group's NCCL kernels (bucket all-reduces overlapped with backward); None:
     NCCL's default."""
+    allreduce_priority: str = "highest"
+    """Priority of the all-reduce stream: highest (the device's highest, so a ready bucket's all-reduce is not
+    queued behind backward kernels) or normal (as DDP's NCCL stream). Eager iterations only: a CUDA graph launched
+    as torch instantiates it ignores the priorities of the streams it was captured from."""
     timeout_s: float = 300.0
     """Deadline for any wait: process-group timeout and the per-iteration watchdog."""
     log_every: int = 1
@@ -137,6 +142,9 @@ class RunConfig:
             raise ConfigError(f"--warmup-iters must be >= 1, got {self.warmup_iters}")
         if self.nccl_max_ctas is not None and not 1 <= self.nccl_max_ctas <= 64:
             raise ConfigError(f"--nccl-max-ctas must be in 1..64, got {self.nccl_max_ctas}")
+        if self.allreduce_priority not in ALLREDUCE_PRIORITIES:
+            raise ConfigError(f"--allreduce-priority must be one of {', '.join(ALLREDUCE_PRIORITIES)}, got "
+                              f"{self.allreduce_priority!r}")
         if self.bucket_mb <= 0 or self.first_bucket_mb <= 0:
             raise ConfigError("--bucket-mb and --first-bucket-mb must be positive")
         if self.timeout_s <= 0:

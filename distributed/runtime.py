@@ -106,7 +106,8 @@ class Runtime:
         modules, bounds = build_stages(cfg, n_stages, stage_ids, kernels)
         init_distributed(info, device, cfg.timeout_s)
         mesh.create_groups(dp_options=dp_group_options(cfg))
-        streams = create_rank_streams(device, cfg.stages, p2p_lanes=cfg.p2p_lanes)
+        streams = create_rank_streams(device, cfg.stages, p2p_lanes=cfg.p2p_lanes,
+                                      allreduce_priority=cfg.allreduce_priority)
         if device.type == "cuda":
             from .allocator import apply_release_threshold
 

@@ -67,9 +67,13 @@ class RankStreams:
         return named
 
 
-def create_rank_streams(device: torch.device, local_stages: int = 1, p2p_lanes: int = 1) -> RankStreams:
+def create_rank_streams(device: torch.device, local_stages: int = 1, p2p_lanes: int = 1,
+                        allreduce_priority: str = "highest") -> RankStreams:
     """Create the streams of one rank. The only place in peerline that constructs a stream. p2p_lanes: send
-    streams of the copy-engine transport in all (`p2p` plus p2p_lanes - 1 in `p2p_lanes`)."""
+    streams of the copy-engine transport in all (`p2p` plus p2p_lanes - 1 in `p2p_lanes`). allreduce_priority:
+    "highest" (the device's highest) or "normal" (RunConfig.allreduce_priority says when each pays)."""
+    if allreduce_priority not in ("highest", "normal"):
+        raise ValueError(f"allreduce_priority must be highest or normal, got {allreduce_priority!r}")
     if p2p_lanes < 1:
         raise ValueError(f"p2p_lanes must be >= 1, got {p2p_lanes}")
     if device.type != "cuda":
@@ -82,7 +86,7 @@ def create_rank_streams(device: torch.device, local_stages: int = 1, p2p_lanes: 
             stage_compute=[new_stream(device) for _ in range(local_stages)],
             p2p=new_stream(device),
             p2p_lanes=[new_stream(device) for _ in range(p2p_lanes - 1)],
-            allreduce=new_stream(device, priority=highest),
+            allreduce=new_stream(device, priority=highest if allreduce_priority == "highest" else 0),
             h2d=new_stream(device),
             d2h=new_stream(device),
         )

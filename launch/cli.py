@@ -8,6 +8,7 @@ import os
 
 from peerline.distributed.config import (
     ALLOCATORS,
+    ALLREDUCE_PRIORITIES,
     DEVICES,
     DTYPES,
     GRAD_SYNCS,
@@ -82,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="(default: %(default)s)")
     g.add_argument("--nccl-max-ctas", type=int, default=_DEFAULTS.nccl_max_ctas,
                    help="cap on the CTAs (SMs) of the dp group's NCCL all-reduce kernels (default: NCCL's)")
+    g.add_argument("--allreduce-priority", choices=ALLREDUCE_PRIORITIES, default=_DEFAULTS.allreduce_priority,
+                   help="all-reduce stream priority: highest (a ready bucket is not queued behind backward) or "
+                        "normal (as DDP's; measured faster for eager steps on an H200, see docs/benchmarks); graphs "
+                        "ignore stream priorities (default: %(default)s)")
     g.add_argument("--timeout-s", type=float, default=_DEFAULTS.timeout_s,
                    help="deadline for any wait, seconds (default: %(default)s)")
     g.add_argument("--staging", choices=STAGINGS, default=_DEFAULTS.staging,

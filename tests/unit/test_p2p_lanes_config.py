@@ -39,3 +39,15 @@ def test_cpu_streams_have_no_lanes_and_bad_counts_fail() -> None:
     assert s.p2p_lanes == [] and "p2p" in s.roles()
     with pytest.raises(ValueError, match="p2p_lanes"):
         create_rank_streams(torch.device("cpu"), p2p_lanes=0)
+
+
+def test_allreduce_priority_flag() -> None:
+    from peerline.distributed.config import RunConfig
+
+    assert RunConfig().allreduce_priority == "highest"
+    cfg = config_from_args(build_parser().parse_args(["--allreduce-priority", "normal"]))
+    assert cfg.allreduce_priority == "normal"
+    with pytest.raises(ConfigError, match="--allreduce-priority must be one of highest, normal"):
+        RunConfig(allreduce_priority="urgent")
+    with pytest.raises(ValueError, match="allreduce_priority must be highest or normal"):
+        create_rank_streams(torch.device("cpu"), allreduce_priority="urgent")
