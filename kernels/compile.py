@@ -33,6 +33,7 @@ TILE = int(os.environ.get("PEERLINE_KERNEL_TILE", "0"))
 DIRECT = int(os.environ.get("PEERLINE_KERNEL_DIRECT", "0"))
 VEC = int(os.environ.get("PEERLINE_KERNEL_VEC", "1"))
 LOADER = int(os.environ.get("PEERLINE_KERNEL_LOADER", "0"))  # 0 cp.async (LDGSTS), 1 cp.async.bulk (sm_90)
+STORER = int(os.environ.get("PEERLINE_KERNEL_STORER", "0"))  # 0 st.global per lane, 1 cp.async.bulk per tile
 # How bias+GELU evaluates Phi (elementwise.cu PL_GELU): GELU_EXACT normcdff everywhere; GELU_FAST (default) the
 # A&S 7.1.26 form on MUFU for bf16 results (3.5e-5) and its fp32 refit phi_cdf_acc for fp32 results (< 1e-6);
 # GELU_FIRST the first run's 1 + erff for bf16 results (normcdff for fp32); GELU_ACC phi_cdf_acc everywhere.
@@ -67,6 +68,7 @@ class KernelSpec:
     direct: int = DIRECT  # 1 = compute warps store to global memory (ws_pipeline.cuh PL_DIRECT_STORE)
     vec: int = VEC  # 16-byte vectors per chunk of the narrowest operand (PL_VEC)
     loader: int = LOADER  # 0: cp.async 16 B per lane (LDGSTS); 1: cp.async.bulk per tile (UBLKCP) (PL_LOADER)
+    storer: int = STORER  # 0: st.global 16 B per lane; 1: cp.async.bulk shared->global per tile (PL_STORER)
 
     def __post_init__(self) -> None:
         for name in (self.x, self.bias, self.y, self.out):
@@ -78,7 +80,7 @@ class KernelSpec:
             raise ValueError(f"unknown op {self.op}")
         # the launch-shape checks live in one place
         plan.LaunchPlan(warps=self.warps, stages=self.stages, tile_chunks=self.tile, direct_store=bool(self.direct),
-                        vec=self.vec, loader=self.loader)
+                        vec=self.vec, loader=self.loader, storer=self.storer)
         if self.tile_chunks % (32 * self.warps):
             raise ValueError(f"tile of {self.tile_chunks} chunks is not a multiple of 32 x {self.warps} compute warps")
         if self.smem_bytes > plan.MAX_SMEM_PER_BLOCK:
@@ -127,13 +129,14 @@ class KernelSpec:
                 f"-DPL_TY={CTYPES[self.y]}", f"-DPL_TOUT={CTYPES[self.out]}",
                 f"-DPL_TILE_CHUNKS={self.tile_chunks}", f"-DPL_COMPUTE_WARPS={self.warps}",
                 f"-DPL_STAGES={self.stages}", f"-DPL_GELU={self.gelu}", f"-DPL_DIRECT_STORE={self.direct}",
-                f"-DPL_VEC={self.vec}", f"-DPL_LOADER={self.loader}")
+                f"-DPL_VEC={self.vec}", f"-DPL_LOADER={self.loader}", f"-DPL_STORER={self.storer}")
 
     def label(self) -> str:
         names = {1: "bias_gelu_fwd", 2: "bias_gelu_bwd", 3: "residual_add"}
         types = f"x={self.x},bias={self.bias}" if self.op != OP_RESIDUAL_ADD else f"x={self.x},y={self.y}"
         shape = plan.LaunchPlan(warps=self.warps, stages=self.stages, tile_chunks=self.tile,
-                                direct_store=bool(self.direct), vec=self.vec, loader=self.loader).label()
+                                direct_store=bool(self.direct), vec=self.vec, loader=self.loader,
+                                storer=self.storer).label()
         return f"{names[self.op]}[{types}] {shape}"
 
 

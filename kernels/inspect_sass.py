@@ -1,5 +1,5 @@
-"""SASS report of the elementwise kernels: LDGSTS (cp.async global->shared) in pl_main, or UBLKCP (cp.async.bulk)
-for the bulk loader (PL_LOADER 1), registers, shared memory.
+"""SASS report of the elementwise kernels: LDGSTS (cp.async global->shared) in pl_main, or UBLKCP.S.G (cp.async.bulk)
+for the bulk loader (PL_LOADER 1) and UBLKCP.G.S for the bulk storer (PL_STORER 1), registers, shared memory.
 
     python -m peerline.kernels.inspect_sass [--arch sm_90] [--out DIR]
 
@@ -41,6 +41,8 @@ SPECS = (
     # the bulk loader (PL_LOADER 1: cp.async.bulk per tile, UBLKCP instead of LDGSTS), direct and through the storer
     kc.KernelSpec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16", direct=1, stages=4, loader=1),
     kc.KernelSpec(kc.OP_BIAS_GELU_BWD, "float32", bias="float32", stages=3, loader=1),
+    # TMA both ways: bulk loads and bulk stores from the storer warp (PL_STORER 1)
+    kc.KernelSpec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16", stages=4, loader=1, storer=1),
 )
 
 
@@ -61,7 +63,7 @@ def build_cubin(spec: kc.KernelSpec, nvcc: str, arch: str, workdir: Path) -> Pat
     src = workdir / "elementwise_full.cu"
     if not src.exists():
         src.write_text(kc.source_text())
-    shape = f"w{spec.warps}s{spec.stages}t{spec.tile}d{spec.direct}v{spec.vec}g{spec.gelu}l{spec.loader}"
+    shape = f"w{spec.warps}s{spec.stages}t{spec.tile}d{spec.direct}v{spec.vec}g{spec.gelu}l{spec.loader}o{spec.storer}"
     cubin = workdir / f"op{spec.op}_{spec.x}_{spec.bias}_{spec.y}_{spec.out}_{shape}.cubin"
     cmd = [nvcc, "-cubin", f"-arch={arch}", "-o", str(cubin), str(src), *kc.nvrtc_options(spec)]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
@@ -97,7 +99,8 @@ def inspect(spec: kc.KernelSpec, nvcc: str, cuobjdump: str, arch: str, workdir: 
     for fname, body in funcs.items():
         rows[fname] = {
             "LDGSTS": len(re.findall(r"\bLDGSTS\.E", body)),  # the copies themselves (not LDGSTSBAR)
-            "UBLKCP": len(re.findall(r"\bUBLKCP\b", body)),  # cp.async.bulk (the bulk loader)
+            "UBLKCP": len(re.findall(r"\bUBLKCP\.S\.G\b", body)),  # cp.async.bulk global->shared (bulk loader)
+            "UBLKCP.G.S": len(re.findall(r"\bUBLKCP\.G\.S\b", body)),  # cp.async.bulk shared->global (storer)
             "LDS.128": len(re.findall(r"\bLDS\.128\b", body)),
             "STG.E.128": len(re.findall(r"\bSTG\.E\.128\b", body)),
             "LDL/STL": len(re.findall(r"\b(?:LDL|STL)\b", body)),
@@ -105,16 +108,19 @@ def inspect(spec: kc.KernelSpec, nvcc: str, cuobjdump: str, arch: str, workdir: 
         }
     return {"spec": spec.label(), "arch": arch, "sass_pl_main": funcs.get("pl_main", ""),
             "dynamic_smem_bytes": spec.smem_bytes, "tile_chunks": spec.tile_chunks, "threads": spec.threads,
-            "loader": spec.loader,
+            "loader": spec.loader, "storer": spec.storer,
             "functions": rows}
 
 
-def loader_copies_present(counts: dict, loader: int) -> bool:
+def loader_copies_present(counts: dict, loader: int, storer: int = 0) -> bool:
     """The loader's asynchronous global->shared copies are in pl_main: LDGSTS for the cp.async loader (and no
-    bulk copies), UBLKCP for the bulk loader."""
+    bulk loads), UBLKCP.S.G ("UBLKCP") for the bulk loader; and UBLKCP.G.S exactly when the storer is the bulk
+    one."""
     if loader == 1:
-        return counts.get("UBLKCP", 0) > 0
-    return counts.get("LDGSTS", 0) > 0 and counts.get("UBLKCP", 0) == 0
+        loads = counts.get("UBLKCP", 0) > 0
+    else:
+        loads = counts.get("LDGSTS", 0) > 0 and counts.get("UBLKCP", 0) == 0
+    return loads and (counts.get("UBLKCP.G.S", 0) > 0) == (storer == 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
             reports = list(pool.map(lambda spec: inspect(spec, nvcc, cuobjdump, args.arch, Path(tmp)), SPECS))
         for rep in reports:
             main_fn = rep["functions"].get("pl_main", {})
-            good = loader_copies_present(main_fn, rep["loader"])
+            good = loader_copies_present(main_fn, rep["loader"], rep["storer"])
             ok &= good
             print(f"{'PASS' if good else 'FAIL'} {rep['spec']:<62} pl_main: LDGSTS={main_fn.get('LDGSTS')} "
-                  f"UBLKCP={main_fn.get('UBLKCP')} "
+                  f"UBLKCP={main_fn.get('UBLKCP')} UBLKCP.G.S={main_fn.get('UBLKCP.G.S')} "
                   f"LDS.128={main_fn.get('LDS.128')} STG.E.128={main_fn.get('STG.E.128')} "
                   f"regs={main_fn.get('registers')} static_smem={main_fn.get('static_smem')}B(incl. 1 KiB reserved) "
                   f"dynamic_smem={rep['dynamic_smem_bytes']}B local={main_fn.get('local')} "

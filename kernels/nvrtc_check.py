@@ -77,8 +77,8 @@ def load(path: str) -> ctypes.CDLL:
     return ctypes.CDLL(path)
 
 
-# One of each engine path: cp.async loader with the storer, direct stores, the bulk loader both ways, 16 warps,
-# every op, both GELU result types.
+# One of each engine path: cp.async loader with the storer, direct stores, the bulk loader both ways, the bulk
+# storer, 16 warps, every op, both GELU result types.
 SPECS = (
     kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "bfloat16", bias="float32", warps=8, stages=2, tile=0, direct=0, vec=1,
                   loader=0),
@@ -88,6 +88,8 @@ SPECS = (
                   loader=1),
     kc.KernelSpec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16", warps=8, stages=4, tile=0,
                   direct=1, vec=1, loader=1),
+    kc.KernelSpec(kc.OP_RESIDUAL_ADD, "float32", y="float32", out="float32", warps=8, stages=3, tile=0,
+                  direct=0, vec=1, loader=1, storer=1),
 )
 
 

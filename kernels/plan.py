@@ -137,6 +137,8 @@ class LaunchPlan:
     vec            16-byte vectors per chunk of the narrowest operand (1 or 2: 32 contiguous bytes per lane)
     loader         0: the loader warp copies with cp.async, 16 bytes per lane (LDGSTS); 1: one lane issues a
                    cp.async.bulk per operand tile (TMA, UBLKCP; sm_90), completing on mbarriers (PL_LOADER)
+    storer         0: the storer warp writes 16 bytes per lane; 1: one cp.async.bulk shared->global per tile
+                   (TMA store; needs direct_store off) (PL_STORER)
     """
 
     warps: int = DEFAULT_WARPS
@@ -146,6 +148,7 @@ class LaunchPlan:
     direct_store: bool = False
     vec: int = 1
     loader: int = 0
+    storer: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.warps <= 30:
@@ -161,24 +164,29 @@ class LaunchPlan:
             raise ValueError(f"vec must be 1 or 2, got {self.vec}")
         if self.loader not in (0, 1):
             raise ValueError(f"loader must be 0 (cp.async) or 1 (cp.async.bulk), got {self.loader}")
+        if self.storer not in (0, 1):
+            raise ValueError(f"storer must be 0 (st.global) or 1 (cp.async.bulk), got {self.storer}")
+        if self.storer and self.direct_store:
+            raise ValueError("storer 1 (TMA stores from the storer warp) needs direct_store off")
 
     def tuning(self) -> dict[str, int]:
         """Overrides for elementwise.TUNING (KernelSpec fields plus blocks_per_sm)."""
         return {"warps": self.warps, "stages": self.stages, "tile": self.tile_chunks,
-                "direct": int(self.direct_store), "vec": self.vec, "loader": self.loader,
+                "direct": int(self.direct_store), "vec": self.vec, "loader": self.loader, "storer": self.storer,
                 "blocks_per_sm": self.blocks_per_sm}
 
     def label(self) -> str:
-        """Short name, parseable by `parse_plan`: w8.s2.t0.b0.d0.v1 (plus .l1 for the bulk loader only, so the
-        labels of earlier runs stay the same)."""
+        """Short name, parseable by `parse_plan`: w8.s2.t0.b0.d0.v1 (plus .l1 / .o1 for the bulk loader / storer
+        only, so the labels of earlier runs stay the same)."""
         return (f"w{self.warps}.s{self.stages}.t{self.tile_chunks}.b{self.blocks_per_sm}"
-                f".d{int(self.direct_store)}.v{self.vec}" + (f".l{self.loader}" if self.loader else ""))
+                f".d{int(self.direct_store)}.v{self.vec}" + (f".l{self.loader}" if self.loader else "")
+                + (f".o{self.storer}" if self.storer else ""))
 
 
 def parse_plan(text: str) -> LaunchPlan:
     """A LaunchPlan from its label (fields may be omitted or reordered: 's3.d1' = 3 stages, direct stores)."""
     keys = {"w": "warps", "s": "stages", "t": "tile_chunks", "b": "blocks_per_sm", "d": "direct_store", "v": "vec",
-            "l": "loader"}
+            "l": "loader", "o": "storer"}
     fields: dict[str, int | bool] = {}
     for part in filter(None, text.strip().split(".")):
         key, val = part[0], part[1:]

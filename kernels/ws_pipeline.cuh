@@ -47,6 +47,14 @@
 #ifndef PL_LOADER
 #define PL_LOADER 0
 #endif
+// How the storer warp writes a result tile shared -> global (PL_DIRECT_STORE 0 only):
+//   0 16-byte st.global per lane (the book's);
+//   1 one cp.async.bulk shared -> global per tile (TMA store, bulk_group) from lane 0: the compute threads fence
+//     their st.shared for the async proxy (fence.proxy.async.shared::cta) before handing the tile over, and the
+//     storer frees the C buffer only after cp.async.bulk.wait_group.read 0 (the TMA unit has read it). sm_90.
+#ifndef PL_STORER
+#define PL_STORER 0
+#endif
 
 #define PL_THREADS (32 * (PL_COMPUTE_WARPS + 2))
 
@@ -242,6 +250,26 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
                  : "=r"(done) : "r"(addr), "r"(parity) : "memory");
   } while (!done);
 }
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) shared -> global by the TMA unit, in a bulk group.
+__device__ __forceinline__ void bulk_copy_s2g(unsigned char* dst, const unsigned char* src, u32 bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+               ::"l"(dst), "r"(smem_u32(src)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// This thread's bulk groups have finished reading shared memory (READ_ONLY) or are complete.
+template <bool READ_ONLY>
+__device__ __forceinline__ void bulk_wait_all() {
+  if constexpr (READ_ONLY) {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  } else {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  }
+}
+// This thread's st.shared so far are visible to the async proxy (the TMA unit's reads).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // `bytes` (a multiple of 16; both addresses 16-byte aligned) global -> shared by the TMA unit, completing on `bar`.
 __device__ __forceinline__ void bulk_copy_g2s(unsigned char* dst, const unsigned char* src, u32 bytes, u64* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
@@ -275,6 +303,12 @@ constexpr int kTileChunks = PL_TILE_CHUNKS;
 constexpr int kStages = PL_STAGES;
 constexpr bool kDirectStore = PL_DIRECT_STORE != 0;
 constexpr bool kBulkLoader = PL_LOADER == 1;
+constexpr bool kBulkStorer = PL_STORER == 1;
+static_assert(PL_STORER == 0 || PL_STORER == 1, "PL_STORER is 0 (st.global) or 1 (cp.async.bulk)");
+static_assert(!(kBulkStorer && kDirectStore), "PL_STORER 1 needs the storer warp (PL_DIRECT_STORE 0)");
+#if PL_STORER == 1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "PL_STORER=1 (cp.async.bulk) needs sm_90 or newer"
+#endif
 static_assert(PL_LOADER == 0 || PL_LOADER == 1, "PL_LOADER is 0 (cp.async) or 1 (cp.async.bulk)");
 #if PL_LOADER == 1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "PL_LOADER=1 (cp.async.bulk) needs sm_90 or newer"
@@ -353,7 +387,10 @@ __device__ __forceinline__ void compute_tiles(Op& op, InPipe& in_pipe, OutPipe& 
         }
       }
     }
-    if constexpr (!DIRECT) out_pipe.producer_commit();
+    if constexpr (!DIRECT) {
+      if constexpr (kBulkStorer) fence_proxy_async_shared();  // the TMA store reads what this thread wrote
+      out_pipe.producer_commit();
+    }
     in_pipe.consumer_release();
     op.next_tile();
     stage = (stage + 1 == kStages) ? 0 : stage + 1;
@@ -491,14 +528,27 @@ __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restri
       uint4* g = reinterpret_cast<uint4*>(gc + c0 * L::C_CB);
       const int units = (valid * L::C_CB) >> 4;
       out_pipe.consumer_wait();
+      if constexpr (kBulkStorer) {
+        // one TMA store of the whole tile; the C buffer is handed back only once the TMA unit has read it
+        if (lane == 0) {
+          bulk_copy_s2g(reinterpret_cast<unsigned char*>(g), reinterpret_cast<const unsigned char*>(sc),
+                        static_cast<u32>(units) * 16u);
+          bulk_wait_all<true>();
+        }
+      } else {
 #pragma unroll 4
-      for (int u = lane; u < units; u += 32) g[u] = sc[u];
+        for (int u = lane; u < units; u += 32) g[u] = sc[u];
+      }
       // All lanes' shared-memory reads of this stage are done before any lane releases it (each lane's release
       // only orders its own reads; the barrier counts all 32, so this is belt and braces for racecheck).
       __syncwarp();
       out_pipe.consumer_release();
       stage = (stage + 1 == kStages) ? 0 : stage + 1;
     }
+    if constexpr (kBulkStorer) {
+      if (lane == 0) bulk_wait_all<false>();  // the last tiles' global writes done before the block ends
+    }
+    __syncwarp();
     all_roles_sync();
   }
 }

@@ -49,6 +49,9 @@ SWEEP_PLANS = (
     "w8.s4.t1024.d1.l1@res",
     "w8.s3.t1024.d1.b2.l1@res",
     "w8.s2.l1@res",            # bulk loader through the storer warp (the book's output path)
+    "w8.s4.l1.o1@res",         # TMA both ways: bulk loads, bulk stores from the storer warp (compute: LDS/STS only)
+    "w4.s4.t256.l1.o1@res",
+    "w8.s3.t1024.l1.o1@res",
     # more compute warps for the issue-bound GELU paths (12 / 16 compute warps: 448 / 576 threads a block)
     "w16.s3.d1@fwd+bwd",
     "w12.s3.d1@fwd+bwd",
@@ -362,13 +365,15 @@ def tuned_choice(rows: list[dict]) -> dict[str, tuple[str, float]]:
 
 
 def _short(label: str) -> str:
-    """w8.s3.t0.b0.d1.v1 -> w8.s3.d1 (fields at their LaunchPlan default dropped; parse_plan reads either)."""
+    """w8.s3.t0.b0.d1.v1 -> w8.s3.d1 (fields at their LaunchPlan default dropped, warps and stages kept;
+    parse_plan reads either form)."""
     from peerline.kernels import plan as kp
 
     p, d = kp.parse_plan(label), kp.LaunchPlan()
-    keep = [f for f, name in zip(label.split("."), ("warps", "stages", "tile_chunks", "blocks_per_sm",
-                                                      "direct_store", "vec", "loader"))
-            if name in ("warps", "stages") or getattr(p, name) != getattr(d, name)]
+    names = {"w": "warps", "s": "stages", "t": "tile_chunks", "b": "blocks_per_sm", "d": "direct_store", "v": "vec",
+             "l": "loader", "o": "storer"}
+    keep = [f for f in p.label().split(".")
+            if f[0] in "ws" or getattr(p, names[f[0]]) != getattr(d, names[f[0]])]
     return ".".join(keep)
 
 

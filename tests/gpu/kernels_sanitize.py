@@ -23,7 +23,7 @@ from peerline.kernels import compile as kc
 from peerline.kernels import elementwise as ew
 from peerline.kernels import plan as kp
 
-DEFAULT_PLANS = "w8.s2,w8.s3.d1,w8.s4.d1.l1"  # + the bulk loader (cp.async.bulk on mbarriers)
+DEFAULT_PLANS = "w8.s2,w8.s3.d1,w8.s3.l1.o1"  # + TMA both ways (bulk loader on mbarriers, bulk stores)
 # Absolute grid cap of the wrap-around case (elementwise.TUNING["grid_cap"], a test hook).
 WRAP_GRID = 2
 

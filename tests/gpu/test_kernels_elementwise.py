@@ -311,13 +311,15 @@ def test_kernel_attributes_and_sass(tmp_path) -> None:
 #   w4.s8.t256.d1.l1   the bulk loader with 8 stages (the parity of each stage's barriers flips many times)
 #   w16.s3.d1          16 compute warps (576 threads)
 #   w12.s2.d1          12 compute warps, tile 384 chunks (not a power of two)
-OTHER_PLANS = ["w4.s3.d1.v2", "w8.s4.d1.l1", "w8.s2.l1", "w4.s8.t256.d1.l1", "w16.s3.d1", "w12.s2.d1"]
+#   w8.s3.l1.o1        TMA both ways: bulk loader and bulk (cp.async.bulk shared->global) stores from the storer
+OTHER_PLANS = ["w4.s3.d1.v2", "w8.s4.d1.l1", "w8.s2.l1", "w4.s8.t256.d1.l1", "w16.s3.d1", "w12.s2.d1",
+               "w8.s3.l1.o1"]
 
 
 @pytest.fixture(scope="module")
 def _other_plans_compiled() -> None:
     """NVRTC-compile every (plan, op, dtype) of OTHER_PLANS in parallel processes first (CuPy's disk cache), so the
-    tests below load cubins instead of compiling ~36 specs one after another."""
+    tests below load cubins instead of compiling ~42 specs one after another."""
     import os
 
     from peerline.kernels import compile as kc

@@ -141,3 +141,12 @@ def test_bulk_loader_plan_and_spec() -> None:
     assert not inspect_sass.loader_copies_present({"LDGSTS": 14, "UBLKCP": 0}, 1)
     assert inspect_sass.loader_copies_present({"LDGSTS": 14, "UBLKCP": 0}, 0)
     assert not inspect_sass.loader_copies_present({"LDGSTS": 14, "UBLKCP": 2}, 0)
+    # the bulk storer (TMA stores from the storer warp): UBLKCP.G.S exactly when asked for
+    assert inspect_sass.loader_copies_present({"UBLKCP": 2, "UBLKCP.G.S": 1}, 1, 1)
+    assert not inspect_sass.loader_copies_present({"UBLKCP": 2, "UBLKCP.G.S": 0}, 1, 1)
+    assert not inspect_sass.loader_copies_present({"LDGSTS": 14, "UBLKCP.G.S": 1}, 0, 0)
+    q = plan.parse_plan("w8.s4.l1.o1")
+    assert q.storer == 1 and q.label() == "w8.s4.t0.b0.d0.v1.l1.o1" and plan.parse_plan(q.label()) == q
+    with pytest.raises(ValueError, match="direct_store"):
+        plan.parse_plan("w8.s4.d1.o1")
+    assert "-DPL_STORER=1" in kc.KernelSpec(kc.OP_RESIDUAL_ADD, "float32", storer=1).defines()

@@ -122,3 +122,6 @@ def test_tuned_plans_line(tmp_path) -> None:
     assert entries == "bias_gelu_fwd:fp32=w16.s3.d1,residual_add:bf16=w4.s4.t256.d1"
     parsed = plan.parse_op_plans(entries)
     assert parsed["residual_add:bf16"] == plan.LaunchPlan(warps=4, stages=4, tile_chunks=256, direct_store=True)
+    for label in ("w8.s2.t0.b0.d0.v1.o1", "w8.s4.t0.b0.d1.v1.l1", "w4.s8.t256.b2.d0.v2.l1.o1", "w8.s2.t0.b0.d0.v1"):
+        assert plan.parse_plan(ks._short(label)) == plan.parse_plan(label)
+    assert ks._short("w8.s2.t0.b0.d0.v1.o1") == "w8.s2.o1"
