@@ -154,11 +154,15 @@ def _variants(device: torch.device, reps: int, ctx: BenchContext) -> None:
     del cases
 
 
-# Issue 3's goals: (case prefix, anchor_name prefix, smallest size in MiB, least ratio peerline / anchor).
+# Issue 3's goals: (case prefix, anchor_name prefix, smallest size in MiB, least ratio peerline / anchor): bias+GELU
+# fwd bf16 at least 3x torch's unfused gelu(x + b), and for every op at >= 256 MiB at least 90% of the copy
+# bandwidth, at >= 16 MiB never slower than torch eager.
+GOAL_OPS = ("bias_gelu_fwd bf16", "bias_gelu_fwd fp32", "bias_gelu_bwd bf16", "bias_gelu_bwd fp32",
+            "residual_add bf16+bf16", "residual_add fp32+fp32", "residual_add fp32+bf16")
 GOALS: tuple[tuple[str, str, float, float], ...] = (
     ("bias_gelu_fwd bf16", "torch", 256, 3.0),
-    ("bias_gelu_fwd bf16", "d2d copy", 256, 0.9),
-    ("bias_gelu_bwd bf16", "torch", 16, 1.0),
+    *((op, "d2d copy", 256, 0.9) for op in GOAL_OPS),
+    *((op, "torch", 16, 1.0) for op in GOAL_OPS),
 )
 
 
