@@ -23,6 +23,7 @@ import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -126,29 +127,55 @@ VARIANTS: tuple[tuple[str, dict[str, int]], ...] = (
 RESIDUAL_VARIANTS: tuple[tuple[str, dict[str, int]], ...] = (
     ("first run's kernel: 4 compute warps", {"warps": 4, "stages": 2}),
 )
+# fp32 results: the GELU before phi_cdf_acc (normcdff + exact phi_pdf), against today's default in the same run
+FP32_VARIANTS: tuple[tuple[str, dict[str, int]], ...] = (
+    ("exact normcdff (PL_GELU 0, the fp32 path before phi_cdf_acc)", {"gelu": 0}),
+)
 DEFAULT_LABEL = "default: 8 compute warps, 2 stages, cheap Phi (refitted A&S 7.1.26 form)"
+FP32_DEFAULT_LABEL = "default: phi_cdf_acc (refitted erfc form, < 1e-6 relative)"
 VARIANT_MIB = 256
+VARIANT_SETS = ("all", "fp32")
 
 
-def _variants(device: torch.device, reps: int, ctx: BenchContext) -> None:
-    """bias+GELU fwd/bwd bf16 at 256 MiB with other block shapes and GELU math, in the same run as the default."""
+def _variants(device: torch.device, reps: int, ctx: BenchContext, which: str = "all") -> None:
+    """bias+GELU fwd/bwd at 256 MiB with other block shapes and GELU math, in the same run as the default: bf16
+    (block shapes, the first run's 1 + erff, normcdff) unless `which` is "fp32", and fp32 (normcdff, the path
+    before phi_cdf_acc)."""
     from peerline.kernels import elementwise as ew
 
-    n = VARIANT_MIB * (1 << 20) // 2
-    cases = _cases(torch.bfloat16, n, device, 1, True)
-    for name, variants in (("bias_gelu_fwd bf16", VARIANTS), ("bias_gelu_bwd bf16", VARIANTS),
-                           ("residual_add bf16+bf16", RESIDUAL_VARIANTS)):
+    groups = []
+    if which == "all":
+        groups.append((torch.bfloat16, (("bias_gelu_fwd bf16", VARIANTS), ("bias_gelu_bwd bf16", VARIANTS),
+                                        ("residual_add bf16+bf16", RESIDUAL_VARIANTS))))
+    groups.append((torch.float32, (("bias_gelu_fwd fp32", FP32_VARIANTS), ("bias_gelu_bwd fp32", FP32_VARIANTS))))
+    for dtype, named in groups:
+        _variant_group(device, reps, ctx, ew, dtype, named)
+
+
+def _variant_group(device: torch.device, reps: int, ctx: BenchContext, ew: Any, dtype: torch.dtype,
+                   named: tuple) -> None:
+    n = VARIANT_MIB * (1 << 20) // dtype.itemsize
+    cases = _cases(dtype, n, device, 1, True)
+    for name, variants in named:
         nbytes, pl_calls, _, _ = cases[name]
         base = _graph_time(pl_calls, device, reps)
+        on_plan = {}
+        if variants is FP32_VARIANTS:
+            # only the GELU changes: the op's own launch plan (elementwise.TUNED_PLANS) stays, as in `base`
+            from peerline.kernels import compile as kc
+
+            op = kc.OP_BIAS_GELU_FWD if name.startswith("bias_gelu_fwd") else kc.OP_BIAS_GELU_BWD
+            on_plan = ew._tuning(op, "float32")
         for label, tuning in variants:
-            ew.TUNING.update(tuning)
+            ew.TUNING.update({**on_plan, **tuning})
             try:
                 t = _graph_time(pl_calls, device, reps)
             finally:
                 ew.TUNING.clear()
+            default_label = {id(VARIANTS): DEFAULT_LABEL, id(FP32_VARIANTS): FP32_DEFAULT_LABEL}.get(
+                id(variants), "default: 8 compute warps, 2 stages")
             ctx.record(Record(SUITE, f"{name} {VARIANT_MIB} MiB: {label}", "GB/s",
-                              nbytes / (t * 1e-3) / 1e9, nbytes / (base * 1e-3) / 1e9,
-                              DEFAULT_LABEL if variants is VARIANTS else "default: 8 compute warps, 2 stages",
+                              nbytes / (t * 1e-3) / 1e9, nbytes / (base * 1e-3) / 1e9, default_label,
                               sizes={"x_MiB": VARIANT_MIB, "bytes": nbytes},
                               extra={**tuning, "ms": t, "default_ms": base}))
     del cases
@@ -218,7 +245,7 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
         if getattr(args, "write_partial", False):
             ctx.write(SUITE)  # a run cut short by its time limit still leaves the sizes it finished
     if peerline and not quick and getattr(args, "kernel_variants", True):
-        _variants(device, reps, ctx)
+        _variants(device, reps, ctx, getattr(args, "variant_set", "all"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-variants", dest="kernel_variants", action="store_false",
                     help="skip the kernel variants of bias+GELU at 256 MiB")
+    ap.add_argument("--variant-set", choices=VARIANT_SETS, default="all",
+                    help="all: bf16 shapes and GELU forms plus fp32 normcdff; fp32: only fp32 normcdff vs the default")
     ap.add_argument("--sweep", action="store_true",
                     help="launch-shape sweep instead (kernels_sweep.py): best plan per op, OUT/sweep.jsonl")
     ap.add_argument("--sweep-budget", type=float, default=60.0, help="seconds for the sweep, compiles included")

@@ -7,6 +7,7 @@
 #   KERNELS_SWEEP_ARGS="..." extra arguments for the sweep, e.g. --sweep-cases residual_add,fwd/fp32 (substrings
 #     of case names, '/' for a space), --sweep-plans "w8.s4.d1.l1@res,w16.s3.d1@fwd+bwd" (plans; '@' restricts to op kinds fwd|bwd|res),
 #     --sweep-budget 60 (seconds of plans; the step's cap is KERNELS_SWEEP_CAP, default 80)
+#   KERNELS_BENCH_VARIANTS=fp32|all|none  bench variants timed next to the default (default fp32: normcdff fp32 GELU)
 # Logs to $OUT/kernels.log; SASS report under $OUT/kernels_sass/, bench results under $OUT/bench_kernels/, the
 # sweep under $OUT/kernels_sweep/ (sweep.jsonl), full sanitizer text in $OUT/kernels_sanitize_{memcheck,racecheck}.txt.
 # Prints one PASS/FAIL/SKIP line per check, the bench's GOAL lines and the sweep's SWEEP lines; exits 0.
@@ -58,9 +59,15 @@ fi
 
 if selected bench; then
   echo "== bench: kernels (default plan; peerline vs torch eager vs d2d copy)" >> "$LOG"
-  # 16 and 256 MiB: where the goals are (the suite's default sizes add 1 and 1024); the variants are the sweep's job.
+  # 16 and 256 MiB: where the goals are (the suite's default sizes add 1 and 1024); the launch shapes are the
+  # sweep's job. Variants: only fp32 bias+GELU with normcdff (the path before phi_cdf_acc) at 256 MiB, in the same
+  # run as the default (KERNELS_BENCH_VARIANTS=all adds the bf16 ones, =none skips them).
+  case "${KERNELS_BENCH_VARIANTS:-fp32}" in
+    none) variants=(--no-variants) ;;
+    *) variants=(--variant-set "${KERNELS_BENCH_VARIANTS:-fp32}") ;;
+  esac
   step "$OUT/bench_kernels.out" 35 "$PY" -m peerline.launch.suites.kernels --out "$OUT/bench_kernels" \
-    --sizes-mib 16,256 --no-variants
+    --sizes-mib 16,256 "${variants[@]}"
   rc=$?
   grep -E "^GOAL " "$OUT/bench_kernels.out" || echo "  (no GOAL lines: see $LOG)"
   report bench_kernels "$rc"
