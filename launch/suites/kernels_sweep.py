@@ -9,7 +9,8 @@ and on one large enough that each block wraps around its pipeline stages, output
 float64 torch reference (bounds of tests/gpu/test_kernels_elementwise.py); a plan that fails is reported as such
 and never timed, so a fast-but-wrong plan cannot be the best. Writes DIR/sweep.jsonl (one row per case and plan)
 and prints one "SWEEP BEST" line per case, one "SWEEP TUNED op:dtype=plan" line per TUNED_PLANS key and a
-"SWEEP TUNED_PLANS = ..." string to paste into kernels/elementwise.py (or PEERLINE_KERNEL_PLANS). Bounded by --sweep-budget seconds (compiles included): the default plan
+"SWEEP TUNED_PLANS = ..." string to paste into kernels/elementwise.py (or PEERLINE_KERNEL_PLANS). Bounded by
+--sweep-budget seconds (compiles included): the default plan
 is always timed, further plans only while the budget lasts.
 
 Why these plans (NOTES.md has the long form): a streaming op through shared memory loses to torch's plain
