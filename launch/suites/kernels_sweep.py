@@ -10,8 +10,8 @@ float64 torch reference (bounds of tests/gpu/test_kernels_elementwise.py); a pla
 and never timed, so a fast-but-wrong plan cannot be the best. Writes DIR/sweep.jsonl (one row per case and plan)
 and prints one "SWEEP BEST" line per case, one "SWEEP TUNED op:dtype=plan" line per TUNED_PLANS key and a
 "SWEEP TUNED_PLANS = ..." string to paste into kernels/elementwise.py (or PEERLINE_KERNEL_PLANS). Bounded by
---sweep-budget seconds (compiles included): the default plan
-is always timed, further plans only while the budget lasts.
+--sweep-budget seconds (compiles included): the default plan is always timed, further plans only while the budget
+lasts.
 
 Why these plans (NOTES.md has the long form): a streaming op through shared memory loses to torch's plain
 vectorized kernel when too few bytes are in flight per SM (stages, tile size, resident blocks), when the result's
