@@ -57,7 +57,10 @@ def check_run(a: argparse.Namespace) -> int:
         problems.append(f"graph={got.get('graph')}, expected {a.graph} (see the run's log for the reason)")
     if a.transport and not str(got.get("transport", "")).startswith(a.transport):
         problems.append(f"transport {got.get('transport')!r}, expected {a.transport}")
-    worst, where = worst_difference(got, ref) if ref_layers and not problems else (math.inf, "not compared")
+    try:  # compared even beside other problems (the figure helps), unless the layers do not line up
+        worst, where = worst_difference(got, ref) if ref_layers else (math.inf, "no reference layers")
+    except (KeyError, TypeError, ZeroDivisionError) as exc:
+        worst, where = math.inf, f"not comparable ({type(exc).__name__}: {exc})"
     if worst > a.rtol:
         problems.append(f"worst relative difference {worst:.3g} > {a.rtol:g}")
     print(f"worst relative difference {worst:.3g} at {where} (bound {a.rtol:g}); "

@@ -35,6 +35,8 @@ need_gpus 4 "${checks[@]}"
 TINY=(--hidden 256 --layers 8 --seq 64 --micro-batch-size 2 --iters 5 --warmup-iters 2 --schedule 1f1b)
 PL=launch/pipeline.py
 D="$OUT/grids"
+# No result of an earlier call in the same OUT may stand in for a run that failed this time.
+rm -rf "$D" "$OUT"/bench_grids_pp2dp2 "$OUT"/bench_grids_pp4
 mkdir -p "$D"
 # Arrays, not functions: step runs its command under `timeout`, which cannot call shell functions.
 RUN4=("$PY" -m torch.distributed.run --standalone --nproc_per_node=4)
@@ -113,10 +115,17 @@ bench_grid() {
   consistent=$(grep -c "spans, consistent" "$res/results.md" 2>/dev/null)
   ls "$res"/timeline-*.png >/dev/null 2>&1 || echo "  (no timeline PNG under $res: matplotlib missing?)" >> "$LOG"
   local fail=0 why=""
-  [ "$rc" -ne 0 ] && { fail=$rc; why="suite rc $rc: $(grep -E "Error|error" "$OUT/bench_grids_$name.out" | tail -1)"; }
-  [ "$rec" -ne 0 ] && { fail=1; why="$why; records: $(grep FAIL-DETAIL "$OUT/bench_grids_$name.check")"; }
-  if [ "${traces:-0}" -lt "$ncfg" ] || [ "${consistent:-0}" -lt "$ncfg" ]; then
-    fail=1; why="$why; timelines: $traces traces, $consistent consistent of $ncfg"
+  consistent=${consistent:-0}
+  if [ "$rc" -eq 124 ]; then fail=124; why="suite timed out (or no time left)"
+  elif [ "$rc" -ne 0 ]; then fail=$rc; why="suite rc $rc: $(grep -E "Error|error" "$OUT/bench_grids_$name.out" | tail -1)"
+  fi
+  if [ "$rec" -ne 0 ]; then
+    [ "$fail" -eq 0 ] && fail=1
+    why="${why:+$why; }records: $(grep FAIL-DETAIL "$OUT/bench_grids_$name.check")"
+  fi
+  if [ "$traces" -lt "$ncfg" ] || [ "$consistent" -lt "$ncfg" ]; then
+    [ "$fail" -eq 0 ] && fail=1
+    why="${why:+$why; }timelines: $traces traces, $consistent consistent of $ncfg configurations"
   fi
   report "bench_$name" "$fail" "$grid, $CONFIGS, results in $res${why:+; $why}"
 }
