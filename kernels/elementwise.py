@@ -44,12 +44,14 @@ POISON_OUTPUTS = False
 # the sanitizer run makes 2 blocks wrap their pipeline stages); empty = the design.
 TUNING: dict[str, int] = {}
 _warned: set[str] = set()
-# Per-op launch plans: the sweep's winners on an H200 (launch/suites/kernels_sweep.py, 2026-11-26 04:00 UTC:
-# bias+GELU fwd bf16 3476 -> 3621 GB/s, bwd bf16 3784 -> 3904, bwd fp32 2878 -> 2960, residual add bf16 16 MiB
-# 3289 -> 3569; docs/benchmarks), then PEERLINE_KERNEL_PLANS="OP[:DTYPE]=PLAN,..." on top (plan.parse_op_plans),
-# e.g. "residual_add=w8.s4.d1"; PEERLINE_KERNEL_PLANS=default drops the tuned plans. Used when TUNING is empty.
-TUNED_PLANS = ("bias_gelu_fwd=w8.s3.d1,bias_gelu_bwd:bf16=w8.s4,bias_gelu_bwd:fp32=w8.s4.d1.v2,"
-               "residual_add=w4.s4.t256.d1")
+# Per-op launch plans: the sweep's winners on an H200 (launch/suites/kernels_sweep.py). bias+GELU from the sweep of
+# 2026-11-26 05:39 UTC (docs/benchmarks/.../s3-call2-kernels-sweep.jsonl, after the fp32 GELU became phi_cdf_acc;
+# its SWEEP TUNED_PLANS line): fwd bf16 3555 -> 3650 GB/s (0.89 of copy), fwd fp32 -> 3659 (0.90), bwd fp32 3760 ->
+# 3814 (0.92), bwd bf16 w8.s4 unchanged (3893, 0.94); residual add from the 04:00 UTC sweep (bf16 16 MiB 3289 ->
+# 3569). Then PEERLINE_KERNEL_PLANS="OP[:DTYPE]=PLAN,..." on top (plan.parse_op_plans), e.g. "residual_add=w8.s4.d1";
+# PEERLINE_KERNEL_PLANS=default drops the tuned plans. Used when TUNING is empty.
+TUNED_PLANS = ("bias_gelu_fwd:bf16=w16.s3.t1024.d1,bias_gelu_fwd:fp32=w12.s4.d1,bias_gelu_bwd:bf16=w8.s4,"
+               "bias_gelu_bwd:fp32=w12.s2.d1,residual_add=w4.s4.t256.d1")
 _USER_PLANS = os.environ.get("PEERLINE_KERNEL_PLANS", "")
 OP_PLANS = ({} if _USER_PLANS.strip() == "default" else
             {**plan.parse_op_plans(TUNED_PLANS), **plan.parse_op_plans(_USER_PLANS)})

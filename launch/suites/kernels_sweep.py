@@ -38,31 +38,34 @@ log = logging.getLogger(__name__)
 # op kinds (fwd | bwd | res): it is neither checked nor timed on the others (saves budget where a plan cannot help).
 SWEEP_PLANS = (
     "w8.s2",                   # today's default (always timed first)
-    # the tuned plans of the last H200 sweep (elementwise.TUNED_PLANS), so the new ones are judged against them
-    "w8.s3.d1",                # bias+GELU fwd
+    # the tuned plans (elementwise.TUNED_PLANS) and the previous ones, so the new plans are judged against them
+    "w16.s3.t1024.d1@fwd+bwd",  # bias+GELU fwd bf16 (05:39 sweep)
+    "w12.s4.d1@fwd+bwd",       # bias+GELU fwd fp32 (05:39 sweep)
+    "w12.s2.d1@fwd+bwd",       # bias+GELU bwd fp32 (05:39 sweep)
     "w4.s4.t256.d1",           # residual add
     "w8.s4@bwd",               # bias+GELU bwd bf16
-    "w8.s4.d1.v2@bwd+res",     # bias+GELU bwd fp32; for residual add: 32 contiguous bytes per lane, direct stores
+    "w8.s3.d1",                # bias+GELU fwd before (04:00 sweep)
+    "w8.s4.d1.v2@bwd+res",     # bias+GELU bwd fp32 before; for residual add: 32 contiguous bytes per lane
     # New plans, residual add and bias+GELU interleaved so that a budget cut leaves both some of each. Residual add:
     # the Hopper bulk loader (one cp.async.bulk per operand tile on an mbarrier, .l1) with direct stores, from the
     # tuned shape to more bytes in flight per SM, and TMA both ways (.l1.o1: bulk stores from the storer warp).
     # bias+GELU (issue-bound, fp32 above all): 12 / 16 compute warps (448 / 576 threads a block).
     "w4.s4.t256.d1.l1@res",
+    "w16.s3.t1024.d1.l1@fwd+bwd",  # the bulk loader for bias+GELU too, on the 05:39 sweep's best shapes
     "w16.s3.d1@fwd+bwd",
     "w8.s4.d1.l1@res",
     "w12.s3.d1@fwd+bwd",
     "w8.s4.l1.o1@res",         # compute warps do only LDS, add, STS; every global access is the TMA unit's
+    "w12.s4.d1.l1@fwd+bwd",
     "w16.s2.d1@fwd+bwd",
     "w4.s8.t256.d1.l1@res",    # 8 stages x 8 KiB (bf16): ~64 KiB in flight per block from one issuing lane
-    "w12.s4.d1@fwd+bwd",
     "w8.s3.t1024.d1.b2.l1@res",  # 2 blocks per SM with 48 KiB stages
     "w16.s4.d1@fwd+bwd",
     "w4.s4.t256.l1.o1@res",
     "w16.s4@bwd",              # 16 warps through the storer warp (bwd bf16's best so far had no direct stores)
     "w8.s4.t1024.d1.l1@res",
-    "w12.s2.d1@fwd+bwd",
+    "w12.s2.d1.l1@bwd",
     "w8.s3.t1024.l1.o1@res",
-    "w16.s3.t1024.d1@fwd+bwd",  # 2 chunks per compute thread at 16 warps
     "w8.s2.l1@res",            # bulk loader through the storer warp (the book's output path)
     # the rest of the first sweep's grid (each was best or near it somewhere)
     "w8.s2.d1",                # direct stores: no C round trip through shared memory, no storer hand-off
