@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type != "cuda":
             sys.stderr.write("kernels --sweep: needs a CUDA device\n")
             return 2
-        run_sweep(args.out, device, args.sweep_budget, labels, args.reps if args.reps != 20 else 10, cases)
+        run_sweep(args.out, device, args.sweep_budget, labels, args.reps if args.reps != 20 else 30, cases)
         return 0
     ctx = BenchContext(out_dir=args.out, device=device, quick=args.quick)
     run(args, ctx)

@@ -229,6 +229,9 @@ def best_line(case: str, rows: list[dict], default_label: str) -> str:
     base = next((r for r in timed if r["plan"] == default_label), None)
     dflt = (f"default {base['GBps']:.0f} GB/s = {base['vs_torch']:.2f}x torch, {base['vs_copy']:.2f}x copy"
             if base else "default not timed")
+    again = next((r for r in rows if r["status"] == "repeat" and r["plan"] == default_label), None)
+    if base and again:
+        dflt += f" (again at the end: {again['GBps']:.0f}, {100 * (again['GBps'] / base['GBps'] - 1):+.1f}%)"
     return (f"SWEEP BEST {case}: {best['plan']} {best['GBps']:.0f} GB/s = {best['vs_torch']:.2f}x torch "
             f"({best['torch_GBps']:.0f}), {best['vs_copy']:.2f}x copy ({best['copy_GBps']:.0f}); {dflt}; "
             f"{len(timed)} plans timed, {wrong} wrong")
@@ -295,9 +298,13 @@ def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_
     log.info("sweep: anchors timed at %.1f s", time.monotonic() - t0)
     dev_name = torch.cuda.get_device_name(device)
     with path.open("w") as f:
-        for i, (p, kinds) in enumerate(plans):
-            over = i > 0 and time.monotonic() - t0 > budget_s
-            log.info("sweep: plan %s at %.1f s%s", p.label(), time.monotonic() - t0, " (budget spent)" if over else "")
+        # the default once more at the end ("repeat" rows): its spread against the first timing says how large a
+        # difference between plans is noise (METHOD.md: time the same version twice)
+        schedule = [(p, kinds, False) for p, kinds in plans] + [(default, frozenset(KINDS), True)]
+        for i, (p, kinds, repeat) in enumerate(schedule):
+            over = 0 < i and not repeat and time.monotonic() - t0 > budget_s
+            log.info("sweep: plan %s%s at %.1f s%s", p.label(), " (repeat)" if repeat else "", time.monotonic() - t0,
+                     " (budget spent)" if over else "")
             for case, kind, dt, nbytes, pl_calls, t_torch, t_copy in cases:
                 if kind not in kinds:
                     continue
@@ -316,7 +323,8 @@ def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_
                     ew.TUNING.update(p.tuning())
                     try:
                         t = _graph_time(pl_calls, device, reps)
-                        row.update(status="ok", ms=t, GBps=gbps(t), vs_torch=t_torch / t, vs_copy=t_copy / t)
+                        row.update(status="repeat" if repeat else "ok", ms=t, GBps=gbps(t), vs_torch=t_torch / t,
+                                   vs_copy=t_copy / t)
                     except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
                         row.update(status="error", error=f"{type(e).__name__}: {e}")
                     finally:

@@ -62,7 +62,10 @@ def test_sweep_flow_on_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: py
     assert "SWEEP BEST bias_gelu_bwd bf16 0.0625 MiB: w8.s4.t0.b0.d0.v1" in out  # right for the backward
     assert "SWEEP WRONG w8.s4.t0.b0.d0.v1 fwd" in out
     lines = (tmp_path / "sweep.jsonl").read_text().splitlines()
-    assert len(lines) == 9 and all(json.loads(line)["device"] == "fake" for line in lines)
+    assert len(lines) == 12 and all(json.loads(line)["device"] == "fake" for line in lines)
+    assert [r["status"] for r in rows[-3:]] == ["repeat"] * 3  # the default again at the end
+    assert all(r["plan"] == "w8.s2.t0.b0.d0.v1" for r in rows[-3:])
+    assert "(again at the end: " in out
     ok = [r for r in rows if r["status"] == "ok" and r["plan"] == "w8.s2.t0.b0.d1.v1"]
     assert all(r["vs_torch"] == pytest.approx(1 / 0.8) for r in ok)
     assert ew.TUNING == {}  # left as found
@@ -77,7 +80,7 @@ def test_spent_budget_times_only_the_default(monkeypatch: pytest.MonkeyPatch, tm
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake")
     rows = ks.run_sweep(tmp_path, torch.device("cpu"), budget_s=-1, plan_labels=["w8.s2", "w8.s2.d1"], reps=2)
-    assert [r["status"] for r in rows] == ["ok", "skipped (budget)"]
+    assert [r["status"] for r in rows] == ["ok", "skipped (budget)", "repeat"]
 
 
 def test_sweep_plan_kinds_and_case_filter() -> None:
