@@ -46,12 +46,15 @@ TUNING: dict[str, int] = {}
 _warned: set[str] = set()
 # Per-op launch plans: the sweep's winners on an H200 (launch/suites/kernels_sweep.py). bias+GELU from the sweep of
 # 2026-11-26 05:39 UTC (docs/benchmarks/.../s3-call2-kernels-sweep.jsonl, after the fp32 GELU became phi_cdf_acc;
-# its SWEEP TUNED_PLANS line): fwd bf16 3555 -> 3650 GB/s (0.89 of copy), fwd fp32 -> 3659 (0.90), bwd fp32 3760 ->
-# 3814 (0.92), bwd bf16 w8.s4 unchanged (3893, 0.94); residual add from the 04:00 UTC sweep (bf16 16 MiB 3289 ->
-# 3569). Then PEERLINE_KERNEL_PLANS="OP[:DTYPE]=PLAN,..." on top (plan.parse_op_plans), e.g. "residual_add=w8.s4.d1";
+# its SWEEP TUNED_PLANS line): fwd fp32 -> 3659 GB/s (0.90 of copy), bwd fp32 3760 -> 3814 (0.92), bwd bf16 w8.s4
+# unchanged (3893, 0.94). The 05:56 UTC sweep (s3-call3-kernels-sweep.jsonl) moved residual add (bf16 and fp32 x,
+# which includes fp32 + bf16) and the bf16 forward onto the Hopper bulk loader (.l1: cp.async.bulk tiles on
+# mbarriers; the LDGSTS loader stays the engine's default): residual add bf16 256 MiB 3902 -> 4037 GB/s (0.91 ->
+# 0.94x torch), 16 MiB 0.84 -> 0.95x; fp32 0.93 -> 0.95x / 0.85 -> 0.96x; fwd bf16 3650 -> 3708 (0.89 of copy).
+# Then PEERLINE_KERNEL_PLANS="OP[:DTYPE]=PLAN,..." on top (plan.parse_op_plans), e.g. "residual_add=w8.s4.d1";
 # PEERLINE_KERNEL_PLANS=default drops the tuned plans. Used when TUNING is empty.
-TUNED_PLANS = ("bias_gelu_fwd:bf16=w16.s3.t1024.d1,bias_gelu_fwd:fp32=w12.s4.d1,bias_gelu_bwd:bf16=w8.s4,"
-               "bias_gelu_bwd:fp32=w12.s2.d1,residual_add=w4.s4.t256.d1")
+TUNED_PLANS = ("bias_gelu_fwd:bf16=w16.s3.t1024.d1.l1,bias_gelu_fwd:fp32=w12.s4.d1,bias_gelu_bwd:bf16=w8.s4,"
+               "bias_gelu_bwd:fp32=w12.s2.d1,residual_add=w4.s4.t256.d1.l1")
 _USER_PLANS = os.environ.get("PEERLINE_KERNEL_PLANS", "")
 OP_PLANS = ({} if _USER_PLANS.strip() == "default" else
             {**plan.parse_op_plans(TUNED_PLANS), **plan.parse_op_plans(_USER_PLANS)})
