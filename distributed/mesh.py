@@ -22,6 +22,9 @@ class Mesh:
     dp: int
     rank: int
     dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    # the same ranks as dp_group with the backend's default options, when dp_group has options (a CTA cap): the
+    # buckets backward finishes last have nothing left to overlap with and all-reduce there at full speed
+    dp_tail_group: dist.ProcessGroup | None = field(default=None, repr=False)
     pp_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -69,6 +72,10 @@ class Mesh:
             group = dist.new_group(self.dp_ranks(stage), pg_options=dp_options)
             if stage == self.stage:
                 self.dp_group = group
+            if dp_options is not None:
+                tail = dist.new_group(self.dp_ranks(stage))
+                if stage == self.stage:
+                    self.dp_tail_group = tail
         for replica in range(self.dp):
             group = dist.new_group(self.pp_ranks(replica))
             if replica == self.replica:

@@ -45,8 +45,8 @@ class IterationStats:
 
 def dp_group_options(cfg: RunConfig):
     """NCCL options of the dp groups: --nccl-max-ctas caps the SMs the overlapped bucket all-reduces take from
-    backward. None (the default, or not NCCL) keeps the backend's defaults."""
-    if cfg.nccl_max_ctas is None or not dist.is_initialized():
+    backward (0: NCCL's default). None (no cap, or not NCCL) keeps the backend's defaults."""
+    if not cfg.nccl_max_ctas or not dist.is_initialized():
         return None
     from .buckets import nccl_options
 
@@ -61,9 +61,11 @@ def make_grad_sync(cfg: RunConfig, params, mesh: Mesh, device: torch.device, str
         except ImportError:
             log.warning("bucketed all-reduce unavailable; averaging gradients per parameter")
         else:
-            return GradBuckets(params, group=mesh.dp_group if mesh.dp > 1 else None, device=device,
+            dp = mesh.dp > 1
+            return GradBuckets(params, group=mesh.dp_group if dp else None, device=device,
                                stream=streams.allreduce, bucket_mb=cfg.bucket_mb,
-                               first_bucket_mb=cfg.first_bucket_mb)
+                               first_bucket_mb=cfg.first_bucket_mb,
+                               tail_group=mesh.dp_tail_group if dp else None)
     flat = [p for layer in params for p in layer]
     return PerParameterAllReduce(flat, mesh.dp_group, mesh.dp)
 

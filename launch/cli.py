@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--first-bucket-mb", type=float, default=_DEFAULTS.first_bucket_mb,
                    help="(default: %(default)s)")
     g.add_argument("--nccl-max-ctas", type=int, default=_DEFAULTS.nccl_max_ctas,
-                   help="cap on the CTAs (SMs) of the dp group's NCCL all-reduce kernels (default: NCCL's)")
+                   help="cap on the CTAs (SMs) of the dp group's NCCL all-reduce kernels, 0 = NCCL's default "
+                        "(default: %(default)s, measured on H200; see docs/benchmarks)")
     g.add_argument("--allreduce-priority", choices=ALLREDUCE_PRIORITIES, default=_DEFAULTS.allreduce_priority,
                    help="all-reduce stream priority: highest (a ready bucket is not queued behind backward) or "
                         "normal (as DDP's; measured faster for eager steps on an H200, see docs/benchmarks); graphs "

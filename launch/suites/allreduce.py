@@ -19,8 +19,9 @@ stack of residual MLP blocks (LayerNorm -> Linear h->4h, no bias -> + bias, GELU
 CTA caps (`--ar-nccl-ctas-sweep`, default 0,16,8,4; 0 = NCCL's default): NCCL kernels on the highest-priority
 stream take SMs from the backward GEMMs they overlap with. For each cap the dp group is created with
 `nccl_options(max_ctas=cap)` (buckets.py) and peerline is measured on it; DDP is measured with NCCL's default
-and with each cap (fair: DDP could use the cap too). The headline cap (`--ar-nccl-max-ctas`, default auto = the
-cap with the fastest peerline eager step in this run) gets the GOAL lines; every cap gets a SWEEP line.
+and with each cap (fair: DDP could use the cap too). The headline cap (`--ar-nccl-max-ctas`, default: the runtime's
+RunConfig.nccl_max_ctas, 16; auto = the cap with the fastest peerline eager step in this run) gets the GOAL lines;
+every cap gets a SWEEP line.
 With a cap, the buckets of the first block (backward finishes it last: nothing is left to overlap their
 all-reduce with) run on NCCL's default CTAs (GradBuckets' tail_group), unless `--ar-no-tail-group`.
 `--ar-normal-priority` adds peerline on a normal-priority stream (NCCL's default CTAs), as DDP runs its all-reduce.
@@ -58,6 +59,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from peerline.distributed.buckets import GradBuckets, MiB, nccl_options
+from peerline.distributed.config import RunConfig
 from peerline.distributed.streams import create_rank_streams, use
 from peerline.launch.benchkit import BenchContext, Record, Timing, time_fn
 from peerline.launch.suites.allreduce_h2h import goal_lines as h2h_goal_lines
@@ -544,7 +546,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="only the head-to-head rounds (skip the CTA sweep, busbw and exposure measurements)")
     group.add_argument("--ar-nccl-max-ctas", dest="ar_max_ctas", default=None,
                        help="the headline cap (GOAL lines): an integer (0 = NCCL's default) or auto = the sweep's "
-                            "fastest peerline eager step (default auto)")
+                            "fastest peerline eager step (default: the runtime's --nccl-max-ctas default)")
 
 
 def run(args: argparse.Namespace, ctx: BenchContext) -> None:
@@ -558,7 +560,9 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
         return default if value is None else value
 
     caps = parse_caps(opt("ar_ctas_sweep", "0,4" if quick else "0,16,8,4"))
-    head_text = str(opt("ar_max_ctas", "auto"))
+    runtime_cap = 4 if quick else (RunConfig().nccl_max_ctas or 0)  # quick: a cap gloo ignores, same code path
+    caps += [runtime_cap] if runtime_cap not in caps else []
+    head_text = str(opt("ar_max_ctas", runtime_cap))
     if head_text == "auto":
         headline = None
     else:
@@ -590,9 +594,9 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     for name, h2h_shape in h2h_shapes(str(opt("ar_h2h_shapes", "anchor,launch")), shape, quick).items():
         if ctx.on_step:
             ctx.on_step(f"allreduce head-to-head, {name}")
-        run_head_to_head(ctx, name, h2h_shape, h2h_dtype, rounds, opt("ar_h2h_steps", 1 if quick else 3), groups[0],
-                         normal_priority=bool(getattr(args, "ar_normal_priority", False)),
-                         capped_groups={c: groups[c] for c in h2h_caps})
+        run_head_to_head(ctx, name, h2h_shape, h2h_dtype, rounds, opt("ar_h2h_steps", 1 if quick else 3), groups,
+                         runtime_cap, normal_priority=bool(getattr(args, "ar_normal_priority", False)),
+                         extra_caps=tuple(h2h_caps))
     if ctx.is_writer:
         for line in goals(ctx) + h2h_goal_lines(ctx):
             log.info("%s", line)

@@ -54,12 +54,16 @@ def h2h_shapes(names: str, anchor: Any, quick: bool) -> dict[str, Any]:
 
 
 def run_head_to_head(ctx: BenchContext, name: str, shape: Any, dtype: torch.dtype, rounds: int, steps: int,
-                     group: dist.ProcessGroup, normal_priority: bool = False,
-                     capped_groups: dict[int, dist.ProcessGroup] | None = None) -> dict[str, Any]:
+                     groups: dict[int, dist.ProcessGroup], cap: int, normal_priority: bool = False,
+                     extra_caps: tuple[int, ...] = ()) -> dict[str, Any]:
     """Build both models (same weights), capture peerline's step, run `rounds` interleaved rounds; record one
-    Record per peerline variant against DDP and return the summary. Diagnostic eager variants, each on a model of
-    its own: `normal_priority` all-reduces on a normal-priority stream (as DDP's), `capped_groups` {cap: group} on
-    a dp group whose NCCL CTAs are capped (the all-reduce stream stays the highest priority)."""
+    Record per peerline variant against DDP and return the summary.
+
+    `groups` {NCCL CTA cap: dp group} (0: NCCL's default). peerline runs as the runtime does: its dp group capped
+    at `cap` CTAs (RunConfig.nccl_max_ctas), the first block's buckets on the uncapped twin (the tail group), the
+    all-reduce stream at the highest priority; DDP on NCCL's defaults. Diagnostic eager variants, each on a model of
+    its own: NCCL's default CTAs (when `cap` is not), `normal_priority` (the all-reduce on a normal-priority
+    stream, as DDP's) and each of `extra_caps`."""
     from peerline.launch.suites.allreduce import (
         Workload,
         build_model,
@@ -72,26 +76,31 @@ def run_head_to_head(ctx: BenchContext, name: str, shape: Any, dtype: torch.dtyp
 
     dev = ctx.device
     w = Workload(shape, dev)
+
+    def buckets(model: torch.nn.Module, c: int, stream: Any) -> GradBuckets:
+        return GradBuckets([list(b.parameters()) for b in model], groups[c], dev, stream, shape.bucket_mb,
+                           shape.first_bucket_mb, tail_group=groups[0] if c else None)
+
     with use(w.streams.compute):
         model = build_model(shape, dtype, dev)
         ddp_model = build_model(shape, dtype, dev)
         ddp = DistributedDataParallel(ddp_model, device_ids=[dev.index] if dev.type == "cuda" else None,
                                       bucket_cap_mb=shape.bucket_mb, gradient_as_bucket_view=True,
-                                      process_group=group)
+                                      process_group=groups[0])
     opt, ddp_opt = make_optimizer(model, dev), make_optimizer(ddp, dev)
     layers = [list(b.parameters()) for b in model]
-    gb = GradBuckets(layers, group, dev, w.streams.allreduce, shape.bucket_mb, shape.first_bucket_mb)
+    gb = buckets(model, cap, w.streams.allreduce)
     steps_of: dict[str, Callable[[], Any]] = {"DDP": partial(step_ddp, w, ddp, ddp_opt),
                                               "peerline eager": partial(step_peerline, w, model, gb, opt)}
     extra_buckets = []
-    extras = [("peerline eager, normal-priority stream", group, w.streams.p2p)] if normal_priority else []
     # (the p2p role's stream: normal priority and unused in this suite; streams come only from streams.py)
-    extras += [(f"peerline eager, max {cap} CTAs", g, w.streams.allreduce) for cap, g in (capped_groups or {}).items()]
-    for label, extra_group, stream in extras:
+    extras = [("peerline eager, NCCL default CTAs", 0, w.streams.allreduce)] if cap else []
+    extras += [("peerline eager, normal-priority stream", cap, w.streams.p2p)] if normal_priority else []
+    extras += [(f"peerline eager, max {c} CTAs", c, w.streams.allreduce) for c in extra_caps if c and c != cap]
+    for label, c, stream in extras:
         with use(w.streams.compute):
             model_x = build_model(shape, dtype, dev)
-        gb_x = GradBuckets([list(b.parameters()) for b in model_x], extra_group, dev, stream, shape.bucket_mb,
-                           shape.first_bucket_mb)
+        gb_x = buckets(model_x, c, stream)
         extra_buckets.append(gb_x)
         steps_of[label] = partial(step_peerline, w, model_x, gb_x, make_optimizer(model_x, dev))
     for fn in steps_of.values():  # warm-up: DDP rebuilds its buckets after its first step
@@ -183,8 +192,8 @@ def goal_lines(ctx: BenchContext) -> list[str]:
         if not r.case.startswith("head-to-head "):
             continue
         e = r.extra
-        if "normal-priority" in r.case or " CTAs step" in r.case:
-            continue  # diagnostic variants, not the runtime's setting
+        if ", " in r.case.split(": ", 1)[1]:
+            continue  # "peerline eager, <variant>": diagnostic variants, not the runtime's setting
         graph = "graph" in r.case
         met = e["paired_ratio_median"] > 1.0 if graph else e["paired_ratio_median"] >= 1.0
         want = "better than DDP" if graph else "no worse than DDP"

@@ -51,3 +51,14 @@ def test_allreduce_priority_flag() -> None:
         RunConfig(allreduce_priority="urgent")
     with pytest.raises(ValueError, match="allreduce_priority must be highest or normal"):
         create_rank_streams(torch.device("cpu"), allreduce_priority="urgent")
+
+
+def test_nccl_max_ctas_default_and_zero() -> None:
+    from peerline.distributed.config import RunConfig
+    from peerline.distributed.runtime import dp_group_options
+
+    assert RunConfig().nccl_max_ctas == 16  # measured default (config.py says where)
+    cfg = config_from_args(build_parser().parse_args(["--nccl-max-ctas", "0"]))
+    assert cfg.nccl_max_ctas == 0 and dp_group_options(cfg) is None  # 0: NCCL's default, no options
+    with pytest.raises(ConfigError, match="--nccl-max-ctas must be in 0..64"):
+        RunConfig(nccl_max_ctas=65)
