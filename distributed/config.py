@@ -81,15 +81,15 @@ class RunConfig:
     """Size of the first (last-layer) bucket, MiB, so the all-reduce starts early."""
     nccl_max_ctas: int | None = 16
     """Cap on the CTAs (SMs) of the dp group's NCCL kernels (bucket all-reduces overlapped with backward); 0 or
-    None: NCCL's default. 16 by measurement: on 2 x H200 (dp=2, 8 blocks of h=2048, interleaved rounds) a step with
-    the all-reduce at the highest priority on 16 CTAs beat DDP in 16 of 16 rounds (median 1.035x), where NCCL's
-    default CTAs lost (0.976x): high-priority NCCL kernels on many SMs break up backward's GEMM waves. The buckets
-    of the stage's first layer, which nothing is left to overlap, run on an uncapped twin group (Mesh.dp_tail_group).
-    """
+    None: NCCL's default. The buckets of the stage's first layer, which nothing is left to overlap, run on an
+    uncapped twin group (Mesh.dp_tail_group). Measured on 2 x H200 (dp=2, docs/benchmarks, 2026-11-26 calls 4-5):
+    against NCCL's default CTAs, 16 left less all-reduce exposed after backward (0.175 vs 0.334 ms) and was ahead
+    on the launch-heavy model (1.016x vs 0.991x DDP in shuffled interleaved rounds), level on the GPU-bound one
+    (1.016x vs 1.027x, within the round-to-round spread)."""
     allreduce_priority: str = "highest"
     """Priority of the all-reduce stream: highest (the device's highest, so a ready bucket's all-reduce is not
-    queued behind backward kernels) or normal (as DDP's NCCL stream). Eager iterations only: a CUDA graph launched
-    as torch instantiates it ignores the priorities of the streams it was captured from."""
+    queued behind backward kernels) or normal (as DDP's NCCL stream), for comparison. Eager iterations only: a
+    CUDA graph launched as torch instantiates it ignores the priorities of the streams it was captured from."""
     timeout_s: float = 300.0
     """Deadline for any wait: process-group timeout and the per-iteration watchdog."""
     log_every: int = 1

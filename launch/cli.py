@@ -86,8 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s, measured on H200; see docs/benchmarks)")
     g.add_argument("--allreduce-priority", choices=ALLREDUCE_PRIORITIES, default=_DEFAULTS.allreduce_priority,
                    help="all-reduce stream priority: highest (a ready bucket is not queued behind backward) or "
-                        "normal (as DDP's; measured faster for eager steps on an H200, see docs/benchmarks); graphs "
-                        "ignore stream priorities (default: %(default)s)")
+                        "normal (as DDP's), for comparison; graphs ignore stream priorities (default: %(default)s)")
     g.add_argument("--timeout-s", type=float, default=_DEFAULTS.timeout_s,
                    help="deadline for any wait, seconds (default: %(default)s)")
     g.add_argument("--staging", choices=STAGINGS, default=_DEFAULTS.staging,
