@@ -69,6 +69,7 @@ class KernelSpec:
     vec: int = VEC  # 16-byte vectors per chunk of the narrowest operand (PL_VEC)
     loader: int = LOADER  # 0: cp.async 16 B per lane (LDGSTS); 1: cp.async.bulk per tile (UBLKCP) (PL_LOADER)
     storer: int = STORER  # 0: st.global 16 B per lane; 1: cp.async.bulk shared->global per tile (PL_STORER)
+    hint: int = 0  # cache hints for data used once: 0 none, 1 st.global.cs, 2 also evict-first bulk loads (PL_HINT)
 
     def __post_init__(self) -> None:
         for name in (self.x, self.bias, self.y, self.out):
@@ -80,7 +81,7 @@ class KernelSpec:
             raise ValueError(f"unknown op {self.op}")
         # the launch-shape checks live in one place
         plan.LaunchPlan(warps=self.warps, stages=self.stages, tile_chunks=self.tile, direct_store=bool(self.direct),
-                        vec=self.vec, loader=self.loader, storer=self.storer)
+                        vec=self.vec, loader=self.loader, storer=self.storer, hint=self.hint)
         if self.tile_chunks % (32 * self.warps):
             raise ValueError(f"tile of {self.tile_chunks} chunks is not a multiple of 32 x {self.warps} compute warps")
         if self.smem_bytes > plan.MAX_SMEM_PER_BLOCK:
@@ -129,14 +130,15 @@ class KernelSpec:
                 f"-DPL_TY={CTYPES[self.y]}", f"-DPL_TOUT={CTYPES[self.out]}",
                 f"-DPL_TILE_CHUNKS={self.tile_chunks}", f"-DPL_COMPUTE_WARPS={self.warps}",
                 f"-DPL_STAGES={self.stages}", f"-DPL_GELU={self.gelu}", f"-DPL_DIRECT_STORE={self.direct}",
-                f"-DPL_VEC={self.vec}", f"-DPL_LOADER={self.loader}", f"-DPL_STORER={self.storer}")
+                f"-DPL_VEC={self.vec}", f"-DPL_LOADER={self.loader}", f"-DPL_STORER={self.storer}",
+                f"-DPL_HINT={self.hint}")
 
     def label(self) -> str:
         names = {1: "bias_gelu_fwd", 2: "bias_gelu_bwd", 3: "residual_add"}
         types = f"x={self.x},bias={self.bias}" if self.op != OP_RESIDUAL_ADD else f"x={self.x},y={self.y}"
         shape = plan.LaunchPlan(warps=self.warps, stages=self.stages, tile_chunks=self.tile,
                                 direct_store=bool(self.direct), vec=self.vec, loader=self.loader,
-                                storer=self.storer).label()
+                                storer=self.storer, hint=self.hint).label()
         return f"{names[self.op]}[{types}] {shape}"
 
 

@@ -139,6 +139,8 @@ class LaunchPlan:
                    cp.async.bulk per operand tile (TMA, UBLKCP; sm_90), completing on mbarriers (PL_LOADER)
     storer         0: the storer warp writes 16 bytes per lane; 1: one cp.async.bulk shared->global per tile
                    (TMA store; needs direct_store off) (PL_STORER)
+    hint           cache hints for data used once: 0 none; 1 direct stores with st.global.cs; 2 also the bulk
+                   loader's tiles with an L2 evict_first policy (PL_HINT; 1 needs direct_store, 2 also loader 1)
     """
 
     warps: int = DEFAULT_WARPS
@@ -149,6 +151,7 @@ class LaunchPlan:
     vec: int = 1
     loader: int = 0
     storer: int = 0
+    hint: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.warps <= 30:
@@ -168,25 +171,31 @@ class LaunchPlan:
             raise ValueError(f"storer must be 0 (st.global) or 1 (cp.async.bulk), got {self.storer}")
         if self.storer and self.direct_store:
             raise ValueError("storer 1 (TMA stores from the storer warp) needs direct_store off")
+        if self.hint not in (0, 1, 2):
+            raise ValueError(f"hint must be 0, 1 (streaming stores) or 2 (and evict-first loads), got {self.hint}")
+        if self.hint and not self.direct_store:
+            raise ValueError("hint 1/2 (st.global.cs) applies to direct stores: needs direct_store on")
+        if self.hint == 2 and self.loader != 1:
+            raise ValueError("hint 2 (evict-first bulk loads) needs loader 1")
 
     def tuning(self) -> dict[str, int]:
         """Overrides for elementwise.TUNING (KernelSpec fields plus blocks_per_sm)."""
         return {"warps": self.warps, "stages": self.stages, "tile": self.tile_chunks,
                 "direct": int(self.direct_store), "vec": self.vec, "loader": self.loader, "storer": self.storer,
-                "blocks_per_sm": self.blocks_per_sm}
+                "hint": self.hint, "blocks_per_sm": self.blocks_per_sm}
 
     def label(self) -> str:
         """Short name, parseable by `parse_plan`: w8.s2.t0.b0.d0.v1 (plus .l1 / .o1 for the bulk loader / storer
         only, so the labels of earlier runs stay the same)."""
         return (f"w{self.warps}.s{self.stages}.t{self.tile_chunks}.b{self.blocks_per_sm}"
                 f".d{int(self.direct_store)}.v{self.vec}" + (f".l{self.loader}" if self.loader else "")
-                + (f".o{self.storer}" if self.storer else ""))
+                + (f".o{self.storer}" if self.storer else "") + (f".h{self.hint}" if self.hint else ""))
 
 
 def parse_plan(text: str) -> LaunchPlan:
     """A LaunchPlan from its label (fields may be omitted or reordered: 's3.d1' = 3 stages, direct stores)."""
     keys = {"w": "warps", "s": "stages", "t": "tile_chunks", "b": "blocks_per_sm", "d": "direct_store", "v": "vec",
-            "l": "loader", "o": "storer"}
+            "l": "loader", "o": "storer", "h": "hint"}
     fields: dict[str, int | bool] = {}
     for part in filter(None, text.strip().split(".")):
         key, val = part[0], part[1:]

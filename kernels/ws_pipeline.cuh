@@ -55,6 +55,15 @@
 #ifndef PL_STORER
 #define PL_STORER 0
 #endif
+// Cache hints for data touched once (the op streams each byte through exactly once):
+//   0 none (the default);
+//   1 results stored with st.global.cs (cache-streaming: evict-first in L2), direct stores only;
+//   2 as 1, and the bulk loader's tiles read with an L2 evict_first policy (cp.async.bulk ... .L2::cache_hint).
+// Meant for the pure streaming ops (residual add), where the inputs and outputs together exceed L2: lines used
+// once should not push out lines still to be read.
+#ifndef PL_HINT
+#define PL_HINT 0
+#endif
 
 #define PL_THREADS (32 * (PL_COMPUTE_WARPS + 2))
 
@@ -167,7 +176,11 @@ __device__ __forceinline__ void store_chunk_bf16(unsigned char* p, const float (
 // memory, which the global window maps one to one (what the compiler's own cvta.to.global does); through a plain
 // uint4* NVRTC emits generic st.v4 (ST.E.128) since it cannot prove the space.
 __device__ __forceinline__ void st_global_v4(unsigned char* p, u32 a, u32 b, u32 c, u32 d) {
+#if PL_HINT >= 1
+  asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+#else
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+#endif
 }
 
 template <int E>
@@ -272,8 +285,15 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 
 // `bytes` (a multiple of 16; both addresses 16-byte aligned) global -> shared by the TMA unit, completing on `bar`.
 __device__ __forceinline__ void bulk_copy_g2s(unsigned char* dst, const unsigned char* src, u32 bytes, u64* bar) {
+#if PL_HINT >= 2
+  u64 policy;  // every line of the tile: first to go from L2 (read once)
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy) : "memory");
+#else
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+#endif
 }
 
 // The compute side of the bulk loader's hand-off, with the two calls compute_tiles makes of a cuda::pipeline

@@ -46,6 +46,14 @@ SWEEP_PLANS = (
     "w8.s4@bwd",               # bias+GELU bwd bf16
     "w8.s3.d1",                # bias+GELU fwd before (04:00 sweep)
     "w8.s4.d1.v2@bwd+res",     # bias+GELU bwd fp32 before; for residual add: 32 contiguous bytes per lane
+    # cache hints for data used once (.h1: st.global.cs stores; .h2: also evict-first bulk loads), on the bulk
+    # loader plans that won residual add and the bf16 forward (05:56 sweep)
+    "w4.s4.t256.d1.l1.h1@res",
+    "w4.s4.t256.d1.l1.h2@res",
+    "w16.s3.t1024.d1.l1.h2@fwd",
+    "w8.s4.d1.l1.h2@res",
+    "w4.s8.t256.d1.l1.h2@res",
+    "w16.s3.t1024.d1.l1.h1@fwd",
     # New plans, residual add and bias+GELU interleaved so that a budget cut leaves both some of each. Residual add:
     # the Hopper bulk loader (one cp.async.bulk per operand tile on an mbarrier, .l1) with direct stores, from the
     # tuned shape to more bytes in flight per SM, and TMA both ways (.l1.o1: bulk stores from the storer warp).

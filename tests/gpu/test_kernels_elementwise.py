@@ -315,7 +315,7 @@ def test_kernel_attributes_and_sass(tmp_path) -> None:
 #   w12.s2.d1          12 compute warps, tile 384 chunks (not a power of two)
 #   w8.s3.l1.o1        TMA both ways: bulk loader and bulk (cp.async.bulk shared->global) stores from the storer
 OTHER_PLANS = ["w4.s3.d1.v2", "w8.s4.d1.l1", "w8.s2.l1", "w4.s8.t256.d1.l1", "w16.s3.d1", "w12.s2.d1",
-               "w8.s3.l1.o1"]
+               "w8.s3.l1.o1", "w4.s4.t256.d1.l1.h2", "w8.s3.d1.h1"]  # .h: cache hints (streaming stores, loads)
 
 
 @pytest.fixture(scope="module")

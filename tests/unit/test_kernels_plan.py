@@ -150,3 +150,20 @@ def test_bulk_loader_plan_and_spec() -> None:
     with pytest.raises(ValueError, match="direct_store"):
         plan.parse_plan("w8.s4.d1.o1")
     assert "-DPL_STORER=1" in kc.KernelSpec(kc.OP_RESIDUAL_ADD, "float32", storer=1).defines()
+
+
+def test_cache_hint_field() -> None:
+    from peerline.kernels import compile as kc
+    from peerline.kernels.plan import LaunchPlan, parse_plan
+
+    p = parse_plan("w4.s4.t256.d1.l1.h2")
+    assert (p.hint, p.loader, p.direct_store) == (2, 1, True) and p.label() == "w4.s4.t256.b0.d1.v1.l1.h2"
+    assert parse_plan("w8.s2").label() == "w8.s2.t0.b0.d0.v1"  # no hint: labels of earlier runs unchanged
+    assert "-DPL_HINT=2" in kc.KernelSpec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16",
+                                          **{k: v for k, v in p.tuning().items() if k != "blocks_per_sm"}).defines()
+    with pytest.raises(ValueError, match="needs direct_store"):
+        LaunchPlan(hint=1)
+    with pytest.raises(ValueError, match="needs loader 1"):
+        LaunchPlan(hint=2, direct_store=True)
+    with pytest.raises(ValueError, match="hint must be"):
+        LaunchPlan(hint=3, direct_store=True)
