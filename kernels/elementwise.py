@@ -51,10 +51,12 @@ _warned: set[str] = set()
 # which includes fp32 + bf16) and the bf16 forward onto the Hopper bulk loader (.l1: cp.async.bulk tiles on
 # mbarriers; the LDGSTS loader stays the engine's default): residual add bf16 256 MiB 3902 -> 4037 GB/s (0.91 ->
 # 0.94x torch), 16 MiB 0.84 -> 0.95x; fp32 0.93 -> 0.95x / 0.85 -> 0.96x; fwd bf16 3650 -> 3708 (0.89 of copy).
+# The 06:22 UTC sweep (s3-call7-kernels-sweep.jsonl) added streaming stores to residual add (.h1, st.global.cs):
+# bf16 0.943 -> 0.946x torch at 256 MiB, 0.952 -> 0.972x at 16 MiB; fp32 0.953 -> 0.956x, 0.965 -> 0.987x.
 # Then PEERLINE_KERNEL_PLANS="OP[:DTYPE]=PLAN,..." on top (plan.parse_op_plans), e.g. "residual_add=w8.s4.d1";
 # PEERLINE_KERNEL_PLANS=default drops the tuned plans. Used when TUNING is empty.
 TUNED_PLANS = ("bias_gelu_fwd:bf16=w16.s3.t1024.d1.l1,bias_gelu_fwd:fp32=w12.s4.d1,bias_gelu_bwd:bf16=w8.s4,"
-               "bias_gelu_bwd:fp32=w12.s2.d1,residual_add=w4.s4.t256.d1.l1")
+               "bias_gelu_bwd:fp32=w12.s2.d1,residual_add=w4.s4.t256.d1.l1.h1")
 _USER_PLANS = os.environ.get("PEERLINE_KERNEL_PLANS", "")
 OP_PLANS = ({} if _USER_PLANS.strip() == "default" else
             {**plan.parse_op_plans(TUNED_PLANS), **plan.parse_op_plans(_USER_PLANS)})

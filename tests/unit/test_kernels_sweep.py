@@ -128,3 +128,10 @@ def test_tuned_plans_line(tmp_path) -> None:
     for label in ("w8.s2.t0.b0.d0.v1.o1", "w8.s4.t0.b0.d1.v1.l1", "w4.s8.t256.b2.d0.v2.l1.o1", "w8.s2.t0.b0.d0.v1"):
         assert plan.parse_plan(ks._short(label)) == plan.parse_plan(label)
     assert ks._short("w8.s2.t0.b0.d0.v1.o1") == "w8.s2.o1"
+
+
+def test_short_label_keeps_the_cache_hint() -> None:
+    from peerline.launch.suites.kernels_sweep import _short
+
+    assert _short("w4.s4.t256.b0.d1.v1.l1.h1") == "w4.s4.t256.d1.l1.h1"
+    assert _short("w8.s2.t0.b0.d0.v1") == "w8.s2"
