@@ -213,10 +213,10 @@ class GradBuckets:
             sizes[b.dtype] = max(sizes.get(b.dtype, 0), b.offset + b.numel)
         self.flat = {dt: torch.zeros(n, dtype=dt, device=self.device) for dt, n in sizes.items()}
         self._slices = [self.flat[b.dtype][b.offset:b.offset + b.numel] for b in self.buckets]
-        self._views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        # per bucket, per slot: the parameter's view and its address, so a hook compares one integer instead of
-        # slicing a tensor (hooks run on autograd's thread while the host races ahead of the GPU in eager mode)
-        self._slot_views: list[list[tuple[torch.Tensor, int]]] = []
+        # per bucket, per slot: the parameter, its view into the bucket and the view's address, so zero_grad and a
+        # hook compare one integer instead of slicing a tensor (hooks run on autograd's thread while the host races
+        # ahead of the GPU in eager mode)
+        self._slots: list[list[tuple[torch.nn.Parameter, torch.Tensor, int]]] = []
         for b, flat in zip(self.buckets, self._slices, strict=True):
             slots = []
             for p, start in zip(b.params, b.starts, strict=True):
@@ -226,9 +226,8 @@ class GradBuckets:
                 if p.grad is not None:
                     view.copy_(p.grad)
                 p.grad = view
-                self._views.append((p, view))
-                slots.append((view, view.data_ptr()))
-            self._slot_views.append(slots)
+                slots.append((p, view, view.data_ptr()))
+            self._slots.append(slots)
 
         if self.on_cuda:
             # The buffers were written on whatever stream built us; the compute and all-reduce streams are
@@ -263,9 +262,10 @@ class GradBuckets:
 
     def zero_grad(self) -> None:
         """Zero every bucket; re-point a `.grad` that someone replaced (e.g. set_to_none) back at its view."""
-        for p, view in self._views:
-            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                p.grad = view
+        for slots in self._slots:
+            for p, view, address in slots:
+                if p.grad is None or p.grad.data_ptr() != address:
+                    p.grad = view
         for flat in self.flat.values():
             flat.zero_()
 
@@ -350,7 +350,7 @@ class GradBuckets:
             raise RuntimeError(f"gradient of a parameter in bucket {index} accumulated twice after arm(): "
                                "arm() must come right before the last backward of the iteration")
         self._seen[index][slot] = True
-        view, address = self._slot_views[index][slot]
+        _, view, address = self._slots[index][slot]
         if param.grad is None or param.grad.data_ptr() != address:
             # Someone replaced .grad (set_to_none, an assignment): fold it back into the bucket.
             view.copy_(param.grad)

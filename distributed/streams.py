@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .config import ALLREDUCE_PRIORITIES
+
 log = logging.getLogger(__name__)
 
 #: hardware queues asked for (read by the driver when the CUDA context is created: importing this module early,
@@ -72,7 +74,7 @@ def create_rank_streams(device: torch.device, local_stages: int = 1, p2p_lanes: 
     """Create the streams of one rank. The only place in peerline that constructs a stream. p2p_lanes: send
     streams of the copy-engine transport in all (`p2p` plus p2p_lanes - 1 in `p2p_lanes`). allreduce_priority:
     "highest" (the device's highest) or "normal" (RunConfig.allreduce_priority says when each pays)."""
-    if allreduce_priority not in ("highest", "normal"):
+    if allreduce_priority not in ALLREDUCE_PRIORITIES:
         raise ValueError(f"allreduce_priority must be highest or normal, got {allreduce_priority!r}")
     if p2p_lanes < 1:
         raise ValueError(f"p2p_lanes must be >= 1, got {p2p_lanes}")

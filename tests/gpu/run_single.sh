@@ -17,19 +17,16 @@ rc=$?
 grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/single_tests.out" | tail -n 12 | sed 's/^/  /'
 report tests "$rc"
 
+bench_part() {  # bench_part PART NAME: one part of the single suite, its table, its PASS/FAIL line bench_NAME
+  step "$OUT/bench_single_$2.out" 45 "$PY" -m peerline.launch.suites.single --part "$1" --out "$OUT/bench_single/$2"
+  local rc=$?
+  [ -f "$OUT/bench_single/$2/single.md" ] && cat "$OUT/bench_single/$2/single.md"
+  report "bench_$2" "$rc"
+}
 echo "== bench: overlap vs serial vs bound" >> "$LOG"
-step "$OUT/bench_single_overlap.out" 45 "$PY" -m peerline.launch.suites.single --part overlap \
-  --out "$OUT/bench_single/overlap"
-rc=$?
-[ -f "$OUT/bench_single/overlap/single.md" ] && cat "$OUT/bench_single/overlap/single.md"
-report bench_overlap "$rc"
-
+bench_part overlap overlap
 echo "== bench: caching vs async allocator (fresh processes)" >> "$LOG"
-step "$OUT/bench_single_alloc.out" 45 "$PY" -m peerline.launch.suites.single --part allocator \
-  --out "$OUT/bench_single/alloc"
-rc=$?
-[ -f "$OUT/bench_single/alloc/single.md" ] && cat "$OUT/bench_single/alloc/single.md"
-report bench_alloc "$rc"
+bench_part allocator alloc
 if [ -f "$OUT/bench_single/overlap/single.jsonl" ]; then
   timeout -k 2 5 "$PY" - "$OUT/bench_single/overlap/single.jsonl" <<'PYEOF'
 import json, sys
