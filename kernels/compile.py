@@ -79,14 +79,18 @@ class KernelSpec:
             raise ValueError(f"unknown gelu mode {self.gelu}")
         if self.op not in (OP_BIAS_GELU_FWD, OP_BIAS_GELU_BWD, OP_RESIDUAL_ADD):
             raise ValueError(f"unknown op {self.op}")
-        # the launch-shape checks live in one place
-        plan.LaunchPlan(warps=self.warps, stages=self.stages, tile_chunks=self.tile, direct_store=bool(self.direct),
-                        vec=self.vec, loader=self.loader, storer=self.storer, hint=self.hint)
+        self.launch_plan()  # the launch-shape checks live in one place: LaunchPlan's constructor
         if self.tile_chunks % (32 * self.warps):
             raise ValueError(f"tile of {self.tile_chunks} chunks is not a multiple of 32 x {self.warps} compute warps")
         if self.smem_bytes > plan.MAX_SMEM_PER_BLOCK:
             raise ValueError(f"{self.label()}: {self.smem_bytes} bytes of shared memory per block "
                              f"(> {plan.MAX_SMEM_PER_BLOCK}); use fewer stages or a smaller tile")
+
+    def launch_plan(self) -> plan.LaunchPlan:
+        """The spec's launch shape as a LaunchPlan (its constructor checks it)."""
+        return plan.LaunchPlan(warps=self.warps, stages=self.stages, tile_chunks=self.tile,
+                               direct_store=bool(self.direct), vec=self.vec, loader=self.loader, storer=self.storer,
+                               hint=self.hint)
 
     @property
     def streamed_itemsizes(self) -> tuple[int, ...]:
@@ -136,10 +140,7 @@ class KernelSpec:
     def label(self) -> str:
         names = {1: "bias_gelu_fwd", 2: "bias_gelu_bwd", 3: "residual_add"}
         types = f"x={self.x},bias={self.bias}" if self.op != OP_RESIDUAL_ADD else f"x={self.x},y={self.y}"
-        shape = plan.LaunchPlan(warps=self.warps, stages=self.stages, tile_chunks=self.tile,
-                                direct_store=bool(self.direct), vec=self.vec, loader=self.loader,
-                                storer=self.storer, hint=self.hint).label()
-        return f"{names[self.op]}[{types}] {shape}"
+        return f"{names[self.op]}[{types}] {self.launch_plan().label()}"
 
 
 def source_text() -> str:

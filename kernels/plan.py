@@ -192,10 +192,14 @@ class LaunchPlan:
                 + (f".o{self.storer}" if self.storer else "") + (f".h{self.hint}" if self.hint else ""))
 
 
+# Label letter -> LaunchPlan field, the one table that `label`'s output and `parse_plan` agree on.
+PLAN_FIELDS = {"w": "warps", "s": "stages", "t": "tile_chunks", "b": "blocks_per_sm", "d": "direct_store", "v": "vec",
+               "l": "loader", "o": "storer", "h": "hint"}
+
+
 def parse_plan(text: str) -> LaunchPlan:
     """A LaunchPlan from its label (fields may be omitted or reordered: 's3.d1' = 3 stages, direct stores)."""
-    keys = {"w": "warps", "s": "stages", "t": "tile_chunks", "b": "blocks_per_sm", "d": "direct_store", "v": "vec",
-            "l": "loader", "o": "storer", "h": "hint"}
+    keys = PLAN_FIELDS
     fields: dict[str, int | bool] = {}
     for part in filter(None, text.strip().split(".")):
         key, val = part[0], part[1:]

@@ -392,8 +392,7 @@ def _short(label: str) -> str:
     from peerline.kernels import plan as kp
 
     p, d = kp.parse_plan(label), kp.LaunchPlan()
-    names = {"w": "warps", "s": "stages", "t": "tile_chunks", "b": "blocks_per_sm", "d": "direct_store", "v": "vec",
-             "l": "loader", "o": "storer", "h": "hint"}
+    names = kp.PLAN_FIELDS
     keep = [f for f in p.label().split(".")
             if f[0] in "ws" or getattr(p, names[f[0]]) != getattr(d, names[f[0]])]
     return ".".join(keep)
