@@ -58,6 +58,15 @@ def worst_difference(result: dict, reference: dict) -> tuple[float, str]:
     return worst, where
 
 
+def comparison_line(result: dict, reference: dict, worst: float, where: str, rtol: float) -> str:
+    """The detail the GPU comparison scripts (tests/gpu/compare_runs.py, grids_compare.py) print for one run against
+    its reference: the worst difference and where, both loss curves, the run's graph state and transport."""
+    return (f"worst relative difference {worst:.3g} at {where} (bound {rtol:g}); "
+            f"losses {[f'{v:.6f}' for v in result.get('losses', [])]} vs "
+            f"{[f'{v:.6f}' for v in reference.get('losses', [])]}; "
+            f"graph={result.get('graph')} transport={result.get('transport')}")
+
+
 def assert_same_run(result: dict, reference: dict, rtol: float = 1e-5) -> None:
     """Per-iteration losses and every layer's parameter checksums within rtol of the reference; every replica's
     layers equal replica 0's."""

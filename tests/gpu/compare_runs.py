@@ -12,7 +12,7 @@ from pathlib import Path
 
 # Run as a script from anywhere: the checkout root holds the `tests` package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.helpers import worst_difference  # noqa: E402
+from tests.helpers import comparison_line, worst_difference  # noqa: E402
 
 
 def main() -> int:
@@ -30,9 +30,7 @@ def main() -> int:
     worst, where = worst_difference(got, ref)
     same_len = len(got["losses"]) == len(ref["losses"]) > 0
     ok = same_len and worst <= a.rtol
-    print(f"{'PASS' if ok else 'FAIL'} {a.label}: worst relative difference {worst:.3g} at {where} (bound {a.rtol:g}); "
-          f"losses {[f'{v:.6f}' for v in got['losses']]} vs {[f'{v:.6f}' for v in ref['losses']]}; "
-          f"graph={got.get('graph')} transport={got.get('transport')}")
+    print(f"{'PASS' if ok else 'FAIL'} {a.label}: {comparison_line(got, ref, worst, where, a.rtol)}")
     return 0 if ok else 1
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 # Run as a script from anywhere: the checkout root holds the `tests` package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.helpers import worst_difference  # noqa: E402
+from tests.helpers import comparison_line, worst_difference  # noqa: E402
 
 SHAPE_NAMES = {"compute": "compute-bound", "launch": "launch-bound", "quick": "quick"}
 
@@ -63,10 +63,7 @@ def check_run(a: argparse.Namespace) -> int:
         worst, where = math.inf, f"not comparable ({type(exc).__name__}: {exc})"
     if worst > a.rtol:
         problems.append(f"worst relative difference {worst:.3g} > {a.rtol:g}")
-    print(f"worst relative difference {worst:.3g} at {where} (bound {a.rtol:g}); "
-          f"losses {[f'{v:.6f}' for v in got.get('losses', [])]} vs {[f'{v:.6f}' for v in ref.get('losses', [])]}; "
-          f"graph={got.get('graph')} transport={got.get('transport')}"
-          + (f"; PROBLEMS: {'; '.join(problems)}" if problems else ""))
+    print(comparison_line(got, ref, worst, where, a.rtol) + (f"; PROBLEMS: {'; '.join(problems)}" if problems else ""))
     return 1 if problems else 0
 
 
