@@ -39,9 +39,11 @@ SCALAR_THREADS = 256
 # Test hook: fill every output and workspace with NaN before the launch, so an element the kernel never writes
 # fails the comparison (torch.empty may hand back memory that already holds the right answer).
 POISON_OUTPUTS = False
-# Experiment hook (benchmarks, the sweep): KernelSpec overrides such as {"warps": 8, "stages": 3} plus
-# "blocks_per_sm" (grid cap per SM), as plan.LaunchPlan.tuning() makes them, and "grid_cap" (absolute grid cap:
-# the sanitizer run makes 2 blocks wrap their pipeline stages); empty = the design.
+# Experiment hook (benchmarks, the sweep): KernelSpec overrides such as {"warps": 8, "stages": 3} plus the grid
+# keys "blocks_per_sm" (grid cap per SM) and "rounds" (at most r tiles per block: a grid beyond the resident
+# blocks), as plan.LaunchPlan.tuning() makes them, and "grid_cap" (absolute cap on the resident grid: the
+# sanitizer run makes 2 blocks wrap their pipeline stages; with rounds the grid still grows to ntiles / r);
+# empty = the design.
 TUNING: dict[str, int] = {}
 _warned: set[str] = set()
 # Per-op launch plans: the sweep's winners on an H200 (launch/suites/kernels_sweep.py). bias+GELU from the sweep of
@@ -135,7 +137,7 @@ def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple,
         fn(grid, block, args, shared_mem=smem, stream=_stream(device))
 
 
-_GRID_KEYS = ("blocks_per_sm", "grid_cap")
+_GRID_KEYS = (*plan.GRID_KEYS, "grid_cap")
 
 
 def _tuning(op: int, x: str) -> dict[str, int]:
@@ -148,17 +150,23 @@ def _tuning(op: int, x: str) -> dict[str, int]:
 
 
 def _spec(op: int, x: str, **types: str) -> kc.KernelSpec:
-    """The KernelSpec of one op with its launch-shape overrides (blocks_per_sm and grid_cap are grid caps, not
-    spec fields)."""
+    """The KernelSpec of one op with its launch-shape overrides (the grid keys blocks_per_sm, rounds and grid_cap
+    are not spec fields)."""
     shape = {k: v for k, v in _tuning(op, x).items() if k not in _GRID_KEYS}
     return kc.KernelSpec(op, x, **types, **shape)
 
 
 def _max_grid(op: kc.CompiledOp) -> int:
+    """The persistent (resident) grid of this op's launches: blocks_per_sm and grid_cap applied."""
     tuning = _tuning(op.spec.op, op.spec.x)
     grid = op.grid_cap(tuning.get("blocks_per_sm", 0))
     cap = tuning.get("grid_cap", 0)
     return min(grid, cap) if cap > 0 else grid
+
+
+def _rounds(op: kc.CompiledOp) -> int:
+    """The plan's rounds (plan.vector_grid): 0 = the persistent grid."""
+    return _tuning(op.spec.op, op.spec.x).get("rounds", 0)
 
 
 def _scalar_grid(n: int, op: kc.CompiledOp) -> int:
@@ -184,7 +192,7 @@ def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | N
     if n == 0:
         return y
     op = kc.get_op(spec, dev.index)
-    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op))
+    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op), _rounds(op))
     if vp is not None:
         bias_vec = plan.bias_vector_ok(hidden, vp.head, spec.e, bias.data_ptr(), bias.element_size())
         _launch(op.main, (vp.grid,), (spec.threads,),
@@ -220,7 +228,7 @@ def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
         return gx, gb
     op = kc.get_op(spec, dev.index)
     tile_elems = spec.tile_chunks * spec.e
-    max_grid = _max_grid(op)
+    max_grid = _max_grid(op)  # the persistent grid: a plan's rounds do not apply (partials grow with the grid)
     vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, max_grid)
     grid = plan.backward_grid(vp.ntiles, hidden, tile_elems, max_grid) if vp is not None else None
     if vp is not None and grid is not None:
@@ -260,7 +268,7 @@ def residual_add_forward(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | N
     if n == 0:
         return o
     op = kc.get_op(spec, dev.index)
-    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op))
+    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op), _rounds(op))
     if vp is not None:
         _launch(op.main, (vp.grid,), (spec.threads,),
                 (_p(x), _p(y), _p(o), _i64(n), _i64(vp.head), _i64(vp.nchunks)), spec.smem_bytes, dev)

@@ -62,13 +62,29 @@ class VectorPlan:
     grid: int
 
 
-def plan_vector(n: int, head: int | None, e: int, tiles: int, max_grid: int) -> VectorPlan | None:
-    """The vector plan, or None when there is no whole chunk to stream (the scalar kernel is then cheaper)."""
+def vector_grid(ntiles: int, max_grid: int, rounds: int = 0) -> int:
+    """Blocks of one vector launch over `ntiles` tiles.
+
+    rounds 0: the persistent grid, min(max_grid, ntiles) blocks (max_grid = every block resident at once), tiles
+    dealt round robin, so each block's share is fixed at launch. rounds r > 0: at least ceil(ntiles / r) blocks, so
+    a block walks at most r tiles (r rounds of its pipeline) and the grid may exceed what is resident: the hardware
+    then starts each further block on whichever SM frees a slot first, which evens out SMs that stream at different
+    speeds (a fixed share makes the slowest SM the kernel's end). Never fewer blocks than the persistent grid.
+    The kernel is the same either way (block b walks tiles b, b + gridDim.x, ...)."""
+    grid = max(1, min(max_grid, ntiles))
+    if rounds > 0:
+        grid = max(grid, -(-ntiles // rounds))
+    return grid
+
+
+def plan_vector(n: int, head: int | None, e: int, tiles: int, max_grid: int, rounds: int = 0) -> VectorPlan | None:
+    """The vector plan, or None when there is no whole chunk to stream (the scalar kernel is then cheaper).
+    `rounds`: see vector_grid."""
     if head is None or n - head < e:
         return None
     nchunks = (n - head) // e
     ntiles = -(-nchunks // tiles)
-    return VectorPlan(head, nchunks, head + nchunks * e, ntiles, max(1, min(max_grid, ntiles)))
+    return VectorPlan(head, nchunks, head + nchunks * e, ntiles, vector_grid(ntiles, max_grid, rounds))
 
 
 def backward_grid(ntiles: int, hidden: int, tile_elems: int, max_grid: int,
@@ -141,6 +157,10 @@ class LaunchPlan:
                    (TMA store; needs direct_store off) (PL_STORER)
     hint           cache hints for data used once: 0 none; 1 direct stores with st.global.cs; 2 also the bulk
                    loader's tiles with an L2 evict_first policy (PL_HINT; 1 needs direct_store, 2 also loader 1)
+    rounds         0: persistent grid (SMs x resident blocks, tiles dealt round robin); r > 0: at most r tiles per
+                   block, the grid as large as that needs (vector_grid), balanced by the hardware's block
+                   scheduler. A grid field, not a kernel field (same cubin); the bias+GELU backward ignores it
+                   (its per-block bias partial sums grow with the grid). Excludes blocks_per_sm.
     """
 
     warps: int = DEFAULT_WARPS
@@ -152,6 +172,7 @@ class LaunchPlan:
     loader: int = 0
     storer: int = 0
     hint: int = 0
+    rounds: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.warps <= 30:
@@ -177,24 +198,38 @@ class LaunchPlan:
             raise ValueError("hint 1/2 (st.global.cs) applies to direct stores: needs direct_store on")
         if self.hint == 2 and self.loader != 1:
             raise ValueError("hint 2 (evict-first bulk loads) needs loader 1")
+        if self.rounds < 0:
+            raise ValueError(f"rounds must be >= 0 (0 = persistent grid), got {self.rounds}")
+        if self.rounds and self.blocks_per_sm:
+            raise ValueError("rounds (a grid beyond the resident blocks) and blocks_per_sm (a cap on the resident "
+                             "grid) exclude each other")
+
+    def spec_fields(self) -> dict[str, int]:
+        """The KernelSpec fields of this plan (tuning() without the grid keys GRID_KEYS)."""
+        return {k: v for k, v in self.tuning().items() if k not in GRID_KEYS}
 
     def tuning(self) -> dict[str, int]:
-        """Overrides for elementwise.TUNING (KernelSpec fields plus blocks_per_sm)."""
+        """Overrides for elementwise.TUNING (KernelSpec fields plus the grid keys blocks_per_sm and rounds)."""
         return {"warps": self.warps, "stages": self.stages, "tile": self.tile_chunks,
                 "direct": int(self.direct_store), "vec": self.vec, "loader": self.loader, "storer": self.storer,
-                "hint": self.hint, "blocks_per_sm": self.blocks_per_sm}
+                "hint": self.hint, "blocks_per_sm": self.blocks_per_sm, "rounds": self.rounds}
 
     def label(self) -> str:
-        """Short name, parseable by `parse_plan`: w8.s2.t0.b0.d0.v1 (plus .l1 / .o1 for the bulk loader / storer
-        only, so the labels of earlier runs stay the same)."""
+        """Short name, parseable by `parse_plan`: w8.s2.t0.b0.d0.v1 (plus .l1 / .o1 / .h1 / .r8 only where not 0,
+        so the labels of earlier runs stay the same)."""
         return (f"w{self.warps}.s{self.stages}.t{self.tile_chunks}.b{self.blocks_per_sm}"
                 f".d{int(self.direct_store)}.v{self.vec}" + (f".l{self.loader}" if self.loader else "")
-                + (f".o{self.storer}" if self.storer else "") + (f".h{self.hint}" if self.hint else ""))
+                + (f".o{self.storer}" if self.storer else "") + (f".h{self.hint}" if self.hint else "")
+                + (f".r{self.rounds}" if self.rounds else ""))
+
+
+# tuning() keys that shape the grid, not the kernel build (KernelSpec has no such fields)
+GRID_KEYS = ("blocks_per_sm", "rounds")
 
 
 # Label letter -> LaunchPlan field, the one table that `label`'s output and `parse_plan` agree on.
 PLAN_FIELDS = {"w": "warps", "s": "stages", "t": "tile_chunks", "b": "blocks_per_sm", "d": "direct_store", "v": "vec",
-               "l": "loader", "o": "storer", "h": "hint"}
+               "l": "loader", "o": "storer", "h": "hint", "r": "rounds"}
 
 
 def parse_plan(text: str) -> LaunchPlan:

@@ -212,7 +212,7 @@ def _specs_for(plans: list, cases: tuple) -> list:
     names = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
     out = []
     for p, kinds in plans:
-        t = {k: v for k, v in p.tuning().items() if k != "blocks_per_sm"}
+        t = p.spec_fields()
         for kind, dt in {(c[1], c[2]) for c in cases if c[1] in kinds}:
             d = names[dt]
             try:

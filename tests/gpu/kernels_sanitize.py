@@ -65,7 +65,7 @@ def run_cases(rows: int, h: int, offsets: tuple[tuple[int, int], ...]) -> list[s
 
 def specs_of(p: kp.LaunchPlan) -> list[kc.KernelSpec]:
     """The kernel builds run_cases needs under plan p (bias fp32; residual x fp32 + y in x's dtype, and alike)."""
-    shape = {k: v for k, v in p.tuning().items() if k != "blocks_per_sm"}
+    shape = p.spec_fields()
     out = []
     for d in ("bfloat16", "float32"):
         out += [kc.KernelSpec(kc.OP_BIAS_GELU_FWD, d, bias="float32", **shape),

@@ -329,7 +329,7 @@ def _other_plans_compiled() -> None:
 
     specs = []
     for label in OTHER_PLANS:
-        t = {k: v for k, v in plan.parse_plan(label).tuning().items() if k != "blocks_per_sm"}
+        t = plan.parse_plan(label).spec_fields()
         for d in ("bfloat16", "float32"):
             specs += [kc.KernelSpec(kc.OP_BIAS_GELU_FWD, d, bias="float32", **t),
                       kc.KernelSpec(kc.OP_BIAS_GELU_BWD, d, bias="float32", **t),

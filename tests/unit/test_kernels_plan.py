@@ -3,6 +3,8 @@ sweep's command line, on the CPU."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,8 +18,7 @@ pytestmark = pytest.mark.timeout(60)
 def test_default_plan_is_todays_design() -> None:
     p = plan.LaunchPlan()
     assert p.label() == "w8.s2.t0.b0.d0.v1"
-    spec = kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "bfloat16", **{k: v for k, v in p.tuning().items()
-                                                              if k != "blocks_per_sm"})
+    spec = kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "bfloat16", **p.spec_fields())
     assert spec == kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "bfloat16")
 
 
@@ -74,7 +75,7 @@ def test_every_sweep_plan_builds_a_spec_for_every_case() -> None:
     specs = ks._specs_for(plans, ks.SWEEP_CASES)
     want = set()
     for p, kinds in plans:  # every shape fits every op it is meant for (shared memory, tile rule)
-        shape = tuple(v for k, v in p.tuning().items() if k != "blocks_per_sm")
+        shape = tuple(p.spec_fields().values())
         want |= {(shape, c[1], c[2]) for c in ks.SWEEP_CASES if c[1] in kinds}
     assert len(specs) == len(want)
 
@@ -135,7 +136,7 @@ def test_bulk_loader_plan_and_spec() -> None:
     with pytest.raises(ValueError, match="loader"):
         plan.LaunchPlan(loader=2)
     spec = kc.KernelSpec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16",
-                         **{k: v for k, v in p.tuning().items() if k != "blocks_per_sm"})
+                         **p.spec_fields())
     assert "-DPL_LOADER=1" in spec.defines() and spec.label().endswith(".l1")
     assert inspect_sass.loader_copies_present({"LDGSTS": 0, "UBLKCP": 2}, 1)
     assert not inspect_sass.loader_copies_present({"LDGSTS": 14, "UBLKCP": 0}, 1)
@@ -160,10 +161,63 @@ def test_cache_hint_field() -> None:
     assert (p.hint, p.loader, p.direct_store) == (2, 1, True) and p.label() == "w4.s4.t256.b0.d1.v1.l1.h2"
     assert parse_plan("w8.s2").label() == "w8.s2.t0.b0.d0.v1"  # no hint: labels of earlier runs unchanged
     assert "-DPL_HINT=2" in kc.KernelSpec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16",
-                                          **{k: v for k, v in p.tuning().items() if k != "blocks_per_sm"}).defines()
+                                          **p.spec_fields()).defines()
     with pytest.raises(ValueError, match="needs direct_store"):
         LaunchPlan(hint=1)
     with pytest.raises(ValueError, match="needs loader 1"):
         LaunchPlan(hint=2, direct_store=True)
     with pytest.raises(ValueError, match="hint must be"):
         LaunchPlan(hint=3, direct_store=True)
+
+
+def test_rounds_field() -> None:
+    """rounds (.r) is a grid field: in labels only where not 0, not a KernelSpec field (same build), exclusive with
+    blocks_per_sm."""
+    p = plan.parse_plan("w4.s4.t256.d1.l1.h1.r8")
+    assert p.rounds == 8 and p.label() == "w4.s4.t256.b0.d1.v1.l1.h1.r8" and plan.parse_plan(p.label()) == p
+    assert "rounds" not in p.spec_fields() and "blocks_per_sm" not in p.spec_fields()
+    assert p.tuning()["rounds"] == 8
+    base = dict(op=kc.OP_RESIDUAL_ADD, x="bfloat16", y="bfloat16", out="bfloat16")
+    q = plan.parse_plan("w4.s4.t256.d1.l1.h1")
+    assert kc.KernelSpec(**base, **p.spec_fields()) == kc.KernelSpec(**base, **q.spec_fields())  # one cubin
+    assert plan.LaunchPlan().label() == "w8.s2.t0.b0.d0.v1"  # earlier labels unchanged
+    with pytest.raises(ValueError, match="exclude each other"):
+        plan.parse_plan("w8.s4.b2.r8")
+    with pytest.raises(ValueError, match="rounds must be"):
+        plan.LaunchPlan(rounds=-1)
+
+
+def test_vector_grid_rounds() -> None:
+    # persistent: never more blocks than resident, never more than tiles
+    assert plan.vector_grid(10_000, 792) == 792
+    assert plan.vector_grid(100, 792) == 100
+    # rounds: at most r tiles per block, never fewer blocks than the persistent grid
+    assert plan.vector_grid(65_536, 792, 8) == 8192
+    assert plan.vector_grid(4096, 792, 8) == 792
+    assert plan.vector_grid(4097, 792, 4) == 1025
+    assert plan.vector_grid(7, 2, 1) == 7
+    for ntiles in (1, 2, 5, 791, 792, 793, 4096, 65_537):
+        for r in (1, 2, 3, 8, 32):
+            g = plan.vector_grid(ntiles, 792, r)
+            assert min(792, ntiles) <= g <= ntiles
+            assert -(-ntiles // g) <= r  # every block walks at most r tiles (block b: b, b + g, ...)
+    vp = plan.plan_vector(1 << 27, 0, 8, 256, 792, rounds=16)
+    assert vp is not None and vp.ntiles == 65_536 and vp.grid == 4096
+
+
+def test_rounds_reach_the_forward_and_residual_grids_not_the_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch-grid plumbing of ew: rounds from TUNING or a per-op plan; grid_cap caps only the resident part."""
+    op = kc.CompiledOp(kc.KernelSpec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16"), 0, None, None,
+                       None, 132, 6, {})
+    monkeypatch.setattr(ew, "TUNING", plan.parse_plan("w8.s4.d1.r8").tuning())
+    assert (ew._max_grid(op), ew._rounds(op)) == (792, 8)
+    monkeypatch.setattr(ew, "TUNING", {**plan.parse_plan("w8.s4.d1.r2").tuning(), "grid_cap": 2})
+    assert (ew._max_grid(op), ew._rounds(op)) == (2, 2)
+    assert ew._spec(kc.OP_RESIDUAL_ADD, "bfloat16", y="bfloat16", out="bfloat16").stages == 4
+    monkeypatch.setattr(ew, "TUNING", {})
+    monkeypatch.setattr(ew, "OP_PLANS", plan.parse_op_plans("residual_add=w4.s4.t256.d1.l1.h1.r16"))
+    assert ew._rounds(op) == 16
+    src = Path(ew.__file__).read_text()
+    bwd = src[src.index("def bias_gelu_backward"):src.index("def residual_add_forward")]
+    assert "_rounds(" not in bwd  # the backward's grid stays persistent (bias partials scale with the grid)
+    assert src.count("_rounds(op)") == 2  # forward and residual add
