@@ -73,6 +73,12 @@ class RunConfig:
     """Capture each iteration into a CUDA graph (default on GPU; ignored on the CPU)."""
     warmup_iters: int = 3
     """Eager iterations before a CUDA graph is captured."""
+    graph_loop: int = 1
+    """Iterations per host launch of the graph: K > 1 replays the captured iteration K times from one launch (a
+    WHILE node on the device, the K iterations' data staged on the device first: graph_loop.py), so the host's
+    launch cost is paid once per K iterations. Needs --log-every a multiple of K (launches also end at --save-every
+    checkpoints); a graph that cannot be looped (copy-engine flags between GPUs) replays one iteration per
+    launch, with a notice."""
     grad_sync: str = "buckets"
     """Data-parallel gradient average: buckets (bucketed all-reduce overlapped with backward) or per-param."""
     bucket_mb: float = 25.0
@@ -142,6 +148,14 @@ class RunConfig:
             raise ConfigError(f"--p2p-decoupled needs --p2p-lanes >= 3 and no --p2p-split, got {self.p2p_lanes}")
         if self.pp is not None and self.pp < 1:
             raise ConfigError(f"--pp must be >= 1, got {self.pp}")
+        if self.graph_loop < 1:
+            raise ConfigError(f"--graph-loop must be >= 1, got {self.graph_loop}")
+        if self.graph_loop > 1 and self.log_every % self.graph_loop:
+            raise ConfigError(f"--graph-loop {self.graph_loop} runs {self.graph_loop} iterations per launch: "
+                              f"--log-every must be a multiple of it, got {self.log_every}")
+        if self.graph_loop > 1 and self.staging != "direct":
+            raise ConfigError("--graph-loop needs --staging direct (the looped iterations read data staged on the "
+                              "device)")
         if self.warmup_iters < 1:
             raise ConfigError(f"--warmup-iters must be >= 1, got {self.warmup_iters}")
         if self.nccl_max_ctas is not None and not 0 <= self.nccl_max_ctas <= 64:

@@ -79,7 +79,12 @@ class DataFeed:
     generator: torch.Generator
 
     def load(self, iteration: int) -> None:
-        for stream_id, bufs in ((0, self.inputs), (1, self.targets)):
+        self.load_into(iteration, self.inputs, self.targets)
+
+    def load_into(self, iteration: int, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        """Fill `inputs` / `targets` (shaped like this feed's buffers) with the data of `iteration`: the static
+        buffers themselves (load), or a slot of a device-side ring that a looped graph copies from (graph_loop.py)."""
+        for stream_id, bufs in ((0, inputs), (1, targets)):
             for mb, buf in enumerate(bufs):
                 fill_batch(buf, self.seed, iteration, self.replica * self.microbatches + mb, stream_id,
                            self.generator)

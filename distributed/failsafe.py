@@ -254,6 +254,19 @@ class Failsafe:
             self.after_iteration(rt.iteration)
 
         rt.run_iteration = run_iteration
+        # A looped graph launch (--graph-loop K) is one boundary for its K iterations: the watchdog sees it as one
+        # long iteration, the device-side guard counts each, and launches end at checkpoint iterations.
+        inner_looped = rt.run_looped
+
+        def run_looped() -> int:
+            self.before_iteration(rt.iteration + 1)
+            k = inner_looped()
+            self.after_iteration(rt.iteration)
+            return k
+
+        rt.run_looped = run_looped
+        if self.save_dir and self.save_every:
+            rt.launch_stops.append(self.save_every)
         if self.faults.needs_eager():
             # The NaN hook decides per iteration on the host; a graph replay would not run it.
             if getattr(rt, "graph_wanted", False):

@@ -18,19 +18,31 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .engine import Engine
+from .engine import DataFeed, Engine
+from .graph_loop import DataRing, GraphLoop
 
 log = logging.getLogger(__name__)
 
 
 class IterationGraph:
-    """One captured iteration of an Engine."""
+    """One captured iteration of an Engine; with `loop` > 1 also a looped graph that runs `loop` iterations per host
+    launch (graph_loop.py), the iteration then reading its data from a device-side ring."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, loop: int = 1) -> None:
         if engine.main_stream is None:
             raise ValueError("CUDA graphs need a CUDA device")
+        if loop < 1:
+            raise ValueError(f"--graph-loop must be >= 1, got {loop}")
         self.engine = engine
-        self.graph = torch.cuda.CUDAGraph()
+        self.ring = None
+        if loop > 1:
+            if type(engine.feed) is not DataFeed:
+                raise ValueError(f"--graph-loop needs the direct feed (generated on the device), not "
+                                 f"{type(engine.feed).__name__}")
+            self.ring = DataRing(engine.feed, loop)
+        # A looped graph embeds the captured cudaGraph_t, so torch must keep it after capture (keep_graph).
+        self.graph = _torch_graph(keep=self.ring is not None)
+        self.loop: GraphLoop | None = None
 
     def capture(self) -> None:
         main = self.engine.main_stream
@@ -38,13 +50,56 @@ class IterationGraph:
         recording, timeline.enabled = timeline.enabled, False  # timing events stay out of the graph
         try:
             with torch.cuda.graph(self.graph, stream=main, capture_error_mode="thread_local"):
+                if self.ring is not None:
+                    self.ring.copy_to_static()
                 self.engine.iteration()
         finally:
             timeline.enabled = recording
+        if self.ring is not None and hasattr(self.graph, "instantiate"):
+            self.graph.instantiate()  # keep_graph defers it to the first replay otherwise
+
+    def build_loop(self) -> None:
+        """Wrap the captured iteration into the looped graph (raises with CUDA's reason if it cannot be looped)."""
+        if self.ring is None:
+            raise ValueError("this iteration was captured without a data ring (--graph-loop 1)")
+        self.loop = GraphLoop(self.graph.raw_cuda_graph(), self.ring, self.ring.slots, self.engine.main_stream)
+
+    def load(self, iteration: int) -> None:
+        """The data of the next single replay: into ring slot 0 when the graph reads a ring, else the static
+        buffers (on the current stream)."""
+        if self.ring is not None:
+            self.ring.load(iteration, 1)
+        else:
+            self.engine.feed.load(iteration)
 
     def replay(self) -> None:
         """Launch the captured iteration on the current stream's device (one host call)."""
         self.graph.replay()
+
+    def run_loop(self, first_iteration: int) -> int:
+        """Load and run `loop` iterations from one launch; returns how many ran."""
+        self.ring.load(first_iteration, self.ring.slots)
+        self.loop.launch()
+        return self.ring.slots
+
+    def release(self) -> None:
+        """Free the looped graph (the torch graph goes with this object)."""
+        if self.loop is not None:
+            self.loop.release()
+            self.loop = None
+
+
+def _torch_graph(keep: bool) -> torch.cuda.CUDAGraph:
+    """torch.cuda.CUDAGraph, keeping its cudaGraph_t after capture when asked (torch >= 2.8: keep_graph; older
+    torch keeps it in debug mode)."""
+    if not keep:
+        return torch.cuda.CUDAGraph()
+    try:
+        return torch.cuda.CUDAGraph(keep_graph=True)
+    except TypeError:
+        graph = torch.cuda.CUDAGraph()
+        graph.enable_debug_mode()
+        return graph
 
 
 def agree(ok: bool, device: torch.device) -> bool:
@@ -56,18 +111,21 @@ def agree(ok: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-def try_capture(engine: Engine, device: torch.device) -> tuple[IterationGraph | None, str | None]:
-    """Capture the engine's iteration on every rank together. Returns (graph, None) or (None, reason)."""
+def try_capture(engine: Engine, device: torch.device, loop: int = 1
+                ) -> tuple[IterationGraph | None, str | None, str | None]:
+    """Capture the engine's iteration on every rank together; with `loop` > 1 also build the looped graph.
+    Returns (graph, None, loop_problem) or (None, reason, None). loop_problem says why the graph replays one
+    iteration per launch although a loop was asked for (decided by every rank together, like the capture)."""
     if dist.is_initialized():
         dist.barrier()
     torch.cuda.synchronize(device)
     reason = None
     graph = None
     try:
-        graph = IterationGraph(engine)
+        graph = IterationGraph(engine, loop)
         graph.capture()
     except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager, with its reason
-        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        reason = _one_line(exc)
         graph = None
         for stage in engine.stages.values():
             stage.clear()
@@ -77,5 +135,20 @@ def try_capture(engine: Engine, device: torch.device) -> tuple[IterationGraph | 
         log.warning("CUDA graph capture failed on this rank: %s", reason)
     torch.cuda.synchronize(device)
     if not agree(reason is None, device):
-        return None, reason or "capture failed on another rank"
-    return graph, None
+        return None, reason or "capture failed on another rank", None
+    loop_problem = None
+    if loop > 1:
+        try:
+            graph.build_loop()
+        except Exception as exc:  # noqa: BLE001 - the iteration replays one per launch instead, and says why
+            loop_problem = _one_line(exc)
+            log.warning("CUDA graph loop not built on this rank: %s", loop_problem)
+        torch.cuda.synchronize(device)
+        if not agree(loop_problem is None, device):
+            graph.release()
+            loop_problem = loop_problem or "the loop could not be built on another rank"
+    return graph, None, loop_problem
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -70,6 +70,18 @@ def make_grad_sync(cfg: RunConfig, params, mesh: Mesh, device: torch.device, str
     return PerParameterAllReduce(flat, mesh.dp_group, mesh.dp)
 
 
+def iterations_this_launch(iteration: int, target: int, stops: tuple[int, ...], loop: int,
+                           timeline_last: bool) -> int:
+    """How many iterations the next launch runs: `loop` (a looped graph's K) when K iterations end at or before the
+    next iteration that must end a launch (a multiple of any of `stops`: the loss read, a checkpoint) and the end
+    of training, and the last iteration is not the eager one a timeline records; else 1."""
+    if loop <= 1:
+        return 1
+    next_stop = min([target] + [(iteration // every + 1) * every for every in stops if every > 0])
+    end = target - 1 if timeline_last else target
+    return loop if iteration + loop <= min(next_stop, end) else 1
+
+
 class Runtime:
     """Everything one rank needs to train, built once."""
 
@@ -84,8 +96,14 @@ class Runtime:
         self.notices: list[str] = []
         self.graph_wanted = device.type == "cuda" and cfg.graph is not False
         self.graph_failed: str | None = None
+        self.graph_loop_failed: str | None = None  # why a captured graph replays one iteration per launch
+        # Iteration cadences (besides --log-every) at which a looped launch must end: FailSafe adds --save-every.
+        self.launch_stops: list[int] = []
         if device.type != "cuda" and cfg.graph:
             self.notices.append("--graph is ignored on the CPU (CUDA graphs need a GPU); running eager")
+        if device.type != "cuda" and cfg.graph_loop > 1:
+            self.notices.append(f"--graph-loop {cfg.graph_loop} is ignored on the CPU (it loops a CUDA graph); "
+                                "running one iteration at a time")
 
     # -- construction --------------------------------------------------------------------------------------
     @classmethod
@@ -197,24 +215,57 @@ class Runtime:
             return
         from .graph import try_capture
 
-        self.graph, reason = try_capture(self.engine, self.device)
+        self.graph, reason, loop_problem = try_capture(self.engine, self.device, loop=self.cfg.graph_loop)
         if self.graph is None:
             self.graph_failed = reason
             if self.info.rank == 0:
                 print(f"peerline: CUDA graph capture failed, running eager on every rank: {reason}", flush=True)
+        elif loop_problem is not None:
+            self.graph_loop_failed = loop_problem
+            if self.info.rank == 0:
+                print(f"peerline: --graph-loop {self.cfg.graph_loop} not used, replaying one iteration per launch on "
+                      f"every rank: {loop_problem}", flush=True)
+
+    @property
+    def graph_loop(self) -> int:
+        """Iterations one host launch runs now: K once the looped graph is built (--graph-loop K), else 1."""
+        return self.graph.ring.slots if self.graph is not None and self.graph.loop is not None else 1
 
     def run_iteration(self, eager: bool = False) -> None:
         """Load the data of the next iteration and run it (a graph replay once graph.py captured one, unless
         `eager`: a timeline is recorded from an eager iteration, since timing events stay out of graphs)."""
         self.maybe_capture()
-        with torch.cuda.stream(self.engine.main_stream) if self.engine.main_stream else contextlib.nullcontext():
-            self.engine.feed.load(self.iteration)
+        with use(self.engine.main_stream):
             if self.graph is not None and not eager:
+                self.graph.load(self.iteration)
                 self.graph.replay()
             else:
+                self.engine.feed.load(self.iteration)
                 self.engine.iteration()
         self.iteration += 1
         self.iterations_run += 1
+
+    def run_looped(self) -> int:
+        """Load and run K iterations from one launch of the looped graph (only once `graph_loop` > 1); returns K."""
+        if self.graph_loop <= 1:
+            raise RuntimeError("run_looped needs a built graph loop (--graph-loop K > 1 on a GPU, after capture)")
+        with use(self.engine.main_stream):
+            k = self.graph.run_loop(self.iteration)
+        self.iteration += k
+        self.iterations_run += k
+        return k
+
+    def run_iterations(self, n: int) -> None:
+        """Run `n` iterations: whole groups of K from one host launch each once the looped graph is built
+        (--graph-loop K), the rest (warm-up, a remainder) one at a time."""
+        done = 0
+        while done < n:
+            self.maybe_capture()
+            if 1 < self.graph_loop <= n - done:
+                done += self.run_looped()
+            else:
+                self.run_iteration()
+                done += 1
 
     def read_loss(self) -> float:
         """Mean loss of the last iteration over all microbatches and replicas (a host sync and one tiny all-reduce
@@ -234,20 +285,26 @@ class Runtime:
         losses = []
         main = self.engine.main_stream
         while self.iteration < target:
-            log_now = (self.iteration + 1) % self.cfg.log_every == 0 or self.iteration + 1 == target
+            self.maybe_capture()
+            n = iterations_this_launch(self.iteration, target, (self.cfg.log_every, *self.launch_stops),
+                                       self.graph_loop, timeline_last=self.cfg.timeline is not None)
+            log_now = (self.iteration + n) % self.cfg.log_every == 0 or self.iteration + n == target
             t0 = time.perf_counter()
             if main is not None:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(main)
-            self.run_iteration(eager=self.cfg.timeline is not None and self.iteration + 1 == target)
+            if n > 1:
+                self.run_looped()
+            else:
+                self.run_iteration(eager=self.cfg.timeline is not None and self.iteration + 1 == target)
             if not log_now:
                 continue
             if main is not None:
                 end.record(main)
                 end.synchronize()
-                ms = start.elapsed_time(end)
+                ms = start.elapsed_time(end) / n
             else:
-                ms = (time.perf_counter() - t0) * 1e3
+                ms = (time.perf_counter() - t0) * 1e3 / n
             loss = self.read_loss()
             losses.append(loss)
             peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if main is not None else 0.0
@@ -263,6 +320,8 @@ class Runtime:
             torch.cuda.synchronize(self.device)
         # A captured graph holds references to the NCCL communicators it captured; ncclCommDestroy waits for them
         # (pytorch/pytorch#115388), so the graph goes first.
+        if self.graph is not None:
+            self.graph.release()
         self.graph = None
         gc.collect()
         self.engine.transport.close()

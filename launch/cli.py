@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="capture each iteration into a CUDA graph (default: on for GPUs)")
     g.add_argument("--warmup-iters", type=int, default=_DEFAULTS.warmup_iters,
                    help="eager iterations before graph capture (default: %(default)s)")
+    g.add_argument("--graph-loop", type=int, default=_DEFAULTS.graph_loop, metavar="K",
+                   help="iterations per host launch of the graph: K > 1 loops the captured iteration on the device, "
+                        "the host launching once per K iterations (default: %(default)s; --log-every then "
+                        "defaults to K)")
     g.add_argument("--grad-sync", choices=GRAD_SYNCS, default=_DEFAULTS.grad_sync,
                    help="data-parallel gradient average (default: %(default)s)")
     g.add_argument("--bucket-mb", type=float, default=_DEFAULTS.bucket_mb, help="(default: %(default)s)")
@@ -99,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-jitter", type=float, default=_DEFAULTS.seq_jitter,
                    help="variable-size scratch per microbatch: sequence varies by up to this fraction (default: 0)")
     g = p.add_argument_group("output")
-    g.add_argument("--log-every", type=int, default=_DEFAULTS.log_every,
-                   help="read the loss back every N iterations (default: %(default)s)")
+    g.add_argument("--log-every", type=int, default=None,
+                   help=f"read the loss back every N iterations (default: {_DEFAULTS.log_every}, or K with "
+                        "--graph-loop K)")
     g.add_argument("--json", help="write config, losses, timings and versions to this file (rank 0)")
     g.add_argument("--timeline", help="write a timeline of the last iteration: PATH.png and PATH.json")
     g.add_argument("--print-schedule", action="store_true", help="print the schedule as a table and exit")
@@ -111,7 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """Map parsed flags onto RunConfig (its __post_init__ raises ConfigError on bad values)."""
     names = {f.name for f in dataclasses.fields(RunConfig)}
-    return RunConfig(**{k: v for k, v in vars(args).items() if k in names})
+    values = {k: v for k, v in vars(args).items() if k in names}
+    if values.get("log_every", 0) is None:  # not given: read the loss once per looped launch
+        values["log_every"] = max(values.get("graph_loop") or 1, 1)
+    return RunConfig(**values)
 
 
 __all__ = ["build_parser", "config_from_args", "ConfigError"]

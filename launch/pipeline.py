@@ -76,6 +76,7 @@ def run(argv: list[str] | None = None) -> int:
                 with open(cfg.json, "w") as f:
                     json.dump({"config": cfg.to_dict(), "world_size": rt.info.world_size, "launcher": rt.info.launcher,
                                "transport": rt.transport_name, "graph": rt.graph is not None,
+                               "graph_loop": rt.graph_loop, "graph_loop_failed": rt.graph_loop_failed,
                                "losses": [s.loss for s in history], "iterations": [s.iteration for s in history],
                                "ms_per_iter": [s.ms for s in history],
                                "tokens_per_s": [s.tokens_per_s for s in history],

@@ -25,7 +25,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 } 2>&1 | tee "$OUT/machine.txt"
 sections=("$@")
 if [ ${#sections[@]} -eq 0 ]; then
-  sections=(pipeline kernels p2p buckets single failures bench)
+  sections=(pipeline kernels p2p buckets single failures bench graph_loop)
 fi
 # run_section NAME LIMIT: one section, bounded, its PASS/FAIL/GOAL lines echoed.
 run_section() {

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# --graph-loop (issue 6: host time per iteration whatever the layer count): (a) the 1-GPU pytest checks (looped ==
+# single replays bitwise, == eager 1e-6, two stages on one GPU, bf16 defaults); (b) with 2 GPUs, the launcher's
+# runs: dp=2 (NCCL inside the loop) and pp=2 over NCCL looped against the same runs replaying one iteration per
+# launch (bitwise), and pp=2 over the copy engine, whose flag waits cannot be looped: it must say so and still
+# match. Logs to $OUT/graph_loop.log; one PASS/FAIL/SKIP line per check; exits 0. About 2 minutes.
+. "$(dirname "$0")/common.sh" graph_loop "${1:-}"
+
+need_gpus 1 graph_loop
+
+echo "== looped graph vs single replays (pytest, 1 GPU)" >> "$LOG"
+step "$OUT/graph_loop_tests.out" 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_graph_loop.py
+rc=$?
+report tests "$rc" "$(tail -n 1 "$OUT/graph_loop_tests.out" | tr -d '=' | sed 's/^ *//; s/ *$//')"
+
+need_gpus 2 graph_loop.dp2 graph_loop.pp2_nccl graph_loop.pp2_copy_engine
+D=$OUT/graph_loop; mkdir -p "$D"
+# fp32, 14 iterations read every 4: 0-1 eager, 2-3 single replays, 4-11 two loops of 4, 12-13 single replays.
+ARGS="--hidden 256 --layers 4 --seq 64 --micro-batch-size 2 -m 4 --iters 14 --warmup-iters 2 --log-every 4 --dtype fp32"
+run2() { step "$D/$1.out" 120 torchrun --standalone --nproc_per_node=2 launch/pipeline.py $ARGS "${@:2}" --json "$D/$1.json"; }
+pair() {  # pair NAME ARGS...: looped and one-per-launch runs of the same grid, compared bitwise
+  local name=$1; shift
+  run2 "${name}_loop" "$@" --graph-loop 4
+  run2 "${name}_plain" "$@" --graph-loop 1
+  "$PY" tests/gpu/compare_runs.py "$D/${name}_loop.json" "$D/${name}_plain.json" --rtol 0 \
+    --label "graph_loop.$name looped vs one launch per iteration (bitwise)"
+  "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f'  {sys.argv[2]}: graph {r[\"graph\"]}, iterations per launch {r[\"graph_loop\"]}, loop problem: {r[\"graph_loop_failed\"]}')" \
+    "$D/${name}_loop.json" "$name" 2>>"$LOG"
+}
+pair dp2 --pp 1 --dp 2
+pair pp2_nccl --pp 2 --p2p nccl --schedule 1f1b
+pair pp2_copy_engine --pp 2 --p2p copy-engine --schedule 1f1b
+grep -h "graph-loop" "$D"/*_loop.out | sort -u | sed 's/^/  /' | head -5
+exit 0
