@@ -39,7 +39,7 @@ class IterationGraph:
             if type(engine.feed) is not DataFeed:
                 raise ValueError(f"--graph-loop needs the direct feed (generated on the device), not "
                                  f"{type(engine.feed).__name__}")
-            self.ring = DataRing(engine.feed, loop)
+            self.ring = DataRing(engine.feed, loop, engine.device)
         # A looped graph embeds the captured cudaGraph_t, so torch must keep it after capture (keep_graph).
         self.graph = _torch_graph(keep=self.ring is not None)
         self.loop: GraphLoop | None = None

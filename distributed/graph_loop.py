@@ -38,14 +38,14 @@ class DataRing:
     """K device-side slots of every static input / target buffer of a feed, and the slot the next replayed
     iteration copies from (an int64 on the device, so that the copy can be captured)."""
 
-    def __init__(self, feed: Any, slots: int) -> None:
+    def __init__(self, feed: Any, slots: int, device: torch.device) -> None:
         if slots < 1:
             raise ValueError(f"a data ring needs >= 1 slots, got {slots}")
         self.feed = feed
         self.slots = slots
         self.inputs = [torch.empty((slots, *b.shape), dtype=b.dtype, device=b.device) for b in feed.inputs]
         self.targets = [torch.empty((slots, *b.shape), dtype=b.dtype, device=b.device) for b in feed.targets]
-        device = (feed.inputs + feed.targets)[0].device if feed.inputs or feed.targets else torch.device("cpu")
+        # On the device even where this rank holds no buffers (a middle stage): the loop kernel advances it.
         self.slot = torch.zeros(1, dtype=torch.int64, device=device)
 
     def load(self, first_iteration: int, count: int) -> None:

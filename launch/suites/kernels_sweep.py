@@ -54,6 +54,24 @@ SWEEP_PLANS = (
     "w8.s4.d1.l1.h2@res",
     "w4.s8.t256.d1.l1.h2@res",
     "w16.s3.t1024.d1.l1.h1@fwd",
+    # rounds (.rN, 2026-11-26 07:20, not yet measured): at most N tiles per block, so the grid goes beyond the
+    # resident blocks and the hardware's block scheduler deals the rest to whichever SM frees up first. Every plan
+    # above has a fixed (persistent, round-robin) share per block, so the slowest SM sets the end; torch's add (a
+    # grid of short blocks) does not, and it beats the d2d copy. Same cubins as the plans they extend: no compiles.
+    "w4.s4.t256.d1.l1.h1.r4@res",
+    "w16.s3.t1024.d1.l1.r8@fwd",
+    "w4.s4.t256.d1.l1.h1.r16@res",
+    "w12.s4.d1.r8@fwd",
+    "w4.s4.t256.d1.l1.h1.r2@res",
+    "w16.s3.t1024.d1.l1.r4@fwd",
+    "w4.s4.t256.d1.l1.h1.r8@res",
+    "w12.s4.d1.r4@fwd",
+    "w4.s4.t256.d1.l1.h1.r32@res",
+    "w16.s3.t1024.d1.l1.r16@fwd",
+    "w8.s4.d1.l1.h2.r8@res",   # the 16 MiB best of the 06:22 sweep (fp32 0.993x torch), with rounds
+    "w8.s4.d1.l1.h1@res",      # streaming stores on w8.s4 (only .h2 was tried there)
+    "w8.s6.t1024.d1.l1.h1@res",  # one block per SM, 6 x 32 KiB stages (192 KiB in flight from one TMA lane)
+    "w12.s4.d1.l1.r8@fwd",     # the fp32 forward's shape on the bulk loader (never timed on fp32) with rounds
     # New plans, residual add and bias+GELU interleaved so that a budget cut leaves both some of each. Residual add:
     # the Hopper bulk loader (one cp.async.bulk per operand tile on an mbarrier, .l1) with direct stores, from the
     # tuned shape to more bytes in flight per SM, and TMA both ways (.l1.o1: bulk stores from the storer warp).

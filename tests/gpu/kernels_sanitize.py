@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,13 @@ from peerline.kernels import compile as kc
 from peerline.kernels import elementwise as ew
 from peerline.kernels import plan as kp
 
-DEFAULT_PLANS = "w8.s2,w8.s3.d1,w8.s3.l1.o1"  # + TMA both ways (bulk loader on mbarriers, bulk stores)
+# The engine's four data paths, the newest first (a run cut by its time limit has still checked them; each plan
+# prints its own line): the bulk loader with direct streaming stores and evict-first loads (.l1.h2: residual add's
+# default path, .h1, plus the hinted loads), TMA both ways (bulk loader on mbarriers, bulk stores from the storer
+# warp), the cp.async loader with the storer warp (w8.s2: the engine's default, bias+GELU bwd bf16) and with direct
+# stores (the fp32 bias+GELU defaults). Plans with rounds (.r) need no run of their own: rounds only sets the grid
+# size (same cubin; plan.vector_grid), and the grid-of-2 case below already makes blocks wrap their stages.
+DEFAULT_PLANS = "w4.s4.t256.d1.l1.h2,w8.s3.l1.o1,w8.s2,w8.s3.d1"
 # Absolute grid cap of the wrap-around case (elementwise.TUNING["grid_cap"], a test hook).
 WRAP_GRID = 2
 
@@ -95,20 +102,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kernels_sanitize: {done} of {len(specs)} builds compiled in parallel")
     ew.POISON_OUTPUTS = True
     bad: list[str] = []
+    t0 = time.monotonic()
     for p in plans:
         ew.TUNING.clear()
         ew.TUNING.update(p.tuning())
+        before = len(bad)
         try:
             # (7, 1000): same misalignment (vector + head/tail, non-vector bias) and different (scalar kernels)
             bad += [f"{p.label()}: {b}" for b in run_cases(7, 1000, ((1, 1), (0, 1)))]
-            if args.warm:
-                continue
-            # 2 blocks, 64 x 1024 elements (16 tiles of bf16, 32 of fp32): each block wraps its stages
-            ew.TUNING["grid_cap"] = WRAP_GRID
-            bad += [f"{p.label()} grid {WRAP_GRID}: {b}" for b in run_cases(64, 1024, ((0, 0),))]
+            if not args.warm:
+                # 2 blocks, 64 x 1024 elements (16 tiles of bf16, 32 of fp32): each block wraps its stages
+                ew.TUNING["grid_cap"] = WRAP_GRID
+                bad += [f"{p.label()} grid {WRAP_GRID}: {b}" for b in run_cases(64, 1024, ((0, 0),))]
         finally:
             ew.TUNING.clear()
         torch.cuda.synchronize()
+        if not args.warm:  # one line per plan, flushed: a run cut by its time limit still says what it checked
+            print(f"kernels_sanitize: plan {p.label()} {'ok' if len(bad) == before else 'MISMATCH'} "
+                  f"at {time.monotonic() - t0:.0f} s", flush=True)
     for b in bad:
         print("MISMATCH", b)
     print("kernels_sanitize:", "all results match" if not bad else f"{len(bad)} MISMATCHES",

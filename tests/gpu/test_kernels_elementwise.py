@@ -314,8 +314,13 @@ def test_kernel_attributes_and_sass(tmp_path) -> None:
 #   w16.s3.d1          16 compute warps (576 threads)
 #   w12.s2.d1          12 compute warps, tile 384 chunks (not a power of two)
 #   w8.s3.l1.o1        TMA both ways: bulk loader and bulk (cp.async.bulk shared->global) stores from the storer
+#   .h1 / .h2          cache hints (streaming stores; evict-first bulk loads)
+#   w4.s4.t256.d1.l1.h1.r2   the residual add default with at most 2 tiles per block (.r: a grid of ntiles / 2
+#                      blocks; with grid_cap 2 the resident part is 2 blocks but the grid still grows to ntiles / 2)
+#   w16.s3.t1024.d1.l1.r3    the bf16 forward default with at most 3 tiles per block
 OTHER_PLANS = ["w4.s3.d1.v2", "w8.s4.d1.l1", "w8.s2.l1", "w4.s8.t256.d1.l1", "w16.s3.d1", "w12.s2.d1",
-               "w8.s3.l1.o1", "w4.s4.t256.d1.l1.h2", "w8.s3.d1.h1"]  # .h: cache hints (streaming stores, loads)
+               "w8.s3.l1.o1", "w4.s4.t256.d1.l1.h2", "w8.s3.d1.h1", "w4.s4.t256.d1.l1.h1.r2",
+               "w16.s3.t1024.d1.l1.r3"]
 
 
 @pytest.fixture(scope="module")
@@ -364,3 +369,52 @@ def test_other_launch_plan(monkeypatch: pytest.MonkeyPatch, _other_plans_compile
     out = poisoned_like(shape, dt, off)  # caller's NaN output with the inputs' misalignment: the vector path
     ew.residual_add_forward(x, g, out=out)
     assert torch.equal(out, x + g)
+
+
+@pytest.mark.parametrize("label,rounds_op", [("w4.s4.t256.d1.l1.h1.r2", "res"), ("w16.s3.t1024.d1.l1.r1", "fwd"),
+                                             ("w12.s4.d1.r2", "fwd")])
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
+def test_rounds_grid_beyond_resident(monkeypatch: pytest.MonkeyPatch, label: str, rounds_op: str,
+                                     dt: torch.dtype) -> None:
+    """Plans with rounds (.r) launch more blocks than fit at once (blocks queue for SMs; each walks at most r
+    tiles), on a misaligned 8.4 M-element view with a scalar head and tail, NaN-poisoned outputs: exact residual
+    sums and the float64-bounded forward. The launch's grid is recorded, so a plumbing regression back to the
+    persistent grid fails here; the backward keeps its persistent grid whatever the plan says."""
+    from peerline.kernels import compile as kc
+    from peerline.kernels import plan
+
+    p = plan.parse_plan(label)
+    monkeypatch.setattr(ew, "TUNING", p.tuning())
+    grids: list[tuple[int, int]] = []  # (grid, threads) of every pl_main launch
+    real_launch = ew._launch
+
+    def spy(fn: object, grid: tuple, block: tuple, args: tuple, smem: int, device: torch.device) -> None:
+        if smem > 0:  # pl_main (the scalar and reduce kernels use no dynamic shared memory)
+            grids.append((grid[0], block[0]))
+        return real_launch(fn, grid, block, args, smem, device)
+
+    monkeypatch.setattr(ew, "_launch", spy)
+    shape, off = (2063, 4096), 1
+    x, g = randn(shape, dt, off, scale=2.0), randn(shape, dt, off)
+    if rounds_op == "res":
+        spec = ew._spec(kc.OP_RESIDUAL_ADD, ew._DTYPES[dt], y=ew._DTYPES[dt], out=ew._DTYPES[dt])
+        out = ew.residual_add_forward(x, g)
+        assert torch.equal(out, x + g)
+    else:
+        b = randn((shape[-1],), torch.float32)
+        spec = ew._spec(kc.OP_BIAS_GELU_FWD, ew._DTYPES[dt], bias="float32")
+        ref = gelu64(v32(x, b))
+        y = ew.bias_gelu_forward(x, b)
+        assert rel_err(y, ref) < BOUND[dt]
+        if dt == torch.float32:
+            assert max_elem_err(y, ref) < ELEM_BOUND
+        gx, _ = ew.bias_gelu_backward(g, x, b)  # runs, on the persistent grid (checked below)
+        assert torch.isfinite(gx.float()).all()
+    torch.cuda.synchronize()
+    op = kc.get_op(spec, DEV.index)
+    nchunks = (math.prod(shape) - plan.common_head([(x.data_ptr(), x.element_size())], spec.e)) // spec.e
+    ntiles = -(-nchunks // spec.tile_chunks)
+    assert grids[0] == (plan.vector_grid(ntiles, op.max_grid, p.rounds), spec.threads)
+    assert grids[0][0] > op.max_grid, (grids, op.max_grid)  # more blocks than are resident at once
+    if rounds_op == "fwd":
+        assert grids[1][0] <= op.max_grid  # the backward: persistent

@@ -26,7 +26,7 @@ def _feed(microbatches: int = 3, seed: int = 11) -> DataFeed:
 
 def test_ring_slot_copied_to_static_buffers_is_that_iterations_data():
     feed, ref = _feed(), _feed()
-    ring = DataRing(feed, slots=4)
+    ring = DataRing(feed, slots=4, device=torch.device("cpu"))
     for r in ring.inputs + ring.targets:
         r.fill_(float("nan"))  # poisoned: load must write every slot it is asked for
     ring.load(first_iteration=7, count=4)
@@ -43,11 +43,11 @@ def test_ring_slot_copied_to_static_buffers_is_that_iterations_data():
 
 
 def test_ring_refuses_bad_counts():
-    ring = DataRing(_feed(), slots=2)
+    ring = DataRing(_feed(), slots=2, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="cannot load 3 iterations"):
         ring.load(0, 3)
     with pytest.raises(ValueError, match=">= 1 slots"):
-        DataRing(_feed(), slots=0)
+        DataRing(_feed(), slots=0, device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize("iteration,target,stops,loop,timeline,want", [
