@@ -2,7 +2,7 @@
 
     python tests/gpu/kernels_sanitize.py [--plans w8.s2,w8.s3.d1] [--warm]
 
-Per launch plan (plan.LaunchPlan labels; default: today's default and the direct-store engine): vector paths with
+Per launch plan (plan.LaunchPlan labels; default DEFAULT_PLANS, the engine's four data paths): vector paths with
 scalar heads and tails (views offset by one element), the scalar kernels (operands aligned differently), the
 bias-gradient reduction, and one case on a grid of 2 blocks where each block wraps around its pipeline stages
 several times (so a shared-memory buffer reused before every consumer is done with it shows up as a hazard).
