@@ -9,7 +9,7 @@
 need_gpus 1 graph_loop
 
 echo "== looped graph vs single replays (pytest, 1 GPU)" >> "$LOG"
-step "$OUT/graph_loop_tests.out" 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_graph_loop.py
+step "$OUT/graph_loop_tests.out" 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_graph_loop_gpu.py
 rc=$?
 report tests "$rc" "$(tail -n 1 "$OUT/graph_loop_tests.out" | tr -d '=' | sed 's/^ *//; s/ *$//')"
 

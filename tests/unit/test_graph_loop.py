@@ -1,6 +1,6 @@
 """CPU checks of --graph-loop (distributed/graph_loop.py, runtime's launch planning): the data ring, when a launch
 runs K iterations, the flag's validation and its CPU notice. The looped graph itself needs a GPU
-(tests/gpu/test_graph_loop.py)."""
+(tests/gpu/test_graph_loop_gpu.py)."""
 
 from __future__ import annotations
 
