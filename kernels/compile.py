@@ -36,8 +36,9 @@ LOADER = int(os.environ.get("PEERLINE_KERNEL_LOADER", "0"))  # 0 cp.async (LDGST
 STORER = int(os.environ.get("PEERLINE_KERNEL_STORER", "0"))  # 0 st.global per lane, 1 cp.async.bulk per tile
 # How bias+GELU evaluates Phi (elementwise.cu PL_GELU): GELU_EXACT normcdff everywhere; GELU_FAST (default) the
 # A&S 7.1.26 form on MUFU for bf16 results (3.5e-5) and its fp32 refit phi_cdf_acc for fp32 results (< 1e-6);
-# GELU_FIRST the first run's 1 + erff for bf16 results (normcdff for fp32); GELU_ACC phi_cdf_acc everywhere.
-GELU_EXACT, GELU_FAST, GELU_FIRST, GELU_ACC = 0, 1, 2, 3
+# GELU_FIRST the first run's 1 + erff for bf16 results (normcdff for fp32); GELU_ACC phi_cdf_acc everywhere;
+# GELU_LITE as GELU_FAST but the forward's bf16 results through phi_cdf_lite (degree-3 P, 7.8e-4; plan field p1).
+GELU_EXACT, GELU_FAST, GELU_FIRST, GELU_ACC, GELU_LITE = 0, 1, 2, 3, 4
 GELU = int(os.environ.get("PEERLINE_KERNEL_GELU", str(GELU_FAST)))
 
 OP_BIAS_GELU_FWD, OP_BIAS_GELU_BWD, OP_RESIDUAL_ADD = 1, 2, 3
@@ -63,7 +64,7 @@ class KernelSpec:
     out: str = "float32"  # op 3
     warps: int = COMPUTE_WARPS  # compute warps per block
     stages: int = STAGES  # shared-memory stages (2 = double buffering)
-    gelu: int = GELU  # Phi: GELU_EXACT | GELU_FAST | GELU_FIRST | GELU_ACC (elementwise.cu PL_GELU)
+    gelu: int = GELU  # Phi: GELU_EXACT | GELU_FAST | GELU_FIRST | GELU_ACC | GELU_LITE (elementwise.cu PL_GELU)
     tile: int = TILE  # chunks per tile; 0 = plan.tile_chunks' rule
     direct: int = DIRECT  # 1 = compute warps store to global memory (ws_pipeline.cuh PL_DIRECT_STORE)
     vec: int = VEC  # 16-byte vectors per chunk of the narrowest operand (PL_VEC)
@@ -75,7 +76,7 @@ class KernelSpec:
         for name in (self.x, self.bias, self.y, self.out):
             if name not in CTYPES:
                 raise ValueError(f"unsupported dtype {name!r} for a peerline kernel; supported: {', '.join(CTYPES)}")
-        if self.gelu not in (GELU_EXACT, GELU_FAST, GELU_FIRST, GELU_ACC):
+        if self.gelu not in (GELU_EXACT, GELU_FAST, GELU_FIRST, GELU_ACC, GELU_LITE):
             raise ValueError(f"unknown gelu mode {self.gelu}")
         if self.op not in (OP_BIAS_GELU_FWD, OP_BIAS_GELU_BWD, OP_RESIDUAL_ADD):
             raise ValueError(f"unknown op {self.op}")
@@ -90,7 +91,7 @@ class KernelSpec:
         """The spec's launch shape as a LaunchPlan (its constructor checks it)."""
         return plan.LaunchPlan(warps=self.warps, stages=self.stages, tile_chunks=self.tile,
                                direct_store=bool(self.direct), vec=self.vec, loader=self.loader, storer=self.storer,
-                               hint=self.hint)
+                               hint=self.hint, phi=int(self.gelu == GELU_LITE))
 
     @property
     def streamed_itemsizes(self) -> tuple[int, ...]:

@@ -64,7 +64,8 @@ __device__ __forceinline__ float phi_pdf(float v) {
 //   1 the default: phi_cdf_fast for bf16 results, phi_cdf_acc for fp32 results,
 //   2 bf16 results: the first version's 0.5 (1 + erff(v / sqrt 2)) (kept only so the benchmark can compare against
 //     the first GPU run's kernel in the same run); fp32 results: normcdff,
-//   3 phi_cdf_acc for every result type.
+//   3 phi_cdf_acc for every result type,
+//   4 as 1, except bf16 results of the forward: phi_cdf_lite (plan field p1; the backward keeps phi_cdf_fast).
 #ifndef PL_GELU
 #define PL_GELU 1
 #endif
@@ -104,6 +105,24 @@ __device__ __forceinline__ float phi_cdf_fast(float v, float& e) {
 __device__ __forceinline__ float phi_cdf_fast(float v) {
   float e;
   return phi_cdf_fast(v, e);
+}
+
+// A cheaper Phi still, for bf16 forward results only (PL_GELU 4, plan field p1): phi_cdf_fast's erfc form with
+// p = 0.45 and P of degree 3 (kernels/fit_phi.fit(0.45, 4)): max 7.8e-4 relative on erfc, so Phi and gelu within
+// 7.8e-4 relative for every v (tests/unit/test_kernels_dispatch.py, fp32 model on [-13, 10]); bf16's own rounding is
+// 2.0e-3 to 3.9e-3 relative (half an ulp), and the norm error of bf16 results moves from 1.6619e-3 (correctly
+// rounded) to 1.6623e-3 (5% of elements round to the neighbouring bf16). Two FMAs fewer per element than
+// phi_cdf_fast, of ~18.5 instructions per element in the bf16 forward's loop (SASS, w16.s3.t1024.d1.l1): for the
+// forward, whose issue rate is close to its memory rate.
+__device__ __forceinline__ float phi_cdf_lite(float v) {
+  const float t = rcp_approx(fmaf(fabsf(v), 0.45f * 0.70710678118654752f, 1.0f));
+  // P's coefficients halved (Phi = erfc / 2), highest power first
+  float p = fmaf(t, 0.5f * 0.29437845665652956f, 0.5f * 0.19834764859822462f);
+  p = fmaf(t, p, 0.5f * 0.2539672082077663f);
+  p = fmaf(t, p, 0.5f * 0.25408173810285867f);
+  const float e = ex2_approx(v * v * -0.72134752044448170f);  // exp(-v^2 / 2)
+  const float half_erfc = t * p * e;                          // Phi(-|v|)
+  return v < 0.0f ? half_erfc : 1.0f - half_erfc;
 }
 
 // Phi for fp32 results (PL_GELU 1, the default; 3 also for bf16): the same erfc form as phi_cdf_fast,
@@ -150,15 +169,17 @@ __device__ __forceinline__ float phi_cdf_t(float v) {
   if constexpr (MODE == 1) return phi_cdf_fast(v);
   else if constexpr (MODE == 2) return 0.5f * (1.0f + erff(v * 0.70710678118654752f));
   else if constexpr (MODE == 3) return phi_cdf_acc(v);
+  else if constexpr (MODE == 4) return phi_cdf_lite(v);
   else return phi_cdf(v);
 }
 
 template <int MODE>
 __device__ __forceinline__ float gelu_t(float v) { return v * phi_cdf_t<MODE>(v); }
 
-// The Phi evaluation (MODE of phi_cdf_t) for results of `bytes` bytes under PL_GELU (see above).
+// The Phi evaluation (MODE of phi_cdf_t) for results of `bytes` bytes under PL_GELU (see above); PL_GELU 4 gives
+// bf16 results MODE 4 (phi_cdf_lite in gelu_t; gelu_grad_t's last branch, phi_cdf_fast, for the backward).
 __host__ __device__ constexpr int gelu_mode(int bytes) {  // __device__: NVRTC compiles no host code
-  return bytes == 2 ? PL_GELU : (PL_GELU == 1 || PL_GELU == 3 ? 3 : 0);
+  return bytes == 2 ? PL_GELU : (PL_GELU == 1 || PL_GELU == 3 || PL_GELU == 4 ? 3 : 0);
 }
 
 __device__ __forceinline__ float gelu_f(float v) { return gelu_t<0>(v); }

@@ -161,6 +161,9 @@ class LaunchPlan:
                    block, the grid as large as that needs (vector_grid), balanced by the hardware's block
                    scheduler. A grid field, not a kernel field (same cubin); the bias+GELU backward ignores it
                    (its per-block bias partial sums grow with the grid). Excludes blocks_per_sm.
+    phi            0: Phi as the build says (compile.GELU, default phi_cdf_fast for bf16 results, phi_cdf_acc for
+                   fp32); 1: the forward's bf16 results through phi_cdf_lite (degree-3 P, 7.8e-4 relative, two FMAs
+                   fewer per element; PL_GELU 4 = compile.GELU_LITE). fp32 results and the backward are unchanged.
     """
 
     warps: int = DEFAULT_WARPS
@@ -173,6 +176,7 @@ class LaunchPlan:
     storer: int = 0
     hint: int = 0
     rounds: int = 0
+    phi: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.warps <= 30:
@@ -200,6 +204,9 @@ class LaunchPlan:
             raise ValueError("hint 2 (evict-first bulk loads) needs loader 1")
         if self.rounds < 0:
             raise ValueError(f"rounds must be >= 0 (0 = persistent grid), got {self.rounds}")
+        if self.phi not in (0, 1):
+            raise ValueError(f"phi must be 0 (the build's Phi) or 1 (phi_cdf_lite for bf16 forward results), "
+                             f"got {self.phi}")
         if self.rounds and self.blocks_per_sm:
             raise ValueError("rounds (a grid beyond the resident blocks) and blocks_per_sm (a cap on the resident "
                              "grid) exclude each other")
@@ -209,10 +216,12 @@ class LaunchPlan:
         return {k: v for k, v in self.tuning().items() if k not in GRID_KEYS}
 
     def tuning(self) -> dict[str, int]:
-        """Overrides for elementwise.TUNING (KernelSpec fields plus the grid keys blocks_per_sm and rounds)."""
+        """Overrides for elementwise.TUNING (KernelSpec fields plus the grid keys blocks_per_sm and rounds); "gelu"
+        only with phi 1 (else the build's PL_GELU stays, e.g. PEERLINE_KERNEL_GELU)."""
+        gelu = {"gelu": GELU_LITE} if self.phi else {}
         return {"warps": self.warps, "stages": self.stages, "tile": self.tile_chunks,
                 "direct": int(self.direct_store), "vec": self.vec, "loader": self.loader, "storer": self.storer,
-                "hint": self.hint, "blocks_per_sm": self.blocks_per_sm, "rounds": self.rounds}
+                "hint": self.hint, **gelu, "blocks_per_sm": self.blocks_per_sm, "rounds": self.rounds}
 
     def label(self) -> str:
         """Short name, parseable by `parse_plan`: w8.s2.t0.b0.d0.v1 (plus .l1 / .o1 / .h1 / .r8 only where not 0,
@@ -220,16 +229,18 @@ class LaunchPlan:
         return (f"w{self.warps}.s{self.stages}.t{self.tile_chunks}.b{self.blocks_per_sm}"
                 f".d{int(self.direct_store)}.v{self.vec}" + (f".l{self.loader}" if self.loader else "")
                 + (f".o{self.storer}" if self.storer else "") + (f".h{self.hint}" if self.hint else "")
-                + (f".r{self.rounds}" if self.rounds else ""))
+                + (f".r{self.rounds}" if self.rounds else "") + (f".p{self.phi}" if self.phi else ""))
 
 
 # tuning() keys that shape the grid, not the kernel build (KernelSpec has no such fields)
 GRID_KEYS = ("blocks_per_sm", "rounds")
+# compile.GELU_LITE (elementwise.cu PL_GELU 4), the KernelSpec gelu mode of phi 1 (plan.py imports no CUDA module)
+GELU_LITE = 4
 
 
 # Label letter -> LaunchPlan field, the one table that `label`'s output and `parse_plan` agree on.
 PLAN_FIELDS = {"w": "warps", "s": "stages", "t": "tile_chunks", "b": "blocks_per_sm", "d": "direct_store", "v": "vec",
-               "l": "loader", "o": "storer", "h": "hint", "r": "rounds"}
+               "l": "loader", "o": "storer", "h": "hint", "r": "rounds", "p": "phi"}
 
 
 def parse_plan(text: str) -> LaunchPlan:

@@ -72,6 +72,10 @@ SWEEP_PLANS = (
     "w8.s4.d1.l1.h1@res",      # streaming stores on w8.s4 (only .h2 was tried there)
     "w8.s6.t1024.d1.l1.h1@res",  # one block per SM, 6 x 32 KiB stages (192 KiB in flight from one TMA lane)
     "w12.s4.d1.l1.r8@fwd",     # the fp32 forward's shape on the bulk loader (never timed on fp32) with rounds
+    # phi (.p1): the bf16 forward's Phi with a degree-3 P (phi_cdf_lite, 7.8e-4 relative): 135 instead of 151 SASS
+    # instructions per 8 elements in the loop, for an op that issues close to its memory rate (fp32 unchanged)
+    "w16.s3.t1024.d1.l1.p1@fwd",
+    "w16.s3.t1024.d1.l1.r8.p1@fwd",
     # New plans, residual add and bias+GELU interleaved so that a budget cut leaves both some of each. Residual add:
     # the Hopper bulk loader (one cp.async.bulk per operand tile on an mbarrier, .l1) with direct stores, from the
     # tuned shape to more bytes in flight per SM, and TMA both ways (.l1.o1: bulk stores from the storer warp).

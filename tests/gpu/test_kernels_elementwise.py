@@ -317,10 +317,11 @@ def test_kernel_attributes_and_sass(tmp_path) -> None:
 #   .h1 / .h2          cache hints (streaming stores; evict-first bulk loads)
 #   w4.s4.t256.d1.l1.h1.r2   the residual add default with at most 2 tiles per block (.r: a grid of ntiles / 2
 #                      blocks; with grid_cap 2 the resident part is 2 blocks but the grid still grows to ntiles / 2)
-#   w16.s3.t1024.d1.l1.r3    the bf16 forward default with at most 3 tiles per block
+#   w16.s3.t1024.d1.l1.r3.p1 the bf16 forward default with at most 3 tiles per block and phi_cdf_lite (.p1: the
+#                      forward's bf16 results through a degree-3 P; fp32 results and the backward as the default)
 OTHER_PLANS = ["w4.s3.d1.v2", "w8.s4.d1.l1", "w8.s2.l1", "w4.s8.t256.d1.l1", "w16.s3.d1", "w12.s2.d1",
                "w8.s3.l1.o1", "w4.s4.t256.d1.l1.h2", "w8.s3.d1.h1", "w4.s4.t256.d1.l1.h1.r2",
-               "w16.s3.t1024.d1.l1.r3"]
+               "w16.s3.t1024.d1.l1.r3.p1"]
 
 
 @pytest.fixture(scope="module")
@@ -371,7 +372,7 @@ def test_other_launch_plan(monkeypatch: pytest.MonkeyPatch, _other_plans_compile
     assert torch.equal(out, x + g)
 
 
-@pytest.mark.parametrize("label,rounds_op", [("w4.s4.t256.d1.l1.h1.r2", "res"), ("w16.s3.t1024.d1.l1.r1", "fwd"),
+@pytest.mark.parametrize("label,rounds_op", [("w4.s4.t256.d1.l1.h1.r2", "res"), ("w16.s3.t1024.d1.l1.r1.p1", "fwd"),
                                              ("w12.s4.d1.r2", "fwd")])
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
 def test_rounds_grid_beyond_resident(monkeypatch: pytest.MonkeyPatch, label: str, rounds_op: str,

@@ -49,7 +49,9 @@ def test_fp32_model_tails_are_finite_and_ordered() -> None:
 
 def test_gelu_modes_per_result_type() -> None:
     """PL_GELU reaches the compiler for every mode; the default (1) is the accurate fit for fp32 results."""
-    for mode in (kc.GELU_EXACT, kc.GELU_FAST, kc.GELU_FIRST, kc.GELU_ACC):
+    for mode in (kc.GELU_EXACT, kc.GELU_FAST, kc.GELU_FIRST, kc.GELU_ACC, kc.GELU_LITE):
         assert f"-DPL_GELU={mode}" in kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "float32", gelu=mode).defines()
     src = (kc.KERNEL_DIR / kc.SOURCE).read_text()
-    assert "return bytes == 2 ? PL_GELU : (PL_GELU == 1 || PL_GELU == 3 ? 3 : 0);" in src
+    # GELU_LITE (4): bf16 results get MODE 4 (phi_cdf_lite), fp32 results the accurate fit like the default
+    assert "return bytes == 2 ? PL_GELU : (PL_GELU == 1 || PL_GELU == 3 || PL_GELU == 4 ? 3 : 0);" in src
+    assert "else if constexpr (MODE == 4) return phi_cdf_lite(v);" in src

@@ -221,3 +221,17 @@ def test_rounds_reach_the_forward_and_residual_grids_not_the_backward(monkeypatc
     bwd = src[src.index("def bias_gelu_backward"):src.index("def residual_add_forward")]
     assert "_rounds(" not in bwd  # the backward's grid stays persistent (bias partials scale with the grid)
     assert src.count("_rounds(op)") == 2  # forward and residual add
+
+
+def test_phi_field() -> None:
+    """phi (.p1): the forward's bf16 results through phi_cdf_lite = KernelSpec gelu GELU_LITE; absent at 0 (the
+    build's PL_GELU stays, so PEERLINE_KERNEL_GELU and the bench's normcdff variant are untouched)."""
+    assert plan.GELU_LITE == kc.GELU_LITE
+    p = plan.parse_plan("w16.s3.t1024.d1.l1.r8.p1")
+    assert p.phi == 1 and p.label() == "w16.s3.t1024.b0.d1.v1.l1.r8.p1" and plan.parse_plan(p.label()) == p
+    assert p.spec_fields()["gelu"] == kc.GELU_LITE and "gelu" not in plan.LaunchPlan().tuning()
+    spec = kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "bfloat16", **p.spec_fields())
+    assert "-DPL_GELU=4" in spec.defines() and spec.label().endswith(".p1")
+    assert spec.launch_plan() == plan.parse_plan("w16.s3.t1024.d1.l1.p1")  # rounds is no spec field
+    with pytest.raises(ValueError, match="phi must be"):
+        plan.LaunchPlan(phi=2)
