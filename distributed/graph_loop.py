@@ -71,14 +71,16 @@ def _check(result: tuple, what: str) -> Any:
 
 
 @functools.cache
-def _loop_kernel(device_index: int) -> Any:
-    """The compiled loop kernel (CuPy Function) for one device; loading the module resolves
-    cudaGraphSetConditional, so an old driver fails here, before anything is built."""
+def _loop_kernel(device_index: int) -> tuple[Any, int]:
+    """(CuPy RawKernel, its CUfunction) of the loop kernel on one device. Loading the module resolves
+    cudaGraphSetConditional, so an old driver fails here, before anything is built. Cached: the RawKernel keeps
+    the module (and so the CUfunction) loaded."""
     import cupy
 
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(code=KERNEL_SOURCE.read_text(), options=("-std=c++17",), backend="nvrtc")
-        return module.get_function(KERNEL_NAME)
+        kernel = module.get_function(KERNEL_NAME)
+        return kernel, kernel.kernel.ptr  # RawKernel.kernel: the loaded cupy Function (loads it for this device)
 
 
 class GraphLoop:
@@ -96,7 +98,7 @@ class GraphLoop:
         self.ring = ring
         self.stream = stream
         self._graph = self._exec = None
-        kernel = _loop_kernel(ring.slot.device.index or 0)
+        _, function = _loop_kernel(ring.slot.device.index or 0)
         self._graph = _check(rt.cudaGraphCreate(0), "cudaGraphCreate")
         try:
             # The handle starts every launch at 1 (run the body once at least); the loop kernel sets it after that.
@@ -113,7 +115,7 @@ class GraphLoop:
             child = _check(rt.cudaGraphAddChildGraphNode(body, None, 0, rt.cudaGraph_t(iteration_graph)),
                            "cudaGraphAddChildGraphNode (the captured iteration into the loop body)")
             node = cu.CUDA_KERNEL_NODE_PARAMS()
-            node.func = cu.CUfunction(kernel.ptr)
+            node.func = cu.CUfunction(function)
             node.gridDimX = node.gridDimY = node.gridDimZ = 1
             node.blockDimX = node.blockDimY = node.blockDimZ = 1
             node.sharedMemBytes = 0

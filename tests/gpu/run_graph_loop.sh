@@ -18,17 +18,24 @@ D=$OUT/graph_loop; mkdir -p "$D"
 # fp32, 14 iterations read every 4: 0-1 eager, 2-3 single replays, 4-11 two loops of 4, 12-13 single replays.
 ARGS="--hidden 256 --layers 4 --seq 64 --micro-batch-size 2 -m 4 --iters 14 --warmup-iters 2 --log-every 4 --dtype fp32"
 run2() { step "$D/$1.out" 120 torchrun --standalone --nproc_per_node=2 launch/pipeline.py $ARGS "${@:2}" --json "$D/$1.json"; }
-pair() {  # pair NAME ARGS...: looped and one-per-launch runs of the same grid, compared bitwise
-  local name=$1; shift
+pair() {  # pair NAME WANT ARGS...: looped and one-per-launch runs of the same grid, compared bitwise; WANT is the
+  # iterations per launch the looped run must end up with (4, or 1 where the graph cannot be looped)
+  local name=$1 want=$2; shift 2
   run2 "${name}_loop" "$@" --graph-loop 4
   run2 "${name}_plain" "$@" --graph-loop 1
   "$PY" tests/gpu/compare_runs.py "$D/${name}_loop.json" "$D/${name}_plain.json" --rtol 0 \
     --label "graph_loop.$name looped vs one launch per iteration (bitwise)"
-  "$PY" -c "import json,sys; r=json.load(open(sys.argv[1])); print(f'  {sys.argv[2]}: graph {r[\"graph\"]}, iterations per launch {r[\"graph_loop\"]}, loop problem: {r[\"graph_loop_failed\"]}')" \
-    "$D/${name}_loop.json" "$name" 2>>"$LOG"
+  "$PY" - "$D/${name}_loop.json" "$name" "$want" <<'PYEOF' 2>>"$LOG" || echo "FAIL graph_loop.$name.loop_used (no result)"
+import json, sys
+path, name, want = sys.argv[1], sys.argv[2], int(sys.argv[3])
+r = json.load(open(path))
+ok = r["graph"] and r["graph_loop"] == want
+print(f"{'PASS' if ok else 'FAIL'} graph_loop.{name}.loop_used: graph {r['graph']}, iterations per launch "
+      f"{r['graph_loop']} (want {want}); why not looped: {r['graph_loop_failed']}")
+PYEOF
 }
-pair dp2 --pp 1 --dp 2
-pair pp2_nccl --pp 2 --p2p nccl --schedule 1f1b
-pair pp2_copy_engine --pp 2 --p2p copy-engine --schedule 1f1b
+pair dp2 4 --pp 1 --dp 2
+pair pp2_nccl 4 --pp 2 --p2p nccl --schedule 1f1b
+pair pp2_copy_engine 1 --pp 2 --p2p copy-engine --schedule 1f1b
 grep -h "graph-loop" "$D"/*_loop.out | sort -u | sed 's/^/  /' | head -5
 exit 0
