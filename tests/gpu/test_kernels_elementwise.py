@@ -417,5 +417,7 @@ def test_rounds_grid_beyond_resident(monkeypatch: pytest.MonkeyPatch, label: str
     ntiles = -(-nchunks // spec.tile_chunks)
     assert grids[0] == (plan.vector_grid(ntiles, op.max_grid, p.rounds), spec.threads)
     assert grids[0][0] > op.max_grid, (grids, op.max_grid)  # more blocks than are resident at once
-    if rounds_op == "fwd":
-        assert grids[1][0] <= op.max_grid  # the backward: persistent
+    if rounds_op == "fwd":  # the backward: its own op's persistent grid
+        bwd = kc.get_op(ew._spec(kc.OP_BIAS_GELU_BWD, ew._DTYPES[dt], bias="float32"), DEV.index)
+        assert len(grids) == 2 and grids[1][1] == bwd.spec.threads, grids
+        assert grids[1][0] <= bwd.max_grid, (grids, bwd.max_grid)
