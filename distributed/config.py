@@ -18,6 +18,7 @@ GRAD_SYNCS = ("buckets", "per-param")
 ALLREDUCE_PRIORITIES = ("highest", "normal")
 ALLOCATORS = ("caching", "async")
 STAGINGS = ("direct", "pinned")
+DATA_SOURCES = ("seeded", "counter")
 
 
 class ConfigError(ValueError):
@@ -104,6 +105,10 @@ class RunConfig:
     """Write config, losses, timings and versions to this JSON file (rank 0)."""
     timeline: str | None = None
     """Write a timeline (PNG + Chrome trace) of the last iteration with this path stem."""
+    data: str = "seeded"
+    """Synthetic data: seeded (torch's generator reseeded per iteration and microbatch on the host) or counter (a
+    hash of (seed, iteration, microbatch, element) made on the device from an iteration counter, inside the CUDA
+    graph: no host work per iteration; counter_data.py)."""
     staging: str = "direct"
     """Inputs and results: direct (generated on the device into the static buffers) or pinned (generated on the
     host, equal to the CPU's data, staged through a ring of pinned slots on the h2d stream; per-microbatch losses
@@ -127,6 +132,9 @@ class RunConfig:
         choose("p2p", self.p2p, P2P)
         choose("grad sync", self.grad_sync, GRAD_SYNCS)
         choose("staging", self.staging, STAGINGS)
+        choose("data", self.data, DATA_SOURCES)
+        if self.data == "counter" and self.staging != "direct":
+            raise ConfigError("--data counter makes the data on the device: it needs --staging direct")
         if self.allocator is not None:
             choose("allocator", self.allocator, ALLOCATORS)
         if not 0.0 <= self.seq_jitter < 1.0:

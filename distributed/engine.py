@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernels import fused_linear
+from . import counter_data
 from .config import ConfigError
 from .model import fill_batch
 from .p2p import ACT, GRAD, TensorSpec, Transport
@@ -88,6 +89,40 @@ class DataFeed:
             for mb, buf in enumerate(bufs):
                 fill_batch(buf, self.seed, iteration, self.replica * self.microbatches + mb, stream_id,
                            self.generator)
+
+
+@dataclass
+class CounterDataFeed(DataFeed):
+    """`--data counter`: the same static buffers, filled from a counter-based hash (counter_data.py) of the
+    iteration held on the device in `counter`. A captured iteration makes its own data (`generate`, then
+    `advance`), so replays need no host work for data; eager iterations set the counter and generate (`load`).
+    `counter_at` is the host's view of the value the counter holds when the work queued so far has run."""
+
+    counter: torch.Tensor | None = None  # int64, one element, on the buffers' device
+    counter_at: int | None = None
+
+    def load(self, iteration: int) -> None:
+        self.set_iteration(iteration)
+        self.generate()
+
+    def load_into(self, iteration: int, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        raise NotImplementedError("counter data is generated in place from the device counter: use load()")
+
+    def set_iteration(self, iteration: int) -> None:
+        """Point the counter at `iteration` (one tiny fill on the current stream, skipped when it is there)."""
+        if self.counter_at != iteration:
+            self.counter.fill_(iteration)
+            self.counter_at = iteration
+
+    def generate(self) -> None:
+        """Fill every buffer with the data of the counter's iteration (capturable)."""
+        for stream_id, bufs in ((0, self.inputs), (1, self.targets)):
+            for mb, buf in enumerate(bufs):
+                counter_data.fill(buf, self.seed, self.counter, self.replica * self.microbatches + mb, stream_id)
+
+    def advance(self) -> None:
+        """counter += 1 on the device (captured after generate, so every replay makes the next iteration's data)."""
+        self.counter.add_(1)
 
 
 class Engine:

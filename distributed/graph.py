@@ -18,7 +18,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .engine import DataFeed, Engine
+from .engine import CounterDataFeed, DataFeed, Engine
 from .graph_loop import DataRing, GraphLoop
 
 log = logging.getLogger(__name__)
@@ -34,40 +34,52 @@ class IterationGraph:
         if loop < 1:
             raise ValueError(f"--graph-loop must be >= 1, got {loop}")
         self.engine = engine
+        self.loop_iterations = loop
+        # How the graph gets its data: counter data is made inside the graph; seeded data is written by the host,
+        # into the static buffers (one launch per iteration) or, for a loop, into a device-side ring of K slots.
+        self.counter_feed = isinstance(engine.feed, CounterDataFeed)
         self.ring = None
-        if loop > 1:
+        if loop > 1 and not self.counter_feed:
             if type(engine.feed) is not DataFeed:
-                raise ValueError(f"--graph-loop needs the direct feed (generated on the device), not "
-                                 f"{type(engine.feed).__name__}")
+                raise ValueError(f"--graph-loop needs data generated on the device, not {type(engine.feed).__name__}")
             self.ring = DataRing(engine.feed, loop, engine.device)
+        # The loop's iteration count within a launch (the ring's slot when there is a ring).
+        self.slot = self.ring.slot if self.ring is not None else torch.zeros(1, dtype=torch.int64,
+                                                                            device=engine.device)
         # A looped graph embeds the captured cudaGraph_t, so torch must keep it after capture (keep_graph).
-        self.graph = _torch_graph(keep=self.ring is not None)
+        self.graph = _torch_graph(keep=loop > 1)
         self.loop: GraphLoop | None = None
 
     def capture(self) -> None:
         main = self.engine.main_stream
         timeline = self.engine.timeline
+        feed = self.engine.feed
         recording, timeline.enabled = timeline.enabled, False  # timing events stay out of the graph
         try:
             with torch.cuda.graph(self.graph, stream=main, capture_error_mode="thread_local"):
-                if self.ring is not None:
+                if self.counter_feed:
+                    feed.generate()
+                    feed.advance()
+                elif self.ring is not None:
                     self.ring.copy_to_static()
                 self.engine.iteration()
         finally:
             timeline.enabled = recording
-        if self.ring is not None and hasattr(self.graph, "instantiate"):
+        if self.loop_iterations > 1 and hasattr(self.graph, "instantiate"):
             self.graph.instantiate()  # keep_graph defers it to the first replay otherwise
 
     def build_loop(self) -> None:
         """Wrap the captured iteration into the looped graph (raises with CUDA's reason if it cannot be looped)."""
-        if self.ring is None:
-            raise ValueError("this iteration was captured without a data ring (--graph-loop 1)")
-        self.loop = GraphLoop(self.graph.raw_cuda_graph(), self.ring, self.ring.slots, self.engine.main_stream)
+        if self.loop_iterations < 2:
+            raise ValueError("this iteration was captured for one launch per iteration (--graph-loop 1)")
+        self.loop = GraphLoop(self.graph.raw_cuda_graph(), self.slot, self.loop_iterations, self.engine.main_stream)
 
     def load(self, iteration: int) -> None:
-        """The data of the next single replay: into ring slot 0 when the graph reads a ring, else the static
-        buffers (on the current stream)."""
-        if self.ring is not None:
+        """Prepare the data of the next single replay (on the current stream): point the counter at it (counter
+        data), write it into ring slot 0 (a loop's ring), or into the static buffers."""
+        if self.counter_feed:
+            self.engine.feed.set_iteration(iteration)
+        elif self.ring is not None:
             self.ring.load(iteration, 1)
         else:
             self.engine.feed.load(iteration)
@@ -75,12 +87,20 @@ class IterationGraph:
     def replay(self) -> None:
         """Launch the captured iteration on the current stream's device (one host call)."""
         self.graph.replay()
+        if self.counter_feed:
+            self.engine.feed.counter_at += 1  # the graph advanced the counter
 
     def run_loop(self, first_iteration: int) -> int:
-        """Load and run `loop` iterations from one launch; returns how many ran."""
-        self.ring.load(first_iteration, self.ring.slots)
+        """Prepare and run `loop` iterations from one launch; returns how many ran."""
+        k = self.loop_iterations
+        if self.counter_feed:
+            self.engine.feed.set_iteration(first_iteration)
+        else:
+            self.ring.load(first_iteration, k)
         self.loop.launch()
-        return self.ring.slots
+        if self.counter_feed:
+            self.engine.feed.counter_at += k
+        return k
 
     def release(self) -> None:
         """Free the looped graph (the torch graph goes with this object)."""

@@ -9,11 +9,13 @@ node; its body is the captured iteration (a child graph) followed by a one-threa
 that advances a device-side data slot and ends the loop after K iterations. The body lives on the device from the
 first upload; the host pays one launch per K iterations.
 
-Data. A looped iteration cannot wait for the host to refill its static buffers, so the inputs of the next K
-iterations are generated before the launch into a device-side ring of K slots (`DataRing.load`, the same seeded
-data the eager feed writes) and the captured iteration begins by copying ring[slot] into the static buffers (the
-slot is read on the device). A single replay uses slot 0, where the loop leaves the slot. So K looped iterations
-run exactly the kernels of K single replays, on the same data: the GPU tests ask for bitwise equality.
+Data. A looped iteration cannot wait for the host to refill its static buffers. With `--data counter`
+(counter_data.py) the captured iteration makes its own data from a device-side iteration counter and advances it:
+no host work at all. With the default `--data seeded` the inputs of the next K iterations are generated before
+the launch into a device-side ring of K slots (`DataRing.load`, the same seeded data the eager feed writes) and
+the captured iteration begins by copying ring[slot] into the static buffers (the slot read on the device); a
+single replay uses slot 0, where the loop leaves the slot. Either way K looped iterations run exactly the kernels
+of K single replays, on the same data: the GPU tests ask for bitwise equality.
 
 Limits. CUDA allows only kernel, memcpy, memset, empty, child-graph and conditional nodes in a conditional body:
 an iteration that holds stream memory operations (the copy-engine transport's flag waits/writes) or event nodes
@@ -84,21 +86,21 @@ def _loop_kernel(device_index: int) -> tuple[Any, int]:
 
 
 class GraphLoop:
-    """A parent graph (one WHILE node) that replays `iteration_graph` `per_launch` times per launch. The ring's
-    slot must be 0 at each launch (it is where the loop leaves it)."""
+    """A parent graph (one WHILE node) that replays `iteration_graph` `per_launch` times per launch, counting in
+    `slot` (a device int64 that must be 0 at each launch: it is where the loop leaves it; a DataRing reads it)."""
 
-    def __init__(self, iteration_graph: int, ring: DataRing, per_launch: int, stream: torch.cuda.Stream) -> None:
+    def __init__(self, iteration_graph: int, slot: torch.Tensor, per_launch: int, stream: torch.cuda.Stream) -> None:
         from cuda.bindings import driver as cu
         from cuda.bindings import runtime as rt
 
-        if per_launch != ring.slots:
-            raise ValueError(f"the loop runs {per_launch} iterations but the ring holds {ring.slots}")
+        if per_launch < 2 or slot.dtype != torch.int64 or slot.device.type != "cuda":
+            raise ValueError("a graph loop needs >= 2 iterations per launch and an int64 slot counter on the GPU")
         self._rt = rt
         self.per_launch = per_launch
-        self.ring = ring
+        self.slot = slot
         self.stream = stream
         self._graph = self._exec = None
-        _, function = _loop_kernel(ring.slot.device.index or 0)
+        _, function = _loop_kernel(slot.device.index or 0)
         self._graph = _check(rt.cudaGraphCreate(0), "cudaGraphCreate")
         try:
             # The handle starts every launch at 1 (run the body once at least); the loop kernel sets it after that.
@@ -119,7 +121,7 @@ class GraphLoop:
             node.gridDimX = node.gridDimY = node.gridDimZ = 1
             node.blockDimX = node.blockDimY = node.blockDimZ = 1
             node.sharedMemBytes = 0
-            node.kernelParams = ((int(handle), ring.slot.data_ptr(), per_launch),
+            node.kernelParams = ((int(handle), slot.data_ptr(), per_launch),
                                  (ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64))
             _check(cu.cuGraphAddKernelNode(cu.CUgraph(int(body)), [cu.CUgraphNode(int(child))], 1, node),
                    "cuGraphAddKernelNode (the loop kernel)")

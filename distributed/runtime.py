@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..kernels import ops
 from . import schedule as sched
 from .config import ConfigError, RunConfig
-from .engine import DataFeed, Engine, LocalStage
+from .engine import CounterDataFeed, DataFeed, Engine, LocalStage
 from .env import LaunchInfo, choose_device, detect_launch, init_distributed
 from .grad_sync import PerParameterAllReduce
 from .mesh import Mesh
@@ -166,8 +166,11 @@ class Runtime:
         optimizer = torch.optim.AdamW(all_params, lr=cfg.lr, fused=on_gpu or None, capturable=on_gpu)
         generator = torch.Generator(device=device)
         holds_first, holds_last = stage_ids[0] == 0, stage_ids[-1] == n_stages - 1
-        feed = DataFeed(
-            seed=cfg.seed, replica=mesh.replica, microbatches=cfg.microbatches, generator=generator,
+        feed_kind, extra = DataFeed, {}
+        if cfg.data == "counter":  # made from a device-side iteration counter (counter_data.py)
+            feed_kind, extra = CounterDataFeed, {"counter": torch.zeros(1, dtype=torch.int64, device=device)}
+        feed = feed_kind(
+            **extra, seed=cfg.seed, replica=mesh.replica, microbatches=cfg.microbatches, generator=generator,
             inputs=[torch.empty(first_in.shape, device=device) for _ in range(cfg.microbatches)] if holds_first
             else [],
             targets=[torch.empty(out_specs[-1].shape, device=device) for _ in range(cfg.microbatches)]
@@ -229,7 +232,7 @@ class Runtime:
     @property
     def graph_loop(self) -> int:
         """Iterations one host launch runs now: K once the looped graph is built (--graph-loop K), else 1."""
-        return self.graph.ring.slots if self.graph is not None and self.graph.loop is not None else 1
+        return self.graph.loop_iterations if self.graph is not None and self.graph.loop is not None else 1
 
     def run_iteration(self, eager: bool = False) -> None:
         """Load the data of the next iteration and run it (a graph replay once graph.py captured one, unless

@@ -129,12 +129,16 @@ def _i32(v: int) -> Any:
     return np.int32(v)
 
 
-def _launch(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, smem: int,
-            device: torch.device) -> None:
+def launch_raw(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, smem: int,
+               device: torch.device) -> None:
+    """Launch a CuPy kernel on torch's current stream of `device` (so it follows the engine's streams and can be
+    captured into a CUDA graph). Also used by the runtime's own NVRTC kernels (distributed/counter_data.py)."""
     import cupy
 
     with cupy.cuda.Device(device.index):
         fn(grid, block, args, shared_mem=smem, stream=_stream(device))
+
+
 
 
 _GRID_KEYS = (*plan.GRID_KEYS, "grid_cap")
@@ -195,11 +199,11 @@ def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | N
     vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op), _rounds(op))
     if vp is not None:
         bias_vec = plan.bias_vector_ok(hidden, vp.head, spec.e, bias.data_ptr(), bias.element_size())
-        _launch(op.main, (vp.grid,), (spec.threads,),
+        launch_raw(op.main, (vp.grid,), (spec.threads,),
                 (_p(x), _p(y), _p(bias), _i64(n), _i64(vp.head), _i64(vp.nchunks), _i32(hidden), _i32(bias_vec)),
                 spec.smem_bytes, dev)
     else:
-        _launch(op.scalar, (_scalar_grid(n, op),), (SCALAR_THREADS,),
+        launch_raw(op.scalar, (_scalar_grid(n, op),), (SCALAR_THREADS,),
                 (_p(x), _p(y), _p(bias), _i64(n), _i32(hidden)), 0, dev)
     return y
 
@@ -234,17 +238,17 @@ def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
     if vp is not None and grid is not None:
         part = _new(grid * tile_elems, torch.float32, dev, None)
         bias_vec = plan.bias_vector_ok(hidden, vp.head, spec.e, bias.data_ptr(), bias.element_size())
-        _launch(op.main, (grid,), (spec.threads,),
+        launch_raw(op.main, (grid,), (spec.threads,),
                 (_p(grad), _p(x), _p(gx), _p(bias), _p(part), _i64(vp.head), _i64(vp.nchunks), _i32(hidden),
                  _i32(bias_vec)), spec.smem_bytes, dev)
         rows, shift, rhead, tail = grid * tile_elems // hidden, vp.head, vp.head, vp.tail_start
     else:
         threads = plan.scalar_backward_threads(n, hidden, op.sms * 2048)
         part = _new(threads, torch.float32, dev, None)
-        _launch(op.scalar, (-(-threads // SCALAR_THREADS),), (SCALAR_THREADS,),
+        launch_raw(op.scalar, (-(-threads // SCALAR_THREADS),), (SCALAR_THREADS,),
                 (_p(grad), _p(x), _p(gx), _p(bias), _p(part), _i64(n), _i32(hidden), _i64(threads)), 0, dev)
         rows, shift, rhead, tail = threads // hidden, 0, 0, n
-    _launch(op.reduce, (-(-hidden // 32),), (32, 32),
+    launch_raw(op.reduce, (-(-hidden // 32),), (32, 32),
             (_p(part), _i64(rows), _i32(hidden), _i64(shift), _p(grad), _p(x), _p(gx), _p(bias), _i64(n),
              _i64(rhead), _i64(tail), _p(gb)), 0, dev)
     return gx, gb
@@ -270,10 +274,10 @@ def residual_add_forward(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | N
     op = kc.get_op(spec, dev.index)
     vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op), _rounds(op))
     if vp is not None:
-        _launch(op.main, (vp.grid,), (spec.threads,),
+        launch_raw(op.main, (vp.grid,), (spec.threads,),
                 (_p(x), _p(y), _p(o), _i64(n), _i64(vp.head), _i64(vp.nchunks)), spec.smem_bytes, dev)
     else:
-        _launch(op.scalar, (_scalar_grid(n, op),), (SCALAR_THREADS,), (_p(x), _p(y), _p(o), _i64(n)), 0, dev)
+        launch_raw(op.scalar, (_scalar_grid(n, op),), (SCALAR_THREADS,), (_p(x), _p(y), _p(o), _i64(n)), 0, dev)
     return o
 
 

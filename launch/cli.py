@@ -9,6 +9,7 @@ import os
 from peerline.distributed.config import (
     ALLOCATORS,
     ALLREDUCE_PRIORITIES,
+    DATA_SOURCES,
     DEVICES,
     DTYPES,
     GRAD_SYNCS,
@@ -93,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "normal (as DDP's), for comparison; graphs ignore stream priorities (default: %(default)s)")
     g.add_argument("--timeout-s", type=float, default=_DEFAULTS.timeout_s,
                    help="deadline for any wait, seconds (default: %(default)s)")
+    g.add_argument("--data", choices=DATA_SOURCES, default=_DEFAULTS.data,
+                   help="synthetic data: seeded (torch's generator, reseeded on the host per iteration) or counter "
+                        "(a counter-based hash made on the device inside the graph: no host work per iteration; "
+                        "default: %(default)s)")
     g.add_argument("--staging", choices=STAGINGS, default=_DEFAULTS.staging,
                    help="inputs/results: direct, or pinned (host ring + h2d/d2h streams; default: %(default)s)")
     g.add_argument("--allocator", choices=ALLOCATORS, default=os.environ.get("PEERLINE_ALLOCATOR") or None,

@@ -47,6 +47,7 @@ SHAPES = {
 }
 DEFAULT_SHAPES = "launch,launch64,compute"
 DEFAULT_LOOP = 8  # iterations per host launch of the looped variant: the launch cost (60-100 us) over 8
+COUNTER = "peerline graph counter-data"
 LOOPED = "peerline graph loop"
 
 
@@ -127,7 +128,7 @@ class TorchStep:
         self.iteration += 1
 
 
-def _single_gpu_runtime(shape: PipeShape, device: torch.device, graph: bool, loop: int = 1):
+def _single_gpu_runtime(shape: PipeShape, device: torch.device, graph: bool, loop: int = 1, data: str = "seeded"):
     """peerline on this rank's device alone (pp=1, dp=1), whatever the launcher's world."""
     from peerline.distributed.config import RunConfig
     from peerline.distributed.env import LaunchInfo
@@ -139,7 +140,7 @@ def _single_gpu_runtime(shape: PipeShape, device: torch.device, graph: bool, loo
     cfg = RunConfig(pp=1, dp=1, microbatches=shape.microbatches, micro_batch_size=shape.micro_batch_size,
                     seq=shape.seq, hidden=shape.hidden, layers=shape.layers, seed=shape.seed, lr=shape.lr,
                     dtype=shape.dtype, device=device.type, graph=graph, iters=10**9, log_every=loop,
-                    graph_loop=loop)
+                    graph_loop=loop, data=data)
     return Runtime.create(cfg, info)
 
 
@@ -209,11 +210,13 @@ def run_shape(base: PipeShape, args: argparse.Namespace, ctx: BenchContext) -> f
         anchor.capture()
         measure("torch graph", anchor.graph_step, lambda: float(anchor.loss), anchor.graph.replay)
     loop = getattr(args, "graph_loop_k", DEFAULT_LOOP) or 1
-    variants = [(False, 1), (True, 1)] + ([(True, loop)] if loop > 1 else [])
-    for graph, k in (variants if on_gpu else [(False, 1)]):
-        rt = _single_gpu_runtime(shape, device, graph, k)
+    # (name, graph, iterations per launch, data): seeded data is written by the host each iteration, counter data
+    # is made inside the graph (--data counter), so the last two separate the data's host cost from the launch's.
+    variants = [("peerline eager", False, 1, "seeded"), ("peerline graph", True, 1, "seeded"),
+                (COUNTER, True, 1, "counter")] + ([(LOOPED, True, loop, "counter")] if loop > 1 else [])
+    for name, graph, k, data in (variants if on_gpu else variants[:1]):
+        rt = _single_gpu_runtime(shape, device, graph, k, data)
         try:
-            name = LOOPED if k > 1 else "peerline graph" if graph else "peerline eager"
             if graph:
                 rt.train(rt.cfg.warmup_iters + 1)  # capture happens after the eager warm-up iterations
                 if rt.graph is None:
@@ -238,7 +241,7 @@ def run_shape(base: PipeShape, args: argparse.Namespace, ctx: BenchContext) -> f
     sizes = {**shape.sizes(), "gpus": 1}
     for mine, theirs in (("peerline eager", "torch eager"), ("peerline graph", "torch eager"),
                          ("peerline graph", "torch graph"), ("peerline graph", "peerline eager"),
-                         (LOOPED, "torch graph"), (LOOPED, "peerline graph")):
+                         (COUNTER, "peerline graph"), (LOOPED, "torch graph"), (LOOPED, "peerline graph")):
         if mine not in timed or theirs not in timed:
             continue
         a, b = timed[mine], timed[theirs]
@@ -254,7 +257,7 @@ def run_shape(base: PipeShape, args: argparse.Namespace, ctx: BenchContext) -> f
                                  "anchor_host_us_per_replay": replay_us.get(theirs),
                                  "host_modes": HOST_MODE_TEXT}))
     if shape.name.startswith("compute"):
-        for variant in ("peerline graph", LOOPED):
+        for variant in ("peerline graph", COUNTER, LOOPED):
             if variant in timed and "peerline eager" in timed:
                 ratio = timed["peerline eager"].median_ms / timed[variant].median_ms
                 ctx.note(f"GOAL {'MET' if ratio >= 1.0 else 'MISSED'} {shape.name}: {variant} {ratio:.3f}x eager "
@@ -262,13 +265,14 @@ def run_shape(base: PipeShape, args: argparse.Namespace, ctx: BenchContext) -> f
     torch_host = host_us.get("torch graph", {}).get("busy", float("nan"))
     torch_replay = replay_us.get("torch graph", {}).get("busy", float("nan"))
     result = None
-    for variant in ("peerline graph", LOOPED):
+    for variant in ("peerline graph", COUNTER, LOOPED):
         if variant not in replay_us:
             continue
         mine = host_us[variant]
         result = us = mine["busy"]
-        how = ("one launch per iteration" if variant == "peerline graph"
-               else f"--graph-loop {loop}: one launch per {loop} iterations, their data generated first")
+        how = {"peerline graph": "one launch per iteration, seeded data written by the host",
+               COUNTER: "one launch per iteration, --data counter (made inside the graph)",
+               LOOPED: f"--graph-loop {loop} --data counter: one launch per {loop} iterations"}[variant]
         # The goal is judged on the way peerline is meant to be run for it: the looped graph when it ran.
         tag = ("GOAL " + ("MET" if us < 50 else "MISSED")) if variant == LOOPED or LOOPED not in replay_us else "INFO"
         ctx.note(f"{tag} {shape.name}: host time per replayed iteration, {how} (data load + launch, issued while "

@@ -6,7 +6,9 @@ iteration itself, on the same data (the ring holds what the feed would have writ
 even rounding. Against eager fp32 (TF32 off): 1e-6 relative, as the graph-vs-eager checks elsewhere. The static
 input buffers are poisoned with NaN after capture, so a loop that did not copy its data from the ring fails.
 Cases: one stage (fp32, torch kernels), two stages as streams of one GPU (fp32), and the defaults (bf16 autocast,
-peerline kernels).
+peerline kernels), each with the default seeded data (a device-side ring the host fills); --data counter (the
+graph makes its own data from a device counter): its kernel against the torch reference, loop == single replays
+bitwise, graph == eager.
 """
 
 from __future__ import annotations
@@ -92,3 +94,35 @@ def test_loop_with_defaults_bf16_peerline_kernels():
     looped, plain = _train(K, **over), _train(1, **over)
     assert looped[3] == K and looped[2] == 3
     _assert_same(looped, plain)
+
+
+# --data counter: the data is made inside the graph from a device-side counter (distributed/counter_data.py).
+
+@pytest.mark.parametrize("n", [1, 1000003, 1 << 20])
+def test_counter_kernel_matches_torch_reference(n):
+    from peerline.distributed import counter_data
+
+    gen = torch.Generator().manual_seed(n)
+    seed, it, mb = (int(v) for v in torch.randint(0, 2**31 - 1, (3,), generator=gen))
+    it_dev = torch.tensor([it], dtype=torch.int64, device="cuda")
+    out = torch.full((n,), float("nan"), device="cuda")  # poisoned: the kernel must write every element
+    counter_data.fill(out, seed, it_dev, mb, 1)
+    want = torch.empty(n, device="cuda")
+    counter_data.reference_fill(want, seed, it_dev, mb, 1)
+    assert torch.isfinite(out).all()
+    # Same integer hash; the float part differs by libm (cospif/logf vs torch's): 1e-5 relative plus a small
+    # absolute term where cos is near its zeros.
+    assert torch.allclose(out, want, rtol=1e-5, atol=2e-6), (out - want).abs().max()
+
+
+def test_counter_data_loop_equals_single_replays_bitwise():
+    looped, plain = _train(K, data="counter"), _train(1, data="counter")
+    assert looped[3] == K and looped[2] == 3
+    assert all(map(lambda x: x == x, looped[0])) and len(set(looped[0])) == len(looped[0])
+    _assert_same(looped, plain)
+
+
+def test_counter_data_graph_equals_eager():
+    graph, eager = _train(1, data="counter"), _train(1, graph=False, data="counter")
+    for a, b in zip(graph[0], eager[0], strict=True):
+        assert abs(a - b) <= 1e-6 * abs(b), (graph[0], eager[0])
