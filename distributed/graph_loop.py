@@ -125,7 +125,10 @@ class GraphLoop:
                                  (ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64))
             _check(cu.cuGraphAddKernelNode(cu.CUgraph(int(body)), [cu.CUgraphNode(int(child))], 1, node),
                    "cuGraphAddKernelNode (the loop kernel)")
-            self._exec = _check(rt.cudaGraphInstantiate(self._graph, 0), "cudaGraphInstantiate (the looped graph)")
+            try:
+                self._exec = _check(rt.cudaGraphInstantiate(self._graph, 0), "cudaGraphInstantiate (the looped graph)")
+            except RuntimeError as exc:
+                raise RuntimeError(f"{exc}; {node_census(rt, iteration_graph)}") from None
             _check(rt.cudaGraphUpload(self._exec, self._stream_handle()), "cudaGraphUpload")
         except BaseException:
             self.release()
@@ -154,3 +157,26 @@ def _add_root_node(rt: Any, graph: Any, params: Any) -> Any:
         return _check(rt.cudaGraphAddNode(graph, None, None, 0, params), "cudaGraphAddNode (WHILE)")
     except TypeError:
         return _check(rt.cudaGraphAddNode(graph, None, 0, params), "cudaGraphAddNode (WHILE)")
+
+
+#: node types CUDA allows in a conditional body (CUDA_CONDITIONAL_NODE_PARAMS)
+ALLOWED_IN_BODY = ("Kernel", "Memcpy", "Memset", "Empty", "Graph", "Conditional")
+
+
+def node_census(rt: Any, graph: int) -> str:
+    """'the iteration has N nodes: kinds...; not allowed in a loop body: ...' (why a loop cannot be built), or a
+    note that the census failed (it is only a diagnostic)."""
+    try:
+        handle = rt.cudaGraph_t(graph)
+        count = _check(rt.cudaGraphGetNodes(handle, 0), "cudaGraphGetNodes")[1]
+        nodes = _check(rt.cudaGraphGetNodes(handle, count), "cudaGraphGetNodes")[0]
+        kinds: dict[str, int] = {}
+        for node in nodes:
+            kind = _check(rt.cudaGraphNodeGetType(node), "cudaGraphNodeGetType").name.replace("cudaGraphNodeType", "")
+            kinds[kind] = kinds.get(kind, 0) + 1
+    except Exception as exc:  # noqa: BLE001 - a diagnostic must not hide the error it explains
+        return f"(node census failed: {type(exc).__name__}: {exc})"
+    bad = {k: v for k, v in kinds.items() if k not in ALLOWED_IN_BODY}
+    shown = ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
+    return (f"the iteration has {sum(kinds.values())} nodes ({shown}); not allowed in a loop body: "
+            + (", ".join(f"{v} {k}" for k, v in sorted(bad.items())) if bad else "none of its kinds"))
