@@ -55,10 +55,16 @@ _warned: set[str] = set()
 # 0.94x torch), 16 MiB 0.84 -> 0.95x; fp32 0.93 -> 0.95x / 0.85 -> 0.96x; fwd bf16 3650 -> 3708 (0.89 of copy).
 # The 06:22 UTC sweep (s3-call7-kernels-sweep.jsonl) added streaming stores to residual add (.h1, st.global.cs):
 # bf16 0.943 -> 0.946x torch at 256 MiB, 0.952 -> 0.972x at 16 MiB; fp32 0.953 -> 0.956x, 0.965 -> 0.987x.
+# The fourth session's sweep (2026-11-26 07:46 UTC, docs/benchmarks/.../s4-call4-kernels-sweep.jsonl) took the
+# helper's rounds (.rN: at most N tiles per block, the grid beyond the resident blocks) and the cheaper bf16 Phi
+# (.p1, 7.8e-4 relative before bf16 rounding): fwd fp32 0.877 -> 0.926 of copy (.l1.r8), fwd bf16 0.901 -> 0.908
+# (.p1), residual add bf16 256 MiB 0.944 -> 0.972x torch (.r8, 16 MiB level), fp32 0.955 -> 1.001x at 256 MiB (.r2;
+# 16 MiB 0.989 -> 0.975x). fp32 x includes fp32 + bf16.
 # Then PEERLINE_KERNEL_PLANS="OP[:DTYPE]=PLAN,..." on top (plan.parse_op_plans), e.g. "residual_add=w8.s4.d1";
 # PEERLINE_KERNEL_PLANS=default drops the tuned plans. Used when TUNING is empty.
-TUNED_PLANS = ("bias_gelu_fwd:bf16=w16.s3.t1024.d1.l1,bias_gelu_fwd:fp32=w12.s4.d1,bias_gelu_bwd:bf16=w8.s4,"
-               "bias_gelu_bwd:fp32=w12.s2.d1,residual_add=w4.s4.t256.d1.l1.h1")
+TUNED_PLANS = ("bias_gelu_fwd:bf16=w16.s3.t1024.d1.l1.p1,bias_gelu_fwd:fp32=w12.s4.d1.l1.r8,bias_gelu_bwd:bf16=w8.s4,"
+               "bias_gelu_bwd:fp32=w12.s2.d1,residual_add:bf16=w4.s4.t256.d1.l1.h1.r8,"
+               "residual_add:fp32=w4.s4.t256.d1.l1.h1.r2")
 _USER_PLANS = os.environ.get("PEERLINE_KERNEL_PLANS", "")
 OP_PLANS = ({} if _USER_PLANS.strip() == "default" else
             {**plan.parse_op_plans(TUNED_PLANS), **plan.parse_op_plans(_USER_PLANS)})

@@ -274,7 +274,7 @@ def run_shape(base: PipeShape, args: argparse.Namespace, ctx: BenchContext) -> f
                COUNTER: "one launch per iteration, --data counter (made inside the graph)",
                LOOPED: f"--graph-loop {loop} --data counter: one launch per {loop} iterations"}[variant]
         # The goal is judged on the way peerline is meant to be run for it: the looped graph when it ran.
-        tag = ("GOAL " + ("MET" if us < 50 else "MISSED")) if variant == LOOPED or LOOPED not in replay_us else "INFO"
+        tag = ("GOAL " + ("MET" if us < 50 else "MISSED")) if variant == LOOPED or LOOPED not in replay_us else "DETAIL"
         ctx.note(f"{tag} {shape.name}: host time per replayed iteration, {how} (data load + launch, issued while "
                  f"the GPU runs earlier work) {us:.1f} us (goal < 50 us), torch graph {torch_host:.1f} us; launch "
                  f"alone {replay_us[variant]['busy']:.1f} us per iteration (torch replay() {torch_replay:.1f}); "

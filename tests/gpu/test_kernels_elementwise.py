@@ -387,14 +387,14 @@ def test_rounds_grid_beyond_resident(monkeypatch: pytest.MonkeyPatch, label: str
     p = plan.parse_plan(label)
     monkeypatch.setattr(ew, "TUNING", p.tuning())
     grids: list[tuple[int, int]] = []  # (grid, threads) of every pl_main launch
-    real_launch = ew._launch
+    real_launch = ew.launch_raw
 
     def spy(fn: object, grid: tuple, block: tuple, args: tuple, smem: int, device: torch.device) -> None:
         if smem > 0:  # pl_main (the scalar and reduce kernels use no dynamic shared memory)
             grids.append((grid[0], block[0]))
         return real_launch(fn, grid, block, args, smem, device)
 
-    monkeypatch.setattr(ew, "_launch", spy)
+    monkeypatch.setattr(ew, "launch_raw", spy)
     shape, off = (2063, 4096), 1
     x, g = randn(shape, dt, off, scale=2.0), randn(shape, dt, off)
     if rounds_op == "res":
