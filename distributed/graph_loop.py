@@ -17,9 +17,12 @@ the captured iteration begins by copying ring[slot] into the static buffers (the
 single replay uses slot 0, where the loop leaves the slot. Either way K looped iterations run exactly the kernels
 of K single replays, on the same data: the GPU tests ask for bitwise equality.
 
-Limits. CUDA allows only kernel, memcpy, memset, empty, child-graph and conditional nodes in a conditional body:
-an iteration that holds stream memory operations (the copy-engine transport's flag waits/writes) or event nodes
-cannot be looped; building the loop then fails, and the runtime replays one iteration per launch and says why.
+Limits. CUDA allows only kernel, memcpy, memset, empty, child-graph and conditional nodes in a conditional body.
+Event record / wait nodes (external events: the bucket timers, the watchdog's arrival marks, NCCL work handles) are
+replaced by empty nodes in the looped copy, a wait ordered after its event's records by an edge (so looped
+iterations are neither timed nor watched per receive). Stream memory operations (the copy-engine transport's flag
+waits/writes) have no such stand-in: that iteration cannot be looped; building the loop fails, and the runtime
+replays one iteration per launch and says why.
 Needs a CUDA 12.4+ driver, cuda-bindings and CuPy (the loop kernel is compiled by NVRTC like kernels/).
 """
 
@@ -27,10 +30,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "graph_loop.cu"
 KERNEL_NAME = "pl_graph_loop_next"
@@ -114,8 +120,17 @@ class GraphLoop:
             params.conditional.size = 1
             _add_root_node(rt, self._graph, params)
             body = params.conditional.phGraph_out[0]
-            child = _check(rt.cudaGraphAddChildGraphNode(body, None, 0, rt.cudaGraph_t(iteration_graph)),
-                           "cudaGraphAddChildGraphNode (the captured iteration into the loop body)")
+            # Event nodes are not allowed in a conditional body: a copy of the iteration without them (the
+            # ordering they gave inside the iteration kept as edges) goes in; torch's graph keeps them.
+            source, self.events_removed = without_event_nodes(rt, iteration_graph)
+            if self.events_removed:
+                log.info("graph loop: %d event nodes of the iteration left out of the loop body (kept as edges)",
+                         self.events_removed)
+            try:
+                child = _check(rt.cudaGraphAddChildGraphNode(body, None, 0, source),
+                               "cudaGraphAddChildGraphNode (the captured iteration into the loop body)")
+            finally:
+                rt.cudaGraphDestroy(source)  # the child node holds its own copy
             node = cu.CUDA_KERNEL_NODE_PARAMS()
             node.func = cu.CUfunction(function)
             node.gridDimX = node.gridDimY = node.gridDimZ = 1
@@ -180,3 +195,55 @@ def node_census(rt: Any, graph: int) -> str:
     shown = ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
     return (f"the iteration has {sum(kinds.values())} nodes ({shown}); not allowed in a loop body: "
             + (", ".join(f"{v} {k}" for k, v in sorted(bad.items())) if bad else "none of its kinds"))
+
+
+def _listing(call: Any, *args: Any) -> list:
+    """The list a cuda-bindings 'get N things' call returns (asked once for the count, then for the things)."""
+    first = _check(call(*args, 0), call.__name__)
+    count = first[-1] if isinstance(first, tuple) else first
+    if not count:
+        return []
+    return list(_check(call(*args, count), call.__name__)[0])[:count]
+
+
+def _add_edge(rt: Any, graph: Any, before: Any, after: Any) -> None:
+    try:
+        _check(rt.cudaGraphAddDependencies(graph, [before], [after], None, 1), "cudaGraphAddDependencies")
+    except TypeError:  # cuda-bindings 12: no edge data
+        _check(rt.cudaGraphAddDependencies(graph, [before], [after], 1), "cudaGraphAddDependencies")
+
+
+def without_event_nodes(rt: Any, graph: int) -> tuple[Any, int]:
+    """(a copy of `graph` whose event record / wait nodes are empty nodes, how many were replaced). Each stand-in
+    keeps the node's edges; a wait also gets an edge from the stand-ins of the records of its event in this graph
+    (the order the event gave). A wait for a record that runs after it (an earlier replay's event) would make a
+    cycle, which instantiation refuses: that iteration then replays one per launch."""
+    kinds = rt.cudaGraphNodeType
+    copy = _check(rt.cudaGraphClone(rt.cudaGraph_t(graph)), "cudaGraphClone")
+    records: dict[int, list[Any]] = {}
+    waits: list[tuple[Any, int]] = []
+    for node in _listing(rt.cudaGraphGetNodes, copy):
+        err, kind = rt.cudaGraphNodeGetType(node)
+        if int(err) != 0:  # seen for the copy-engine transport's stream memory operations (driver-only kind)
+            rt.cudaGraphDestroy(copy)
+            raise RuntimeError(f"the iteration holds a node the CUDA runtime cannot name ({err}; stream memory "
+                               "operations, i.e. the copy-engine transport's flags): it cannot be looped")
+        if kind == kinds.cudaGraphNodeTypeEventRecord:
+            event = int(_check(rt.cudaGraphEventRecordNodeGetEvent(node), "cudaGraphEventRecordNodeGetEvent"))
+            records.setdefault(event, []).append(node)
+        elif kind == kinds.cudaGraphNodeTypeWaitEvent:
+            waits.append((node, int(_check(rt.cudaGraphEventWaitNodeGetEvent(node), "cudaGraphEventWaitNodeGetEvent"))))
+    stand_in: dict[int, Any] = {}
+    for node in [n for group in records.values() for n in group] + [w for w, _ in waits]:
+        # Edges are read just before each replacement, so they already name earlier stand-ins.
+        before = _listing(rt.cudaGraphNodeGetDependencies, node)
+        after = _listing(rt.cudaGraphNodeGetDependentNodes, node)
+        _check(rt.cudaGraphDestroyNode(node), "cudaGraphDestroyNode")
+        empty = _check(rt.cudaGraphAddEmptyNode(copy, before, len(before)), "cudaGraphAddEmptyNode")
+        for succ in after:
+            _add_edge(rt, copy, empty, succ)
+        stand_in[int(node)] = empty
+    for wait, event in waits:
+        for record in records.get(event, []):
+            _add_edge(rt, copy, stand_in[int(record)], stand_in[int(wait)])
+    return copy, len(stand_in)
