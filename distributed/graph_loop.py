@@ -21,8 +21,11 @@ Limits. CUDA allows only kernel, memcpy, memset, empty, child-graph and conditio
 Event record / wait nodes (external events: the bucket timers, the watchdog's arrival marks, NCCL work handles) are
 replaced by empty nodes in the looped copy, a wait ordered after its event's records by an edge (so looped
 iterations are neither timed nor watched per receive). Stream memory operations (the copy-engine transport's flag
-waits/writes) have no such stand-in: that iteration cannot be looped; building the loop fails, and the runtime
-replays one iteration per launch and says why.
+waits/writes) have no such stand-in. Whatever refuses, building the loop fails and the runtime replays one
+iteration per launch and says why. Measured on 2 x H200 (NCCL 2.28, 2026-11-26): one GPU (also --stages N) loops;
+iterations with NCCL collectives (dp > 1, pp over NCCL) are still refused by cudaGraphInstantiate (invalid value)
+after the event nodes are stood in, for a reason not found (NCCL's kernel launch attributes are the suspects);
+the copy-engine transport's memory operations refuse it as expected.
 Needs a CUDA 12.4+ driver, cuda-bindings and CuPy (the loop kernel is compiled by NVRTC like kernels/).
 """
 

