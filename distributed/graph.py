@@ -2,8 +2,10 @@
 
 What is captured: every microbatch forward and backward of the rank's schedule, the handoffs (copy-engine flag
 waits/writes and copies, or NCCL send/recv), the gradient all-reduces, the optimizer step (capturable AdamW) and
-the loss accumulation, i.e. exactly what `Engine.iteration()` issues. The data load stays outside: before each
-replay the runtime refills the static input/target buffers in place.
+the loss accumulation, i.e. exactly what `Engine.iteration()` issues. Data: with the default seeded data the host
+refills the static input/target buffers in place before each replay (or, for a loop, a device ring the graph copies
+from); with `--data counter` the graph makes its own data from a device-side counter. `--graph-loop K` wraps the
+captured iteration into a looped graph, K iterations per host launch (graph_loop.py).
 
 Lessons followed (ARCHITECTURE.md): eager warm-up first (NCCL and P2P included), barrier and synchronize before
 capture, capture on the engine's own (non-default) main stream so work on the other streams forks from it and
