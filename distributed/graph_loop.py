@@ -24,8 +24,11 @@ iterations are neither timed nor watched per receive). Stream memory operations 
 waits/writes) have no such stand-in. Whatever refuses, building the loop fails and the runtime replays one
 iteration per launch and says why. Measured on 2 x H200 (NCCL 2.28, 2026-11-26): one GPU (also --stages N) loops;
 iterations with NCCL collectives (dp > 1, pp over NCCL) are still refused by cudaGraphInstantiate (invalid value)
-after the event nodes are stood in, for a reason not found (NCCL's kernel launch attributes are the suspects);
-the copy-engine transport's memory operations refuse it as expected.
+after the event nodes are stood in, for a reason not found. A lead: pytorch/pytorch#180960 saw the driver log
+"Device-launched graphs and conditional nodes do not support EVENT_WAIT nodes" for NCCL inside torch.cond, and
+NCCL_GRAPH_MIXING_SUPPORT=0 avoided it (NCCL's strong streams then add no event nodes); tests/gpu/run_graph_loop.sh
+now sets CUDA_LOG_FILE so the driver's reason is printed. The copy-engine transport's memory operations refuse the
+loop as expected.
 Needs a CUDA 12.4+ driver, cuda-bindings and CuPy (the loop kernel is compiled by NVRTC like kernels/).
 """
 

@@ -17,7 +17,10 @@ need_gpus 2 graph_loop.dp2 graph_loop.pp2_nccl graph_loop.pp2_copy_engine
 D=$OUT/graph_loop; mkdir -p "$D"
 # fp32, 14 iterations read every 4: 0-1 eager, 2-3 single replays, 4-11 two loops of 4, 12-13 single replays.
 ARGS="--hidden 256 --layers 4 --seq 64 --micro-batch-size 2 -m 4 --iters 14 --warmup-iters 2 --log-every 4 --dtype fp32"
-run2() { step "$D/$1.out" 120 torchrun --standalone --nproc_per_node=2 launch/pipeline.py $ARGS "${@:2}" --json "$D/$1.json"; }
+# CUDA_LOG_FILE: the driver's own error log (driver r575+) says why an instantiation is refused (pytorch#180960 saw
+# "Device-launched graphs and conditional nodes do not support EVENT_WAIT nodes" there); the reason lands in the
+# run's .out file.
+run2() { step "$D/$1.out" 120 env CUDA_LOG_FILE=stderr torchrun --standalone --nproc_per_node=2 launch/pipeline.py $ARGS "${@:2}" --json "$D/$1.json"; }
 pair() {  # pair NAME WANT ARGS...: looped and one-per-launch runs of the same grid, compared bitwise; WANT is the
   # iterations per launch the looped run must end up with (4, or 1 where the graph cannot be looped)
   local name=$1 want=$2; shift 2
@@ -40,4 +43,5 @@ pair dp2 1 --pp 1 --dp 2
 pair pp2_nccl 1 --pp 2 --p2p nccl --schedule 1f1b
 pair pp2_copy_engine 1 --pp 2 --p2p copy-engine --schedule 1f1b
 grep -h "graph-loop" "$D"/*_loop.out | sort -u | sed 's/^/  /' | head -5
+grep -h "\[CUDA\]\[E\]" "$D"/*_loop.out | sort -u | sed 's/^/  CUDA log: /' | head -8
 exit 0
