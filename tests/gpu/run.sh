@@ -35,7 +35,7 @@ run_section() {
   timeout "$limit" bash "$f" > "$OUT/section_$s.log" 2>&1
   rc=$?
   { echo "=== SECTION $s rc=$rc in $(( $(date +%s) - start )) s"
-    grep -aE "^(PASS|FAIL|SKIP|GOAL|SWEEP)" "$OUT/section_$s.log" | head -80; } > "$OUT/section_$s.summary"
+    grep -aE "^(PASS|FAIL|SKIP|GOAL|SWEEP|INFO)" "$OUT/section_$s.log" | head -80; } > "$OUT/section_$s.summary"
 }
 for spec in "${sections[@]}"; do
   names=${spec%%:*}  # NAME, NAME:SECONDS, or A+B:SECONDS (one-GPU sections side by side, one GPU each)
