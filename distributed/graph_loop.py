@@ -42,6 +42,8 @@ from typing import Any
 
 import torch
 
+from .graph_edit import check, node_census, without_event_nodes
+
 log = logging.getLogger(__name__)
 
 KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "graph_loop.cu"
@@ -76,14 +78,6 @@ class DataRing:
             buf.copy_(ring.index_select(0, self.slot).view_as(buf))
 
 
-def _check(result: tuple, what: str) -> Any:
-    """The values after the error code of a cuda-bindings call, or RuntimeError naming the call."""
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if int(err) != 0:
-        raise RuntimeError(f"{what} failed: {err}")
-    return rest[0] if len(rest) == 1 else tuple(rest)
-
-
 @functools.cache
 def _loop_kernel(device_index: int) -> tuple[Any, int]:
     """(CuPy RawKernel, its CUfunction) of the loop kernel on one device. Loading the module resolves
@@ -113,10 +107,10 @@ class GraphLoop:
         self.stream = stream
         self._graph = self._exec = None
         _, function = _loop_kernel(slot.device.index or 0)
-        self._graph = _check(rt.cudaGraphCreate(0), "cudaGraphCreate")
+        self._graph = check(rt.cudaGraphCreate(0), "cudaGraphCreate")
         try:
             # The handle starts every launch at 1 (run the body once at least); the loop kernel sets it after that.
-            handle = _check(rt.cudaGraphConditionalHandleCreate(
+            handle = check(rt.cudaGraphConditionalHandleCreate(
                 self._graph, 1, int(rt.cudaGraphConditionalHandleFlags.cudaGraphCondAssignDefault)),
                 "cudaGraphConditionalHandleCreate")
             params = rt.cudaGraphNodeParams()
@@ -133,7 +127,7 @@ class GraphLoop:
                 log.info("graph loop: %d event nodes of the iteration left out of the loop body (kept as edges)",
                          self.events_removed)
             try:
-                child = _check(rt.cudaGraphAddChildGraphNode(body, None, 0, source),
+                child = check(rt.cudaGraphAddChildGraphNode(body, None, 0, source),
                                "cudaGraphAddChildGraphNode (the captured iteration into the loop body)")
             finally:
                 rt.cudaGraphDestroy(source)  # the child node holds its own copy
@@ -144,13 +138,13 @@ class GraphLoop:
             node.sharedMemBytes = 0
             node.kernelParams = ((int(handle), slot.data_ptr(), per_launch),
                                  (ctypes.c_uint64, ctypes.c_void_p, ctypes.c_int64))
-            _check(cu.cuGraphAddKernelNode(cu.CUgraph(int(body)), [cu.CUgraphNode(int(child))], 1, node),
+            check(cu.cuGraphAddKernelNode(cu.CUgraph(int(body)), [cu.CUgraphNode(int(child))], 1, node),
                    "cuGraphAddKernelNode (the loop kernel)")
             try:
-                self._exec = _check(rt.cudaGraphInstantiate(self._graph, 0), "cudaGraphInstantiate (the looped graph)")
+                self._exec = check(rt.cudaGraphInstantiate(self._graph, 0), "cudaGraphInstantiate (the looped graph)")
             except RuntimeError as exc:
                 raise RuntimeError(f"{exc}; {node_census(rt, iteration_graph)}") from None
-            _check(rt.cudaGraphUpload(self._exec, self._stream_handle()), "cudaGraphUpload")
+            check(rt.cudaGraphUpload(self._exec, self._stream_handle()), "cudaGraphUpload")
         except BaseException:
             self.release()
             raise
@@ -160,7 +154,7 @@ class GraphLoop:
 
     def launch(self) -> None:
         """Run `per_launch` iterations on the loop's stream (one host call; the ring must hold their data)."""
-        _check(self._rt.cudaGraphLaunch(self._exec, self._stream_handle()), "cudaGraphLaunch (the looped graph)")
+        check(self._rt.cudaGraphLaunch(self._exec, self._stream_handle()), "cudaGraphLaunch (the looped graph)")
 
     def release(self) -> None:
         """Destroy the executable and the parent graph (the captured iteration stays with its torch graph)."""
@@ -175,81 +169,6 @@ class GraphLoop:
 def _add_root_node(rt: Any, graph: Any, params: Any) -> Any:
     """cudaGraphAddNode with no dependencies; cuda-bindings 13 added the edge-data argument that 12 lacks."""
     try:
-        return _check(rt.cudaGraphAddNode(graph, None, None, 0, params), "cudaGraphAddNode (WHILE)")
+        return check(rt.cudaGraphAddNode(graph, None, None, 0, params), "cudaGraphAddNode (WHILE)")
     except TypeError:
-        return _check(rt.cudaGraphAddNode(graph, None, 0, params), "cudaGraphAddNode (WHILE)")
-
-
-#: node types CUDA allows in a conditional body (CUDA_CONDITIONAL_NODE_PARAMS)
-ALLOWED_IN_BODY = ("Kernel", "Memcpy", "Memset", "Empty", "Graph", "Conditional")
-
-
-def node_census(rt: Any, graph: int) -> str:
-    """'the iteration has N nodes: kinds...; not allowed in a loop body: ...' (why a loop cannot be built), or a
-    note that the census failed (it is only a diagnostic)."""
-    try:
-        handle = rt.cudaGraph_t(graph)
-        count = _check(rt.cudaGraphGetNodes(handle, 0), "cudaGraphGetNodes")[1]
-        nodes = _check(rt.cudaGraphGetNodes(handle, count), "cudaGraphGetNodes")[0]
-        kinds: dict[str, int] = {}
-        for node in nodes:
-            kind = _check(rt.cudaGraphNodeGetType(node), "cudaGraphNodeGetType").name.replace("cudaGraphNodeType", "")
-            kinds[kind] = kinds.get(kind, 0) + 1
-    except Exception as exc:  # noqa: BLE001 - a diagnostic must not hide the error it explains
-        return f"(node census failed: {type(exc).__name__}: {exc})"
-    bad = {k: v for k, v in kinds.items() if k not in ALLOWED_IN_BODY}
-    shown = ", ".join(f"{v} {k}" for k, v in sorted(kinds.items()))
-    return (f"the iteration has {sum(kinds.values())} nodes ({shown}); not allowed in a loop body: "
-            + (", ".join(f"{v} {k}" for k, v in sorted(bad.items())) if bad else "none of its kinds"))
-
-
-def _listing(call: Any, *args: Any) -> list:
-    """The list a cuda-bindings 'get N things' call returns (asked once for the count, then for the things)."""
-    first = _check(call(*args, 0), call.__name__)
-    count = first[-1] if isinstance(first, tuple) else first
-    if not count:
-        return []
-    return list(_check(call(*args, count), call.__name__)[0])[:count]
-
-
-def _add_edge(rt: Any, graph: Any, before: Any, after: Any) -> None:
-    try:
-        _check(rt.cudaGraphAddDependencies(graph, [before], [after], None, 1), "cudaGraphAddDependencies")
-    except TypeError:  # cuda-bindings 12: no edge data
-        _check(rt.cudaGraphAddDependencies(graph, [before], [after], 1), "cudaGraphAddDependencies")
-
-
-def without_event_nodes(rt: Any, graph: int) -> tuple[Any, int]:
-    """(a copy of `graph` whose event record / wait nodes are empty nodes, how many were replaced). Each stand-in
-    keeps the node's edges; a wait also gets an edge from the stand-ins of the records of its event in this graph
-    (the order the event gave). A wait for a record that runs after it (an earlier replay's event) would make a
-    cycle, which instantiation refuses: that iteration then replays one per launch."""
-    kinds = rt.cudaGraphNodeType
-    copy = _check(rt.cudaGraphClone(rt.cudaGraph_t(graph)), "cudaGraphClone")
-    records: dict[int, list[Any]] = {}
-    waits: list[tuple[Any, int]] = []
-    for node in _listing(rt.cudaGraphGetNodes, copy):
-        err, kind = rt.cudaGraphNodeGetType(node)
-        if int(err) != 0:  # seen for the copy-engine transport's stream memory operations (driver-only kind)
-            rt.cudaGraphDestroy(copy)
-            raise RuntimeError(f"the iteration holds a node the CUDA runtime cannot name ({err}; stream memory "
-                               "operations, i.e. the copy-engine transport's flags): it cannot be looped")
-        if kind == kinds.cudaGraphNodeTypeEventRecord:
-            event = int(_check(rt.cudaGraphEventRecordNodeGetEvent(node), "cudaGraphEventRecordNodeGetEvent"))
-            records.setdefault(event, []).append(node)
-        elif kind == kinds.cudaGraphNodeTypeWaitEvent:
-            waits.append((node, int(_check(rt.cudaGraphEventWaitNodeGetEvent(node), "cudaGraphEventWaitNodeGetEvent"))))
-    stand_in: dict[int, Any] = {}
-    for node in [n for group in records.values() for n in group] + [w for w, _ in waits]:
-        # Edges are read just before each replacement, so they already name earlier stand-ins.
-        before = _listing(rt.cudaGraphNodeGetDependencies, node)
-        after = _listing(rt.cudaGraphNodeGetDependentNodes, node)
-        _check(rt.cudaGraphDestroyNode(node), "cudaGraphDestroyNode")
-        empty = _check(rt.cudaGraphAddEmptyNode(copy, before, len(before)), "cudaGraphAddEmptyNode")
-        for succ in after:
-            _add_edge(rt, copy, empty, succ)
-        stand_in[int(node)] = empty
-    for wait, event in waits:
-        for record in records.get(event, []):
-            _add_edge(rt, copy, stand_in[int(record)], stand_in[int(wait)])
-    return copy, len(stand_in)
+        return check(rt.cudaGraphAddNode(graph, None, 0, params), "cudaGraphAddNode (WHILE)")
