@@ -13,10 +13,8 @@ arithmetic runs as torch int64 ops, bitwise equal in the integer part (libm diff
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -75,15 +73,6 @@ def reference_fill(out: torch.Tensor, seed: int, iteration: torch.Tensor, global
     out.copy_(z.view(out.shape))
 
 
-@functools.cache
-def _kernel(device_index: int) -> Any:
-    import cupy
-
-    with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=KERNEL_SOURCE.read_text(), options=("-std=c++17",), backend="nvrtc")
-        return module.get_function("pl_counter_normal")
-
-
 def fill(out: torch.Tensor, seed: int, iteration: torch.Tensor, global_mb: int, stream: int) -> None:
     """out <- the counter-based normals of (seed, iteration[0], global_mb, stream), on the current stream: one
     kernel on a GPU (capturable: nothing but a launch), torch ops on the CPU."""
@@ -94,11 +83,13 @@ def fill(out: torch.Tensor, seed: int, iteration: torch.Tensor, global_mb: int, 
         raise ValueError("counter data fills contiguous float32 buffers from an int64 iteration counter")
     import numpy as np
 
+    from ..kernels.compile import load_kernel
     from ..kernels.elementwise import launch_raw
 
     seed_mix, salt = host_constants(seed, global_mb, stream)
     n = out.numel()
     grid = max(1, min(-(-n // _THREADS), 4096))
-    launch_raw(_kernel(out.device.index), (grid,), (_THREADS,),
+    kernel, _ = load_kernel(KERNEL_SOURCE, "pl_counter_normal", out.device.index)
+    launch_raw(kernel, (grid,), (_THREADS,),
                (np.uint64(out.data_ptr()), np.int64(n), np.uint64(seed_mix), np.uint64(salt),
                 np.uint64(iteration.data_ptr())), 0, out.device)

@@ -13,6 +13,7 @@ event (stream wait) on the same device, no copy.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -85,10 +86,16 @@ class DataFeed:
     def load_into(self, iteration: int, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
         """Fill `inputs` / `targets` (shaped like this feed's buffers) with the data of `iteration`: the static
         buffers themselves (load), or a slot of a device-side ring that a looped graph copies from (graph_loop.py)."""
+        for buf, global_mb, stream_id in self.buffers(inputs, targets):
+            fill_batch(buf, self.seed, iteration, global_mb, stream_id, self.generator)
+
+    def buffers(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]
+                ) -> Iterator[tuple[torch.Tensor, int, int]]:
+        """(buffer, global microbatch, stream) of every input (stream 0) and target (stream 1): replica r's
+        microbatch m is global microbatch r*M+m, so every replica draws its own data."""
         for stream_id, bufs in ((0, inputs), (1, targets)):
             for mb, buf in enumerate(bufs):
-                fill_batch(buf, self.seed, iteration, self.replica * self.microbatches + mb, stream_id,
-                           self.generator)
+                yield buf, self.replica * self.microbatches + mb, stream_id
 
 
 @dataclass
@@ -116,13 +123,16 @@ class CounterDataFeed(DataFeed):
 
     def generate(self) -> None:
         """Fill every buffer with the data of the counter's iteration (capturable)."""
-        for stream_id, bufs in ((0, self.inputs), (1, self.targets)):
-            for mb, buf in enumerate(bufs):
-                counter_data.fill(buf, self.seed, self.counter, self.replica * self.microbatches + mb, stream_id)
+        for buf, global_mb, stream_id in self.buffers(self.inputs, self.targets):
+            counter_data.fill(buf, self.seed, self.counter, global_mb, stream_id)
 
     def advance(self) -> None:
         """counter += 1 on the device (captured after generate, so every replay makes the next iteration's data)."""
         self.counter.add_(1)
+
+    def advanced(self, iterations: int) -> None:
+        """The host's view after launching `iterations` replays of a graph that captured `advance`."""
+        self.counter_at += iterations
 
 
 class Engine:

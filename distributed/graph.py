@@ -90,7 +90,7 @@ class IterationGraph:
         """Launch the captured iteration on the current stream's device (one host call)."""
         self.graph.replay()
         if self.counter_feed:
-            self.engine.feed.counter_at += 1  # the graph advanced the counter
+            self.engine.feed.advanced(1)
 
     def run_loop(self, first_iteration: int) -> int:
         """Prepare and run `loop` iterations from one launch; returns how many ran."""
@@ -101,7 +101,7 @@ class IterationGraph:
             self.ring.load(first_iteration, k)
         self.loop.launch()
         if self.counter_feed:
-            self.engine.feed.counter_at += k
+            self.engine.feed.advanced(k)
         return k
 
     def release(self) -> None:

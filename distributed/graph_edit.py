@@ -23,11 +23,8 @@ def node_census(rt: Any, graph: int) -> str:
     """'the iteration has N nodes: kinds...; not allowed in a loop body: ...' (why a loop cannot be built), or a
     note that the census failed (it is only a diagnostic)."""
     try:
-        handle = rt.cudaGraph_t(graph)
-        count = check(rt.cudaGraphGetNodes(handle, 0), "cudaGraphGetNodes")[1]
-        nodes = check(rt.cudaGraphGetNodes(handle, count), "cudaGraphGetNodes")[0]
         kinds: dict[str, int] = {}
-        for node in nodes:
+        for node in _listing(rt.cudaGraphGetNodes, rt.cudaGraph_t(graph)):
             kind = check(rt.cudaGraphNodeGetType(node), "cudaGraphNodeGetType").name.replace("cudaGraphNodeType", "")
             kinds[kind] = kinds.get(kind, 0) + 1
     except Exception as exc:  # noqa: BLE001 - a diagnostic must not hide the error it explains

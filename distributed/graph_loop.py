@@ -35,13 +35,13 @@ Needs a CUDA 12.4+ driver, cuda-bindings and CuPy (the loop kernel is compiled b
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..kernels.compile import load_kernel
 from .graph_edit import check, node_census, without_event_nodes
 
 log = logging.getLogger(__name__)
@@ -78,19 +78,6 @@ class DataRing:
             buf.copy_(ring.index_select(0, self.slot).view_as(buf))
 
 
-@functools.cache
-def _loop_kernel(device_index: int) -> tuple[Any, int]:
-    """(CuPy RawKernel, its CUfunction) of the loop kernel on one device. Loading the module resolves
-    cudaGraphSetConditional, so an old driver fails here, before anything is built. Cached: the RawKernel keeps
-    the module (and so the CUfunction) loaded."""
-    import cupy
-
-    with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=KERNEL_SOURCE.read_text(), options=("-std=c++17",), backend="nvrtc")
-        kernel = module.get_function(KERNEL_NAME)
-        return kernel, kernel.kernel.ptr  # RawKernel.kernel: the loaded cupy Function (loads it for this device)
-
-
 class GraphLoop:
     """A parent graph (one WHILE node) that replays `iteration_graph` `per_launch` times per launch, counting in
     `slot` (a device int64 that must be 0 at each launch: it is where the loop leaves it; a DataRing reads it)."""
@@ -106,7 +93,8 @@ class GraphLoop:
         self.slot = slot
         self.stream = stream
         self._graph = self._exec = None
-        _, function = _loop_kernel(slot.device.index or 0)
+        # Loading the module resolves cudaGraphSetConditional, so an old driver fails here, before anything is built.
+        _, function = load_kernel(KERNEL_SOURCE, KERNEL_NAME, slot.device.index or 0)
         self._graph = check(rt.cudaGraphCreate(0), "cudaGraphCreate")
         try:
             # The handle starts every launch at 1 (run the body once at least); the loop kernel sets it after that.

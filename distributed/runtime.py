@@ -258,18 +258,6 @@ class Runtime:
         self.iterations_run += k
         return k
 
-    def run_iterations(self, n: int) -> None:
-        """Run `n` iterations: whole groups of K from one host launch each once the looped graph is built
-        (--graph-loop K), the rest (warm-up, a remainder) one at a time."""
-        done = 0
-        while done < n:
-            self.maybe_capture()
-            if 1 < self.graph_loop <= n - done:
-                done += self.run_looped()
-            else:
-                self.run_iteration()
-                done += 1
-
     def read_loss(self) -> float:
         """Mean loss of the last iteration over all microbatches and replicas (a host sync and one tiny all-reduce
         over the world: only the last stage knows the loss, and rank 0 reports it). Runs on the main stream, after

@@ -194,6 +194,19 @@ def _attributes(cupy: Any, fn: Any) -> dict[str, int]:
 
 
 @functools.cache
+def load_kernel(source: Path, name: str, device_index: int) -> tuple[Any, int]:
+    """(CuPy RawKernel, its CUfunction) of the `extern "C"` kernel `name` in a standalone CUDA source file (the
+    runtime's small kernels: distributed/counter_data.py, graph_loop.py), built by NVRTC for the device's
+    architecture and loaded on it. Cached: the RawKernel keeps the module, and so the CUfunction, loaded."""
+    import cupy  # GPU path only
+
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=source.read_text(), options=("-std=c++17",), backend="nvrtc")
+        kernel = module.get_function(name)
+        return kernel, kernel.kernel.ptr  # RawKernel.kernel: the loaded cupy Function (loads it on this device)
+
+
+@functools.cache
 def get_op(spec: KernelSpec, device_index: int) -> CompiledOp:
     """Compile (first call per device architecture; CuPy caches on disk too), load and configure one op."""
     import cupy  # GPU path only
