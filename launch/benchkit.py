@@ -82,6 +82,33 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20,
     return summarize([s.elapsed_time(e) for s, e in zip(starts, ends)])
 
 
+def time_interleaved(fns: list[Callable[[], Any]], *, warmup: int = 2, reps: int = 20,
+                     stream: torch.cuda.Stream | None = None, device: torch.device | None = None) -> list[Timing]:
+    """Median of `reps` timings of each fn, the fns taken in rotation (A B C A B C ...), one Timing per fn.
+
+    For ratios near 1 (a kernel against torch's): timing A's reps and then B's lets clock and temperature drift
+    between the two blocks of time land in the ratio; in rotation every fn sees the same drift. On CUDA the events
+    of all reps are read after one synchronize at the end, as in time_fn; on the CPU each fn goes through time_fn.
+    """
+    on_cuda = (device is not None and device.type == "cuda") or (device is None and torch.cuda.is_available())
+    if not on_cuda:
+        return [time_fn(fn, warmup=warmup, reps=reps, device=device) for fn in fns]
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    stream = stream or torch.cuda.current_stream()
+    torch.cuda.synchronize()
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+              for _ in fns]
+    for i in range(reps):
+        for fn, evs in zip(fns, events):
+            evs[i][0].record(stream)
+            fn()
+            evs[i][1].record(stream)
+    torch.cuda.synchronize()
+    return [summarize([s.elapsed_time(e) for s, e in evs]) for evs in events]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

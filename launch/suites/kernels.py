@@ -10,10 +10,11 @@ the same figure for peerline and torch, so the GB/s ratio is the time ratio. The
 bytes, so its GB/s counts the same total. `size` is the MiB of x.
 
 Timing: each measurement is a CUDA graph of K calls (K from 64 at 1 MiB down to 1 at 1 GiB), replayed after a
-warm-up and timed with CUDA events (benchkit.time_fn), per call = replay / K: this times device work, not
+warm-up and timed with CUDA events, per call = replay / K: this times device work, not
 Python launch overhead. Calls rotate over enough input sets (at least 256 MiB in all) that they do not run out
 of L2. With --quick (or ctx.quick) it runs tiny sizes on whatever device there is (the CPU: torch against torch),
-only to smoke-test the suite.
+only to smoke-test the suite. peerline, torch and the copy of one case are timed in rotation
+(benchkit.time_interleaved: torch, copy, peerline, torch, ...), so drift over the run falls on all three alike.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from peerline.launch.benchkit import BenchContext, Record, time_fn
+from peerline.launch.benchkit import BenchContext, Record, time_interleaved
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,9 @@ ROTATE_BYTES = 256 << 20
 HIDDEN = 8192  # 4h of h=2048: the width the bias-GELU sees in the compute-bound pipeline config
 
 
-def _graph_time(calls: list[Callable[[], object]], device: torch.device, reps: int) -> float:
-    """Milliseconds per call: K calls captured into one graph, replay timed."""
+def _captured(calls: list[Callable[[], object]], device: torch.device) -> tuple[Callable[[], object], int]:
+    """(replay, K): the K calls captured into one CUDA graph, replayed as one. On the CPU: one call per replay, in
+    rotation (K = 1)."""
     if device.type != "cuda":
         i = [0]
 
@@ -47,7 +49,7 @@ def _graph_time(calls: list[Callable[[], object]], device: torch.device, reps: i
             calls[i[0] % len(calls)]()
             i[0] += 1
 
-        return time_fn(one, warmup=1, reps=reps, device=device).median_ms
+        return one, 1
     for c in calls:  # eager warm-up: compiles / loads kernels before capture
         c()
     torch.cuda.synchronize(device)
@@ -55,9 +57,20 @@ def _graph_time(calls: list[Callable[[], object]], device: torch.device, reps: i
     with torch.cuda.graph(graph):
         for c in calls:
             c()
-    t = time_fn(graph.replay, warmup=2, reps=reps, device=device)
-    del graph
-    return t.median_ms / len(calls)
+    return graph.replay, len(calls)  # the bound method keeps the graph alive as long as the caller holds it
+
+
+def _graph_times(call_lists: list[list[Callable[[], object]]], device: torch.device, reps: int) -> list[float]:
+    """Milliseconds per call of each list: each captured into its graph, the replays timed in rotation
+    (benchkit.time_interleaved), so ratios between the lists see the same clock drift."""
+    replays = [_captured(calls, device) for calls in call_lists]
+    timings = time_interleaved([r for r, _ in replays], warmup=2, reps=reps, device=device)
+    return [t.median_ms / k for t, (_, k) in zip(timings, replays)]
+
+
+def _graph_time(calls: list[Callable[[], object]], device: torch.device, reps: int) -> float:
+    """Milliseconds per call: K calls captured into one graph, replay timed."""
+    return _graph_times([calls], device, reps)[0]
 
 
 def _cases(dtype: torch.dtype, n: int, device: torch.device, sets: int, peerline: bool) -> dict[str, tuple]:
@@ -225,10 +238,11 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
             sets = max(1, min(64, ROTATE_BYTES // x_bytes)) if not quick else 2
             cases = _cases(dtype, n, device, sets, peerline)
             for name, (nbytes, pl_calls, torch_calls, anchor_name) in cases.items():
-                t_torch = _graph_time(torch_calls, device, reps)
-                t_pl = _graph_time(pl_calls, device, reps) if pl_calls else t_torch
-                t_copy = _graph_time(_copy_calls(nbytes, device, min(sets, max(1, ROTATE_BYTES // nbytes))),
-                                     device, reps)
+                copy_calls = _copy_calls(nbytes, device, min(sets, max(1, ROTATE_BYTES // nbytes)))
+                # in rotation (torch, peerline, copy, torch, ...): the ratios near 1 are the goals' business
+                t_torch, t_copy, *t_rest = _graph_times([torch_calls, copy_calls, *([pl_calls] if pl_calls else [])],
+                                                        device, reps)
+                t_pl = t_rest[0] if t_rest else t_torch
                 gbps = {k: nbytes / (t * 1e-3) / 1e9 for k, t in
                         (("peerline", t_pl), ("torch", t_torch), ("copy", t_copy))}
                 sizes_d = {"x_MiB": size_mib, "dtype": dtype_name(dtype), "bytes": nbytes, "elements": n}

@@ -3,12 +3,15 @@
 # SASS report (LDGSTS, registers, shared memory), (c) the launch-shape sweep, (d) the kernels benchmark with the
 # default plan and the multi-stream batch driver, (e) compute-sanitizer memcheck + racecheck on small sizes.
 # Usage: bash tests/gpu/run_kernels.sh [OUT]   (or OUT=... in the environment)
-#   KERNELS_SELECT=tests,sass,sweep,bench,sanitize (comma list; default all; "tests" includes the SASS report)
+#   KERNELS_SELECT=tests,sass,sweep,bench,probe,sanitize (comma list; default all; "tests" includes the SASS
+#     report; "probe": which synchronization racecheck follows, tests/gpu/racecheck_probe.py)
 #   KERNELS_SWEEP_ARGS="..." extra arguments for the sweep, e.g. --sweep-cases residual_add,fwd/fp32 (substrings
 #     of case names, '/' for a space), --sweep-plans "w8.s4.d1.l1@res,w16.s3.d1@fwd+bwd" (plans; '@' restricts to op kinds fwd|bwd|res),
 #     --sweep-budget 60 (seconds of plans; the step's cap is KERNELS_SWEEP_CAP, default 80)
 #   KERNELS_TESTS_CAP   seconds for the float64-referenced pytest step (default 110: 9 extra launch plans compile first)
 #   KERNELS_BENCH_VARIANTS=fp32|all|none  bench variants timed next to the default (default fp32: normcdff fp32 GELU)
+#   KERNELS_BENCH_SIZES (MiB list, default 16,256: where the goals bind; the issue's full list is 1,16,256,1024) and
+#     KERNELS_BENCH_CAP (seconds, default 35)
 # Logs to $OUT/kernels.log; SASS report under $OUT/kernels_sass/, bench results under $OUT/bench_kernels/, the
 # sweep under $OUT/kernels_sweep/ (sweep.jsonl), full sanitizer text in $OUT/kernels_sanitize_{memcheck,racecheck}.txt.
 # Prints one PASS/FAIL/SKIP line per check, the bench's GOAL lines and the sweep's SWEEP lines; exits 0.
@@ -16,7 +19,7 @@
 # sweep one jsonl row per plan, so a cut run keeps what it finished). First H200 run: pytest 29 s.
 . "$(dirname "$0")/common.sh" kernels "${1:-}"
 
-SELECT=",${KERNELS_SELECT:-tests,sass,sweep,bench,sanitize},"
+SELECT=",${KERNELS_SELECT:-tests,sass,sweep,bench,probe,sanitize},"
 selected() { case "$SELECT" in *",$1,"*) return 0 ;; esac; [ "$1" = sass ] && case "$SELECT" in *",tests,"*) return 0 ;; esac; return 1; }
 
 need_gpus 1 kernels
@@ -67,8 +70,8 @@ if selected bench; then
     none) variants=(--no-variants) ;;
     *) variants=(--variant-set "${KERNELS_BENCH_VARIANTS:-fp32}") ;;
   esac
-  step "$OUT/bench_kernels.out" 35 "$PY" -m peerline.launch.suites.kernels --out "$OUT/bench_kernels" \
-    --sizes-mib 16,256 "${variants[@]}"
+  step "$OUT/bench_kernels.out" "${KERNELS_BENCH_CAP:-35}" "$PY" -m peerline.launch.suites.kernels \
+    --out "$OUT/bench_kernels" --sizes-mib "${KERNELS_BENCH_SIZES:-16,256}" "${variants[@]}"
   rc=$?
   grep -E "^GOAL " "$OUT/bench_kernels.out" || echo "  (no GOAL lines: see $LOG)"
   report bench_kernels "$rc"
@@ -77,6 +80,16 @@ if selected bench; then
   step "$OUT/bench_batch_streams.out" 12 "$PY" -m peerline.launch.suites.batch_streams --out "$OUT/bench_kernels"
   rc=$?
   report bench_batch_streams "$rc"
+fi
+
+# What racecheck follows (tests/gpu/racecheck_probe.cu): controls with and without a race, named barriers over all
+# or part of a block, and the engine's two cuda::pipelines made over partial and over whole-block groups. One INFO
+# line per probe; the two controls PASS or FAIL (a tool that reports everything or nothing answers nothing).
+if selected probe; then
+  echo "== racecheck probes" >> "$LOG"
+  step "$OUT/kernels_racecheck_probe.out" "${KERNELS_PROBE_CAP:-120}" "$PY" tests/gpu/racecheck_probe.py --all \
+    "$OUT/racecheck_probe"
+  grep -E "^(INFO|PASS|FAIL|SKIP)" "$OUT/kernels_racecheck_probe.out" || echo "FAIL kernels.racecheck_probe (no output, see $LOG)"
 fi
 
 # compute-sanitizer over small launches of every path, for the default and the direct-store engine. The full tool

@@ -378,7 +378,7 @@ def test_other_launch_plan(monkeypatch: pytest.MonkeyPatch, _other_plans_compile
 def test_rounds_grid_beyond_resident(monkeypatch: pytest.MonkeyPatch, label: str, rounds_op: str,
                                      dt: torch.dtype) -> None:
     """Plans with rounds (.r) launch more blocks than fit at once (blocks queue for SMs; each walks at most r
-    tiles), on a misaligned 8.4 M-element view with a scalar head and tail, NaN-poisoned outputs: exact residual
+    tiles), on a misaligned 33.5 M-element view with a scalar head and tail, NaN-poisoned outputs: exact residual
     sums and the float64-bounded forward. The launch's grid is recorded, so a plumbing regression back to the
     persistent grid fails here; the backward keeps its persistent grid whatever the plan says."""
     from peerline.kernels import compile as kc
@@ -395,7 +395,9 @@ def test_rounds_grid_beyond_resident(monkeypatch: pytest.MonkeyPatch, label: str
         return real_launch(fn, grid, block, args, smem, device)
 
     monkeypatch.setattr(ew, "launch_raw", spy)
-    shape, off = (2063, 4096), 1
+    # 33.5 M elements: 4096-16384 tiles, so ntiles / r is plan.MIN_WAVES waves of resident blocks or more (a
+    # shallower grid is the persistent one)
+    shape, off = (8191, 4096), 1
     x, g = randn(shape, dt, off, scale=2.0), randn(shape, dt, off)
     if rounds_op == "res":
         spec = ew._spec(kc.OP_RESIDUAL_ADD, ew._DTYPES[dt], y=ew._DTYPES[dt], out=ew._DTYPES[dt])

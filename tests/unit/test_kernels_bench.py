@@ -46,3 +46,23 @@ def test_goal_lines_judge_the_default_kernel_at_the_goal_sizes() -> None:
                      "GOAL MET bias_gelu_fwd bf16 256 MiB: 3.30x torch F.gelu(x + b) (>= 1)",
                      "GOAL MISSED bias_gelu_fwd bf16 16 MiB: 0.10x torch F.gelu(x + b) (>= 1)",
                      "GOAL MISSED bias_gelu_bwd bf16 16 MiB: 0.99x torch gelu_backward + bias sum (>= 1)"], lines
+
+
+def test_time_interleaved_times_each_fn_on_cpu() -> None:
+    """One Timing per fn, each over its own reps (the CPU path; the rotation itself is CUDA-event timing)."""
+    import time
+
+    from peerline.launch.benchkit import time_interleaved
+
+    calls = {"fast": 0, "slow": 0}
+
+    def fast() -> None:
+        calls["fast"] += 1
+
+    def slow() -> None:
+        calls["slow"] += 1
+        time.sleep(0.002)
+
+    t_fast, t_slow = time_interleaved([fast, slow], warmup=1, reps=5, device=torch.device("cpu"))
+    assert calls == {"fast": 6, "slow": 6} and t_fast.reps == t_slow.reps == 5
+    assert t_slow.median_ms > 1.5 and t_fast.median_ms < t_slow.median_ms

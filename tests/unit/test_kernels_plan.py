@@ -191,16 +191,24 @@ def test_vector_grid_rounds() -> None:
     # persistent: never more blocks than resident, never more than tiles
     assert plan.vector_grid(10_000, 792) == 792
     assert plan.vector_grid(100, 792) == 100
-    # rounds: at most r tiles per block, never fewer blocks than the persistent grid
+    # rounds: at most r tiles per block once that grid is MIN_WAVES (4) waves of resident blocks deep
+    assert plan.MIN_WAVES == 4
     assert plan.vector_grid(65_536, 792, 8) == 8192
+    assert plan.vector_grid(4 * 792 * 8, 792, 8) == 4 * 792  # exactly 4 waves
+    # shallower: the persistent grid (a partial second or third wave would idle most SMs at the end)
+    assert plan.vector_grid(4 * 792 * 8 - 8, 792, 8) == 792
     assert plan.vector_grid(4096, 792, 8) == 792
-    assert plan.vector_grid(4097, 792, 4) == 1025
-    assert plan.vector_grid(7, 2, 1) == 7
-    for ntiles in (1, 2, 5, 791, 792, 793, 4096, 65_537):
+    assert plan.vector_grid(4097, 792, 4) == 792
+    assert plan.vector_grid(7, 2, 1) == 2
+    assert plan.vector_grid(8, 2, 1) == 8
+    for ntiles in (1, 2, 5, 791, 792, 793, 4096, 65_537, 1 << 20):
         for r in (1, 2, 3, 8, 32):
             g = plan.vector_grid(ntiles, 792, r)
             assert min(792, ntiles) <= g <= ntiles
-            assert -(-ntiles // g) <= r  # every block walks at most r tiles (block b: b, b + g, ...)
+            if g > 792:  # beyond the resident grid: deep enough, and every block walks at most r tiles
+                assert g >= plan.MIN_WAVES * 792 and -(-ntiles // g) <= r
+            else:
+                assert g == min(792, ntiles)
     vp = plan.plan_vector(1 << 27, 0, 8, 256, 792, rounds=16)
     assert vp is not None and vp.ntiles == 65_536 and vp.grid == 4096
 
