@@ -22,6 +22,7 @@ misaligned `out`) run the scalar kernel.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -60,11 +61,18 @@ _warned: set[str] = set()
 # (.p1, 7.8e-4 relative before bf16 rounding): fwd fp32 0.877 -> 0.926 of copy (.l1.r8), fwd bf16 0.901 -> 0.908
 # (.p1), residual add bf16 256 MiB 0.944 -> 0.972x torch (.r8, 16 MiB level), fp32 0.955 -> 1.001x at 256 MiB (.r2;
 # 16 MiB 0.989 -> 0.975x). fp32 x includes fp32 + bf16.
-# Then PEERLINE_KERNEL_PLANS="OP[:DTYPE]=PLAN,..." on top (plan.parse_op_plans), e.g. "residual_add=w8.s4.d1";
+# The fifth session's sweep (2026-11-26 10:00 UTC, 2 x H100, docs/benchmarks/.../s5-call1-kernels-sweep.jsonl),
+# torch timed in rotation with each plan: residual add splits by size class (plan.in_l2). Where the bytes moved fit
+# in L2 (16 MiB: 48 MiB moved, L2 50 MiB) evict-first bulk loads on 8 warps, 2 stages of 256 chunks
+# (w8.s2.t256.d1.l1.h2) ran 1.13x torch, against 1.00x for the large-size plan; beyond L2 one tile per block with
+# streaming stores only (w4.s4.t256.d1.l1.h1.r1) ran 1.005-1.011x at 256 and 1024 MiB, where the .h2 plans ran
+# 0.97x. The previous plans (.h1.r2 / .h1.r8): 0.976-1.000x.
+# Then PEERLINE_KERNEL_PLANS="OP[:DTYPE][:l2]=PLAN,..." on top (plan.parse_op_plans), e.g. "residual_add=w8.s4.d1";
 # PEERLINE_KERNEL_PLANS=default drops the tuned plans. Used when TUNING is empty.
 TUNED_PLANS = ("bias_gelu_fwd:bf16=w16.s3.t1024.d1.l1.p1,bias_gelu_fwd:fp32=w12.s4.d1.l1.r8,bias_gelu_bwd:bf16=w8.s4,"
-               "bias_gelu_bwd:fp32=w12.s2.d1,residual_add:bf16=w4.s4.t256.d1.l1.h1.r8,"
-               "residual_add:fp32=w4.s4.t256.d1.l1.h1.r2")
+               "bias_gelu_bwd:fp32=w12.s2.d1,residual_add:bf16=w4.s4.t256.d1.l1.h1.r1,"
+               "residual_add:fp32=w4.s4.t256.d1.l1.h1.r1,residual_add:bf16:l2=w8.s2.t256.d1.l1.h2,"
+               "residual_add:fp32:l2=w8.s2.t256.d1.l1.h2")
 _USER_PLANS = os.environ.get("PEERLINE_KERNEL_PLANS", "")
 OP_PLANS = ({} if _USER_PLANS.strip() == "default" else
             {**plan.parse_op_plans(TUNED_PLANS), **plan.parse_op_plans(_USER_PLANS)})
@@ -150,33 +158,43 @@ def launch_raw(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
 _GRID_KEYS = (*plan.GRID_KEYS, "grid_cap")
 
 
-def _tuning(op: int, x: str) -> dict[str, int]:
-    """TUNING if set (experiments), else the op's plan from OP_PLANS (tuned, PEERLINE_KERNEL_PLANS on top), else {}
-    (the default plan)."""
+@functools.cache
+def _l2_bytes(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).L2_cache_size)
+
+
+def _in_l2(bytes_moved: int, device: torch.device) -> bool:
+    """Whether a launch moving `bytes_moved` bytes fits this device's L2 (plan.in_l2: the ":l2" plans apply)."""
+    return plan.in_l2(bytes_moved, _l2_bytes(device.index))
+
+
+def _tuning(op: int, x: str, l2: bool = False) -> dict[str, int]:
+    """TUNING if set (experiments), else the op's plan from OP_PLANS (tuned, PEERLINE_KERNEL_PLANS on top; `l2`:
+    the launch's bytes fit in L2, so an OP[:DTYPE]:l2 plan comes first), else {} (the default plan)."""
     if TUNING:
         return TUNING
-    p = plan.op_plan(OP_PLANS, _OP_NAME[op], _SHORT[x]) if OP_PLANS else None
+    p = plan.op_plan(OP_PLANS, _OP_NAME[op], _SHORT[x], l2) if OP_PLANS else None
     return p.tuning() if p is not None else {}
 
 
-def _spec(op: int, x: str, **types: str) -> kc.KernelSpec:
+def _spec(op: int, x: str, *, l2: bool = False, **types: str) -> kc.KernelSpec:
     """The KernelSpec of one op with its launch-shape overrides (the grid keys blocks_per_sm, rounds and grid_cap
     are not spec fields)."""
-    shape = {k: v for k, v in _tuning(op, x).items() if k not in _GRID_KEYS}
+    shape = {k: v for k, v in _tuning(op, x, l2).items() if k not in _GRID_KEYS}
     return kc.KernelSpec(op, x, **types, **shape)
 
 
-def _max_grid(op: kc.CompiledOp) -> int:
+def _max_grid(op: kc.CompiledOp, l2: bool = False) -> int:
     """The persistent (resident) grid of this op's launches: blocks_per_sm and grid_cap applied."""
-    tuning = _tuning(op.spec.op, op.spec.x)
+    tuning = _tuning(op.spec.op, op.spec.x, l2)
     grid = op.grid_cap(tuning.get("blocks_per_sm", 0))
     cap = tuning.get("grid_cap", 0)
     return min(grid, cap) if cap > 0 else grid
 
 
-def _rounds(op: kc.CompiledOp) -> int:
+def _rounds(op: kc.CompiledOp, l2: bool = False) -> int:
     """The plan's rounds (plan.vector_grid): 0 = the persistent grid."""
-    return _tuning(op.spec.op, op.spec.x).get("rounds", 0)
+    return _tuning(op.spec.op, op.spec.x, l2).get("rounds", 0)
 
 
 def _scalar_grid(n: int, op: kc.CompiledOp) -> int:
@@ -191,8 +209,9 @@ def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | N
     hidden = x.shape[-1]
     x, bias = x.contiguous(), bias.contiguous()
     n, dev = x.numel(), x.device
-    spec = _spec(kc.OP_BIAS_GELU_FWD, _DTYPES[x.dtype], bias=_DTYPES[bias.dtype])
     xs = x.element_size()
+    l2 = _in_l2(2 * n * xs, dev)  # x read, y written
+    spec = _spec(kc.OP_BIAS_GELU_FWD, _DTYPES[x.dtype], l2=l2, bias=_DTYPES[bias.dtype])
     head = plan.common_head([(x.data_ptr(), xs)], spec.e)
     if out is None:
         y = _new(x.shape, x.dtype, dev, head)
@@ -202,7 +221,7 @@ def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | N
     if n == 0:
         return y
     op = kc.get_op(spec, dev.index)
-    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op), _rounds(op))
+    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op, l2), _rounds(op, l2))
     if vp is not None:
         bias_vec = plan.bias_vector_ok(hidden, vp.head, spec.e, bias.data_ptr(), bias.element_size())
         launch_raw(op.main, (vp.grid,), (spec.threads,),
@@ -223,8 +242,9 @@ def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
         grad = grad.to(x.dtype)  # documented cast: autograd hands back y's (= x's) dtype in practice
     grad, x, bias = grad.contiguous(), x.contiguous(), bias.contiguous()
     n, dev = x.numel(), x.device
-    spec = _spec(kc.OP_BIAS_GELU_BWD, _DTYPES[x.dtype], bias=_DTYPES[bias.dtype])
     xs = x.element_size()
+    l2 = _in_l2(3 * n * xs, dev)  # grad and x read, grad_x written
+    spec = _spec(kc.OP_BIAS_GELU_BWD, _DTYPES[x.dtype], l2=l2, bias=_DTYPES[bias.dtype])
     head = plan.common_head([(grad.data_ptr(), xs), (x.data_ptr(), xs)], spec.e)
     if out is None:
         gx = _new(x.shape, x.dtype, dev, head)
@@ -238,7 +258,7 @@ def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
         return gx, gb
     op = kc.get_op(spec, dev.index)
     tile_elems = spec.tile_chunks * spec.e
-    max_grid = _max_grid(op)  # the persistent grid: a plan's rounds do not apply (partials grow with the grid)
+    max_grid = _max_grid(op, l2)  # the persistent grid: a plan's rounds do not apply (partials grow with the grid)
     vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, max_grid)
     grid = plan.backward_grid(vp.ntiles, hidden, tile_elems, max_grid) if vp is not None else None
     if vp is not None and grid is not None:
@@ -265,8 +285,9 @@ def residual_add_forward(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | N
     x, y = x.contiguous(), y.contiguous()
     n, dev = x.numel(), x.device
     rdtype = torch.result_type(x, y)
-    spec = _spec(kc.OP_RESIDUAL_ADD, _DTYPES[x.dtype], y=_DTYPES[y.dtype], out=_DTYPES[rdtype])
     rs = rdtype.itemsize
+    l2 = _in_l2(n * (x.element_size() + y.element_size() + rs), dev)  # x and y read, the sum written
+    spec = _spec(kc.OP_RESIDUAL_ADD, _DTYPES[x.dtype], l2=l2, y=_DTYPES[y.dtype], out=_DTYPES[rdtype])
     head = plan.common_head([(x.data_ptr(), x.element_size()), (y.data_ptr(), y.element_size())], spec.e)
     if out is None:
         o = _new(x.shape, rdtype, dev, head)
@@ -278,7 +299,7 @@ def residual_add_forward(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | N
     if n == 0:
         return o
     op = kc.get_op(spec, dev.index)
-    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op), _rounds(op))
+    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op, l2), _rounds(op, l2))
     if vp is not None:
         launch_raw(op.main, (vp.grid,), (spec.threads,),
                 (_p(x), _p(y), _p(o), _i64(n), _i64(vp.head), _i64(vp.nchunks)), spec.smem_bytes, dev)

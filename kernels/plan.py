@@ -277,20 +277,38 @@ OP_NAMES = ("bias_gelu_fwd", "bias_gelu_bwd", "residual_add")
 DTYPE_NAMES = ("bf16", "fp32")
 
 
+# Size class of a launch: "l2" when the bytes it moves (every input read once, every output written once) fit in
+# the device's L2 cache. There a plan can leave the results in L2 for later write-back and beat a plan that streams
+# at DRAM speed: on an H100 (first 2026-11-26 session-5 sweep) residual add at 16 MiB (48 MiB moved, L2 50 MiB) ran
+# 1.13x torch with evict-first bulk loads (.h2) but 0.97x with them at 256 MiB, where .h1.r1 ran 1.01x.
+SIZE_CLASSES = ("l2",)
+L2_FRACTION = 1.0  # a launch is in the "l2" class when its bytes moved <= L2_FRACTION x the L2 size
+
+
+def in_l2(bytes_moved: int, l2_bytes: int) -> bool:
+    """Whether a launch moving `bytes_moved` bytes is in the "l2" size class on a device with `l2_bytes` of L2."""
+    return 0 < l2_bytes and bytes_moved <= L2_FRACTION * l2_bytes
+
+
 def parse_op_plans(text: str) -> dict[str, LaunchPlan]:
-    """Per-op launch plans, as the sweep's best lines suggest them: "OP[:DTYPE]=PLAN,..." with OP one of OP_NAMES
-    and DTYPE (x's) one of bf16, fp32; e.g. "residual_add=w8.s4.d1,bias_gelu_bwd:fp32=w4.s4.d1". Empty: none."""
+    """Per-op launch plans, as the sweep's best lines suggest them: "OP[:DTYPE][:l2]=PLAN,..." with OP one of
+    OP_NAMES, DTYPE (x's) one of bf16, fp32 and ":l2" for launches whose bytes fit in L2 (in_l2); e.g.
+    "residual_add=w8.s4.d1,bias_gelu_bwd:fp32=w4.s4.d1,residual_add:bf16:l2=w8.s2.t256.d1.l1.h2". Empty: none."""
     out: dict[str, LaunchPlan] = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, sep, label = item.partition("=")
-        op, _, dt = key.partition(":")
-        if not sep or op not in OP_NAMES or (dt and dt not in DTYPE_NAMES):
-            raise ValueError(f"bad kernel plan entry {item!r}; expected OP[:DTYPE]=PLAN with OP in "
+        op, *rest = key.split(":")
+        size = rest.pop() if rest and rest[-1] in SIZE_CLASSES else None
+        dt = rest.pop() if rest else ""
+        if not sep or op not in OP_NAMES or rest or (dt and dt not in DTYPE_NAMES):
+            raise ValueError(f"bad kernel plan entry {item!r}; expected OP[:DTYPE][:l2]=PLAN with OP in "
                              f"{', '.join(OP_NAMES)}, DTYPE in {', '.join(DTYPE_NAMES)}")
-        out[key] = parse_plan(label)
+        out[":".join(filter(None, (op, dt, size)))] = parse_plan(label)
     return out
 
 
-def op_plan(plans: dict[str, LaunchPlan], op: str, dtype: str) -> LaunchPlan | None:
-    """The plan for `op` with x of `dtype` (bf16 | fp32): OP:DTYPE first, then OP, else None (the default)."""
-    return plans.get(f"{op}:{dtype}") or plans.get(op)
+def op_plan(plans: dict[str, LaunchPlan], op: str, dtype: str, l2: bool = False) -> LaunchPlan | None:
+    """The plan for `op` with x of `dtype` (bf16 | fp32): with `l2` (the launch's bytes fit in L2) OP:DTYPE:l2, then
+    OP:l2; then OP:DTYPE, then OP; else None (the default)."""
+    keys = ([f"{op}:{dtype}:l2", f"{op}:l2"] if l2 else []) + [f"{op}:{dtype}", op]
+    return next((plans[k] for k in keys if k in plans), None)

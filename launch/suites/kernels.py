@@ -282,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-cases", default=None,
                     help="comma list of substrings of case names to keep (e.g. 'residual_add,fwd fp32'); "
                          "default: every case of kernels_sweep.SWEEP_CASES")
+    ap.add_argument("--sweep-mib", default=None,
+                    help="comma list of MiB of x: every kept case at each of these sizes instead of its own (e.g. "
+                         "8,16,32,64: where a plan's lead turns over)")
     args = ap.parse_args(argv)
     args.write_partial = True
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -295,13 +298,16 @@ def main(argv: list[str] | None = None) -> int:
             for label in labels or []:
                 parse_sweep_plan(label)
             select_cases(SWEEP_CASES, cases)
+            sizes = [float(v) for v in args.sweep_mib.split(",") if v.strip()] if args.sweep_mib else None
+            if sizes is not None and (not sizes or min(sizes) <= 0):
+                raise ValueError(f"--sweep-mib needs sizes > 0, got {args.sweep_mib!r}")
         except ValueError as e:
             sys.stderr.write(f"kernels --sweep: {e}\n")
             return 2
         if device.type != "cuda":
             sys.stderr.write("kernels --sweep: needs a CUDA device\n")
             return 2
-        run_sweep(args.out, device, args.sweep_budget, labels, args.reps if args.reps != 20 else 30, cases)
+        run_sweep(args.out, device, args.sweep_budget, labels, args.reps if args.reps != 20 else 30, cases, sizes)
         return 0
     ctx = BenchContext(out_dir=args.out, device=device, quick=args.quick)
     run(args, ctx)

@@ -148,6 +148,14 @@ def select_cases(cases: tuple, filters: list[str] | None) -> tuple:
     return out
 
 
+def with_sizes(cases: tuple, sizes_mib: list[float] | None) -> tuple:
+    """Each distinct (case, op kind, dtype) of `cases` at every size of `sizes_mib` (None: `cases` unchanged)."""
+    if not sizes_mib:
+        return cases
+    kinds = dict.fromkeys((name, kind, dt) for name, kind, dt, _ in cases)
+    return tuple((name, kind, dt, mib) for name, kind, dt in kinds for mib in sizes_mib)
+
+
 # (shape, offset of the inputs' views): head and tail with a non-vector bias; then ~8.4 M elements, so every block
 # wraps its stages several times, with a vector bias
 CHECK_SHAPES = (((37, 1001), 1), ((2063, 4096), 0))
@@ -270,16 +278,18 @@ def best_line(case: str, rows: list[dict], default_label: str) -> str:
 
 
 def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_labels: list[str] | None = None,
-              reps: int = 10, case_filters: list[str] | None = None) -> list[dict]:
+              reps: int = 10, case_filters: list[str] | None = None,
+              sizes_mib: list[float] | None = None) -> list[dict]:
     """Check, then time each plan per case; write out_dir/sweep.jsonl; return its rows. `plan_labels` entries may
-    carry '@kinds' (parse_sweep_plan); `case_filters` keeps the cases whose name contains one of the strings."""
+    carry '@kinds' (parse_sweep_plan); `case_filters` keeps the cases whose name contains one of the strings;
+    `sizes_mib` replaces the kept cases' sizes (each kept op and dtype at every one of these sizes)."""
     from peerline.kernels import compile as kc
     from peerline.kernels import elementwise as ew
     from peerline.kernels import plan as kp
     from peerline.launch.suites.kernels import ROTATE_BYTES, _copy_calls, _graph_times
 
     t0 = time.monotonic()
-    sweep_cases = select_cases(SWEEP_CASES, case_filters)
+    sweep_cases = with_sizes(select_cases(SWEEP_CASES, case_filters), sizes_mib)
     plans: list[tuple[kp.LaunchPlan, frozenset[str]]] = []
     for text in plan_labels or SWEEP_PLANS:
         label, kinds = parse_sweep_plan(text)
@@ -328,6 +338,7 @@ def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_
         cases.append((f"{name} {mib:g} MiB", kind, dt, nbytes, pl_calls, torch_calls, t_torch, t_copy))
     log.info("sweep: anchors timed at %.1f s", time.monotonic() - t0)
     dev_name = torch.cuda.get_device_name(device)
+    l2_bytes = ew._l2_bytes(device.index or 0)  # which cases are in the "l2" size class (plan.in_l2)
     with path.open("w") as f:
         # the default once more at the end ("repeat" rows): its spread against the first timing says how large a
         # difference between plans is noise (METHOD.md: time the same version twice)
@@ -344,7 +355,7 @@ def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_
                     return nbytes / (t * 1e-3) / 1e9
 
                 row = {"case": case, "plan": p.label(), **asdict(p), "bytes": nbytes, "torch_GBps": gbps(t_torch0),
-                       "copy_GBps": gbps(t_copy), "device": dev_name}
+                       "copy_GBps": gbps(t_copy), "device": dev_name, "l2_bytes": l2_bytes}
                 err = ok[(p.label(), kind, dt)]
                 if err is not None:
                     row.update(status="wrong", error=err)
@@ -389,19 +400,31 @@ def _op_key(case: str) -> str | None:
     return f"{_OP_KEYS[parts[0]]}:{parts[1].split('+')[0]}"
 
 
+def _row_key(row: dict) -> str | None:
+    """The TUNED_PLANS key of a sweep row: _op_key, plus ":l2" when the row's bytes fit in the L2 of its device
+    (plan.in_l2; rows written before the sweep recorded "l2_bytes" have no size class)."""
+    from peerline.kernels import plan as kp
+
+    key = _op_key(row["case"])
+    if key is not None and kp.in_l2(row.get("bytes", 0), row.get("l2_bytes", 0)):
+        key += ":l2"
+    return key
+
+
 def tuned_choice(rows: list[dict]) -> dict[str, tuple[str, float]]:
-    """Per TUNED_PLANS key (op:dtype): the plan with the best geometric mean of vs_torch over that key's cases,
-    among plans timed (status ok) on all of them, and that mean. A plan wrong on any case of the key never wins."""
+    """Per TUNED_PLANS key (op:dtype, op:dtype:l2): the plan with the best geometric mean of vs_torch over that
+    key's cases, among plans timed (status ok) on all of them, and that mean. A plan wrong on any case of the key
+    never wins."""
     by_key: dict[str, dict[str, dict[str, float]]] = {}
     cases_of: dict[str, set[str]] = {}
     for r in rows:
-        key = _op_key(r["case"])
+        key = _row_key(r)
         if key is None:
             continue
         cases_of.setdefault(key, set()).add(r["case"])
         if r["status"] == "ok":
             by_key.setdefault(key, {}).setdefault(r["plan"], {})[r["case"]] = r["vs_torch"]
-    wrong = {(_op_key(r["case"]), r["plan"]) for r in rows if r["status"] == "wrong"}
+    wrong = {(_row_key(r), r["plan"]) for r in rows if r["status"] == "wrong"}
     out = {}
     for key, plans in by_key.items():
         full = {p: v for p, v in plans.items() if set(v) == cases_of[key] and (key, p) not in wrong}
@@ -429,7 +452,7 @@ def report_lines(rows: list[dict], default_label: str) -> list[str]:
              for case in dict.fromkeys(r["case"] for r in rows)]
     choice = tuned_choice(rows)
     for key, (label, gmean) in choice.items():
-        cases = sorted({r["case"] for r in rows if _op_key(r["case"]) == key})
+        cases = sorted({r["case"] for r in rows if _row_key(r) == key})
         lines.append(f"SWEEP TUNED {key}={_short(label)} ({gmean:.3f}x torch, geometric mean over {', '.join(cases)})")
     if choice:
         entries = ",".join(f"{k}={_short(v[0])}" for k, v in sorted(choice.items()))

@@ -10,7 +10,7 @@
 namespace {
 
 constexpr int kStages = 2;
-constexpr int kTileInts = 32 * 4;  // one 16-byte vector per lane
+
 
 template <int FIRST_WARP, int NWARPS, int BARRIER_ID>
 struct WarpRange {  // as ws_pipeline.cuh: a contiguous range of warps, synchronized by a named barrier
@@ -25,8 +25,8 @@ struct WholeBlock {  // every thread of the block, synchronized by __syncthreads
   __device__ void sync() const { __syncthreads(); }
 };
 
-__device__ __forceinline__ void named_sync_all() {  // the engine's all_roles_sync for a 3-warp block
-  asm volatile("bar.sync 3, 96;" ::: "memory");
+__device__ __forceinline__ void named_sync_all() {  // the engine's all_roles_sync (every thread of the block)
+  asm volatile("bar.sync 3, %0;" ::"r"(blockDim.x) : "memory");
 }
 
 }  // namespace
@@ -40,6 +40,18 @@ extern "C" __global__ void probe_race(int* out) {  // no barrier: a real race th
     out[1] = s;  // 0 or 7: the read is the point (the probe's answer is the tool's report)
     out[0] = 7;
   }
+}
+
+extern "C" __global__ void probe_race_ordered(int* out) {  // no barrier, but the write surely comes first
+  __shared__ int s[32];
+  const int lane = threadIdx.x & 31;
+  if (threadIdx.x < 32) s[lane] = 1000 + lane;  // warp 0 writes 32 words
+  if (threadIdx.x >= 32 && threadIdx.x < 64) {
+    __nanosleep(100000);  // warp 1 reads them ~100 us later: a read-after-write with no barrier between
+    out[2 + lane] = s[lane];
+    s[lane] = 2000 + lane;  // and a write-after-write
+  }
+  if (threadIdx.x == 0) out[0] = 7;
 }
 
 extern "C" __global__ void probe_syncthreads(int* out) {
@@ -76,18 +88,21 @@ extern "C" __global__ void probe_named_part_atomic(int* out) {  // make_pipeline
   }
 }
 
-// ---- the engine's arrangement: loader warp 0 -> compute warp 1 -> storer warp 2, two 2-stage pipelines ----
-// out[i] = in[i] + 1 over ntiles tiles (a grid of one block walks them all, wrapping its stages).
+// ---- the engine's arrangement: loader warp 0 -> NC compute warps -> storer warp NC + 1, two 2-stage pipelines ----
+// out[i] = in[i] + 1 over ntiles tiles of 32 x NC x 4 ints (a grid of one block walks them all, wrapping its
+// stages). Compute warp w owns 16 bytes per lane of the tile; the loader and the storer walk the whole tile.
 
-template <bool kWholeBlock>
+template <bool kWholeBlock, int NC>
 __device__ void pipeline_probe(const int* __restrict__ in, int* __restrict__ out, int ntiles) {
+  constexpr int kTileInts = 32 * NC * 4;
 #pragma nv_diag_suppress 20054
   __shared__ cuda::pipeline_shared_state<cuda::thread_scope_block, kStages> in_state;
   __shared__ cuda::pipeline_shared_state<cuda::thread_scope_block, kStages> out_state;
 #pragma nv_diag_default 20054
   __shared__ __align__(16) int a[kStages][kTileInts];
   __shared__ __align__(16) int c[kStages][kTileInts];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, ct = threadIdx.x - 32;
+  constexpr int kStorer = NC + 1;
   using cuda::pipeline_role;
   if constexpr (kWholeBlock) {
     // Every thread makes both pipelines (so the groups are the whole block, synchronized by __syncthreads): the
@@ -96,44 +111,46 @@ __device__ void pipeline_probe(const int* __restrict__ in, int* __restrict__ out
     auto in_pipe = cuda::make_pipeline(WholeBlock(), &in_state,
                                        warp == 0 ? pipeline_role::producer : pipeline_role::consumer);
     auto out_pipe = cuda::make_pipeline(WholeBlock(), &out_state,
-                                        warp == 2 ? pipeline_role::consumer : pipeline_role::producer);
+                                        warp == kStorer ? pipeline_role::consumer : pipeline_role::producer);
     for (int t = 0; t < ntiles; ++t) {
       const int st = t % kStages;
       if (warp == 0) {
         in_pipe.producer_acquire();
-        cuda::memcpy_async(&a[st][4 * lane], &in[t * kTileInts + 4 * lane], cuda::aligned_size_t<16>(16), in_pipe);
+        for (int u = lane; u < kTileInts / 4; u += 32)
+          cuda::memcpy_async(&a[st][4 * u], &in[t * kTileInts + 4 * u], cuda::aligned_size_t<16>(16), in_pipe);
         in_pipe.producer_commit();
         out_pipe.producer_acquire();
         out_pipe.producer_commit();
-      } else if (warp == 1) {
+      } else if (warp <= NC) {
         in_pipe.consumer_wait();
         out_pipe.producer_acquire();
-        for (int k = 0; k < 4; ++k) c[st][4 * lane + k] = a[st][4 * lane + k] + 1;
+        for (int k = 0; k < 4; ++k) c[st][4 * ct + k] = a[st][4 * ct + k] + 1;
         out_pipe.producer_commit();
         in_pipe.consumer_release();
       } else {
         in_pipe.consumer_wait();
         in_pipe.consumer_release();
         out_pipe.consumer_wait();
-        for (int k = 0; k < 4; ++k) out[t * kTileInts + 4 * lane + k] = c[st][4 * lane + k];
+        for (int u = lane; u < kTileInts; u += 32) out[t * kTileInts + u] = c[st][u];
         out_pipe.consumer_release();
       }
     }
     __syncthreads();
   } else {
-    typedef WarpRange<0, 2, 1> LoadCompute;
-    typedef WarpRange<1, 2, 2> ComputeStore;
+    typedef WarpRange<0, 1 + NC, 1> LoadCompute;
+    typedef WarpRange<1, NC + 1, 2> ComputeStore;
     if (warp == 0) {
       auto in_pipe = cuda::make_pipeline(LoadCompute(), &in_state, pipeline_role::producer);
       named_sync_all();
       for (int t = 0; t < ntiles; ++t) {
         const int st = t % kStages;
         in_pipe.producer_acquire();
-        cuda::memcpy_async(&a[st][4 * lane], &in[t * kTileInts + 4 * lane], cuda::aligned_size_t<16>(16), in_pipe);
+        for (int u = lane; u < kTileInts / 4; u += 32)
+          cuda::memcpy_async(&a[st][4 * u], &in[t * kTileInts + 4 * u], cuda::aligned_size_t<16>(16), in_pipe);
         in_pipe.producer_commit();
       }
       named_sync_all();
-    } else if (warp == 1) {
+    } else if (warp <= NC) {
       auto in_pipe = cuda::make_pipeline(LoadCompute(), &in_state, pipeline_role::consumer);
       auto out_pipe = cuda::make_pipeline(ComputeStore(), &out_state, pipeline_role::producer);
       named_sync_all();
@@ -141,7 +158,7 @@ __device__ void pipeline_probe(const int* __restrict__ in, int* __restrict__ out
         const int st = t % kStages;
         in_pipe.consumer_wait();
         out_pipe.producer_acquire();
-        for (int k = 0; k < 4; ++k) c[st][4 * lane + k] = a[st][4 * lane + k] + 1;
+        for (int k = 0; k < 4; ++k) c[st][4 * ct + k] = a[st][4 * ct + k] + 1;
         out_pipe.producer_commit();
         in_pipe.consumer_release();
       }
@@ -152,7 +169,7 @@ __device__ void pipeline_probe(const int* __restrict__ in, int* __restrict__ out
       for (int t = 0; t < ntiles; ++t) {
         const int st = t % kStages;
         out_pipe.consumer_wait();
-        for (int k = 0; k < 4; ++k) out[t * kTileInts + 4 * lane + k] = c[st][4 * lane + k];
+        for (int u = lane; u < kTileInts; u += 32) out[t * kTileInts + u] = c[st][u];
         out_pipe.consumer_release();
       }
       named_sync_all();
@@ -161,9 +178,18 @@ __device__ void pipeline_probe(const int* __restrict__ in, int* __restrict__ out
 }
 
 extern "C" __global__ void probe_pipelines_partial(const int* in, int* out, int ntiles) {
-  pipeline_probe<false>(in, out, ntiles);
+  pipeline_probe<false, 1>(in, out, ntiles);
 }
 
 extern "C" __global__ void probe_pipelines_whole(const int* in, int* out, int ntiles) {
-  pipeline_probe<true>(in, out, ntiles);
+  pipeline_probe<true, 1>(in, out, ntiles);
+}
+
+// the engine's w8.s2 geometry: 8 compute warps, 320 threads
+extern "C" __global__ void probe_pipelines_partial_w8(const int* in, int* out, int ntiles) {
+  pipeline_probe<false, 8>(in, out, ntiles);
+}
+
+extern "C" __global__ void probe_pipelines_whole_w8(const int* in, int* out, int ntiles) {
+  pipeline_probe<true, 8>(in, out, ntiles);
 }

@@ -16,27 +16,33 @@ import subprocess
 import sys
 from pathlib import Path
 
-CASES = ("probe_race", "probe_syncthreads", "probe_named_all", "probe_named_part", "probe_named_part_atomic",
-         "probe_pipelines_partial", "probe_pipelines_whole")
-CONTROLS = {"probe_race": True, "probe_syncthreads": False}  # case -> the tool must report a hazard
+CASES = ("probe_race", "probe_race_ordered", "probe_syncthreads", "probe_named_all", "probe_named_part",
+         "probe_named_part_atomic", "probe_pipelines_partial", "probe_pipelines_whole", "probe_pipelines_partial_w8",
+         "probe_pipelines_whole_w8")
+# case -> the tool must report a hazard. probe_race (one word, read and write at about the same time) drew no report
+# on the first H100 run, so the positive control is the ordered race over 32 words with changed values.
+CONTROLS = {"probe_race_ordered": True, "probe_syncthreads": False}
 NTILES = 9  # the pipeline probes wrap their 2 stages four times over
 SOURCE = Path(__file__).with_name("racecheck_probe.cu")
 
 
 def run_case(case: str) -> None:
-    """Launch one probe kernel (block of 3 warps, one block) and check what it wrote; raises on a wrong result."""
+    """Launch one probe kernel (one block: 3 warps, 10 for the _w8 probes) and check what it wrote; raises on a
+    wrong result."""
     import cupy
 
     module = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",), backend="nvrtc")
     kernel = module.get_function(case)
-    n = NTILES * 128
+    compute_warps = 8 if case.endswith("_w8") else 1
+    threads = 32 * (compute_warps + 2)  # loader, compute warps, storer (the controls use the first 64)
+    n = NTILES * 128 * compute_warps
     src = cupy.random.randint(-1000, 1000, size=n, dtype=cupy.int32)
     out = cupy.full(n, -(1 << 30), dtype=cupy.int32)  # poisoned
     if case.startswith("probe_pipelines"):
-        kernel((1,), (96,), (src, out, cupy.int32(NTILES)))
+        kernel((1,), (threads,), (src, out, cupy.int32(NTILES)))
         ok = bool((out == src + 1).all())
     else:
-        kernel((1,), (96,), (out,))
+        kernel((1,), (threads,), (out,))
         ok = int(out[0]) == 7
     cupy.cuda.runtime.deviceSynchronize()
     if not ok:

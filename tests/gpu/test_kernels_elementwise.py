@@ -423,3 +423,33 @@ def test_rounds_grid_beyond_resident(monkeypatch: pytest.MonkeyPatch, label: str
         bwd = kc.get_op(ew._spec(kc.OP_BIAS_GELU_BWD, ew._DTYPES[dt], bias="float32"), DEV.index)
         assert len(grids) == 2 and grids[1][1] == bwd.spec.threads, grids
         assert grids[1][0] <= bwd.max_grid, (grids, bwd.max_grid)
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
+def test_residual_add_size_classes(monkeypatch: pytest.MonkeyPatch, dt: torch.dtype) -> None:
+    """The tuned residual add picks its ":l2" plan when the bytes it moves fit in L2 and its size-free plan beyond
+    (plan.in_l2; the launch's block size tells them apart), and both are exact on misaligned, NaN-poisoned views
+    with scalar heads and tails. Bypassed when PEERLINE_KERNEL_PLANS replaces the tuned plans."""
+    from peerline.kernels import plan
+
+    short = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dt]
+    small, large = (plan.op_plan(ew.OP_PLANS, "residual_add", short, l2) for l2 in (True, False))
+    if small is None or large is None or small.warps == large.warps:
+        pytest.skip("the residual add plans in use do not split by size class")
+    threads: list[int] = []
+    real_launch = ew.launch_raw
+
+    def spy(fn: object, grid: tuple, block: tuple, args: tuple, smem: int, device: torch.device) -> None:
+        if smem > 0:  # pl_main
+            threads.append(block[0])
+        return real_launch(fn, grid, block, args, smem, device)
+
+    monkeypatch.setattr(ew, "launch_raw", spy)
+    l2 = ew._l2_bytes(DEV.index)
+    moved = 3 * dt.itemsize  # bytes per element: x and y read, the sum written
+    for rows, want in ((max(3, l2 // moved // 2 // 4096), small), (l2 // moved // 4096 + 7, large)):
+        x, y = randn((rows, 4096), dt, 1), randn((rows, 4096), dt, 1)
+        assert plan.in_l2(x.numel() * moved, l2) == (want is small)
+        out = ew.residual_add_forward(x, y)
+        assert torch.equal(out, x + y)
+        assert threads[-1] == 32 * (want.warps + 2), (threads, want.label())

@@ -228,7 +228,7 @@ def test_rounds_reach_the_forward_and_residual_grids_not_the_backward(monkeypatc
     src = Path(ew.__file__).read_text()
     bwd = src[src.index("def bias_gelu_backward"):src.index("def residual_add_forward")]
     assert "_rounds(" not in bwd  # the backward's grid stays persistent (bias partials scale with the grid)
-    assert src.count("_rounds(op)") == 2  # forward and residual add
+    assert src.count("_rounds(op, l2)") == 2  # forward and residual add
 
 
 def test_phi_field() -> None:
@@ -243,3 +243,28 @@ def test_phi_field() -> None:
     assert spec.launch_plan() == plan.parse_plan("w16.s3.t1024.d1.l1.p1")  # rounds is no spec field
     with pytest.raises(ValueError, match="phi must be"):
         plan.LaunchPlan(phi=2)
+
+
+def test_l2_size_class_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OP[:DTYPE]:l2 plans apply to launches whose bytes fit in L2 (plan.in_l2), ahead of the size-free plans; the
+    others never see them; TUNING (experiments) still wins over both."""
+    plans = plan.parse_op_plans("residual_add:bf16=w4.s4.t256.d1.l1.h1.r1,residual_add:bf16:l2=w8.s2.t256.d1.l1.h2,"
+                                "residual_add:l2=w4.s2.d1")
+    assert set(plans) == {"residual_add:bf16", "residual_add:bf16:l2", "residual_add:l2"}
+    assert plan.op_plan(plans, "residual_add", "bf16", l2=True).hint == 2
+    assert plan.op_plan(plans, "residual_add", "bf16").hint == 1
+    assert plan.op_plan(plans, "residual_add", "fp32", l2=True).warps == 4  # OP:l2 when no OP:DTYPE:l2
+    assert plan.op_plan(plans, "residual_add", "fp32") is None
+    for bad in ("residual_add:bf16:l3=w8", "residual_add:l2:bf16=w8", "residual_add:bf16:fp32=w8"):
+        with pytest.raises(ValueError, match="OP\\[:DTYPE\\]\\[:l2\\]"):
+            plan.parse_op_plans(bad)
+    mib = 1 << 20
+    assert plan.in_l2(48 * mib, 50 * mib) and not plan.in_l2(51 * mib, 50 * mib) and not plan.in_l2(1, 0)
+    monkeypatch.setattr(ew, "OP_PLANS", plans)
+    res = {"y": "bfloat16", "out": "bfloat16"}
+    assert ew._spec(kc.OP_RESIDUAL_ADD, "bfloat16", l2=True, **res).hint == 2
+    assert ew._spec(kc.OP_RESIDUAL_ADD, "bfloat16", **res).hint == 1
+    op = kc.CompiledOp(kc.KernelSpec(kc.OP_RESIDUAL_ADD, "bfloat16", **res), 0, None, None, None, 132, 6, {})
+    assert (ew._rounds(op), ew._rounds(op, l2=True)) == (1, 0)
+    monkeypatch.setattr(ew, "TUNING", {"stages": 3})
+    assert ew._spec(kc.OP_RESIDUAL_ADD, "bfloat16", l2=True, **res).hint == 0

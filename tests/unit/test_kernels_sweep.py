@@ -60,6 +60,7 @@ def test_sweep_flow_on_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: py
     monkeypatch.setattr(kc, "warm_compile", lambda specs, dev, workers: 0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake")
+    monkeypatch.setattr(ew, "_l2_bytes", lambda index: 0)
     rows = ks.run_sweep(tmp_path, torch.device("cpu"), budget_s=60, plan_labels=["w8.s2.d1", "w8.s4"], reps=2)
     out = capsys.readouterr().out
     assert [r["plan"] for r in rows[:3]] == ["w8.s2.t0.b0.d0.v1"] * 3  # the default is inserted and timed first
@@ -86,6 +87,7 @@ def test_spent_budget_times_only_the_default(monkeypatch: pytest.MonkeyPatch, tm
     monkeypatch.setattr(kc, "warm_compile", lambda specs, dev, workers: 0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake")
+    monkeypatch.setattr(ew, "_l2_bytes", lambda index: 0)
     rows = ks.run_sweep(tmp_path, torch.device("cpu"), budget_s=-1, plan_labels=["w8.s2", "w8.s2.d1"], reps=2)
     assert [r["status"] for r in rows] == ["ok", "skipped (budget)", "repeat"]
 
@@ -142,3 +144,33 @@ def test_short_label_keeps_the_cache_hint() -> None:
 
     assert _short("w4.s4.t256.b0.d1.v1.l1.h1") == "w4.s4.t256.d1.l1.h1"
     assert _short("w8.s2.t0.b0.d0.v1") == "w8.s2"
+
+
+def test_tuned_plans_split_by_l2_size_class() -> None:
+    """Rows whose bytes fit in their device's L2 choose an OP:DTYPE:l2 plan of their own."""
+    mib = 1 << 20
+
+    def row(mib_x: int, label: str, vs: float) -> dict:
+        return {"case": f"residual_add bf16+bf16 {mib_x} MiB", "plan": label, "status": "ok", "vs_torch": vs,
+                "bytes": 3 * mib_x * mib, "l2_bytes": 50 * mib}
+
+    rows = [row(16, "w8.s2.t256.b0.d1.v1.l1.h2", 1.13), row(16, "w4.s4.t256.b0.d1.v1.l1.h1.r1", 1.00),
+            row(256, "w8.s2.t256.b0.d1.v1.l1.h2", 0.97), row(256, "w4.s4.t256.b0.d1.v1.l1.h1.r1", 1.01)]
+    choice = ks.tuned_choice(rows)
+    assert choice["residual_add:bf16:l2"][0] == "w8.s2.t256.b0.d1.v1.l1.h2"
+    assert choice["residual_add:bf16"][0] == "w4.s4.t256.b0.d1.v1.l1.h1.r1"
+
+
+def test_sweep_sizes_replace_the_cases_sizes() -> None:
+    kept = ks.select_cases(ks.SWEEP_CASES, ["residual_add"])
+    assert {c[3] for c in kept} == {16, 256, 1024}
+    resized = ks.with_sizes(kept, [8, 32])
+    assert len(resized) == 4 and {c[3] for c in resized} == {8, 32}
+    assert {(c[0], c[2]) for c in resized} == {(c[0], c[2]) for c in kept}
+    assert ks.with_sizes(kept, None) is kept
+
+
+def test_bad_sweep_mib_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert suite.main(["--sweep", "--sweep-mib", "8,-1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--sweep-mib needs sizes > 0" in err[0]
