@@ -10,6 +10,8 @@
 #     --sweep-budget 60 (seconds of plans; the step's cap is KERNELS_SWEEP_CAP, default 80)
 #   KERNELS_TESTS_CAP   seconds for the float64-referenced pytest step (default 110: 9 extra launch plans compile first)
 #   KERNELS_BENCH_VARIANTS=fp32|all|none  bench variants timed next to the default (default fp32: normcdff fp32 GELU)
+#   KERNELS_BENCH_PLANS_FROM_SWEEP=1: the bench uses the sweep's SWEEP TUNED_PLANS of the same run
+#   KERNELS_RACECHECK_PLANS="w8.s2 w8.s2.d1" (space list): one more racecheck run per plan after the sanitizer step
 #   KERNELS_BENCH_SIZES (MiB list, default 16,256: where the goals bind; the issue's full list is 1,16,256,1024) and
 #     KERNELS_BENCH_CAP (seconds, default 35)
 # Logs to $OUT/kernels.log; SASS report under $OUT/kernels_sass/, bench results under $OUT/bench_kernels/, the
@@ -70,6 +72,12 @@ if selected bench; then
     none) variants=(--no-variants) ;;
     *) variants=(--variant-set "${KERNELS_BENCH_VARIANTS:-fp32}") ;;
   esac
+  # KERNELS_BENCH_PLANS_FROM_SWEEP=1: the bench runs this run's SWEEP TUNED_PLANS (PEERLINE_KERNEL_PLANS, on top of
+  # the tuned plans), so a sweep and a fresh measurement of its choice fit in one call
+  if [ "${KERNELS_BENCH_PLANS_FROM_SWEEP:-0}" = 1 ] && [ -s "$OUT/kernels_sweep.out" ]; then
+    chosen="$(grep -m1 -E "^SWEEP TUNED_PLANS = " "$OUT/kernels_sweep.out" | cut -d'"' -f2)"
+    [ -n "$chosen" ] && export PEERLINE_KERNEL_PLANS="$chosen" && echo "INFO kernels.bench plans from the sweep: $chosen"
+  fi
   step "$OUT/bench_kernels.out" "${KERNELS_BENCH_CAP:-35}" "$PY" -m peerline.launch.suites.kernels \
     --out "$OUT/bench_kernels" --sizes-mib "${KERNELS_BENCH_SIZES:-16,256}" "${variants[@]}"
   rc=$?
@@ -124,6 +132,15 @@ if selected sanitize; then
       summary="$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|kernels_sanitize:" "$OUT/kernels_sanitize_$tool.txt" | tr '\n' ' ' | sed 's/=//g; s/  */ /g')"
       [ "$rc" -eq 124 ] && summary="timed out after ${limit} s; $summary"
       report "sanitize_$tool" "$rc" "$summary"
+    done
+    # KERNELS_RACECHECK_PLANS="w8.s2 w1.s2 ...": racecheck once more per plan, one INFO line each (hazards per plan),
+    # to bisect a report down to the loader / store path that draws it. Full text: $OUT/racecheck_plan_PLAN.txt.
+    for p in ${KERNELS_RACECHECK_PLANS:-}; do
+      timeout -k 5 25 "$PY" tests/gpu/kernels_sanitize.py --warm --plans "$p" >> "$LOG" 2>&1
+      timeout -k 5 45 "$SAN" --tool racecheck --racecheck-report all --print-limit 20 --kernel-name kns=pl_ \
+        "$PY" tests/gpu/kernels_sanitize.py --plans "$p" > "$OUT/racecheck_plan_$p.txt" 2>&1
+      echo "INFO kernels.racecheck_plan $p (rc $?): $(grep -E "RACECHECK SUMMARY|all results match" \
+        "$OUT/racecheck_plan_$p.txt" | tr '\n' ' ' | sed 's/=//g; s/  */ /g')"
     done
   fi
 fi

@@ -447,7 +447,8 @@ def test_residual_add_size_classes(monkeypatch: pytest.MonkeyPatch, dt: torch.dt
     monkeypatch.setattr(ew, "launch_raw", spy)
     l2 = ew._l2_bytes(DEV.index)
     moved = 3 * dt.itemsize  # bytes per element: x and y read, the sum written
-    for rows, want in ((max(3, l2 // moved // 2 // 4096), small), (l2 // moved // 4096 + 7, large)):
+    limit = int(plan.L2_FRACTION * l2) // moved  # elements at the edge of the "l2" size class
+    for rows, want in ((max(3, limit // 2 // 4096), small), (limit // 4096 + 7, large)):
         x, y = randn((rows, 4096), dt, 1), randn((rows, 4096), dt, 1)
         assert plan.in_l2(x.numel() * moved, l2) == (want is small)
         out = ew.residual_add_forward(x, y)

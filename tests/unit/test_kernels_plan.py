@@ -259,7 +259,8 @@ def test_l2_size_class_plans(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(ValueError, match="OP\\[:DTYPE\\]\\[:l2\\]"):
             plan.parse_op_plans(bad)
     mib = 1 << 20
-    assert plan.in_l2(48 * mib, 50 * mib) and not plan.in_l2(51 * mib, 50 * mib) and not plan.in_l2(1, 0)
+    assert plan.in_l2(48 * mib, 50 * mib) and plan.in_l2(75 * mib, 50 * mib) and not plan.in_l2(76 * mib, 50 * mib)
+    assert not plan.in_l2(1, 0)  # no L2 size known: no size class
     monkeypatch.setattr(ew, "OP_PLANS", plans)
     res = {"y": "bfloat16", "out": "bfloat16"}
     assert ew._spec(kc.OP_RESIDUAL_ADD, "bfloat16", l2=True, **res).hint == 2
