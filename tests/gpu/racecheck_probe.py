@@ -39,7 +39,8 @@ def run_case(case: str) -> None:
     src = cupy.random.randint(-1000, 1000, size=n, dtype=cupy.int32)
     out = cupy.full(n, -(1 << 30), dtype=cupy.int32)  # poisoned
     if case.startswith("probe_pipelines"):
-        kernel((2,), (threads,), (src, out, cupy.int32(NTILES)))  # two blocks (the same work), as the engine's wrap case
+        # two blocks doing the same work, as in the engine's wrap-around case
+        kernel((2,), (threads,), (src, out, cupy.int32(NTILES)))
         ok = bool((out == src + 1).all())
     else:
         kernel((1,), (threads,), (out,))
