@@ -83,12 +83,16 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20,
 
 
 def time_interleaved(fns: list[Callable[[], Any]], *, warmup: int = 2, reps: int = 20,
-                     stream: torch.cuda.Stream | None = None, device: torch.device | None = None) -> list[Timing]:
+                     stream: torch.cuda.Stream | None = None, device: torch.device | None = None,
+                     before_each: Callable[[], Any] | None = None) -> list[Timing]:
     """Median of `reps` timings of each fn, the fns taken in rotation (A B C A B C ...), one Timing per fn.
 
     For ratios near 1 (a kernel against torch's): timing A's reps and then B's lets clock and temperature drift
-    between the two blocks of time land in the ratio; in rotation every fn sees the same drift. On CUDA the events
-    of all reps are read after one synchronize at the end, as in time_fn; on the CPU each fn goes through time_fn.
+    between the two blocks of time land in the ratio; in rotation every fn sees the same drift. `before_each` (CUDA)
+    runs untimed before every timed call (on the same stream, outside the events): e.g. an L2 scrub, so that no fn starts
+    with the write-backs of the one before it (in rotation A would always pay for C's dirty lines, B for A's).
+    On CUDA the events of all reps are read after one synchronize at the end, as in time_fn; on the CPU each fn goes
+    through time_fn.
     """
     on_cuda = (device is not None and device.type == "cuda") or (device is None and torch.cuda.is_available())
     if not on_cuda:
@@ -102,6 +106,8 @@ def time_interleaved(fns: list[Callable[[], Any]], *, warmup: int = 2, reps: int
               for _ in fns]
     for i in range(reps):
         for fn, evs in zip(fns, events):
+            if before_each is not None:
+                before_each()
             evs[i][0].record(stream)
             fn()
             evs[i][1].record(stream)

@@ -14,7 +14,8 @@ warm-up and timed with CUDA events, per call = replay / K: this times device wor
 Python launch overhead. Calls rotate over enough input sets (at least 256 MiB in all) that they do not run out
 of L2. With --quick (or ctx.quick) it runs tiny sizes on whatever device there is (the CPU: torch against torch),
 only to smoke-test the suite. peerline, torch and the copy of one case are timed in rotation
-(benchkit.time_interleaved: torch, copy, peerline, torch, ...), so drift over the run falls on all three alike.
+(benchkit.time_interleaved: torch, copy, peerline, torch, ...), so drift over the run falls on all three alike,
+and an untimed L2 scrub (a read of 2 x L2) comes before each replay, so none pays for another's write-backs.
 """
 
 from __future__ import annotations
@@ -60,11 +61,30 @@ def _captured(calls: list[Callable[[], object]], device: torch.device) -> tuple[
     return graph.replay, len(calls)  # the bound method keeps the graph alive as long as the caller holds it
 
 
+_SCRUB: dict[int, torch.Tensor] = {}
+
+
+def _l2_scrub(device: torch.device) -> Callable[[], object] | None:
+    """An untimed step between timed replays: read 2 x L2 of unrelated bytes, so each replay starts with an L2 that
+    holds neither the previous replay's data nor its dirty lines (their write-backs happen here, not in the next
+    timing). Reads, not writes: the scrub leaves no dirty lines of its own. None on the CPU."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SCRUB:
+        l2 = int(torch.cuda.get_device_properties(index).L2_cache_size)
+        _SCRUB[index] = torch.ones(max(1, 2 * l2 // 4), dtype=torch.float32, device=device)
+    buf = _SCRUB[index]
+    return lambda: buf.sum()
+
+
 def _graph_times(call_lists: list[list[Callable[[], object]]], device: torch.device, reps: int) -> list[float]:
     """Milliseconds per call of each list: each captured into its graph, the replays timed in rotation
-    (benchkit.time_interleaved), so ratios between the lists see the same clock drift."""
+    (benchkit.time_interleaved), so ratios between the lists see the same clock drift, with an L2 scrub before
+    each replay (_l2_scrub), so none of them starts with another's write-backs."""
     replays = [_captured(calls, device) for calls in call_lists]
-    timings = time_interleaved([r for r, _ in replays], warmup=2, reps=reps, device=device)
+    timings = time_interleaved([r for r, _ in replays], warmup=2, reps=reps, device=device,
+                               before_each=_l2_scrub(device))
     return [t.median_ms / k for t, (_, k) in zip(timings, replays)]
 
 
