@@ -324,11 +324,6 @@ constexpr int kStages = PL_STAGES;
 constexpr bool kDirectStore = PL_DIRECT_STORE != 0;
 constexpr bool kBulkLoader = PL_LOADER == 1;
 constexpr bool kBulkStorer = PL_STORER == 1;
-// Both cuda::pipelines are made with make_pipeline (the cp.async loader and the storer warp): the compute warps take
-// part in both constructions, and in_pipe is made (every role past an all-roles barrier) before out_pipe is. Made
-// back to back, racecheck reported hazards on the out_pipe state's refcount word against other compute threads
-// (2026-11-26 session 5, plan w8.s2: 120; either pipeline alone: 0; results always right).
-constexpr bool kTwoPipes = !kBulkLoader && !kDirectStore;
 static_assert(PL_STORER == 0 || PL_STORER == 1, "PL_STORER is 0 (st.global) or 1 (cp.async.bulk)");
 static_assert(!(kBulkStorer && kDirectStore), "PL_STORER 1 needs the storer warp (PL_DIRECT_STORE 0)");
 #if PL_STORER == 1 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -507,7 +502,6 @@ __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restri
     // Loader: fill stage after stage while the compute warps work on the other one.
     cuda::pipeline<cuda::thread_scope_block> in_pipe =
         cuda::make_pipeline(LoadComputeGroup(), &in_state, cuda::pipeline_role::producer);
-    if constexpr (kTwoPipes) all_roles_sync();  // in_pipe made; out_pipe next (kTwoPipes)
     all_roles_sync();
     int stage = 0;
     for (long long t = blockIdx.x; t < ntiles; t += gridDim.x) {
@@ -530,7 +524,6 @@ __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restri
       all_roles_sync();
       compute_tiles<Op, true>(op, in_pipe, in_pipe, smem, gc, nchunks, ntiles, ct);
     } else {
-      all_roles_sync();  // in_pipe made by every role before out_pipe (kTwoPipes)
       cuda::pipeline<cuda::thread_scope_block> out_pipe =
           cuda::make_pipeline(ComputeStoreGroup(), &out_state, cuda::pipeline_role::producer);
       all_roles_sync();
@@ -543,7 +536,6 @@ __device__ __forceinline__ void run_engine(Op& op, const unsigned char* __restri
     all_roles_sync();
   } else {
     // Storer: shared -> global, 16 bytes per lane, coalesced.
-    if constexpr (kTwoPipes) all_roles_sync();  // in_pipe made; out_pipe next (kTwoPipes)
     cuda::pipeline<cuda::thread_scope_block> out_pipe =
         cuda::make_pipeline(ComputeStoreGroup(), &out_state, cuda::pipeline_role::consumer);
     all_roles_sync();

@@ -88,11 +88,11 @@ def time_interleaved(fns: list[Callable[[], Any]], *, warmup: int = 2, reps: int
     """Median of `reps` timings of each fn, the fns taken in rotation (A B C A B C ...), one Timing per fn.
 
     For ratios near 1 (a kernel against torch's): timing A's reps and then B's lets clock and temperature drift
-    between the two blocks of time land in the ratio; in rotation every fn sees the same drift. `before_each` (CUDA)
-    runs untimed before every timed call (on the same stream, outside the events): e.g. an L2 scrub, so that no fn starts
-    with the write-backs of the one before it (in rotation A would always pay for C's dirty lines, B for A's).
-    On CUDA the events of all reps are read after one synchronize at the end, as in time_fn; on the CPU each fn goes
-    through time_fn.
+    between the two blocks of time land in the ratio; in rotation every fn sees the same drift. `before_each`
+    (CUDA only) runs untimed before every timed call, on the same stream outside the events: e.g. an L2 scrub, so
+    no fn starts with the write-backs of the one before it (in rotation A would always pay for C's dirty lines).
+    On CUDA the events of all reps are read after one synchronize at the end, as in time_fn; on the CPU each fn
+    goes through time_fn.
     """
     on_cuda = (device is not None and device.type == "cuda") or (device is None and torch.cuda.is_available())
     if not on_cuda:
