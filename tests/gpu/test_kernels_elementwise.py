@@ -427,30 +427,35 @@ def test_rounds_grid_beyond_resident(monkeypatch: pytest.MonkeyPatch, label: str
 
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
 def test_residual_add_size_classes(monkeypatch: pytest.MonkeyPatch, dt: torch.dtype) -> None:
-    """The tuned residual add picks its ":l2" plan when the bytes it moves fit in L2 and its size-free plan beyond
-    (plan.in_l2; the launch's block size tells them apart), and both are exact on misaligned, NaN-poisoned views
-    with scalar heads and tails. Bypassed when PEERLINE_KERNEL_PLANS replaces the tuned plans."""
+    """The tuned residual add launches its ":l2" plan's kernel when the bytes it moves are within the "l2" size class
+    and its size-free plan's kernel beyond (plan.in_l2; told apart by the compiled function launched), and both are
+    exact on misaligned, NaN-poisoned views with scalar heads and tails. Skipped when the plans in use (e.g.
+    PEERLINE_KERNEL_PLANS) do not split by size class."""
+    from peerline.kernels import compile as kc
     from peerline.kernels import plan
 
+    name = ew._DTYPES[dt]
     short = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dt]
     small, large = (plan.op_plan(ew.OP_PLANS, "residual_add", short, l2) for l2 in (True, False))
-    if small is None or large is None or small.warps == large.warps:
+    if small is None or large is None or small.spec_fields() == large.spec_fields():
         pytest.skip("the residual add plans in use do not split by size class")
-    threads: list[int] = []
+    mains = {l2: kc.get_op(ew._spec(kc.OP_RESIDUAL_ADD, name, l2=l2, y=name, out=name), DEV.index).main
+             for l2 in (True, False)}
+    assert mains[True] is not mains[False]
+    launched: list[object] = []
     real_launch = ew.launch_raw
 
     def spy(fn: object, grid: tuple, block: tuple, args: tuple, smem: int, device: torch.device) -> None:
-        if smem > 0:  # pl_main
-            threads.append(block[0])
+        launched.append(fn)
         return real_launch(fn, grid, block, args, smem, device)
 
     monkeypatch.setattr(ew, "launch_raw", spy)
-    l2 = ew._l2_bytes(DEV.index)
+    l2_bytes = ew._l2_bytes(DEV.index)
     moved = 3 * dt.itemsize  # bytes per element: x and y read, the sum written
-    limit = int(plan.L2_FRACTION * l2) // moved  # elements at the edge of the "l2" size class
-    for rows, want in ((max(3, limit // 2 // 4096), small), (limit // 4096 + 7, large)):
+    limit = int(plan.L2_FRACTION * l2_bytes) // moved  # elements at the edge of the "l2" size class
+    for rows, in_l2 in ((max(3, limit // 2 // 4096), True), (limit // 4096 + 7, False)):
         x, y = randn((rows, 4096), dt, 1), randn((rows, 4096), dt, 1)
-        assert plan.in_l2(x.numel() * moved, l2) == (want is small)
+        assert plan.in_l2(x.numel() * moved, l2_bytes) == in_l2
         out = ew.residual_add_forward(x, y)
         assert torch.equal(out, x + y)
-        assert threads[-1] == 32 * (want.warps + 2), (threads, want.label())
+        assert launched[-1] is mains[in_l2], (rows, in_l2)
