@@ -9,6 +9,7 @@
 #     of case names, '/' for a space), --sweep-plans "w8.s4.d1.l1@res,w16.s3.d1@fwd+bwd" (plans; '@' restricts to op kinds fwd|bwd|res),
 #     --sweep-budget 60 (seconds of plans; the step's cap is KERNELS_SWEEP_CAP, default 80)
 #   KERNELS_TESTS_CAP   seconds for the float64-referenced pytest step (default 110: 9 extra launch plans compile first)
+#   KERNELS_TESTS_K     a pytest -k expression to run part of them (e.g. size_classes)
 #   KERNELS_BENCH_VARIANTS=fp32|all|none  bench variants timed next to the default (default fp32: normcdff fp32 GELU)
 #   KERNELS_BENCH_PLANS_FROM_SWEEP=1: the bench uses the sweep's SWEEP TUNED_PLANS of the same run
 #   KERNELS_RACECHECK_PLANS="w8.s2 w8.s2.d1" (space list): one more racecheck run per plan after the sanitizer step
@@ -29,7 +30,7 @@ need_gpus 1 kernels
 if selected tests; then
   echo "== correctness (pytest, float64 references)" >> "$LOG"
   step "$OUT/kernels_tests.out" "${KERNELS_TESTS_CAP:-110}" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfE \
-    tests/gpu/test_kernels_elementwise.py
+    ${KERNELS_TESTS_K:+-k "$KERNELS_TESTS_K"} tests/gpu/test_kernels_elementwise.py
   rc=$?
   report tests "$rc" "$(tail -n 1 "$OUT/kernels_tests.out" | tr -d '=' | sed 's/^ *//; s/ *$//')"
 fi
