@@ -153,8 +153,6 @@ def launch_raw(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
         fn(grid, block, args, shared_mem=smem, stream=_stream(device))
 
 
-
-
 _GRID_KEYS = (*plan.GRID_KEYS, "grid_cap")
 
 

@@ -55,31 +55,8 @@ def summarize(samples_ms: list[float]) -> Timing:
 
 def time_fn(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20,
             stream: torch.cuda.Stream | None = None, device: torch.device | None = None) -> Timing:
-    """Median of `reps` timings of `fn()` after `warmup` calls.
-
-    On CUDA each repetition is bracketed by events recorded on `stream` (default: the current stream) and all
-    events are read after one synchronize at the end, so the timed loop itself never waits on the host.
-    """
-    on_cuda = (device is not None and device.type == "cuda") or (device is None and torch.cuda.is_available())
-    for _ in range(warmup):
-        fn()
-    if not on_cuda:
-        samples = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-        return summarize(samples)
-    stream = stream or torch.cuda.current_stream()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record(stream)
-        fn()
-        ends[i].record(stream)
-    torch.cuda.synchronize()
-    return summarize([s.elapsed_time(e) for s, e in zip(starts, ends)])
+    """Median of `reps` timings of `fn()` after `warmup` calls (time_interleaved of one fn)."""
+    return time_interleaved([fn], warmup=warmup, reps=reps, stream=stream, device=device)[0]
 
 
 def time_interleaved(fns: list[Callable[[], Any]], *, warmup: int = 2, reps: int = 20,
@@ -88,18 +65,27 @@ def time_interleaved(fns: list[Callable[[], Any]], *, warmup: int = 2, reps: int
     """Median of `reps` timings of each fn, the fns taken in rotation (A B C A B C ...), one Timing per fn.
 
     For ratios near 1 (a kernel against torch's): timing A's reps and then B's lets clock and temperature drift
-    between the two blocks of time land in the ratio; in rotation every fn sees the same drift. `before_each`
-    (CUDA only) runs untimed before every timed call, on the same stream outside the events: e.g. an L2 scrub, so
-    no fn starts with the write-backs of the one before it (in rotation A would always pay for C's dirty lines).
-    On CUDA the events of all reps are read after one synchronize at the end, as in time_fn; on the CPU each fn
-    goes through time_fn.
+    between the two blocks of time land in the ratio; in rotation every fn sees the same drift. `before_each` runs
+    untimed before every timed call (on CUDA on the same stream, outside the events): e.g. an L2 scrub, so no fn
+    starts with the write-backs of the one before it (in rotation A would always pay for C's dirty lines).
+    On CUDA each repetition is bracketed by events recorded on `stream` (default: the current stream) and all
+    events are read after one synchronize at the end, so the timed loop itself never waits on the host; on the CPU
+    the host clock times each call.
     """
     on_cuda = (device is not None and device.type == "cuda") or (device is None and torch.cuda.is_available())
-    if not on_cuda:
-        return [time_fn(fn, warmup=warmup, reps=reps, device=device) for fn in fns]
     for _ in range(warmup):
         for fn in fns:
             fn()
+    if not on_cuda:
+        samples: list[list[float]] = [[] for _ in fns]
+        for _ in range(reps):
+            for fn, own in zip(fns, samples):
+                if before_each is not None:
+                    before_each()
+                t0 = time.perf_counter()
+                fn()
+                own.append((time.perf_counter() - t0) * 1e3)
+        return [summarize(own) for own in samples]
     stream = stream or torch.cuda.current_stream()
     torch.cuda.synchronize()
     events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]

@@ -21,6 +21,7 @@ and an untimed L2 scrub (a read of 2 x L2) comes before each replay, so none pay
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -61,7 +62,11 @@ def _captured(calls: list[Callable[[], object]], device: torch.device) -> tuple[
     return graph.replay, len(calls)  # the bound method keeps the graph alive as long as the caller holds it
 
 
-_SCRUB: dict[int, torch.Tensor] = {}
+@functools.cache
+def _scrub_buffer(index: int) -> torch.Tensor:
+    from peerline.kernels import elementwise as ew  # lazy: CUDA only
+
+    return torch.ones(max(1, 2 * ew._l2_bytes(index) // 4), dtype=torch.float32, device=torch.device("cuda", index))
 
 
 def _l2_scrub(device: torch.device) -> Callable[[], object] | None:
@@ -70,11 +75,7 @@ def _l2_scrub(device: torch.device) -> Callable[[], object] | None:
     timing). Reads, not writes: the scrub leaves no dirty lines of its own. None on the CPU."""
     if device.type != "cuda":
         return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SCRUB:
-        l2 = int(torch.cuda.get_device_properties(index).L2_cache_size)
-        _SCRUB[index] = torch.ones(max(1, 2 * l2 // 4), dtype=torch.float32, device=device)
-    buf = _SCRUB[index]
+    buf = _scrub_buffer(device.index if device.index is not None else torch.cuda.current_device())
     return lambda: buf.sum()
 
 
