@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
+from peerline.distributed.config import ConfigError
 
 log = logging.getLogger(__name__)
 

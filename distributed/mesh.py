@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .config import ConfigError
+from peerline.distributed.config import ConfigError
 
 
 @dataclass(slots=True)

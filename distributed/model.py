@@ -13,9 +13,9 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from ..kernels import ops
-from ..kernels.fused_linear import FusedLinear
-from .config import ConfigError, RunConfig
+from peerline.distributed.config import ConfigError, RunConfig
+from peerline.kernels import ops
+from peerline.kernels.fused_linear import FusedLinear
 
 log = logging.getLogger(__name__)
 

@@ -17,18 +17,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..kernels import ops
-from . import schedule as sched
-from .config import ConfigError, RunConfig
-from .engine import CounterDataFeed, DataFeed, Engine, LocalStage
-from .env import LaunchInfo, choose_device, detect_launch, init_distributed
-from .grad_sync import PerParameterAllReduce
-from .mesh import Mesh
-from .model import build_stages, describe_split
-from .p2p import Links, TensorSpec, make_transport
-from .probe import probe_specs
-from .streams import RankStreams, create_rank_streams, use
-from .timeline import Timeline
+from peerline.distributed.config import ConfigError, RunConfig
+from peerline.distributed.env import LaunchInfo, choose_device, detect_launch, init_distributed
+from peerline.distributed.grad_sync.per_param import PerParameterAllReduce
+from peerline.distributed.mesh import Mesh
+from peerline.distributed.model import build_stages, describe_split
+from peerline.distributed.observe.timeline import Timeline
+from peerline.distributed.p2p.transport import Links, TensorSpec, make_transport
+from peerline.distributed.pipeline import schedule as sched
+from peerline.distributed.pipeline.boundary_shapes import probe_specs
+from peerline.distributed.pipeline.engine import CounterDataFeed, DataFeed, Engine, LocalStage
+from peerline.distributed.streams import RankStreams, create_rank_streams, use
+from peerline.kernels import ops
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def dp_group_options(cfg: RunConfig):
     backward (0: NCCL's default). None (no cap, or not NCCL) keeps the backend's defaults."""
     if not cfg.nccl_max_ctas or not dist.is_initialized():
         return None
-    from .buckets import nccl_options
+    from peerline.distributed.grad_sync.buckets import nccl_options
 
     return nccl_options(cfg.nccl_max_ctas, backend=dist.get_backend())  # None for gloo
 
@@ -57,7 +57,7 @@ def make_grad_sync(cfg: RunConfig, params, mesh: Mesh, device: torch.device, str
     """Bucketed all-reduce (buckets.py) when available, else one all-reduce per parameter."""
     if cfg.grad_sync == "buckets":
         try:
-            from .buckets import GradBuckets
+            from peerline.distributed.grad_sync.buckets import GradBuckets
         except ImportError:
             log.warning("bucketed all-reduce unavailable; averaging gradients per parameter")
         else:
@@ -108,7 +108,7 @@ class Runtime:
     # -- construction --------------------------------------------------------------------------------------
     @classmethod
     def create(cls, cfg: RunConfig, info: LaunchInfo | None = None) -> Runtime:
-        from .allocator import configure_allocator
+        from peerline.distributed.memory.allocator import configure_allocator
 
         configure_allocator(cfg.allocator, cfg.pool_release_threshold)  # checks the backend torch loaded with
         info = info or detect_launch()
@@ -129,7 +129,7 @@ class Runtime:
         streams = create_rank_streams(device, cfg.stages, p2p_lanes=cfg.p2p_lanes,
                                       allreduce_priority=cfg.allreduce_priority)
         if device.type == "cuda":
-            from .allocator import apply_release_threshold
+            from peerline.distributed.memory.allocator import apply_release_threshold
 
             apply_release_threshold(device, cfg.pool_release_threshold)
         modules = [m.to(device) for m in modules]
@@ -186,11 +186,11 @@ class Runtime:
         rt = cls(cfg, info, device, mesh, engine, streams, split, programs, transport.describe())
         rt.layer_offsets = {sid: bounds[sid][0] for sid in stage_ids}
         if cfg.staging == "pinned":
-            from .staging import attach
+            from peerline.distributed.memory.staging import attach
 
             attach(rt, results="losses")
         if cfg.seq_jitter > 0:
-            from .allocator import ScratchJitter
+            from peerline.distributed.memory.allocator import ScratchJitter
 
             rt.scratch = ScratchJitter(cfg.seq_jitter, cfg.microbatches, seed=cfg.seed).install(
                 [s.module for s in stages])
@@ -216,7 +216,7 @@ class Runtime:
             if self.info.rank == 0:
                 print(f"peerline: running eager: {self.graph_failed}", flush=True)
             return
-        from .graph import try_capture
+        from peerline.distributed.cudagraph.capture import try_capture
 
         self.graph, reason, loop_problem = try_capture(self.engine, self.device, loop=self.cfg.graph_loop)
         if self.graph is None:
@@ -354,8 +354,8 @@ class Runtime:
         gathered = self.engine.timeline.gather()  # collective; None except on rank 0
         if gathered is None:
             return
-        from .timeline_check import check_spans
-        from .timeline_draw import write_timeline
+        from peerline.distributed.observe.timeline_check import check_spans
+        from peerline.distributed.observe.timeline_draw import write_timeline
 
         for path in write_timeline(gathered, path_stem):
             print(f"peerline: timeline written to {path}", flush=True)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import ALLREDUCE_PRIORITIES
+from peerline.distributed.config import ALLREDUCE_PRIORITIES
 
 log = logging.getLogger(__name__)
 

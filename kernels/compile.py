@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import plan
+from peerline.kernels import plan
 
 log = logging.getLogger(__name__)
 

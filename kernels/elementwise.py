@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from . import compile as kc
-from . import plan
+from peerline.kernels import compile as kc
+from peerline.kernels import plan
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +347,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
                          f"elements, got bias shape {tuple(bias.shape)}")
     if not _supported(x, bias) or x.device != bias.device:
         _fallback(f"bias_gelu with x {x.dtype} on {x.device}, bias {bias.dtype} on {bias.device}")
-        from .ops import bias_gelu_reference
+        from peerline.kernels.ops import bias_gelu_reference
 
         return bias_gelu_reference(x, bias)
     return BiasGelu.apply(x, bias)

@@ -190,7 +190,7 @@ class FusedLinear(nn.Linear):
         self._cast_cache = CastCache()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from . import ops  # ops imports this module lazily too
+        from peerline.kernels import ops  # ops imports this module lazily too
 
         return ops.linear(x, self.weight, self.bias, self.impl, self._cast_cache)
 

@@ -48,7 +48,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, impl: str = "torch") -> torch.Tensor:
     if impl == "peerline" and x.is_cuda:
-        from . import elementwise  # lazy: needs CuPy
+        from peerline.kernels import elementwise  # lazy: needs CuPy
 
         return elementwise.bias_gelu(x, bias)
     return bias_gelu_reference(x, bias)
@@ -56,7 +56,7 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, impl: str = "torch") -> torch
 
 def residual_add(x: torch.Tensor, y: torch.Tensor, impl: str = "torch") -> torch.Tensor:
     if impl == "peerline" and x.is_cuda:
-        from . import elementwise  # lazy: needs CuPy
+        from peerline.kernels import elementwise  # lazy: needs CuPy
 
         return elementwise.residual_add(x, y)
     return residual_add_reference(x, y)
@@ -68,7 +68,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, imp
     in place into weight.grad by fused_linear.linear_accumulate, and its low-precision copy comes from `cache`
     (a fused_linear.CastCache) once per iteration."""
     if impl == "peerline" and weight.requires_grad and torch.is_grad_enabled():
-        from . import fused_linear
+        from peerline.kernels import fused_linear
 
         if cache is None:
             cache = fused_linear.CastCache()  # no reuse across microbatches: the caller should keep one

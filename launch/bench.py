@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 launch/bench.py p2p allreduce pipeline
     torchrun --nproc_per_node=2 launch/bench.py all --out runs/bench-h100
 
-Suites: kernels, p2p, allreduce, batch_streams, graph, single, pipeline (launch/suites/). Results go to --out (default
+Suites: kernels, p2p, allreduce, batch_streams, graph, single, pipeline (bench/suites/). Results go to --out (default
 runs/bench-<date>): results.jsonl (one JSON record per measurement, with card, driver and versions) and
 results.md (a table with peerline, the anchor and their ratio). --quick runs tiny sizes (the CPU smoke test).
 Exit status: 0 when no suite failed (a suite whose module is missing is reported as not available, one that needs
@@ -27,8 +27,8 @@ try:
     import torch
     import torch.distributed as dist
 
-    from peerline.launch.benchkit import BenchContext
-    from peerline.launch.suites import MIN_RANKS, SUITES, load_suite
+    from peerline.bench.benchkit import BenchContext
+    from peerline.bench.suites import MIN_RANKS, SUITES, load_suite
 except ImportError as exc:  # run from a checkout that was never installed
     print(f"peerline-bench: error: cannot import peerline ({exc}); install it first: pip install -e .",
           file=sys.stderr)

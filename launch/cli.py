@@ -20,7 +20,7 @@ from peerline.distributed.config import (
     ConfigError,
     RunConfig,
 )
-from peerline.distributed.failsafe import add_failure_flags
+from peerline.distributed.resilience.failsafe import add_failure_flags
 
 _DEFAULTS = RunConfig()
 

@@ -18,17 +18,18 @@ if __package__ in (None, ""):
 
 try:
     # --allocator async must reach PyTorch before torch loads: read it from the command line first (no torch here).
-    from peerline.distributed.allocator import preconfigure_from_argv
+    from peerline.distributed.memory.allocator import preconfigure_from_argv
 
     _ALLOCATOR_ERROR = preconfigure_from_argv(sys.argv[1:])
     import torch
 
-    from peerline.distributed import faults
     from peerline.distributed.config import ConfigError
-    from peerline.distributed.failsafe import Failsafe, failsafe_options
+    from peerline.distributed.observe.progress import ProgressReporter
+    from peerline.distributed.observe.versions import versions
+    from peerline.distributed.resilience import faults
+    from peerline.distributed.resilience.failsafe import Failsafe, failsafe_options
     from peerline.distributed.runtime import IterationStats, Runtime
     from peerline.launch.cli import build_parser, config_from_args
-    from peerline.launch.report import ProgressReporter, versions
 except ImportError as exc:  # run from a checkout that was never installed
     print(f"peerline: error: cannot import peerline ({exc}); install it first: pip install -e .", file=sys.stderr)
     sys.exit(2)
@@ -43,8 +44,7 @@ def run(argv: list[str] | None = None) -> int:
         raise ConfigError(_ALLOCATOR_ERROR)
     cfg = config_from_args(args)
     if args.print_schedule:
-        from peerline.distributed import schedule
-
+        from peerline.distributed.pipeline import schedule
         print(schedule.render(schedule.build(cfg.schedule, (cfg.pp or 1) * cfg.stages, cfg.microbatches)))
         return 0
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))

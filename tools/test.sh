@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -e '.[test]'
-ruff check distributed kernels launch peerline tests
+ruff check distributed kernels launch bench peerline tests
 python -m pytest -q -p no:cacheprovider tests/unit tests/multiproc tests/gpu
 mpirun -n 2 --oversubscribe python -m pytest --with-mpi -q -p no:cacheprovider tests/integration

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from peerline.distributed.buckets import GradBuckets, nccl_options  # noqa: E402
+from peerline.distributed.grad_sync.buckets import GradBuckets, nccl_options  # noqa: E402
 from peerline.distributed.streams import create_rank_streams  # noqa: E402
 
 RESULTS: list[tuple[str, bool, str]] = []

@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from peerline.distributed.p2p import ACT, GRAD, CollectiveTransport, Links, TensorSpec
-from peerline.distributed.p2p_copy_engine import CopyEngineTransport, copy_engine_usable
+from peerline.distributed.p2p.copy_engine import CopyEngineTransport, copy_engine_usable
+from peerline.distributed.p2p.transport import ACT, GRAD, CollectiveTransport, Links, TensorSpec
 from peerline.distributed.streams import RankStreams, create_rank_streams
 
 SPIN_CYCLES = 4_000_000  # torch.cuda._sleep: about 2-3 ms at H100/H200 clocks

@@ -6,7 +6,7 @@
 #   2. the allreduce bench, bf16 parameters (the DDP anchor's setting): GradBuckets vs torch DDP on 8 blocks of
 #      h=2048 at NCCL CTA caps 0 (NCCL's default), 16, 8, 4, DDP at the default and at each cap, and peerline with
 #      its all-reduce on a normal-priority stream (priority vs CTA count); then head-to-head rounds (peerline eager
-#      and graph vs DDP interleaved, on the anchor model and a launch-heavy one: launch/suites/allreduce_h2h.py).
+#      and graph vs DDP interleaved, on the anchor model and a launch-heavy one: bench/suites/allreduce_h2h.py).
 # Usage: bash tests/gpu/run_buckets.sh [OUT]   (or OUT=... in the environment)
 # Logs to $OUT/buckets.log, bench results to $OUT/bench_allreduce/. Prints one PASS/FAIL/SKIP line per check,
 # the bench's GOAL lines (headline cap: the fastest peerline step) and one SWEEP line per cap; exits 0.
@@ -32,7 +32,7 @@ echo "== bench (torchrun, 2 ranks)" >> "$LOG"
 t0=$SECONDS
 # shellcheck disable=SC2086 # AR_EXTRA is a list of flags
 step "$OUT/bench_allreduce.out" 100 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
-  launch/suites/allreduce.py --out "$OUT/bench_allreduce" --ar-param-dtype bf16 \
+  bench/suites/allreduce.py --out "$OUT/bench_allreduce" --ar-param-dtype bf16 \
   --ar-nccl-ctas-sweep "${AR_CTAS:-0,16,8,4}" --reps "${AR_REPS:-15}" ${AR_EXTRA---ar-normal-priority}
 rc=$?
 grep -E "^grad buckets:" "$OUT/bench_allreduce.out" | head -1 | sed 's/^/  /'

@@ -38,7 +38,7 @@ fi
 if selected sass; then
   echo "== SASS report (nvcc -cubin + cuobjdump)" >> "$LOG"
   ARCH="$("$PY" -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'sm_{a}{b}')" 2>>"$LOG")"
-  step "$OUT/kernels_sass.out" 20 "$PY" -m peerline.kernels.inspect_sass --arch "${ARCH:-sm_90}" \
+  step "$OUT/kernels_sass.out" 20 "$PY" -m peerline.bench.kernel_tools.inspect_sass --arch "${ARCH:-sm_90}" \
     --out "$OUT/kernels_sass"
   rc=$?
   sed 's/^/  /' "$OUT/kernels_sass.out" | grep -E "PASS|FAIL|error" || true
@@ -50,13 +50,13 @@ if selected sweep; then
   # KERNELS_SWEEP_ARGS is split on spaces on purpose (a flag list); a later --sweep-budget wins over this one.
   echo "== sweep: launch plans per op (correctness first, then GB/s vs torch and d2d copy)" >> "$LOG"
   # shellcheck disable=SC2086
-  step "$OUT/kernels_sweep.out" "${KERNELS_SWEEP_CAP:-80}" "$PY" -m peerline.launch.suites.kernels --sweep \
+  step "$OUT/kernels_sweep.out" "${KERNELS_SWEEP_CAP:-80}" "$PY" -m peerline.bench.suites.kernels --sweep \
     --sweep-budget 50 --out "$OUT/kernels_sweep" ${KERNELS_SWEEP_ARGS:-}
   rc=$?
   if ! grep -E "^SWEEP " "$OUT/kernels_sweep.out"; then
     # cut short: summarize the rows it wrote
     if [ -s "$OUT/kernels_sweep/sweep.jsonl" ]; then
-      timeout -k 2 10 "$PY" -m peerline.launch.suites.kernels_sweep --summarize "$OUT/kernels_sweep/sweep.jsonl" 2>>"$LOG"
+      timeout -k 2 10 "$PY" -m peerline.bench.kernel_tools.sweep --summarize "$OUT/kernels_sweep/sweep.jsonl" 2>>"$LOG"
     else
       echo "  (no SWEEP lines: see $LOG)"
     fi
@@ -79,14 +79,14 @@ if selected bench; then
     chosen="$(grep -m1 -E "^SWEEP TUNED_PLANS = " "$OUT/kernels_sweep.out" | cut -d'"' -f2)"
     [ -n "$chosen" ] && export PEERLINE_KERNEL_PLANS="$chosen" && echo "INFO kernels.bench plans from the sweep: $chosen"
   fi
-  step "$OUT/bench_kernels.out" "${KERNELS_BENCH_CAP:-35}" "$PY" -m peerline.launch.suites.kernels \
+  step "$OUT/bench_kernels.out" "${KERNELS_BENCH_CAP:-35}" "$PY" -m peerline.bench.suites.kernels \
     --out "$OUT/bench_kernels" --sizes-mib "${KERNELS_BENCH_SIZES:-16,256}" "${variants[@]}"
   rc=$?
   grep -E "^GOAL " "$OUT/bench_kernels.out" || echo "  (no GOAL lines: see $LOG)"
   report bench_kernels "$rc"
 
   echo "== bench: batch_streams (multi-stream batch driver)" >> "$LOG"
-  step "$OUT/bench_batch_streams.out" 12 "$PY" -m peerline.launch.suites.batch_streams --out "$OUT/bench_kernels"
+  step "$OUT/bench_batch_streams.out" 12 "$PY" -m peerline.bench.suites.batch_streams --out "$OUT/bench_kernels"
   rc=$?
   report bench_batch_streams "$rc"
 fi

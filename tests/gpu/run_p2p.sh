@@ -30,7 +30,7 @@ report transport "$rc"
 echo "== bench (torchrun, 2 ranks)" >> "$LOG"
 # The suite logs each size's GOAL lines as soon as the size is done: a bench cut short still reports them.
 step "$OUT/bench_p2p.out" 60 "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
-  launch/suites/p2p.py --out "$OUT/bench_p2p" --reps 5
+  bench/suites/p2p.py --out "$OUT/bench_p2p" --reps 5
 rc=$?
 grep -E "^ *[0-9]+ [KM]iB  copy-engine|^graph:" "$OUT/bench_p2p.out"
 grep -E "^GOAL" "$OUT/bench_p2p.out" || echo "GOAL MISSED p2p: no goal lines (bench did not reach 16 MiB, see $LOG)"

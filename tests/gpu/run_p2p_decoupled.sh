@@ -18,7 +18,7 @@ report transport "$rc"
 
 echo "== bench (torchrun, 2 ranks)" >> "$LOG"
 P2P_VARIANTS="${P2P_VARIANTS:-1 lane,2 lanes,decoupled,decoupled 2 lanes}" step "$OUT/bench_p2p_decoupled.out" 80 \
-  "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 launch/suites/p2p.py \
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 bench/suites/p2p.py \
   --out "$OUT/bench_p2p_decoupled" --reps 5 --sizes "${P2P_SIZES:-4096,16384,65536,262144}"
 rc=$?
 grep -E "^ *[0-9]+ [KM]iB  copy-engine|^graph:" "$OUT/bench_p2p_decoupled.out"

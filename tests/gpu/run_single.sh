@@ -18,7 +18,7 @@ grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/single_tests.out" | tail -n
 report tests "$rc"
 
 bench_part() {  # bench_part PART NAME: one part of the single suite, its table, its PASS/FAIL line bench_NAME
-  step "$OUT/bench_single_$2.out" 45 "$PY" -m peerline.launch.suites.single --part "$1" --out "$OUT/bench_single/$2"
+  step "$OUT/bench_single_$2.out" 45 "$PY" -m peerline.bench.suites.single --part "$1" --out "$OUT/bench_single/$2"
   local rc=$?
   [ -f "$OUT/bench_single/$2/single.md" ] && cat "$OUT/bench_single/$2/single.md"
   report "bench_$2" "$rc"

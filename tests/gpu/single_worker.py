@@ -20,23 +20,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from peerline.distributed.allocator import configure_allocator  # noqa: E402  (no torch import yet)
+from peerline.distributed.memory.allocator import configure_allocator  # noqa: E402  (no torch import yet)
 
 KIND, THRESHOLD, OUT = sys.argv[1], None if sys.argv[2] == "none" else int(sys.argv[2]), sys.argv[3]
 configure_allocator(KIND, THRESHOLD)
 
 import torch  # noqa: E402
 
-from peerline.distributed.allocator import (  # noqa: E402
+from peerline.distributed.config import RunConfig  # noqa: E402
+from peerline.distributed.memory.allocator import (  # noqa: E402
     ScratchJitter,
     active_allocator,
     allocation_count,
     allocator_stats,
     apply_release_threshold,
 )
-from peerline.distributed.config import RunConfig  # noqa: E402
+from peerline.distributed.memory.staging import attach  # noqa: E402
 from peerline.distributed.runtime import Runtime  # noqa: E402
-from peerline.distributed.staging import attach  # noqa: E402
 
 ITERS = 4
 DEVICE = os.environ.get("SINGLE_WORKER_DEVICE", "cuda")  # cpu: a smoke test of the eager part only

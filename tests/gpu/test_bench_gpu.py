@@ -34,9 +34,9 @@ def calibrated_sleep():
 
 
 def test_timeline_on_two_streams_orders_dependent_spans():
+    from peerline.distributed.observe.timeline import Timeline
+    from peerline.distributed.observe.timeline_check import check_spans
     from peerline.distributed.streams import create_rank_streams, use
-    from peerline.distributed.timeline import Timeline
-    from peerline.distributed.timeline_check import check_spans
 
     dev = torch.device("cuda", 0)
     streams = create_rank_streams(dev, local_stages=2)
@@ -74,7 +74,7 @@ def test_timeline_on_two_streams_orders_dependent_spans():
 
 
 def test_time_blocks_times_device_work_per_iteration():
-    from peerline.launch.benchkit import time_blocks
+    from peerline.bench.benchkit import time_blocks
 
     dev = torch.device("cuda", 0)
     t = time_blocks(lambda n: [_sleep_ms(2.0) for _ in range(n)], iters=4, reps=3, warmup=1, device=dev)
@@ -82,7 +82,7 @@ def test_time_blocks_times_device_work_per_iteration():
 
 
 def test_stage_time_measurement_bf16():
-    from peerline.launch.suites.torch_pipelining import PipeShape, build_stage_module, measure_stage_ms
+    from peerline.bench.suites.torch_pipelining import PipeShape, build_stage_module, measure_stage_ms
 
     shape = PipeShape("small", layers=4, hidden=512, micro_batch_size=2, seq=256, microbatches=4, dtype="bf16")
     dev = torch.device("cuda", 0)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from peerline.distributed import checkpoint as ckpt
-from peerline.distributed.nonfinite import NonFiniteGuard
+from peerline.distributed.resilience import checkpoint as ckpt
+from peerline.distributed.resilience.nonfinite import NonFiniteGuard
 from tests.multiproc.failures_util import STARTUP_S, losses, spawn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]

@@ -100,8 +100,7 @@ def test_loop_with_defaults_bf16_peerline_kernels():
 
 @pytest.mark.parametrize("n", [1, 1000003, 1 << 20])
 def test_counter_kernel_matches_torch_reference(n):
-    from peerline.distributed import counter_data
-
+    from peerline.distributed.data import counter as counter_data
     gen = torch.Generator().manual_seed(n)
     seed, it, mb = (int(v) for v in torch.randint(0, 2**31 - 1, (3,), generator=gen))
     it_dev = torch.tensor([it], dtype=torch.int64, device="cuda")

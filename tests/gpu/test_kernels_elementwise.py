@@ -290,9 +290,8 @@ def test_launches_on_current_stream() -> None:
 def test_kernel_attributes_and_sass(tmp_path) -> None:
     """Resources as loaded, and LDGSTS (and 16-byte shared loads / global stores) in the SASS of pl_main (needs
     nvcc + cuobjdump, as the GPU machine has; run_kernels.sh reports every spec)."""
+    from peerline.bench.kernel_tools import inspect_sass
     from peerline.kernels import compile as kc
-    from peerline.kernels import inspect_sass
-
     spec = kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "bfloat16")
     op = kc.get_op(spec, DEV.index)
     assert op.blocks_per_sm >= 2 and op.attributes["local_bytes"] == 0, op.attributes

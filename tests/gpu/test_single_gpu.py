@@ -29,8 +29,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from peerline.distributed.config import RunConfig  # noqa: E402
+from peerline.distributed.memory.staging import attach  # noqa: E402
 from peerline.distributed.runtime import Runtime  # noqa: E402
-from peerline.distributed.staging import attach  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RTOL = 1e-5

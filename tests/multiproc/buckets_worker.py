@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from peerline.distributed.buckets import GradBuckets, MiB
+from peerline.distributed.grad_sync.buckets import GradBuckets, MiB
 
 FAILURES: list[str] = []
 

@@ -12,9 +12,9 @@ import logging
 import os
 import sys
 
-from peerline.distributed import faults
 from peerline.distributed.config import ConfigError
-from peerline.distributed.failsafe import Failsafe, add_failure_flags, failsafe_options
+from peerline.distributed.resilience import faults
+from peerline.distributed.resilience.failsafe import Failsafe, add_failure_flags, failsafe_options
 from peerline.distributed.runtime import Runtime
 from peerline.launch.cli import build_parser, config_from_args
 

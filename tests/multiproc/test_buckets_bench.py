@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(180)
 def test_allreduce_suite_quick(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "launch" / "suites" / "allreduce.py"), "--quick", "--out", str(tmp_path)]
+           str(REPO / "bench" / "suites" / "allreduce.py"), "--quick", "--out", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
@@ -59,6 +59,6 @@ def test_allreduce_suite_quick(tmp_path: Path) -> None:
 
 def test_allreduce_suite_refuses_a_single_process(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, str(REPO / "launch" / "suites" / "allreduce.py"), "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "suites" / "allreduce.py"), "--out", str(tmp_path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("allreduce bench: error:")

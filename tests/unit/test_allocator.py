@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from peerline.distributed import allocator
-from peerline.distributed.allocator import ScratchJitter, alloc_conf_with_backend, configure_allocator
 from peerline.distributed.config import ConfigError
+from peerline.distributed.memory import allocator
+from peerline.distributed.memory.allocator import ScratchJitter, alloc_conf_with_backend, configure_allocator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,8 +42,8 @@ def test_bad_allocator_settings(kind, threshold, message):
 
 def test_configure_before_torch_import_sets_the_environment():
     code = ("import os, sys\n"
-            "from peerline.distributed.allocator import configure_allocator\n"
-            "assert 'torch' not in sys.modules, 'peerline.distributed.allocator must not import torch'\n"
+            "from peerline.distributed.memory.allocator import configure_allocator\n"
+            "assert 'torch' not in sys.modules, 'peerline.distributed.memory.allocator must not import torch'\n"
             "configure_allocator('async', 1 << 20)\n"
             "print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])\n")
     env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:32")
@@ -92,7 +92,7 @@ def test_scratch_jitter_rejects_bad_jitter():
 
 def test_preconfigure_from_argv_before_torch():
     code = ("import os, sys\n"
-            "from peerline.distributed.allocator import preconfigure_from_argv\n"
+            "from peerline.distributed.memory.allocator import preconfigure_from_argv\n"
             "assert preconfigure_from_argv(['--iters', '3', '--allocator', 'async', '--pool-release-threshold', '0'])"
             " is None\n"
             "assert 'torch' not in sys.modules\n"
@@ -122,7 +122,7 @@ def test_no_choice_keeps_the_environments_backend_and_an_explicit_conflict_is_an
 
 def test_preconfigure_without_a_choice_leaves_the_environment_alone():
     code = ("import os, sys\n"
-            "from peerline.distributed.allocator import preconfigure_from_argv\n"
+            "from peerline.distributed.memory.allocator import preconfigure_from_argv\n"
             "assert preconfigure_from_argv(['--iters', '3']) is None\n"
             "assert 'torch' not in sys.modules\n"
             "print(os.environ['PYTORCH_CUDA_ALLOC_CONF'])\n")

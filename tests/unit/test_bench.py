@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from peerline.launch import bench, benchkit, suites
-from peerline.launch.benchkit import BenchContext, Record
+from peerline.bench import benchkit, suites
+from peerline.bench.benchkit import BenchContext, Record
+from peerline.launch import bench
 
 pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +43,7 @@ def test_missing_suite_module_is_not_available(monkeypatch):
 
 
 def _fake_suite(name: str, run) -> None:
-    mod = types.ModuleType(f"peerline.launch.suites.{name}")
+    mod = types.ModuleType(f"peerline.bench.suites.{name}")
     mod.run = run
     sys.modules[mod.__name__] = mod
 
@@ -65,7 +66,7 @@ def test_main_runs_suites_reports_failures_and_writes_valid_json(monkeypatch, tm
         rc = bench.main(["all", "--out", str(tmp_path), "--device", "cpu"])
     finally:
         for n in ("fake_good", "fake_bad"):
-            sys.modules.pop(f"peerline.launch.suites.{n}", None)
+            sys.modules.pop(f"peerline.bench.suites.{n}", None)
     assert rc == 1  # one suite failed; the others ran
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     recs = [json.loads(ln) for ln in lines]  # strict JSON: NaN is written as null
@@ -107,7 +108,7 @@ def test_parser_carries_the_suites_own_flags():
 def test_pipeline_suite_rejects_unknown_names_before_running(tmp_path):
     import torch.distributed as dist
 
-    from peerline.launch.suites import pipeline
+    from peerline.bench.suites import pipeline
 
     args = bench.build_parser().parse_args(["pipeline", "--schedules", "zigzag"])
     ctx = BenchContext(out_dir=tmp_path, device=torch.device("cpu"), quick=True)

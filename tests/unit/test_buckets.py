@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peerline.distributed.buckets import ALIGN_BYTES, GradBuckets, MiB, plan_buckets, ready_order
+from peerline.distributed.grad_sync.buckets import ALIGN_BYTES, GradBuckets, MiB, plan_buckets, ready_order
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -191,8 +191,7 @@ def test_existing_grads_are_kept() -> None:
 def test_nccl_options_cap_the_ctas(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
-    from peerline.distributed import buckets
-
+    from peerline.distributed.grad_sync import buckets
     class FakeOptions:  # what torch's ProcessGroupNCCL.Options exposes: .config with max_ctas / min_ctas
         def __init__(self) -> None:
             self.config = SimpleNamespace(max_ctas=-2147483648, min_ctas=-2147483648)

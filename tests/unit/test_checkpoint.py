@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from peerline.distributed import checkpoint as ckpt
 from peerline.distributed.config import ConfigError, RunConfig
+from peerline.distributed.resilience import checkpoint as ckpt
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from peerline.distributed import counter_data
 from peerline.distributed.config import ConfigError, RunConfig
-from peerline.distributed.engine import CounterDataFeed
+from peerline.distributed.data import counter as counter_data
+from peerline.distributed.pipeline.engine import CounterDataFeed
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from peerline.distributed import faults
 from peerline.distributed.config import ConfigError
-from peerline.distributed.faults import Fault, Faults, FaultSpecError, parse_faults
-from peerline.distributed.nonfinite import NonFiniteGuard, NonFiniteLossError, check_finite
+from peerline.distributed.resilience import faults
+from peerline.distributed.resilience.faults import Fault, Faults, FaultSpecError, parse_faults
+from peerline.distributed.resilience.nonfinite import NonFiniteGuard, NonFiniteLossError, check_finite
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,7 +83,7 @@ def test_delay_sleeps_only_where_and_when_asked():
 
 
 def test_kill_ends_the_process_with_its_code():
-    code = ("from peerline.distributed import faults\n"
+    code = ("from peerline.distributed.resilience import faults\n"
             "faults.before_iteration(1, 1, 2)\n"
             "faults.before_iteration(1, 1, 3)\n"
             "print('survived')\n")

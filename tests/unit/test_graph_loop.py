@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from peerline.distributed.config import ConfigError, RunConfig
-from peerline.distributed.engine import DataFeed
-from peerline.distributed.graph_loop import DataRing
+from peerline.distributed.cudagraph.loop import DataRing
+from peerline.distributed.pipeline.engine import DataFeed
 from peerline.distributed.runtime import iterations_this_launch
 from peerline.launch.cli import build_parser, config_from_args
 
@@ -189,7 +189,7 @@ def _reaches(edges: set[tuple[int, int]], a: int, b: int) -> bool:
 
 
 def test_event_nodes_become_empty_nodes_that_keep_the_order():
-    from peerline.distributed.graph_edit import without_event_nodes
+    from peerline.distributed.cudagraph.edit import without_event_nodes
 
     # stream A: k1 -> record(e7) -> k2 ; stream B: k3 -> wait(e7) -> k4 ; a timing record (e9) nobody waits for.
     nodes = {1: ("Kernel", None), 2: ("EventRecord", 7), 3: ("Kernel", None), 4: ("Kernel", None),

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from peerline.distributed import ideal
-from peerline.distributed.timeline import Span
+from peerline.bench import ideal
+from peerline.distributed.observe.timeline import Span
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from peerline.launch.benchkit import BenchContext
-from peerline.launch.suites import batch_streams, kernels
+from peerline.bench.benchkit import BenchContext
+from peerline.bench.suites import batch_streams, kernels
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,7 +29,7 @@ def test_kernels_suite_quick_on_cpu(tmp_path) -> None:
 
 
 def _rec(case: str, mib: float, peerline: float, anchor: float, anchor_name: str):
-    from peerline.launch.benchkit import Record
+    from peerline.bench.benchkit import Record
 
     return Record("kernels", case, "GB/s", peerline, anchor, anchor_name, sizes={"x_MiB": mib})
 
@@ -52,7 +52,7 @@ def test_time_interleaved_times_each_fn_on_cpu() -> None:
     """One Timing per fn, each over its own reps (the CPU path; the rotation itself is CUDA-event timing)."""
     import time
 
-    from peerline.launch.benchkit import time_interleaved
+    from peerline.bench.benchkit import time_interleaved
 
     calls = {"fast": 0, "slow": 0}
 

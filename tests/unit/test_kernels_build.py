@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from peerline.bench.kernel_tools import inspect_sass
 from peerline.kernels import compile as kc
-from peerline.kernels import inspect_sass
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -248,8 +248,7 @@ def test_lite_phi_literals_are_the_fit() -> None:
 
 
 def test_lite_phi_fit_error() -> None:
-    from peerline.kernels import fit_phi
-
+    from peerline.bench.kernel_tools import fit_phi
     coeffs, err = fit_phi.fit(0.45, 4, iters=200)
     assert err < 8e-4
     assert torch.allclose(coeffs, torch.tensor(_PHI_LITE_P, dtype=torch.float64), atol=1e-6)

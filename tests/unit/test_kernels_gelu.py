@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
+from peerline.bench.kernel_tools import fit_phi
 from peerline.kernels import compile as kc
-from peerline.kernels import fit_phi
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from peerline.bench.kernel_tools import nvrtc_check
 from peerline.kernels import compile as kc
-from peerline.kernels import nvrtc_check
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -67,8 +67,7 @@ def test_grid_caps() -> None:
 
 
 def test_every_sweep_plan_builds_a_spec_for_every_case() -> None:
-    from peerline.launch.suites import kernels_sweep as ks
-
+    from peerline.bench.kernel_tools import sweep as ks
     plans = [(plan.parse_plan(label), kinds) for label, kinds in map(ks.parse_sweep_plan, ks.SWEEP_PLANS)]
     assert plans[0][0] == plan.LaunchPlan()  # the default is timed first (the budget never cuts it)
     assert len({p for p, _ in plans}) == len(plans)  # no plan twice
@@ -81,7 +80,7 @@ def test_every_sweep_plan_builds_a_spec_for_every_case() -> None:
 
 
 def test_sweep_command_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    from peerline.launch.suites import kernels as suite
+    from peerline.bench.suites import kernels as suite
 
     assert suite.main(["--sweep", "--sweep-plans", "w8.q3"]) == 2
     assert "bad plan field" in capsys.readouterr().err
@@ -93,8 +92,7 @@ def test_sweep_command_line_errors(capsys: pytest.CaptureFixture[str]) -> None:
 def test_sweep_summary_picks_the_fastest_correct_plan(tmp_path) -> None:
     import json
 
-    from peerline.launch.suites import kernels_sweep as ks
-
+    from peerline.bench.kernel_tools import sweep as ks
     rows = [{"case": "c 256 MiB", "plan": "w8.s2.t0.b0.d0.v1", "status": "ok", "GBps": 3900.0, "vs_torch": 0.91,
              "vs_copy": 0.9, "torch_GBps": 4286.0, "copy_GBps": 4333.0},
             {"case": "c 256 MiB", "plan": "w8.s2.t0.b0.d1.v1", "status": "ok", "GBps": 4200.0, "vs_torch": 0.98,
@@ -128,8 +126,7 @@ def test_per_op_plans(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bulk_loader_plan_and_spec() -> None:
     """loader=1 (cp.async.bulk) is a plan field (.l1 in labels, absent at 0 so old labels stay), a KernelSpec field
     and a macro; the SASS check asks UBLKCP of it and LDGSTS (no UBLKCP) of the cp.async loader."""
-    from peerline.kernels import inspect_sass
-
+    from peerline.bench.kernel_tools import inspect_sass
     p = plan.parse_plan("w8.s4.d1.l1")
     assert p.loader == 1 and p.label() == "w8.s4.t0.b0.d1.v1.l1" and plan.parse_plan(p.label()) == p
     assert plan.LaunchPlan().label() == "w8.s2.t0.b0.d0.v1"

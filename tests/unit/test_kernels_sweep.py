@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from peerline.bench.kernel_tools import sweep as ks
+from peerline.bench.suites import kernels as suite
 from peerline.kernels import compile as kc
 from peerline.kernels import elementwise as ew
-from peerline.launch.suites import kernels as suite
-from peerline.launch.suites import kernels_sweep as ks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -140,7 +140,7 @@ def test_tuned_plans_line(tmp_path) -> None:
 
 
 def test_short_label_keeps_the_cache_hint() -> None:
-    from peerline.launch.suites.kernels_sweep import _short
+    from peerline.bench.kernel_tools.sweep import _short
 
     assert _short("w4.s4.t256.b0.d1.v1.l1.h1") == "w4.s4.t256.d1.l1.h1"
     assert _short("w8.s2.t0.b0.d0.v1") == "w8.s2"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from peerline.distributed import schedule as S
+from peerline.distributed.pipeline import schedule as S
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from peerline.distributed import slot_ring as sr
+from peerline.distributed.p2p import handoff_protocol as sr
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peerline.distributed import p2p_copy_engine as ce
-from peerline.distributed import slot_ring as sr
-from peerline.distributed.p2p import ACT, GRAD, Links, TensorSpec
+from peerline.distributed.p2p import copy_engine as ce
+from peerline.distributed.p2p import handoff_protocol as sr
+from peerline.distributed.p2p.transport import ACT, GRAD, Links, TensorSpec
 
 pytestmark = pytest.mark.timeout(30)
 

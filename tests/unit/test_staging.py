@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from peerline.distributed.config import RunConfig
-from peerline.distributed.engine import DataFeed
-from peerline.distributed.staging import PinnedStagingFeed, SlotRing, attach
+from peerline.distributed.memory.staging import PinnedStagingFeed, SlotRing, attach
+from peerline.distributed.pipeline.engine import DataFeed
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""CPU smoke test of the `single` bench suite (launch/suites/single.py --quick): it runs, records the overlapped
+"""CPU smoke test of the `single` bench suite (bench/suites/single.py --quick): it runs, records the overlapped
 pipeline against the bound and the serial version, and skips the allocator part without CUDA."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from peerline.launch.suites import single
+from peerline.bench.suites import single
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,7 +30,7 @@ def test_calibration_below_the_stage_count_is_clamped_and_recorded(tmp_path, mon
     # and 2 stages cannot hold 1 layer. Here the probe's numbers are made up to the same effect.
     import torch
 
-    from peerline.launch.benchkit import BenchContext
+    from peerline.bench.benchkit import BenchContext
 
     built = []
     real_runtime, real_measure = single._runtime, single._measure_overlap

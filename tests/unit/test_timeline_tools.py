@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from peerline.distributed import timeline_check, timeline_draw
-from peerline.distributed.ideal import stage_order
-from peerline.distributed.timeline import Span, Timeline
+from peerline.bench.ideal import stage_order
+from peerline.distributed.observe import timeline_check, timeline_draw
+from peerline.distributed.observe.timeline import Span, Timeline
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -96,7 +96,7 @@ def test_cpu_timeline_records_and_gathers_alone():
 
 
 def test_merge_puts_ranks_on_one_clock():
-    from peerline.distributed.timeline import merge_payloads
+    from peerline.distributed.observe.timeline import merge_payloads
 
     # rank 1 started its iteration 2.5 ms after rank 0 (host clock); its spans shift by 2.5 ms.
     merged = merge_payloads([(1, 1000.0 + 2.5, [(1, "compute", "F0", 0.5, 1.5)]),

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from peerline.distributed.watchdog import EXIT_SIGNAL, EXIT_TIMEOUT, Watchdog, _oneline, describe_edge
+from peerline.distributed.resilience.watchdog import EXIT_SIGNAL, EXIT_TIMEOUT, Watchdog, _oneline, describe_edge
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -131,7 +131,7 @@ def test_hard_exit_frees_a_stuck_main_thread():
     """The main thread blocks in C code (a lock that is never released); only os._exit ends the process."""
     body = """
         import threading
-        from peerline.distributed.watchdog import Watchdog
+        from peerline.distributed.resilience.watchdog import Watchdog
         wd = Watchdog(rank=0, stage=0, timeout_s=0.5).start()
         wd.waiting_for("act mb 1 from rank 3 (edge stage 2->3)")
         lock = threading.Lock(); lock.acquire(); lock.acquire()  # never returns
@@ -149,7 +149,7 @@ def test_hard_exit_frees_a_stuck_main_thread():
 def test_sigterm_while_blocked_gives_one_line():
     body = """
         import sys, threading
-        from peerline.distributed.watchdog import Watchdog
+        from peerline.distributed.resilience.watchdog import Watchdog
         wd = Watchdog(rank=2, stage=0, timeout_s=60, poll_s=0.05)
         wd.install_signal_handlers()
         wd.start()
@@ -173,7 +173,7 @@ def test_sigterm_while_blocked_gives_one_line():
 def test_stop_gives_sigterm_back():
     body = """
         import os, signal, time
-        from peerline.distributed.watchdog import Watchdog
+        from peerline.distributed.resilience.watchdog import Watchdog
         wd = Watchdog(rank=0, stage=0, timeout_s=60, poll_s=0.05)
         wd.install_signal_handlers()
         wd.start()
@@ -197,7 +197,7 @@ class _FakeEvent:
 def test_watched_transport_names_the_first_receive_the_device_is_stuck_on() -> None:
     """describe_stall walks the receives in the order they were queued and names the first whose event has not
     completed; none pending (a host-side hang) -> None, so the watchdog keeps its own description."""
-    from peerline.distributed.failsafe import WatchedTransport
+    from peerline.distributed.resilience.failsafe import WatchedTransport
 
     class Inner:
         name, capacity = "fake", 4

@@ -1,0 +1,144 @@
+"""The ideal time of a pipelined iteration, from measured per-microbatch forward and backward times per stage.
+
+Two figures, both with free communication:
+  bubble_bound_ms  (M + P - 1) x max over stages of (fwd + bwd): the textbook bound for GPipe and 1F1B, exact when
+                   the stages are balanced (every stage idles (P - 1) slots of the slowest stage's work).
+  simulate_ms      the makespan of the schedule's own per-stage order of F and B with the measured per-stage
+                   times, every action starting as soon as its dependencies are done: tighter when stages are
+                   uneven (it is <= the bound for GPipe and 1F1B).
+An achieved iteration also pays the gradient all-reduce that is not overlapped, the optimizer step and the
+transfers; `IdealReport` prints the achieved time next to the bound and their ratio (1.0 = at the bound).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from peerline.distributed.observe.timeline import Span
+from peerline.distributed.observe.timeline_check import compute_kind, default_placement, local_stage
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _check(microbatches: int, fwd_ms: list[float], bwd_ms: list[float]) -> None:
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    if not fwd_ms or len(fwd_ms) != len(bwd_ms):
+        raise ValueError(f"need one forward and one backward time per stage, got {len(fwd_ms)} and {len(bwd_ms)}")
+    if any(t < 0 for t in [*fwd_ms, *bwd_ms]):
+        raise ValueError("stage times must be non-negative")
+
+
+def bubble_bound_ms(microbatches: int, fwd_ms: list[float], bwd_ms: list[float]) -> float:
+    """(M + P - 1) x the slowest stage's forward + backward of one microbatch (GPipe and 1F1B alike)."""
+    _check(microbatches, fwd_ms, bwd_ms)
+    return (microbatches + len(fwd_ms) - 1) * max(f + b for f, b in zip(fwd_ms, bwd_ms, strict=True))
+
+
+def bubble_fraction(microbatches: int, stages: int) -> float:
+    """Share of a balanced pipeline's time that every stage spends idle: (P - 1) / (M + P - 1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """The order in which one stage runs its forwards and backwards: [("F", mb) | ("B", mb)]."""
+    m = microbatches
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    if schedule == "1f1b":
+        warm = min(stages - stage - 1, m)
+        order = [("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            order += [("F", warm + i), ("B", i)]
+        return order + [("B", i) for i in range(m - warm, m)]
+    raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+def simulate_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: list[float]) -> float:
+    """Makespan of the schedule with free communication: each stage runs its order; an action starts when the
+    stage is free and its inputs exist (F after the previous stage's F, B after the next stage's B and the
+    stage's own F)."""
+    _check(microbatches, fwd_ms, bwd_ms)
+    p = len(fwd_ms)
+    orders = [stage_order(schedule, s, p, microbatches) for s in range(p)]
+    done: dict[tuple[str, int, int], float] = {}
+    pos, free = [0] * p, [0.0] * p
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(p):
+            while pos[s] < len(orders[s]):
+                kind, mb = orders[s][pos[s]]
+                if kind == "F":
+                    deps = [("F", mb, s - 1)] if s > 0 else []
+                else:
+                    deps = [("F", mb, s)] + ([("B", mb, s + 1)] if s < p - 1 else [])
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[s], *(done[d] for d in deps)])
+                free[s] = start + (fwd_ms[s] if kind == "F" else bwd_ms[s])
+                done[(kind, mb, s)] = free[s]
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {schedule} deadlocks in simulation (a bug in stage_order)")
+    return max(free)
+
+
+def stage_times_from_spans(spans_by_rank: dict[int, list[Span]], pp: int, stages_per_rank: int = 1,
+                           replica: int = 0) -> tuple[list[float], list[float]]:
+    """Median forward and backward span duration per global stage of one replica, from a gathered timeline.
+    Spans measured inside a pipelined iteration include any wait queued on the compute stream within the span,
+    so times measured in isolation are the better input to the bound when available."""
+    place = default_placement(pp, stages_per_rank)
+    n = pp * stages_per_rank
+    fwd: list[list[float]] = [[] for _ in range(n)]
+    bwd: list[list[float]] = [[] for _ in range(n)]
+    for rank, spans in spans_by_rank.items():
+        for sp in spans:
+            kind = compute_kind(sp)
+            if kind is None:
+                continue
+            stage, rep = place(rank, local_stage(sp))
+            if rep == replica:
+                (fwd if kind[0] == "F" else bwd)[stage].append(sp.duration_ms)
+    if any(not f for f in fwd) or any(not b for b in bwd):
+        raise ValueError("the timeline lacks forward or backward spans of some stage")
+    return [statistics.median(f) for f in fwd], [statistics.median(b) for b in bwd]
+
+
+@dataclass(frozen=True, slots=True)
+class IdealReport:
+    """Achieved iteration time next to the ideal one."""
+
+    schedule: str
+    microbatches: int
+    fwd_ms: tuple[float, ...]
+    bwd_ms: tuple[float, ...]
+    achieved_ms: float
+
+    @property
+    def bound_ms(self) -> float:
+        return bubble_bound_ms(self.microbatches, list(self.fwd_ms), list(self.bwd_ms))
+
+    @property
+    def simulated_ms(self) -> float:
+        return simulate_ms(self.schedule, self.microbatches, list(self.fwd_ms), list(self.bwd_ms))
+
+    @property
+    def ratio(self) -> float:
+        """bound / achieved: 1.0 means the iteration ran at the bound, 0.5 that it took twice as long."""
+        return self.bound_ms / self.achieved_ms if self.achieved_ms > 0 else float("nan")
+
+    def describe(self) -> str:
+        stages = ", ".join(f"{f:.3f}+{b:.3f}" for f, b in zip(self.fwd_ms, self.bwd_ms, strict=True))
+        return (f"{self.schedule} M={self.microbatches} P={len(self.fwd_ms)}: achieved {self.achieved_ms:.3f} ms, "
+                f"bound (M+P-1) x max(fwd+bwd) {self.bound_ms:.3f} ms (ratio {self.ratio:.3f}), "
+                f"simulated {self.simulated_ms:.3f} ms; stage fwd+bwd ms: {stages}")
+
+    def as_dict(self) -> dict[str, object]:
+        return {"schedule": self.schedule, "microbatches": self.microbatches, "fwd_ms": list(self.fwd_ms),
+                "bwd_ms": list(self.bwd_ms), "achieved_ms": self.achieved_ms, "bound_ms": self.bound_ms,
+                "simulated_ms": self.simulated_ms, "ratio": self.ratio}

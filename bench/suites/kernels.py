@@ -1,0 +1,342 @@
+"""Benchmark suite `kernels`: achieved GB/s of peerline's elementwise kernels next to torch eager and a
+device-to-device copy of the same bytes, all in one run.
+
+    python -m peerline.bench.suites.kernels [--out DIR] [--sizes-mib 1,16,256,1024] [--quick]
+    python -m peerline.bench.suites.kernels --sweep [--out DIR] [--sweep-budget 60] [--sweep-plans L,...]
+        [--sweep-cases SUBSTR,...]   (launch-shape sweep)
+
+Bytes counted: every input read once and every output written once (bias vectors are negligible and not counted),
+the same figure for peerline and torch, so the GB/s ratio is the time ratio. The copy moves (read + written) / 2
+bytes, so its GB/s counts the same total. `size` is the MiB of x.
+
+Timing: each measurement is a CUDA graph of K calls (K from 64 at 1 MiB down to 1 at 1 GiB), replayed after a
+warm-up and timed with CUDA events, per call = replay / K: this times device work, not
+Python launch overhead. Calls rotate over enough input sets (at least 256 MiB in all) that they do not run out
+of L2. With --quick (or ctx.quick) it runs tiny sizes on whatever device there is (the CPU: torch against torch),
+only to smoke-test the suite. peerline, torch and the copy of one case are timed in rotation
+(benchkit.time_interleaved: torch, copy, peerline, torch, ...), so drift over the run falls on all three alike,
+and an untimed L2 scrub (a read of 2 x L2) comes before each replay, so none pays for another's write-backs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from peerline.bench.benchkit import BenchContext, Record, time_interleaved
+
+log = logging.getLogger(__name__)
+
+SUITE = "kernels"
+DEFAULT_SIZES_MIB = (1, 16, 256, 1024)
+ROTATE_BYTES = 256 << 20
+HIDDEN = 8192  # 4h of h=2048: the width the bias-GELU sees in the compute-bound pipeline config
+
+
+def _captured(calls: list[Callable[[], object]], device: torch.device) -> tuple[Callable[[], object], int]:
+    """(replay, K): the K calls captured into one CUDA graph, replayed as one. On the CPU: one call per replay, in
+    rotation (K = 1)."""
+    if device.type != "cuda":
+        i = [0]
+
+        def one() -> None:
+            calls[i[0] % len(calls)]()
+            i[0] += 1
+
+        return one, 1
+    for c in calls:  # eager warm-up: compiles / loads kernels before capture
+        c()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    return graph.replay, len(calls)  # the bound method keeps the graph alive as long as the caller holds it
+
+
+@functools.cache
+def _scrub_buffer(index: int) -> torch.Tensor:
+    from peerline.kernels import elementwise as ew  # lazy: CUDA only
+
+    return torch.ones(max(1, 2 * ew._l2_bytes(index) // 4), dtype=torch.float32, device=torch.device("cuda", index))
+
+
+def _l2_scrub(device: torch.device) -> Callable[[], object] | None:
+    """An untimed step between timed replays: read 2 x L2 of unrelated bytes, so each replay starts with an L2 that
+    holds neither the previous replay's data nor its dirty lines (their write-backs happen here, not in the next
+    timing). Reads, not writes: the scrub leaves no dirty lines of its own. None on the CPU."""
+    if device.type != "cuda":
+        return None
+    buf = _scrub_buffer(device.index if device.index is not None else torch.cuda.current_device())
+    return lambda: buf.sum()
+
+
+def _graph_times(call_lists: list[list[Callable[[], object]]], device: torch.device, reps: int) -> list[float]:
+    """Milliseconds per call of each list: each captured into its graph, the replays timed in rotation
+    (benchkit.time_interleaved), so ratios between the lists see the same clock drift, with an L2 scrub before
+    each replay (_l2_scrub), so none of them starts with another's write-backs."""
+    replays = [_captured(calls, device) for calls in call_lists]
+    timings = time_interleaved([r for r, _ in replays], warmup=2, reps=reps, device=device,
+                               before_each=_l2_scrub(device))
+    return [t.median_ms / k for t, (_, k) in zip(timings, replays)]
+
+
+def _graph_time(calls: list[Callable[[], object]], device: torch.device, reps: int) -> float:
+    """Milliseconds per call: K calls captured into one graph, replay timed."""
+    return _graph_times([calls], device, reps)[0]
+
+
+def _cases(dtype: torch.dtype, n: int, device: torch.device, sets: int, peerline: bool) -> dict[str, tuple]:
+    """name -> (bytes moved, peerline calls or None, torch calls, anchor name)."""
+    from peerline.kernels import elementwise as ew  # lazy: CUDA only
+
+    h = HIDDEN if n % HIDDEN == 0 else n
+    rows = n // h
+    es = dtype.itemsize
+    xs = [torch.randn(rows, h, device=device).to(dtype) for _ in range(sets)]
+    gs = [torch.randn(rows, h, device=device).to(dtype) for _ in range(sets)]
+    bias32 = torch.randn(h, device=device)
+    bias_x = bias32.to(dtype)
+    vs = [x + bias_x for x in xs]  # what torch's autograd saves for gelu's backward
+    res32 = [torch.randn(rows, h, device=device) for _ in range(sets)] if dtype == torch.bfloat16 else None
+
+    def cyc(fn: Callable[[int], object]) -> list[Callable[[], object]]:
+        return [(lambda i=i: fn(i)) for i in range(sets)]
+
+    cases: dict[str, tuple] = {
+        f"bias_gelu_fwd {dtype_name(dtype)}": (
+            2 * n * es,
+            cyc(lambda i: ew.bias_gelu_forward(xs[i], bias32)) if peerline else None,
+            cyc(lambda i: F.gelu(xs[i] + bias_x)), "torch F.gelu(x + b)"),
+        f"bias_gelu_bwd {dtype_name(dtype)}": (
+            3 * n * es,
+            cyc(lambda i: ew.bias_gelu_backward(gs[i], xs[i], bias32)) if peerline else None,
+            cyc(lambda i: _torch_gelu_bwd(gs[i], vs[i])), "torch gelu_backward + bias sum"),
+        f"residual_add {dtype_name(dtype)}+{dtype_name(dtype)}": (
+            3 * n * es,
+            cyc(lambda i: ew.residual_add_forward(xs[i], gs[i])) if peerline else None,
+            cyc(lambda i: xs[i] + gs[i]), "torch x + y"),
+    }
+    if res32 is not None:
+        cases["residual_add fp32+bf16"] = (
+            n * (4 + 2 + 4),
+            cyc(lambda i: ew.residual_add_forward(res32[i], xs[i])) if peerline else None,
+            cyc(lambda i: res32[i] + xs[i]), "torch x + y")
+    return cases
+
+
+def _torch_gelu_bwd(g: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gx = torch.ops.aten.gelu_backward(g, v)
+    return gx, gx.sum(0, dtype=torch.float32)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+
+
+def _copy_calls(total_bytes: int, device: torch.device, sets: int) -> list[Callable[[], object]]:
+    half = max(1, total_bytes // 2)
+    srcs = [torch.empty(half, dtype=torch.uint8, device=device).random_() for _ in range(sets)]
+    dsts = [torch.empty(half, dtype=torch.uint8, device=device) for _ in range(sets)]
+    return [(lambda i=i: dsts[i].copy_(srcs[i])) for i in range(sets)]
+
+
+# Kernel variants timed against the default (8 compute warps, 2 stages, the cheap Phi for bf16) at 256 MiB bf16,
+# in the same run: the first GPU run's kernel (4 warps, 1 + erff), and one change at a time from it.
+VARIANTS: tuple[tuple[str, dict[str, int]], ...] = (
+    ("first run's kernel: 4 compute warps, 1 + erff", {"warps": 4, "stages": 2, "gelu": 2}),
+    ("8 compute warps, 1 + erff", {"warps": 8, "stages": 2, "gelu": 2}),
+    ("8 compute warps, exact normcdff", {"warps": 8, "stages": 2, "gelu": 0}),
+    ("4 compute warps, cheap Phi", {"warps": 4, "stages": 2, "gelu": 1}),
+)
+# residual add has no GELU: only the block shape changed since the first run
+RESIDUAL_VARIANTS: tuple[tuple[str, dict[str, int]], ...] = (
+    ("first run's kernel: 4 compute warps", {"warps": 4, "stages": 2}),
+)
+# fp32 results: the GELU before phi_cdf_acc (normcdff + exact phi_pdf), against today's default in the same run
+FP32_VARIANTS: tuple[tuple[str, dict[str, int]], ...] = (
+    ("exact normcdff (PL_GELU 0, the fp32 path before phi_cdf_acc)", {"gelu": 0}),
+)
+DEFAULT_LABEL = "default: 8 compute warps, 2 stages, cheap Phi (refitted A&S 7.1.26 form)"
+FP32_DEFAULT_LABEL = "default: phi_cdf_acc (refitted erfc form, < 1e-6 relative)"
+VARIANT_MIB = 256
+VARIANT_SETS = ("all", "fp32")
+
+
+def _variants(device: torch.device, reps: int, ctx: BenchContext, which: str = "all") -> None:
+    """bias+GELU fwd/bwd at 256 MiB with other block shapes and GELU math, in the same run as the default: bf16
+    (block shapes, the first run's 1 + erff, normcdff) unless `which` is "fp32", and fp32 (normcdff, the path
+    before phi_cdf_acc)."""
+    from peerline.kernels import elementwise as ew
+
+    groups = []
+    if which == "all":
+        groups.append((torch.bfloat16, (("bias_gelu_fwd bf16", VARIANTS), ("bias_gelu_bwd bf16", VARIANTS),
+                                        ("residual_add bf16+bf16", RESIDUAL_VARIANTS))))
+    groups.append((torch.float32, (("bias_gelu_fwd fp32", FP32_VARIANTS), ("bias_gelu_bwd fp32", FP32_VARIANTS))))
+    for dtype, named in groups:
+        _variant_group(device, reps, ctx, ew, dtype, named)
+
+
+def _variant_group(device: torch.device, reps: int, ctx: BenchContext, ew: Any, dtype: torch.dtype,
+                   named: tuple) -> None:
+    n = VARIANT_MIB * (1 << 20) // dtype.itemsize
+    cases = _cases(dtype, n, device, 1, True)
+    for name, variants in named:
+        nbytes, pl_calls, _, _ = cases[name]
+        base = _graph_time(pl_calls, device, reps)
+        on_plan = {}
+        if variants is FP32_VARIANTS:
+            # only the GELU changes: the op's own launch plan (elementwise.TUNED_PLANS) stays, as in `base`
+            from peerline.kernels import compile as kc
+
+            op = kc.OP_BIAS_GELU_FWD if name.startswith("bias_gelu_fwd") else kc.OP_BIAS_GELU_BWD
+            on_plan = ew._tuning(op, "float32")
+        for label, tuning in variants:
+            ew.TUNING.update({**on_plan, **tuning})
+            try:
+                t = _graph_time(pl_calls, device, reps)
+            finally:
+                ew.TUNING.clear()
+            default_label = {id(VARIANTS): DEFAULT_LABEL, id(FP32_VARIANTS): FP32_DEFAULT_LABEL}.get(
+                id(variants), "default: 8 compute warps, 2 stages")
+            ctx.record(Record(SUITE, f"{name} {VARIANT_MIB} MiB: {label}", "GB/s",
+                              nbytes / (t * 1e-3) / 1e9, nbytes / (base * 1e-3) / 1e9, default_label,
+                              sizes={"x_MiB": VARIANT_MIB, "bytes": nbytes},
+                              extra={**tuning, "ms": t, "default_ms": base}))
+    del cases
+
+
+# Issue 3's goals: (case prefix, anchor_name prefix, smallest size in MiB, least ratio peerline / anchor): bias+GELU
+# fwd bf16 at least 3x torch's unfused gelu(x + b), and for every op at >= 256 MiB at least 90% of the copy
+# bandwidth, at >= 16 MiB never slower than torch eager.
+GOAL_OPS = ("bias_gelu_fwd bf16", "bias_gelu_fwd fp32", "bias_gelu_bwd bf16", "bias_gelu_bwd fp32",
+            "residual_add bf16+bf16", "residual_add fp32+fp32", "residual_add fp32+bf16")
+GOALS: tuple[tuple[str, str, float, float], ...] = (
+    ("bias_gelu_fwd bf16", "torch", 256, 3.0),
+    *((op, "d2d copy", 256, 0.9) for op in GOAL_OPS),
+    *((op, "torch", 16, 1.0) for op in GOAL_OPS),
+)
+
+
+def goal_lines(records: list[Record]) -> list[str]:
+    """One 'GOAL MET|MISSED' line per goal and size (the default kernel only, not the variants)."""
+    lines = []
+    for case, anchor, min_mib, least in GOALS:
+        for r in records:
+            mib = r.sizes.get("x_MiB")
+            if (r.suite != SUITE or ":" in r.case or not r.case.startswith(case + " ") or mib is None
+                    or mib < min_mib or not r.anchor_name.startswith(anchor) or r.anchor <= 0):
+                continue
+            ratio = r.peerline / r.anchor
+            lines.append(f"GOAL {'MET' if ratio >= least else 'MISSED'} {r.case}: {ratio:.2f}x {r.anchor_name} "
+                         f"(>= {least:g})")
+    return lines
+
+
+def run(args: argparse.Namespace, ctx: BenchContext) -> None:
+    """Record peerline vs torch eager and vs a d2d copy for each op, dtype and size."""
+    device = ctx.device
+    quick = ctx.quick or getattr(args, "quick", False)
+    sizes = getattr(args, "kernel_sizes_mib", None) or DEFAULT_SIZES_MIB
+    dtypes = [torch.bfloat16, torch.float32]
+    reps = getattr(args, "reps", 20)
+    if quick:
+        sizes, reps = (1 / 64,), 3
+    peerline = device.type == "cuda"
+    for size_mib in sizes:
+        for dtype in dtypes:
+            n = max(HIDDEN if not quick else 64, int(size_mib * (1 << 20)) // dtype.itemsize)
+            x_bytes = n * dtype.itemsize
+            sets = max(1, min(64, ROTATE_BYTES // x_bytes)) if not quick else 2
+            cases = _cases(dtype, n, device, sets, peerline)
+            for name, (nbytes, pl_calls, torch_calls, anchor_name) in cases.items():
+                copy_calls = _copy_calls(nbytes, device, min(sets, max(1, ROTATE_BYTES // nbytes)))
+                # in rotation (torch, peerline, copy, torch, ...): the ratios near 1 are the goals' business
+                t_torch, t_copy, *t_rest = _graph_times([torch_calls, copy_calls, *([pl_calls] if pl_calls else [])],
+                                                        device, reps)
+                t_pl = t_rest[0] if t_rest else t_torch
+                gbps = {k: nbytes / (t * 1e-3) / 1e9 for k, t in
+                        (("peerline", t_pl), ("torch", t_torch), ("copy", t_copy))}
+                sizes_d = {"x_MiB": size_mib, "dtype": dtype_name(dtype), "bytes": nbytes, "elements": n}
+                ctx.record(Record(SUITE, f"{name} {size_mib:g} MiB", "GB/s", gbps["peerline"], gbps["torch"],
+                                  anchor_name if peerline else "torch (CPU: torch vs torch)", sizes=sizes_d,
+                                  extra={"ms": {"peerline": t_pl, "torch": t_torch, "copy": t_copy}}))
+                ctx.record(Record(SUITE, f"{name} {size_mib:g} MiB", "GB/s", gbps["peerline"], gbps["copy"],
+                                  "d2d copy of the same bytes", sizes=sizes_d))
+                log.info("%s %g MiB: peerline %.0f GB/s, torch %.0f GB/s, copy %.0f GB/s", name, size_mib,
+                         gbps["peerline"], gbps["torch"], gbps["copy"])
+            del cases
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if getattr(args, "write_partial", False):
+            ctx.write(SUITE)  # a run cut short by its time limit still leaves the sizes it finished
+    if peerline and not quick and getattr(args, "kernel_variants", True):
+        _variants(device, reps, ctx, getattr(args, "variant_set", "all"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="peerline kernels benchmark (one suite)")
+    ap.add_argument("--out", type=Path, default=Path("bench_out"))
+    ap.add_argument("--sizes-mib", dest="kernel_sizes_mib", type=lambda s: tuple(float(v) for v in s.split(",")),
+                    default=None)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-variants", dest="kernel_variants", action="store_false",
+                    help="skip the kernel variants of bias+GELU at 256 MiB")
+    ap.add_argument("--variant-set", choices=VARIANT_SETS, default="all",
+                    help="all: bf16 shapes and GELU forms plus fp32 normcdff; fp32: only fp32 normcdff vs the default")
+    ap.add_argument("--sweep", action="store_true",
+                    help="launch-shape sweep instead (kernels_sweep.py): best plan per op, OUT/sweep.jsonl")
+    ap.add_argument("--sweep-budget", type=float, default=60.0, help="seconds for the sweep, compiles included")
+    ap.add_argument("--sweep-plans", default=None,
+                    help="comma list of plan labels (e.g. w8.s3.d1,w16.s3.d1@fwd+bwd,w4.s4.t256.d1.l1@res: '@' "
+                         "restricts a plan to op kinds fwd|bwd|res); default: kernels_sweep.SWEEP_PLANS")
+    ap.add_argument("--sweep-cases", default=None,
+                    help="comma list of substrings of case names to keep (e.g. 'residual_add,fwd fp32'); "
+                         "default: every case of kernels_sweep.SWEEP_CASES")
+    ap.add_argument("--sweep-mib", default=None,
+                    help="comma list of MiB of x: every kept case at each of these sizes instead of its own (e.g. "
+                         "8,16,32,64: where a plan's lead turns over)")
+    args = ap.parse_args(argv)
+    args.write_partial = True
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if args.sweep:
+        from peerline.bench.kernel_tools.sweep import SWEEP_CASES, parse_sweep_plan, run_sweep, select_cases
+
+        labels = [t for t in args.sweep_plans.split(",") if t.strip()] if args.sweep_plans else None
+        cases = [t for t in args.sweep_cases.split(",") if t.strip()] if args.sweep_cases else None
+        try:
+            for label in labels or []:
+                parse_sweep_plan(label)
+            select_cases(SWEEP_CASES, cases)
+            sizes = [float(v) for v in args.sweep_mib.split(",") if v.strip()] if args.sweep_mib else None
+            if sizes is not None and (not sizes or min(sizes) <= 0):
+                raise ValueError(f"--sweep-mib needs sizes > 0, got {args.sweep_mib!r}")
+        except ValueError as e:
+            sys.stderr.write(f"kernels --sweep: {e}\n")
+            return 2
+        if device.type != "cuda":
+            sys.stderr.write("kernels --sweep: needs a CUDA device\n")
+            return 2
+        run_sweep(args.out, device, args.sweep_budget, labels, args.reps if args.reps != 20 else 30, cases, sizes)
+        return 0
+    ctx = BenchContext(out_dir=args.out, device=device, quick=args.quick)
+    run(args, ctx)
+    ctx.write_and_show(SUITE)
+    for line in goal_lines(ctx.records):
+        sys.stdout.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""peerline.distributed.p2p"""

@@ -1,0 +1,289 @@
+"""Executes one rank's share of a pipeline schedule: one training iteration at a time.
+
+The engine owns the iteration: it issues every forward, backward, handoff, gradient sync and the optimizer step
+in schedule order, on the stages' compute streams, and never waits on the host. That makes `iteration()` safe to
+capture into a CUDA graph (graph.py). The loss is accumulated on the device into `loss_sum`; reading it is the
+caller's business, once per logged iteration.
+
+A rank runs one stage (one process per GPU) or several (single-GPU mode: stages as streams of one device).
+Handoffs to a stage of another rank go through the `Transport`; handoffs between local stages are an
+event (stream wait) on the same device, no copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from peerline.distributed.config import ConfigError
+from peerline.distributed.data import counter as counter_data
+from peerline.distributed.model import fill_batch
+from peerline.distributed.observe.timeline import Timeline
+from peerline.distributed.p2p.transport import ACT, GRAD, TensorSpec, Transport
+from peerline.distributed.pipeline.schedule import Step, step_str
+from peerline.distributed.streams import use, wait_stream
+from peerline.kernels import fused_linear
+
+
+class GradSync(Protocol):
+    def zero_grad(self) -> None: ...
+    def arm(self) -> None: ...
+    def finish(self) -> None: ...
+    def metrics(self) -> dict[str, float]: ...
+
+
+@dataclass
+class LocalStage:
+    """One pipeline stage held by this rank, with its per-iteration state."""
+
+    index: int  # global stage index
+    n_stages: int
+    module: nn.Module
+    stream: torch.cuda.Stream | None
+    out_spec: TensorSpec  # shape/dtype of this stage's output (and of the gradient it receives)
+    grad_sync: GradSync | None = None
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    grads_in: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.n_stages - 1
+
+    def clear(self) -> None:
+        self.inputs.clear()
+        self.outputs.clear()
+        self.losses.clear()
+        self.grads_in.clear()
+
+
+@dataclass
+class DataFeed:
+    """Static input / target buffers of every microbatch, refilled in place before each iteration (so a captured
+    graph reads fresh data from the same addresses). Replica r's microbatch m is global microbatch r*M+m."""
+
+    seed: int
+    replica: int
+    microbatches: int
+    inputs: list[torch.Tensor]  # empty unless this rank holds the first stage
+    targets: list[torch.Tensor]  # empty unless this rank holds the last stage
+    generator: torch.Generator
+
+    def load(self, iteration: int) -> None:
+        self.load_into(iteration, self.inputs, self.targets)
+
+    def load_into(self, iteration: int, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        """Fill `inputs` / `targets` (shaped like this feed's buffers) with the data of `iteration`: the static
+        buffers themselves (load), or a slot of a device-side ring that a looped graph copies from (graph_loop.py)."""
+        for buf, global_mb, stream_id in self.buffers(inputs, targets):
+            fill_batch(buf, self.seed, iteration, global_mb, stream_id, self.generator)
+
+    def buffers(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]
+                ) -> Iterator[tuple[torch.Tensor, int, int]]:
+        """(buffer, global microbatch, stream) of every input (stream 0) and target (stream 1): replica r's
+        microbatch m is global microbatch r*M+m, so every replica draws its own data."""
+        for stream_id, bufs in ((0, inputs), (1, targets)):
+            for mb, buf in enumerate(bufs):
+                yield buf, self.replica * self.microbatches + mb, stream_id
+
+
+@dataclass
+class CounterDataFeed(DataFeed):
+    """`--data counter`: the same static buffers, filled from a counter-based hash (counter_data.py) of the
+    iteration held on the device in `counter`. A captured iteration makes its own data (`generate`, then
+    `advance`), so replays need no host work for data; eager iterations set the counter and generate (`load`).
+    `counter_at` is the host's view of the value the counter holds when the work queued so far has run."""
+
+    counter: torch.Tensor | None = None  # int64, one element, on the buffers' device
+    counter_at: int | None = None
+
+    def load(self, iteration: int) -> None:
+        self.set_iteration(iteration)
+        self.generate()
+
+    def load_into(self, iteration: int, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        raise NotImplementedError("counter data is generated in place from the device counter: use load()")
+
+    def set_iteration(self, iteration: int) -> None:
+        """Point the counter at `iteration` (one tiny fill on the current stream, skipped when it is there)."""
+        if self.counter_at != iteration:
+            self.counter.fill_(iteration)
+            self.counter_at = iteration
+
+    def generate(self) -> None:
+        """Fill every buffer with the data of the counter's iteration (capturable)."""
+        for buf, global_mb, stream_id in self.buffers(self.inputs, self.targets):
+            counter_data.fill(buf, self.seed, self.counter, global_mb, stream_id)
+
+    def advance(self) -> None:
+        """counter += 1 on the device (captured after generate, so every replay makes the next iteration's data)."""
+        self.counter.add_(1)
+
+    def advanced(self, iterations: int) -> None:
+        """The host's view after launching `iterations` replays of a graph that captured `advance`."""
+        self.counter_at += iterations
+
+
+class Engine:
+    """Runs `program` (a global order of (stage, step) over this rank's stages) once per `iteration()`."""
+
+    def __init__(self, *, stages: list[LocalStage], program: list[tuple[int, Step]], transport: Transport,
+                 optimizer: torch.optim.Optimizer, feed: DataFeed, microbatches: int, device: torch.device,
+                 autocast_dtype: torch.dtype | None, timeline: Timeline | None = None,
+                 check_shapes: bool = True) -> None:
+        self.stages = {s.index: s for s in stages}
+        self.order = [s.index for s in stages]
+        self.program = program
+        self.transport = transport
+        self.optimizer = optimizer
+        self.feed = feed
+        self.m = microbatches
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        self.timeline = timeline or Timeline(rank=0, enabled=False)
+        self.check_shapes = check_shapes
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        # The step after which each stage's gradients are final: arm the gradient sync just before it.
+        self._last_backward = {}
+        for pos, (s, step) in enumerate(program):
+            if step[0].op == "B":
+                self._last_backward[s] = pos
+
+    # -- streams -------------------------------------------------------------------------------------------
+    @property
+    def main_stream(self) -> torch.cuda.Stream | None:
+        """The stream an iteration forks from and joins into (the first local stage's compute stream)."""
+        return self.stages[self.order[0]].stream
+
+    def _autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=enabled)
+
+    # -- one iteration -------------------------------------------------------------------------------------
+    def iteration(self) -> None:
+        """Issue one whole training iteration. No host synchronization on GPUs."""
+        main = self.main_stream
+        self.timeline.start_iteration(main)
+        fused_linear.new_iteration()  # weights changed since the last iteration: recast them once (fused_linear.py)
+        with use(main):
+            self.loss_sum.zero_()
+        for s in self.order:  # fork: every stage stream starts after the data load and the last step
+            stage = self.stages[s]
+            wait_stream(stage.stream, main)
+            with use(stage.stream):
+                stage.grad_sync.zero_grad()
+        # One autocast region over the whole schedule: autocast caches each weight's low-precision copy until
+        # its outermost region ends, so the weights are cast once per iteration instead of once per microbatch
+        # (the weights only change in the optimizer step, after the region). Non-forward steps run in a nested
+        # disabled region, which keeps the cache.
+        with self._autocast():
+            for pos, (s, step) in enumerate(self.program):
+                stage = self.stages[s]
+                with use(stage.stream):
+                    if step[0].op == "F":
+                        self._forward(stage, step[0].mb)
+                        continue
+                    with self._autocast(enabled=False):
+                        if step[0].op == "B":
+                            if self._last_backward[s] == pos:
+                                stage.grad_sync.arm()
+                            self._backward(stage, step[0].mb)
+                        else:
+                            self._communicate(stage, step)
+        for s in self.order:
+            stage = self.stages[s]
+            with use(stage.stream):
+                stage.grad_sync.finish()
+            wait_stream(main, stage.stream)  # join
+        with use(main):
+            self.transport.finish_iteration()
+            with self.timeline.span(self._lane(self.order[0]), "optimizer", main):
+                self.optimizer.step()
+        for stage in self.stages.values():
+            stage.clear()
+
+    def _lane(self, s: int) -> str:
+        return "compute" if len(self.order) == 1 else f"compute{s}"
+
+    def _forward(self, stage: LocalStage, mb: int) -> None:
+        x = self.feed.inputs[mb] if stage.is_first else stage.inputs[mb]
+        with self.timeline.span(self._lane(stage.index), f"F{mb}", stage.stream):
+            out = stage.module(x)  # inside iteration()'s autocast region
+        if self.check_shapes and (tuple(out.shape) != stage.out_spec.shape or out.dtype != stage.out_spec.dtype):
+            raise ConfigError(f"stage {stage.index} output changed between microbatches: microbatch {mb} gave "
+                              f"{tuple(out.shape)} {out.dtype}, the first gave {stage.out_spec.shape} "
+                              f"{stage.out_spec.dtype}")
+        stage.outputs[mb] = out
+        if stage.is_last:
+            # Mean over the replica's microbatches: the 1/M scale makes the summed gradients a mean.
+            with self._autocast(enabled=False):
+                loss = F.mse_loss(out.float(), self.feed.targets[mb]) / self.m
+            stage.losses[mb] = loss
+            self.loss_sum.add_(loss.detach())
+
+    def _backward(self, stage: LocalStage, mb: int) -> None:
+        with self.timeline.span(self._lane(stage.index), f"B{mb}", stage.stream):
+            if stage.is_last:
+                stage.losses.pop(mb).backward()
+            else:
+                torch.autograd.backward(stage.outputs[mb], grad_tensors=stage.grads_in[mb])
+        stage.outputs.pop(mb, None)
+        stage.grads_in.pop(mb, None)
+        # The backward consumed what this stage received for mb: a remote sender may reuse those slots.
+        if not stage.is_first and stage.index - 1 not in self.stages:
+            self.transport.release(ACT, mb)
+        if not stage.is_last and stage.index + 1 not in self.stages:
+            self.transport.release(GRAD, mb)
+
+    def _communicate(self, stage: LocalStage, step: Step) -> None:
+        sends: list[tuple[str, int, torch.Tensor]] = []
+        recvs: list[tuple[str, int]] = []
+        for a in step:
+            kind = ACT if a.op in ("SA", "RA") else GRAD
+            peer = stage.index + (1 if a.op in ("SA", "RG") else -1)
+            if peer in self.stages:
+                if a.op in ("RA", "RG"):
+                    self._receive_local(stage, self.stages[peer], kind, a.mb)
+                continue  # a local send is the producer's work already queued on its stream
+            if a.op == "SA":
+                sends.append((ACT, a.mb, stage.outputs[a.mb].detach()))
+            elif a.op == "SG":
+                sends.append((GRAD, a.mb, stage.inputs.pop(a.mb).grad))
+            else:
+                recvs.append((kind, a.mb))
+        if not sends and not recvs:
+            return
+        with self.timeline.span("p2p", step_str(step), stage.stream):
+            received = self.transport.exchange(sends, recvs)
+        for (kind, mb), tensor in zip(recvs, received):
+            self._accept(stage, kind, mb, tensor)
+
+    def _receive_local(self, stage: LocalStage, producer: LocalStage, kind: str, mb: int) -> None:
+        """Same-device handoff: order this stage's stream after the producer's queued work; no copy."""
+        wait_stream(stage.stream, producer.stream)
+        if kind == ACT:
+            tensor = producer.outputs[mb].detach()
+        else:
+            tensor = producer.inputs.pop(mb).grad
+        if stage.stream is not None:
+            tensor.record_stream(stage.stream)  # the allocator must not reuse it while this stream reads it
+        self._accept(stage, kind, mb, tensor)
+
+    @staticmethod
+    def _accept(stage: LocalStage, kind: str, mb: int, tensor: torch.Tensor) -> None:
+        if kind == ACT:
+            stage.inputs[mb] = tensor.detach().requires_grad_(True)
+        else:
+            stage.grads_in[mb] = tensor

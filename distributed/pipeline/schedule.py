@@ -1,0 +1,259 @@
+"""Pipeline schedules as data, and a validator that runs them against each other without running a model.
+
+A schedule gives each stage a program: an ordered list of steps. A step is one compute action (F = forward,
+B = backward of a microbatch) or a group of communication actions posted together (SA/RA = send/receive an
+activation to/from the next/previous stage, SG/RG = send/receive a gradient to/from the previous/next stage).
+Written like "F3" or "SA3+RG1". Posting a send and a receive to the same neighbour as one group is what keeps
+two neighbours that send to each other in the same step from deadlocking on a rendezvous transport (NCCL).
+
+`simulate` plays all programs against each other with a transport model: rendezvous (a send completes only
+together with its receive) or a ring of K slots per edge and direction (a send waits for a free slot; the
+receiver frees it after the backward that used the message). It returns one valid global order of steps (the
+single-device engine issues work in that order) or raises `ScheduleError` with a table of steps x stages that
+marks where each stage is stuck.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from peerline.distributed.config import ConfigError
+
+COMPUTE = ("F", "B")
+COMM = ("SA", "RA", "SG", "RG")
+
+
+class ScheduleError(ConfigError):
+    """The schedule is invalid or deadlocks; the message holds the table of steps x stages."""
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Action:
+    op: str  # F, B, SA, RA, SG, RG
+    mb: int
+
+    def __str__(self) -> str:
+        return f"{self.op}{self.mb}"
+
+
+Step = tuple[Action, ...]  # one compute action, or a group of communication actions posted together
+
+
+def step_str(step: Step) -> str:
+    return "+".join(map(str, step))
+
+
+def parse_program(text: str) -> list[Step]:
+    """'F0 SA0+RG1 B0' -> steps; for tests and for users writing their own schedules."""
+    steps = []
+    for token in text.split():
+        actions = []
+        for part in token.split("+"):
+            op = part.rstrip("0123456789")
+            if op not in COMPUTE + COMM or op == part:
+                raise ScheduleError(f"cannot parse action {part!r} in {text!r}")
+            actions.append(Action(op, int(part[len(op):])))
+        steps.append(tuple(actions))
+    return steps
+
+
+def _comm(*actions: Action | None) -> list[Step]:
+    group = tuple(a for a in actions if a is not None)
+    return [group] if group else []
+
+
+def gpipe(stage: int, n_stages: int, m: int) -> list[Step]:
+    """All forwards, then all backwards (in the same microbatch order)."""
+    first, last = stage == 0, stage == n_stages - 1
+    steps: list[Step] = []
+    for mb in range(m):
+        steps += _comm(None if first else Action("RA", mb))
+        steps.append((Action("F", mb),))
+        steps += _comm(None if last else Action("SA", mb))
+    for mb in range(m):
+        steps += _comm(None if last else Action("RG", mb))
+        steps.append((Action("B", mb),))
+        steps += _comm(None if first else Action("SG", mb))
+    return steps
+
+
+def one_f_one_b(stage: int, n_stages: int, m: int) -> list[Step]:
+    """Warm-up forwards (n_stages - stage - 1 of them), then one forward / one backward, then the remaining
+    backwards. At most n_stages - stage microbatches are alive on a stage, against m for GPipe."""
+    first, last = stage == 0, stage == n_stages - 1
+    warmup = min(n_stages - stage - 1, m)
+    steps: list[Step] = []
+    for mb in range(warmup):
+        steps += _comm(None if first else Action("RA", mb))
+        steps.append((Action("F", mb),))
+        steps += _comm(None if last else Action("SA", mb))
+    if warmup < m:
+        steps += _comm(None if first else Action("RA", warmup))
+    for j in range(m - warmup):
+        f = warmup + j
+        steps.append((Action("F", f),))
+        steps += _comm(None if last else Action("SA", f), None if last else Action("RG", j))
+        steps.append((Action("B", j),))
+        nxt = f + 1 if not first and f + 1 < m else None
+        steps += _comm(None if first else Action("SG", j), None if nxt is None else Action("RA", nxt))
+    for j in range(m - warmup, m):
+        steps += _comm(None if last else Action("RG", j))
+        steps.append((Action("B", j),))
+        steps += _comm(None if first else Action("SG", j))
+    return steps
+
+
+SCHEDULE_BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def build(schedule: str, n_stages: int, m: int) -> list[list[Step]]:
+    """Programs of every stage."""
+    if schedule not in SCHEDULE_BUILDERS:
+        raise ScheduleError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_BUILDERS)}")
+    if schedule == "1f1b" and m < n_stages:
+        raise ScheduleError(f"1f1b needs at least as many microbatches as stages: M={m} < {n_stages} stages "
+                            f"(use --microbatches {n_stages} or more, or --schedule gpipe)")
+    return [SCHEDULE_BUILDERS[schedule](s, n_stages, m) for s in range(n_stages)]
+
+
+def check_program(stage: int, n_stages: int, m: int, steps: list[Step]) -> None:
+    """Local rules of one stage's program: every microbatch once forward, once backward, in order with its
+    messages."""
+    first, last = stage == 0, stage == n_stages - 1
+    seen: dict[Action, int] = {}
+    for i, step in enumerate(steps):
+        ops = {a.op for a in step}
+        if len(step) > 1 and ops & set(COMPUTE):
+            raise ScheduleError(f"stage {stage} step {i} ({step_str(step)}): a compute action must be alone")
+        for a in step:
+            if not 0 <= a.mb < m:
+                raise ScheduleError(f"stage {stage} step {i}: microbatch {a.mb} outside 0..{m - 1}")
+            if a in seen:
+                raise ScheduleError(f"stage {stage}: {a} appears twice (steps {seen[a]} and {i})")
+            if (first and a.op in ("RA", "SG")) or (last and a.op in ("SA", "RG")):
+                raise ScheduleError(f"stage {stage} step {i}: {a} has no neighbour on that side")
+            seen[a] = i
+    for mb in range(m):
+        def at(op: str, mb: int = mb) -> int | None:
+            return seen.get(Action(op, mb))
+
+        need = ["F", "B"] + ([] if first else ["RA", "SG"]) + ([] if last else ["SA", "RG"])
+        for op in need:
+            if at(op) is None:
+                raise ScheduleError(f"stage {stage}: microbatch {mb} has no {op}")
+        order = [("F", "B")] + ([] if first else [("RA", "F"), ("B", "SG")]) + \
+            ([] if last else [("F", "SA"), ("RG", "B")])
+        for a, b in order:
+            if at(a) >= at(b):
+                raise ScheduleError(f"stage {stage}: {a}{mb} (step {at(a)}) must come before {b}{mb} "
+                                    f"(step {at(b)})")
+
+
+def _table(programs: list[list[Step]], pcs: list[int]) -> str:
+    width = max(len(step_str(s)) for p in programs for s in p) + 2
+    rows = [" step | " + " | ".join(f"stage {s}".ljust(width) for s in range(len(programs)))]
+    for i in range(max(len(p) for p in programs)):
+        cells = []
+        for s, p in enumerate(programs):
+            text = step_str(p[i]) if i < len(p) else ""
+            mark = ">" if i == pcs[s] else " "
+            cells.append((mark + text).ljust(width))
+        rows.append(f" {i:4d} | " + " | ".join(cells))
+    return "\n".join(rows)
+
+
+def simulate(programs: list[list[Step]], capacity: int | None = None) -> list[tuple[int, Step]]:
+    """Play the programs against each other; return a global order of (stage, step).
+
+    capacity None: rendezvous (a send completes only with its matching receive, both posted). capacity K: a send
+    completes when fewer than K messages of its kind are alive on its edge; a message stays alive from its send
+    until the receiver's backward of that microbatch (the consumer releases its slot then).
+    """
+    n = len(programs)
+    m = 1 + max((a.mb for p in programs for s in p for a in s), default=0)
+    for s, p in enumerate(programs):
+        check_program(s, n, m, p)
+    pcs = [0] * n
+    done_ops: list[set[Action]] = [set() for _ in range(n)]  # completed actions of the current group
+    sent: set[tuple[int, str, int]] = set()  # (receiver stage, kind, mb) messages sent and not yet received
+    alive: dict[tuple[int, str], int] = {}  # (receiver stage, kind) -> messages occupying a slot
+    holding: list[set[tuple[str, int]]] = [set() for _ in range(n)]  # messages a stage received, not released
+    order: list[tuple[int, Step]] = []
+
+    def peer(stage: int, a: Action) -> tuple[int, str]:
+        """(other stage, message kind) of a communication action."""
+        if a.op in ("SA", "RA"):
+            return (stage + 1 if a.op == "SA" else stage - 1), "act"
+        return (stage - 1 if a.op == "SG" else stage + 1), "grad"
+
+    def current(stage: int) -> Step | None:
+        return programs[stage][pcs[stage]] if pcs[stage] < len(programs[stage]) else None
+
+    while True:
+        progressed = False
+        for s in range(n):
+            step = current(s)
+            if step is None:
+                continue
+            if step[0].op in COMPUTE:
+                a = step[0]
+                if a.op == "B":  # the backward consumed what this stage received for mb: release the slots
+                    for kind in ("act", "grad"):
+                        if (kind, a.mb) in holding[s]:
+                            holding[s].discard((kind, a.mb))
+                            alive[(s, kind)] -= 1
+                order.append((s, step))
+                pcs[s] += 1
+                progressed = True
+                continue
+            for a in step:
+                if a in done_ops[s]:
+                    continue
+                other, kind = peer(s, a)
+                if a.op in ("SA", "SG"):
+                    if capacity is None:
+                        partner = current(other)
+                        match = Action("RA" if kind == "act" else "RG", a.mb)
+                        if partner is not None and match in partner and match not in done_ops[other]:
+                            done_ops[s].add(a)
+                            done_ops[other].add(match)
+                            holding[other].add((kind, a.mb))
+                            alive[(other, kind)] = alive.get((other, kind), 0) + 1
+                            progressed = True
+                    elif alive.get((other, kind), 0) < capacity:
+                        alive[(other, kind)] = alive.get((other, kind), 0) + 1
+                        sent.add((other, kind, a.mb))
+                        done_ops[s].add(a)
+                        progressed = True
+                elif capacity is not None and (s, kind, a.mb) in sent:
+                    sent.discard((s, kind, a.mb))
+                    holding[s].add((kind, a.mb))
+                    done_ops[s].add(a)
+                    progressed = True
+            if all(a in done_ops[s] for a in step):
+                done_ops[s].clear()
+                order.append((s, step))
+                pcs[s] += 1
+                progressed = True
+        if all(pc == len(p) for pc, p in zip(pcs, programs)):
+            return order
+        if not progressed:
+            model = "rendezvous" if capacity is None else f"{capacity} slot(s) per edge"
+            raise ScheduleError(f"schedule deadlocks ({model}); '>' marks where each stage waits:\n"
+                                + _table(programs, pcs))
+
+
+def min_capacity(programs: list[list[Step]], limit: int = 64) -> int:
+    """Fewest ring slots per edge and direction with which the programs run to the end."""
+    for k in range(1, limit + 1):
+        try:
+            simulate(programs, k)
+            return k
+        except ScheduleError:
+            continue
+    raise ScheduleError(f"schedule needs more than {limit} slots per edge")
+
+
+def render(programs: list[list[Step]]) -> str:
+    """The programs as a table of steps x stages (for --print-schedule and error messages)."""
+    return _table(programs, [-1] * len(programs))
