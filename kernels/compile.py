@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from peerline import overrides
 from peerline.kernels import plan
 
 log = logging.getLogger(__name__)
@@ -24,22 +24,23 @@ log = logging.getLogger(__name__)
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCE = "elementwise.cu"
 HEADER = "ws_pipeline.cuh"
-# Tuning knobs for experiments. 8 compute warps since the first H200 run (bench_kernels, 256 MiB bf16): 8 warps
-# 1.14x (forward) and 1.12x (backward) over 4, a third stage no gain, so double buffering stays.
-COMPUTE_WARPS = int(os.environ.get("PEERLINE_KERNEL_WARPS", str(plan.DEFAULT_WARPS)))
-STAGES = int(os.environ.get("PEERLINE_KERNEL_STAGES", str(plan.DEFAULT_STAGES)))
-# The rest of the launch shape (plan.LaunchPlan documents each): 0 / 0 / 1 are today's design.
-TILE = int(os.environ.get("PEERLINE_KERNEL_TILE", "0"))
-DIRECT = int(os.environ.get("PEERLINE_KERNEL_DIRECT", "0"))
-VEC = int(os.environ.get("PEERLINE_KERNEL_VEC", "1"))
-LOADER = int(os.environ.get("PEERLINE_KERNEL_LOADER", "0"))  # 0 cp.async (LDGSTS), 1 cp.async.bulk (sm_90)
-STORER = int(os.environ.get("PEERLINE_KERNEL_STORER", "0"))  # 0 st.global per lane, 1 cp.async.bulk per tile
+# Tuning knobs for experiments. The design default is 8 compute warps with double buffering: 8 warps stream faster
+# than 4 and a third stage gains nothing at the default tile (docs/benchmarks/kernels-history.md).
+COMPUTE_WARPS = overrides.get_int("PEERLINE_KERNEL_WARPS", plan.DEFAULT_WARPS)
+STAGES = overrides.get_int("PEERLINE_KERNEL_STAGES", plan.DEFAULT_STAGES)
+# The rest of the launch shape (plan.LaunchPlan documents each): 0 / 0 / 1 are the design default.
+TILE = overrides.get_int("PEERLINE_KERNEL_TILE", 0)
+DIRECT = overrides.get_int("PEERLINE_KERNEL_DIRECT", 0)
+VEC = overrides.get_int("PEERLINE_KERNEL_VEC", 1)
+LOADER = overrides.get_int("PEERLINE_KERNEL_LOADER", 0)  # 0 cp.async (LDGSTS), 1 cp.async.bulk (sm_90)
+STORER = overrides.get_int("PEERLINE_KERNEL_STORER", 0)  # 0 st.global per lane, 1 cp.async.bulk per tile
 # How bias+GELU evaluates Phi (elementwise.cu PL_GELU): GELU_EXACT normcdff everywhere; GELU_FAST (default) the
 # A&S 7.1.26 form on MUFU for bf16 results (3.5e-5) and its fp32 refit phi_cdf_acc for fp32 results (< 1e-6);
-# GELU_FIRST the first run's 1 + erff for bf16 results (normcdff for fp32); GELU_ACC phi_cdf_acc everywhere;
-# GELU_LITE as GELU_FAST but the forward's bf16 results through phi_cdf_lite (degree-3 P, 7.8e-4; plan field p1).
+# GELU_FIRST the plain 0.5 (1 + erff) for bf16 results (normcdff for fp32), kept for comparisons; GELU_ACC
+# phi_cdf_acc everywhere; GELU_LITE as GELU_FAST but the forward's bf16 results through phi_cdf_lite (degree-3 P,
+# 7.8e-4; plan field p1).
 GELU_EXACT, GELU_FAST, GELU_FIRST, GELU_ACC, GELU_LITE = 0, 1, 2, 3, 4
-GELU = int(os.environ.get("PEERLINE_KERNEL_GELU", str(GELU_FAST)))
+GELU = overrides.get_int("PEERLINE_KERNEL_GELU", GELU_FAST)
 
 OP_BIAS_GELU_FWD, OP_BIAS_GELU_BWD, OP_RESIDUAL_ADD = 1, 2, 3
 CTYPES = {"float32": "float", "bfloat16": "pl::bf16_t"}
@@ -155,7 +156,7 @@ def source_text() -> str:
 
 
 # compute-sanitizer runs set this: its hazard reports then name source lines (of source_text()), not bare PCs.
-LINEINFO = os.environ.get("PEERLINE_KERNEL_LINEINFO", "") == "1"
+LINEINFO = overrides.get("PEERLINE_KERNEL_LINEINFO") == "1"
 
 
 def nvrtc_options(spec: KernelSpec) -> tuple[str, ...]:
@@ -196,8 +197,8 @@ def _attributes(cupy: Any, fn: Any) -> dict[str, int]:
 @functools.cache
 def load_kernel(source: Path, name: str, device_index: int) -> tuple[Any, int]:
     """(CuPy RawKernel, its CUfunction) of the `extern "C"` kernel `name` in a standalone CUDA source file (the
-    runtime's small kernels: distributed/counter_data.py, graph_loop.py), built by NVRTC for the device's
-    architecture and loaded on it. Cached: the RawKernel keeps the module, and so the CUfunction, loaded."""
+    runtime's small kernels: distributed/data/counter.py, distributed/cudagraph/loop.py), built by NVRTC for the
+    device's architecture and loaded on it. Cached: the RawKernel keeps the module, and so the CUfunction, loaded."""
     import cupy  # GPU path only
 
     with cupy.cuda.Device(device_index):

@@ -43,10 +43,10 @@ __device__ __forceinline__ float ldg_f32(const bf16_t* p) {
 }
 
 // GELU through Phi(v) = normcdff(v) (CUDA math: erfcf(-v / sqrt 2) with the product's rounding compensated, max
-// 5 ulp over the whole range). The first version used 0.5 (1 + erff(v / sqrt 2)): for v < 0 that sum cancels
-// (erff -> -1), the absolute error ~3e-8 of erff becomes a relative error of 1e-3 at v = -4 and erff rounds to
-// exactly -1 below v = -5.54, so gelu(v) came out 0 (the GPU run's rel err 1 on one element, issue 3).
-// Since then PL_GELU selects cheaper forms of the same erfc (phi_cdf_fast, phi_cdf_acc); normcdff is PL_GELU 0.
+// 5 ulp over the whole range). Not 0.5 (1 + erff(v / sqrt 2)): for v < 0 that sum cancels (erff -> -1), the
+// absolute error ~3e-8 of erff becomes a relative error of 1e-3 at v = -4 and erff rounds to exactly -1 below
+// v = -5.54, where gelu(v) would come out 0. PL_GELU selects cheaper forms of the same erfc (phi_cdf_fast,
+// phi_cdf_acc); normcdff is PL_GELU 0.
 __device__ __forceinline__ float phi_cdf(float v) { return normcdff(v); }
 
 // exp(-v^2 / 2) / sqrt(2 pi) with v^2 split exactly into hi + lo (fma), so the argument's rounding (v^2/2 ulps,
@@ -62,8 +62,8 @@ __device__ __forceinline__ float phi_pdf(float v) {
 // PL_GELU: how Phi is evaluated (gelu_mode below maps it per result type):
 //   0 normcdff for every result type (the exact reference, kept for comparisons),
 //   1 the default: phi_cdf_fast for bf16 results, phi_cdf_acc for fp32 results,
-//   2 bf16 results: the first version's 0.5 (1 + erff(v / sqrt 2)) (kept only so the benchmark can compare against
-//     the first GPU run's kernel in the same run); fp32 results: normcdff,
+//   2 bf16 results: the plain 0.5 (1 + erff(v / sqrt 2)) (kept only so the benchmark can time it in the same run
+//     as the default); fp32 results: normcdff,
 //   3 phi_cdf_acc for every result type,
 //   4 as 1, except bf16 results of the forward: phi_cdf_lite (plan field p1; the backward keeps phi_cdf_fast).
 #ifndef PL_GELU
@@ -84,12 +84,12 @@ __device__ __forceinline__ float rcp_approx(float x) {
 }
 
 // A cheaper Phi for bf16 results (8-bit significand: rounding alone is 2^-9 = 2e-3 relative), in the form of
-// Abramowitz-Stegun 7.1.26: erfc(z) = t P(t) exp(-z^2), t = 1 / (1 + p z), z = |v| / sqrt 2 >= 0, with p = 0.45
-// and a degree-5 P refitted (weighted least squares with Lawson iterations in float64: kernels/fit_phi.py) for
-// RELATIVE error over all z: max 2.8e-5 on erfc, so Phi(v) and gelu(v) are within 3.5e-5 relative for every v
-// (checked in fp32 on [-13, 10], tests/unit/test_kernels_dispatch.py), also deep in the left tail where A&S's own
-// coefficients drift to 1e-2 (v = -8). About 17 instructions with one MUFU.RCP and one MUFU.EX2 (erff: ~30).
-// Never used for fp32 results. Also returns e = exp(-v^2 / 2), which the backward's phi(v) reuses.
+// Abramowitz-Stegun 7.1.26: erfc(z) = t P(t) exp(-z^2), t = 1 / (1 + p z), z = |v| / sqrt 2 >= 0, with p = 0.45 and a
+// degree-5 P refitted (weighted least squares with Lawson iterations in float64: bench/kernel_tools/fit_phi.py) for
+// RELATIVE error over all z: max 2.8e-5 on erfc, so Phi(v) and gelu(v) are within 3.5e-5 relative for every v (checked
+// in fp32 on [-13, 10], tests/unit/test_kernels_dispatch.py), also deep in the left tail where A&S's own coefficients
+// drift to 1e-2 (v = -8). About 17 instructions with one MUFU.RCP and one MUFU.EX2 (erff: ~30). Never used for fp32
+// results. Also returns e = exp(-v^2 / 2), which the backward's phi(v) reuses.
 __device__ __forceinline__ float phi_cdf_fast(float v, float& e) {
   const float t = rcp_approx(fmaf(fabsf(v), 0.45f * 0.70710678118654752f, 1.0f));
   // P's coefficients halved (Phi = erfc / 2), highest power first
@@ -107,13 +107,13 @@ __device__ __forceinline__ float phi_cdf_fast(float v) {
   return phi_cdf_fast(v, e);
 }
 
-// A cheaper Phi still, for bf16 forward results only (PL_GELU 4, plan field p1): phi_cdf_fast's erfc form with
-// p = 0.45 and P of degree 3 (kernels/fit_phi.fit(0.45, 4)): max 7.8e-4 relative on erfc, so Phi and gelu within
+// A cheaper Phi still, for bf16 forward results only (PL_GELU 4, plan field p1): phi_cdf_fast's erfc form with p = 0.45
+// and P of degree 3 (bench/kernel_tools/fit_phi.fit(0.45, 4)): max 7.8e-4 relative on erfc, so Phi and gelu within
 // 7.8e-4 relative for every v (tests/unit/test_kernels_dispatch.py, fp32 model on [-13, 10]); bf16's own rounding is
-// 2.0e-3 to 3.9e-3 relative (half an ulp), and the norm error of bf16 results moves from 1.6619e-3 (correctly
-// rounded) to 1.6623e-3 (5% of elements round to the neighbouring bf16). Two FMAs fewer per element than
-// phi_cdf_fast, of ~18.5 instructions per element in the bf16 forward's loop (SASS, w16.s3.t1024.d1.l1): for the
-// forward, whose issue rate is close to its memory rate.
+// 2.0e-3 to 3.9e-3 relative (half an ulp), and the norm error of bf16 results moves from 1.6619e-3 (correctly rounded)
+// to 1.6623e-3 (5% of elements round to the neighbouring bf16). Two FMAs fewer per element than phi_cdf_fast, of ~18.5
+// instructions per element in the bf16 forward's loop (SASS, w16.s3.t1024.d1.l1): for the forward, whose issue rate is
+// close to its memory rate.
 __device__ __forceinline__ float phi_cdf_lite(float v) {
   const float t = rcp_approx(fmaf(fabsf(v), 0.45f * 0.70710678118654752f, 1.0f));
   // P's coefficients halved (Phi = erfc / 2), highest power first
@@ -125,16 +125,16 @@ __device__ __forceinline__ float phi_cdf_lite(float v) {
   return v < 0.0f ? half_erfc : 1.0f - half_erfc;
 }
 
-// Phi for fp32 results (PL_GELU 1, the default; 3 also for bf16): the same erfc form as phi_cdf_fast,
-// erfc(z) = t P(t) exp(-z^2), t = 1 / (1 + p z), refitted for fp32 (kernels/fit_phi.py: p = 0.4, P of degree 8,
-// max 1.3e-7 relative on erfc over all z), and exp(-v^2 / 2) = 2^(-v^2 log2(e) / 2) evaluated so that no argument
-// rounding reaches the result: v^2 = hi + lo exactly (fma, as phi_pdf), the product x = hi * C rounded, and what
-// the rounding dropped (the product's error, C's own float32 error, lo * C) collected in r (|r| < 2^-16) and
-// applied as 2^r = 1 + r ln 2. A float32 model of exactly this sequence (fit_phi.model_acc32) is within 5.4e-7
-// relative of float64 for gelu, 5.0e-7 for Phi, 4.5e-7 for gelu' (relative to its terms) over |v| <= 10, plus at
-// most 3 ulp (3.6e-7) from MUFU.RCP / MUFU.EX2: < 1e-6 per element; normcdff (5 ulp) stays as PL_GELU 0. About 26
-// instructions with 2 MUFU ops (normcdff: ~45, with a division). |v| is clamped at 20 (Phi(-20) = 0 in fp32) so
-// that v^2 stays finite (inf would make lo = -inf and r * e0 = NaN). Also returns e = exp(-v^2 / 2).
+// Phi for fp32 results (PL_GELU 1, the default; 3 also for bf16): the same erfc form as phi_cdf_fast, erfc(z) = t P(t)
+// exp(-z^2), t = 1 / (1 + p z), refitted for fp32 (bench/kernel_tools/fit_phi.py: p = 0.4, P of degree 8, max 1.3e-7
+// relative on erfc over all z), and exp(-v^2 / 2) = 2^(-v^2 log2(e) / 2) evaluated so that no argument rounding reaches
+// the result: v^2 = hi + lo exactly (fma, as phi_pdf), the product x = hi * C rounded, and what the rounding dropped
+// (the product's error, C's own float32 error, lo * C) collected in r (|r| < 2^-16) and applied as 2^r = 1 + r ln 2. A
+// float32 model of exactly this sequence (fit_phi.model_acc32) is within 5.4e-7 relative of float64 for gelu, 5.0e-7
+// for Phi, 4.5e-7 for gelu' (relative to its terms) over |v| <= 10, plus at most 3 ulp (3.6e-7) from MUFU.RCP /
+// MUFU.EX2: < 1e-6 per element; normcdff (5 ulp) stays as PL_GELU 0. About 26 instructions with 2 MUFU ops (normcdff:
+// ~45, with a division). |v| is clamped at 20 (Phi(-20) = 0 in fp32) so that v^2 stays finite (inf would make lo = -inf
+// and r * e0 = NaN). Also returns e = exp(-v^2 / 2).
 __device__ __forceinline__ float phi_cdf_acc(float v, float& e) {
   const float a = fminf(fabsf(v), 20.0f);
   const float t = rcp_approx(fmaf(a, 0.4f * 0.70710678118654752f, 1.0f));
@@ -190,7 +190,7 @@ template <int MODE>
 __device__ __forceinline__ float gelu_grad_t(float v) {
   if constexpr (MODE == 0) {
     return phi_cdf(v) + v * phi_pdf(v);
-  } else if constexpr (MODE == 2) {  // the first version, verbatim
+  } else if constexpr (MODE == 2) {  // the plain erff form
     return phi_cdf_t<2>(v) + v * (0.39894228040143268f * expf(-0.5f * v * v));
   } else if constexpr (MODE == 3) {
     // fp32 results: phi(v) = e / sqrt(2 pi) from phi_cdf_acc's exp (accurate to ~1 ulp, argument split)

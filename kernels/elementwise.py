@@ -25,13 +25,14 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 from typing import Any
 
 import torch
 
+from peerline import overrides
 from peerline.kernels import compile as kc
 from peerline.kernels import plan
+from peerline.kernels.reference import bias_gelu_reference, residual_add_reference
 
 log = logging.getLogger(__name__)
 
@@ -47,33 +48,16 @@ POISON_OUTPUTS = False
 # empty = the design.
 TUNING: dict[str, int] = {}
 _warned: set[str] = set()
-# Per-op launch plans: the sweep's winners on an H200 (launch/suites/kernels_sweep.py). bias+GELU from the sweep of
-# 2026-11-26 05:39 UTC (docs/benchmarks/.../s3-call2-kernels-sweep.jsonl, after the fp32 GELU became phi_cdf_acc;
-# its SWEEP TUNED_PLANS line): fwd fp32 -> 3659 GB/s (0.90 of copy), bwd fp32 3760 -> 3814 (0.92), bwd bf16 w8.s4
-# unchanged (3893, 0.94). The 05:56 UTC sweep (s3-call3-kernels-sweep.jsonl) moved residual add (bf16 and fp32 x,
-# which includes fp32 + bf16) and the bf16 forward onto the Hopper bulk loader (.l1: cp.async.bulk tiles on
-# mbarriers; the LDGSTS loader stays the engine's default): residual add bf16 256 MiB 3902 -> 4037 GB/s (0.91 ->
-# 0.94x torch), 16 MiB 0.84 -> 0.95x; fp32 0.93 -> 0.95x / 0.85 -> 0.96x; fwd bf16 3650 -> 3708 (0.89 of copy).
-# The 06:22 UTC sweep (s3-call7-kernels-sweep.jsonl) added streaming stores to residual add (.h1, st.global.cs):
-# bf16 0.943 -> 0.946x torch at 256 MiB, 0.952 -> 0.972x at 16 MiB; fp32 0.953 -> 0.956x, 0.965 -> 0.987x.
-# The fourth session's sweep (2026-11-26 07:46 UTC, docs/benchmarks/.../s4-call4-kernels-sweep.jsonl) took the
-# helper's rounds (.rN: at most N tiles per block, the grid beyond the resident blocks) and the cheaper bf16 Phi
-# (.p1, 7.8e-4 relative before bf16 rounding): fwd fp32 0.877 -> 0.926 of copy (.l1.r8), fwd bf16 0.901 -> 0.908
-# (.p1), residual add bf16 256 MiB 0.944 -> 0.972x torch (.r8, 16 MiB level), fp32 0.955 -> 1.001x at 256 MiB (.r2;
-# 16 MiB 0.989 -> 0.975x). fp32 x includes fp32 + bf16.
-# The fifth session's sweeps (2026-11-26, H100; docs/benchmarks/2026-11-26-s5-h100/): torch timed in rotation with
-# each plan and an L2 scrub before every timed replay. Residual add splits by size class (plan.in_l2). Where the
-# bytes moved are within 1.5 x L2 (16-24 MiB of x) evict-first bulk loads, 4 warps, 2 stages of 256 chunks
-# (w4.s2.t256.d1.l1.h2.r1) ran 1.11-1.17x torch; beyond it one 128-chunk tile per block with streaming stores
-# (w4.s4.t128.d1.l1.h1.r1: a grid of one tile per block, so only its first stage fills) ran 1.00-1.02x at 64 and
-# 256 MiB, where the .h2 plans ran 0.95-0.97x. The plans before (.h1.r2 / .h1.r8): 0.976-1.000x.
-# Then PEERLINE_KERNEL_PLANS="OP[:DTYPE][:l2]=PLAN,..." on top (plan.parse_op_plans), e.g. "residual_add=w8.s4.d1";
-# PEERLINE_KERNEL_PLANS=default drops the tuned plans. Used when TUNING is empty.
+# Per-op launch plans, as the sweep (peerline.bench.kernel_tools.sweep) chose them on H100/H200 (tables in
+# docs/benchmarks/kernels-history.md). Residual add has two size classes: a ":l2" plan where the bytes moved fit in
+# 1.5 x L2 (plan.in_l2: evict-first bulk loads leave the results in L2), streaming stores with one tile per block
+# beyond it. PEERLINE_KERNEL_PLANS="OP[:DTYPE][:l2]=PLAN,..." (plan.parse_op_plans) goes on top, e.g.
+# "residual_add=w8.s4.d1"; PEERLINE_KERNEL_PLANS=default drops the tuned plans. Used when TUNING is empty.
 TUNED_PLANS = ("bias_gelu_fwd:bf16=w16.s3.t1024.d1.l1.p1,bias_gelu_fwd:fp32=w12.s4.d1.l1.r8,bias_gelu_bwd:bf16=w8.s4,"
                "bias_gelu_bwd:fp32=w12.s2.d1,residual_add:bf16=w4.s4.t128.d1.l1.h1.r1,"
                "residual_add:fp32=w4.s4.t128.d1.l1.h1.r1,residual_add:bf16:l2=w4.s2.t256.d1.l1.h2.r1,"
                "residual_add:fp32:l2=w4.s2.t256.d1.l1.h2.r1")
-_USER_PLANS = os.environ.get("PEERLINE_KERNEL_PLANS", "")
+_USER_PLANS = overrides.get_str("PEERLINE_KERNEL_PLANS", "")
 OP_PLANS = ({} if _USER_PLANS.strip() == "default" else
             {**plan.parse_op_plans(TUNED_PLANS), **plan.parse_op_plans(_USER_PLANS)})
 _OP_NAME = {kc.OP_BIAS_GELU_FWD: "bias_gelu_fwd", kc.OP_BIAS_GELU_BWD: "bias_gelu_bwd",
@@ -95,9 +79,9 @@ def _new(shape: tuple[int, ...] | int, dtype: torch.dtype, device: torch.device,
     """A contiguous output of `shape` whose flat element `head` is 16-byte aligned (any alignment if head is None).
 
     Never a view (its ._base is None): an autograd Function that returns a view of a tensor it created makes
-    autograd forbid later in-place writes to the result (the first GPU run's CUDA-graph test filled z with NaN
-    and torch raised "Output 0 of ResidualAddBackward is a view ... modified inplace"). The misaligned case
-    therefore points a fresh tensor at the padded buffer's storage with `set_` instead of slicing it."""
+    autograd forbid later in-place writes to the result ("Output 0 of ResidualAddBackward is a view ... modified
+    inplace"). The misaligned case therefore points a fresh tensor at the padded buffer's storage with `set_`
+    instead of slicing it."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     n = math.prod(shape)
     if head is None:
@@ -146,7 +130,7 @@ def _i32(v: int) -> Any:
 def launch_raw(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, smem: int,
                device: torch.device) -> None:
     """Launch a CuPy kernel on torch's current stream of `device` (so it follows the engine's streams and can be
-    captured into a CUDA graph). Also used by the runtime's own NVRTC kernels (distributed/counter_data.py)."""
+    captured into a CUDA graph). Also used by the runtime's own NVRTC kernels (distributed/data/counter.py)."""
     import cupy
 
     with cupy.cuda.Device(device.index):
@@ -347,8 +331,6 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
                          f"elements, got bias shape {tuple(bias.shape)}")
     if not _supported(x, bias) or x.device != bias.device:
         _fallback(f"bias_gelu with x {x.dtype} on {x.device}, bias {bias.dtype} on {bias.device}")
-        from peerline.kernels.ops import bias_gelu_reference
-
         return bias_gelu_reference(x, bias)
     return BiasGelu.apply(x, bias)
 
@@ -357,5 +339,5 @@ def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """x + y through the peerline kernels (torch for unsupported dtypes or broadcasting shapes)."""
     if not _supported(x, y) or x.shape != y.shape or x.device != y.device:
         _fallback(f"residual_add with x {x.dtype}{tuple(x.shape)}, y {y.dtype}{tuple(y.shape)}")
-        return x + y
+        return residual_add_reference(x, y)
     return ResidualAdd.apply(x, y)

@@ -180,6 +180,18 @@ def linear_accumulate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return _LinearAccumulate.apply(x, (weight,), w_c, bias, b_c)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, impl: str = "torch",
+           cache: CastCache | None = None) -> torch.Tensor:
+    """F.linear; with impl="peerline" (and a weight that will get a gradient) the weight's gradient is accumulated
+    in place into weight.grad by `linear_accumulate`, and its low-precision copy comes from `cache` once per
+    iteration. ops.linear is this function."""
+    if impl == "peerline" and weight.requires_grad and torch.is_grad_enabled():
+        if cache is None:
+            cache = CastCache()  # no reuse across microbatches: the caller should keep one
+        return linear_accumulate(x, weight, bias, cache)
+    return F.linear(x, weight, bias)
+
+
 class FusedLinear(nn.Linear):
     """nn.Linear (same parameters, initialisation and state_dict) whose forward uses `linear_accumulate` when
     `impl == "peerline"`, plain F.linear (the reference) otherwise."""
@@ -190,9 +202,7 @@ class FusedLinear(nn.Linear):
         self._cast_cache = CastCache()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from peerline.kernels import ops  # ops imports this module lazily too
-
-        return ops.linear(x, self.weight, self.bias, self.impl, self._cast_cache)
+        return linear(x, self.weight, self.bias, self.impl, self._cast_cache)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, impl={self.impl}"

@@ -6,9 +6,10 @@ warp-specialized CUDA kernels of this package. Both have the same semantics:
   bias_gelu(x, b)     = gelu(x + b)            exact (erf) GELU, b broadcast over the last dimension
   residual_add(x, y)  = x + y                  result in torch.result_type(x, y)
   linear(x, w, b)     = F.linear(x, w, b)      under the caller's autocast; "peerline" accumulates dW straight
-                                               into the fp32 w.grad (fused_linear.py), also on the CPU
+                                               into the fp32 w.grad (fused_linear.linear), also on the CPU
 
-GPU-only modules (CuPy, NVRTC) are imported lazily, inside the peerline branch.
+Layering: reference.py (torch) <- elementwise.py (CUDA kernels), fused_linear.py (dW fusion) <- this module. The
+elementwise module is imported lazily, inside the peerline branch: its first use compiles with CuPy/NVRTC.
 """
 
 from __future__ import annotations
@@ -17,24 +18,22 @@ import importlib.util
 import logging
 
 import torch
-import torch.nn.functional as F
 
-IMPLEMENTATIONS = ("peerline", "torch")
+from peerline.choices import KERNEL_IMPLEMENTATIONS as IMPLEMENTATIONS
+from peerline.choices import KERNELS
+from peerline.kernels.fused_linear import linear
+from peerline.kernels.reference import bias_gelu_reference, residual_add_reference
+
+__all__ = ["IMPLEMENTATIONS", "bias_gelu", "bias_gelu_reference", "linear", "residual_add", "residual_add_reference",
+           "resolve_impl"]
+
 log = logging.getLogger(__name__)
-
-
-def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x + bias.to(x.dtype))
-
-
-def residual_add_reference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return x + y
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
     """'auto' -> peerline on CUDA (torch if CuPy, which compiles the kernels, is not installed), torch
     elsewhere; the CPU always uses torch. An explicit 'peerline' without CuPy fails at the first launch."""
-    if impl not in ("auto", *IMPLEMENTATIONS):
+    if impl not in KERNELS:
         raise ValueError(f"unknown kernel implementation {impl!r}; choose one of auto, {', '.join(IMPLEMENTATIONS)}")
     if device.type != "cuda":
         return "torch"
@@ -47,6 +46,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, impl: str = "torch") -> torch.Tensor:
+    """gelu(x + bias) by `impl` (the peerline kernels only for CUDA tensors)."""
     if impl == "peerline" and x.is_cuda:
         from peerline.kernels import elementwise  # lazy: needs CuPy
 
@@ -55,22 +55,10 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, impl: str = "torch") -> torch
 
 
 def residual_add(x: torch.Tensor, y: torch.Tensor, impl: str = "torch") -> torch.Tensor:
+    """x + y by `impl` (the peerline kernels only for CUDA tensors)."""
     if impl == "peerline" and x.is_cuda:
         from peerline.kernels import elementwise  # lazy: needs CuPy
 
         return elementwise.residual_add(x, y)
     return residual_add_reference(x, y)
 
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, impl: str = "torch",
-           cache: object | None = None) -> torch.Tensor:
-    """F.linear; with impl="peerline" (and a weight that will get a gradient) the weight's gradient is accumulated
-    in place into weight.grad by fused_linear.linear_accumulate, and its low-precision copy comes from `cache`
-    (a fused_linear.CastCache) once per iteration."""
-    if impl == "peerline" and weight.requires_grad and torch.is_grad_enabled():
-        from peerline.kernels import fused_linear
-
-        if cache is None:
-            cache = fused_linear.CastCache()  # no reuse across microbatches: the caller should keep one
-        return fused_linear.linear_accumulate(x, weight, bias, cache)
-    return F.linear(x, weight, bias)

@@ -14,8 +14,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from peerline.choices import DTYPES as DTYPE_NAMES
+
 VECTOR_BYTES = 16
-# The launch shape of the warp-specialized kernels today (compile.py may override from the environment).
+# The default launch shape of the warp-specialized kernels (compile.py may override from the environment).
 DEFAULT_WARPS = 8
 DEFAULT_STAGES = 2
 MAX_SMEM_PER_BLOCK = 227 * 1024  # sm_90's opt-in maximum of dynamic shared memory per block
@@ -63,9 +65,7 @@ class VectorPlan:
 
 
 # A grid beyond the resident blocks pays only when it is many waves deep: with 1-4 waves the last one runs part
-# full while the rest of the machine idles. Measured on an H200 (s4-call4 sweep, residual add bf16 16 MiB, 924
-# resident blocks): 1.1 waves (.r4) 0.897x torch, 2.2 waves (.r2) 0.952x, the persistent grid 0.977x; at 256 MiB
-# (35 waves, .r2) 0.992x against 0.944x persistent.
+# full while the rest of the machine idles, and the persistent grid is faster (docs/benchmarks/kernels-history.md).
 MIN_WAVES = 4
 
 
@@ -274,15 +274,12 @@ def plan_grid_cap(sms: int, occupancy_blocks: int, blocks_per_sm: int) -> int:
 
 
 OP_NAMES = ("bias_gelu_fwd", "bias_gelu_bwd", "residual_add")
-DTYPE_NAMES = ("bf16", "fp32")
 
 
 # Size class of a launch: "l2" when the bytes it moves (every input read once, every output written once) are at
 # most L2_FRACTION x the device's L2 cache. There a plan can leave results in L2 for later write-back and beat a plan
-# that streams at DRAM speed. On an H100 (L2 50 MiB; 2026-11-26 session-5 sweeps, s5-call1/2) residual add with
-# evict-first bulk loads (.h2) ran 1.12x torch at 16 MiB of x (48 MiB moved), 1.05-1.08x at 24 MiB (72 MiB, 1.44 x
-# L2), but 0.95-0.97x from 32 MiB (96 MiB, 1.9 x L2) up, where streaming stores alone (.h1.r1) ran 1.00-1.01x: the
-# lead turns over between 1.44 and 1.9 x L2.
+# that streams at DRAM speed; the sweep puts the turn-over between 1.44 and 1.9 x L2 for residual add
+# (docs/benchmarks/kernels-history.md).
 SIZE_CLASSES = ("l2",)
 L2_FRACTION = 1.5
 

@@ -30,7 +30,7 @@
 #endif
 // 1: the compute warps store results straight from registers to global memory (16-byte vector stores, coalesced
 // across the warp) and the C buffers are not in shared memory; the storer warp then only does the scalar head and
-// tail. 0: results go through shared memory to the storer warp (the book's design). See NOTES.md.
+// tail. 0: results go through shared memory to the storer warp (the book's design). See README.md.
 #ifndef PL_DIRECT_STORE
 #define PL_DIRECT_STORE 0
 #endif
@@ -230,8 +230,7 @@ struct WarpRange {
 // as in CUTLASS's warp-specialized kernels). Used once after the pipelines are made and once before they are
 // destroyed: the states' mbarriers are initialized by one thread behind a partial (named) barrier and invalidated
 // by the last thread to quit, ordered only by an atomic counter; a full-block barrier on both sides makes that
-// ordering plain (the first GPU run's racecheck reported a few hazards, 2-16 per PC pair, a pattern that fits
-// these barrier words rather than the tiles) at the cost of two barriers per block per launch.
+// ordering plain, at the cost of two barriers per block per launch.
 constexpr int kAllRolesBarrier = 3;  // 1 and 2 are the WarpRange groups
 __device__ __forceinline__ void all_roles_sync() {
   asm volatile("bar.sync %0, %1;" ::"n"(kAllRolesBarrier), "n"(PL_THREADS) : "memory");

@@ -7,14 +7,14 @@ Two fits, both by weighted least squares on erfcx(z) / t with Lawson re-weightin
 `python -m peerline.bench.kernel_tools.fit_phi` (offline, tens of seconds on a CPU) prints the fits and then the
 error bound of the fp32 kernel formula: `model_acc32` evaluates phi_cdf_acc operation by operation in float32
 (each add, mul and fma rounded once, as the GPU does; rcp.approx and ex2.approx modelled as correctly rounded),
-and `acc_errors`
-measures it in float64 against erfc over a dense grid of v (tails included, |v| <= 10). The hardware's MUFU
-approximations add at most their documented error on top (rcp.approx.f32: 1 ulp; ex2.approx.f32: 2 ulp), i.e.
-< 3.6e-7 relative, which the recorded bound (NOTES.md) includes.
+and `acc_errors` measures it in float64 against erfc over a dense grid of v (tails included, |v| <= 10). The
+hardware's MUFU approximations add at most their documented error on top (rcp.approx.f32: 1 ulp; ex2.approx.f32:
+2 ulp), i.e. < 3.6e-7 relative, which the recorded bound (docs/benchmarks/kernels-history.md) includes.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import torch
@@ -106,7 +106,9 @@ def acc_errors(vmax: float = 10.0, points: int = 2_000_001) -> dict[str, float]:
             "gelu_grad": rel(grad, phi64 + v64 * pdf64, phi64 + v64.abs() * pdf64)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Print the two fits and the fp32 model's error bound (no options: the fits are fixed)."""
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     for deg, ps in ((6, (0.45,)), (9, (0.36, 0.4, 0.44))):
         best = min((fit(p, deg) + (p,) for p in ps), key=lambda x: x[1])
         print(f"degree {deg - 1}: p = {best[2]:.4g}, max rel err {best[1]:.3g}, P = {best[0].tolist()}")

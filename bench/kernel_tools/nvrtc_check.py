@@ -3,7 +3,7 @@
     python -m peerline.bench.kernel_tools.nvrtc_check [--lib /path/libnvrtc.so.13] [--include DIR ...]
 
 Why not only nvcc: NVRTC compiles device code only ("JIT mode") and rejects what nvcc accepts, e.g. a plain
-`constexpr` function called from device code (a host function to NVRTC; it broke every build once, 2026-11-26).
+`constexpr` function called from device code (a host function to NVRTC, which fails every build).
 Finds libnvrtc from --lib, $PEERLINE_NVRTC_LIB, the nvidia-cuda-nvrtc wheel, or /usr/local/cuda*/lib64; CCCL's
 headers (<cuda/pipeline>) from --include, $PEERLINE_CCCL_INCLUDE or /usr/local/cuda*/include/cccl. Exit 0 when every
 spec compiles without a diagnostic, 1 on an error or warning, 2 when NVRTC or the headers are missing.

@@ -1,6 +1,8 @@
-"""Launch-shape sweep of the warp-specialized kernels (issue 3): which plan.LaunchPlan is fastest per op.
+"""Launch-shape sweep of the warp-specialized kernels: which plan.LaunchPlan is fastest per op.
 
     python -m peerline.bench.suites.kernels --sweep --out DIR [--sweep-budget 60] [--sweep-plans w8.s3.d1,...]
+        [--sweep-cases SUBSTR,...] [--sweep-mib 8,16,...]
+    python -m peerline.bench.kernel_tools.sweep --summarize DIR/sweep.jsonl
 
 For each case (op, dtype, size) the sweep times torch eager and a device-to-device copy of the same bytes once,
 then every plan of the grid (SWEEP_PLANS, default plan first) that passed a correctness check, in the same run.
@@ -11,12 +13,12 @@ and never timed, so a fast-but-wrong plan cannot be the best. Writes DIR/sweep.j
 and prints one "SWEEP BEST" line per case, one "SWEEP TUNED op:dtype=plan" line per TUNED_PLANS key and a
 "SWEEP TUNED_PLANS = ..." string to paste into kernels/elementwise.py (or PEERLINE_KERNEL_PLANS). Bounded by
 --sweep-budget seconds (compiles included): the default plan is always timed, further plans only while the budget
-lasts.
+lasts. `--summarize` prints the same lines from a sweep.jsonl (also one cut short by a time limit).
 
-Why these plans (NOTES.md has the long form): a streaming op through shared memory loses to torch's plain
-vectorized kernel when too few bytes are in flight per SM (stages, tile size, resident blocks), when the result's
-extra shared-memory round trip and the single storer warp's issue rate throttle the stores (direct stores), or
-when the last tiles leave SMs idle (smaller tiles at 16 MiB).
+Why these plans (kernels/README.md): a streaming op through shared memory loses to torch's plain vectorized kernel
+when too few bytes are in flight per SM (stages, tile size, resident blocks), when the result's extra
+shared-memory round trip and the single storer warp's issue rate throttle the stores (direct stores), or when the
+last tiles leave SMs idle (smaller tiles, rounds).
 """
 
 from __future__ import annotations
@@ -31,33 +33,39 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+
+from peerline.bench.kernel_tools import common
+from peerline.kernels import compile as kc
+from peerline.kernels import elementwise as ew
+from peerline.kernels import plan as kp
 
 log = logging.getLogger(__name__)
 
 # Most promising first: the budget may cut the tail of the list. "@fwd+bwd" after a label restricts a plan to those
 # op kinds (fwd | bwd | res): it is neither checked nor timed on the others (saves budget where a plan cannot help).
 SWEEP_PLANS = (
-    "w8.s2",                   # today's default (always timed first)
-    # the tuned plans (elementwise.TUNED_PLANS) and the previous ones, so the new plans are judged against them
-    "w16.s3.t1024.d1@fwd+bwd",  # bias+GELU fwd bf16 (05:39 sweep)
-    "w12.s4.d1@fwd+bwd",       # bias+GELU fwd fp32 (05:39 sweep)
-    "w12.s2.d1@fwd+bwd",       # bias+GELU bwd fp32 (05:39 sweep)
+    "w8.s2",                   # the design default (always timed first)
+    # the tuned plans (elementwise.TUNED_PLANS) and their predecessors, so other plans are judged against them
+    "w16.s3.t1024.d1@fwd+bwd",  # bias+GELU fwd bf16
+    "w12.s4.d1@fwd+bwd",       # bias+GELU fwd fp32
+    "w12.s2.d1@fwd+bwd",       # bias+GELU bwd fp32
     "w4.s4.t256.d1",           # residual add
     "w8.s4@bwd",               # bias+GELU bwd bf16
-    "w8.s3.d1",                # bias+GELU fwd before (04:00 sweep)
-    "w8.s4.d1.v2@bwd+res",     # bias+GELU bwd fp32 before; for residual add: 32 contiguous bytes per lane
+    "w8.s3.d1",                # bias+GELU fwd, an earlier choice
+    "w8.s4.d1.v2@bwd+res",     # bias+GELU bwd fp32 earlier; for residual add: 32 contiguous bytes per lane
     # cache hints for data used once (.h1: st.global.cs stores; .h2: also evict-first bulk loads), on the bulk
-    # loader plans that won residual add and the bf16 forward (05:56 sweep)
+    # loader plans of residual add and the bf16 forward
     "w4.s4.t256.d1.l1.h1@res",
     "w4.s4.t256.d1.l1.h2@res",
     "w16.s3.t1024.d1.l1.h2@fwd",
     "w8.s4.d1.l1.h2@res",
     "w4.s8.t256.d1.l1.h2@res",
     "w16.s3.t1024.d1.l1.h1@fwd",
-    # rounds (.rN, 2026-11-26 07:20, not yet measured): at most N tiles per block, so the grid goes beyond the
-    # resident blocks and the hardware's block scheduler deals the rest to whichever SM frees up first. Every plan
-    # above has a fixed (persistent, round-robin) share per block, so the slowest SM sets the end; torch's add (a
-    # grid of short blocks) does not, and it beats the d2d copy. Same cubins as the plans they extend: no compiles.
+    # rounds (.rN): at most N tiles per block, so the grid goes beyond the resident blocks and the hardware's block
+    # scheduler deals the rest to whichever SM frees up first. A persistent grid gives each block a fixed
+    # (round-robin) share, so the slowest SM sets the end; torch's add (a grid of short blocks) does not. Same
+    # cubins as the plans they extend: no compiles.
     "w4.s4.t256.d1.l1.h1.r4@res",
     "w16.s3.t1024.d1.l1.r8@fwd",
     "w4.s4.t256.d1.l1.h1.r16@res",
@@ -68,20 +76,20 @@ SWEEP_PLANS = (
     "w12.s4.d1.r4@fwd",
     "w4.s4.t256.d1.l1.h1.r32@res",
     "w16.s3.t1024.d1.l1.r16@fwd",
-    "w8.s4.d1.l1.h2.r8@res",   # the 16 MiB best of the 06:22 sweep (fp32 0.993x torch), with rounds
-    "w8.s4.d1.l1.h1@res",      # streaming stores on w8.s4 (only .h2 was tried there)
+    "w8.s4.d1.l1.h2.r8@res",   # a strong 16 MiB plan without rounds, with rounds
+    "w8.s4.d1.l1.h1@res",      # streaming stores on w8.s4
     "w8.s6.t1024.d1.l1.h1@res",  # one block per SM, 6 x 32 KiB stages (192 KiB in flight from one TMA lane)
-    "w12.s4.d1.l1.r8@fwd",     # the fp32 forward's shape on the bulk loader (never timed on fp32) with rounds
+    "w12.s4.d1.l1.r8@fwd",     # the fp32 forward's shape on the bulk loader, with rounds
     # phi (.p1): the bf16 forward's Phi with a degree-3 P (phi_cdf_lite, 7.8e-4 relative): 135 instead of 151 SASS
     # instructions per 8 elements in the loop, for an op that issues close to its memory rate (fp32 unchanged)
     "w16.s3.t1024.d1.l1.p1@fwd",
     "w16.s3.t1024.d1.l1.r8.p1@fwd",
-    # New plans, residual add and bias+GELU interleaved so that a budget cut leaves both some of each. Residual add:
+    # More shapes, residual add and bias+GELU interleaved so that a budget cut leaves both some of each. Residual add:
     # the Hopper bulk loader (one cp.async.bulk per operand tile on an mbarrier, .l1) with direct stores, from the
     # tuned shape to more bytes in flight per SM, and TMA both ways (.l1.o1: bulk stores from the storer warp).
     # bias+GELU (issue-bound, fp32 above all): 12 / 16 compute warps (448 / 576 threads a block).
     "w4.s4.t256.d1.l1@res",
-    "w16.s3.t1024.d1.l1@fwd+bwd",  # the bulk loader for bias+GELU too, on the 05:39 sweep's best shapes
+    "w16.s3.t1024.d1.l1@fwd+bwd",  # the bulk loader for bias+GELU too, on its best shapes
     "w16.s3.d1@fwd+bwd",
     "w8.s4.d1.l1@res",
     "w12.s3.d1@fwd+bwd",
@@ -92,12 +100,12 @@ SWEEP_PLANS = (
     "w8.s3.t1024.d1.b2.l1@res",  # 2 blocks per SM with 48 KiB stages
     "w16.s4.d1@fwd+bwd",
     "w4.s4.t256.l1.o1@res",
-    "w16.s4@bwd",              # 16 warps through the storer warp (bwd bf16's best so far had no direct stores)
+    "w16.s4@bwd",              # 16 warps through the storer warp (bwd bf16 prefers no direct stores)
     "w8.s4.t1024.d1.l1@res",
     "w12.s2.d1.l1@bwd",
     "w8.s3.t1024.l1.o1@res",
     "w8.s2.l1@res",            # bulk loader through the storer warp (the book's output path)
-    # the rest of the first sweep's grid (each was best or near it somewhere)
+    # the base grid (each best or near it for some op)
     "w8.s2.d1",                # direct stores: no C round trip through shared memory, no storer hand-off
     "w8.s4.d1",                # deeper: more loads in flight per block
     "w4.s4.d1",                # fewer compute warps, more blocks per SM
@@ -124,8 +132,6 @@ SWEEP_CASES = (
 
 def parse_sweep_plan(text: str) -> tuple[str, frozenset[str]]:
     """'w16.s3.d1@fwd+bwd' -> (plan label, its op kinds); no '@': every kind. ValueError on a bad label or kind."""
-    from peerline.kernels import plan as kp
-
     label, _, kinds = text.strip().partition("@")
     kp.parse_plan(label)
     ks = frozenset(filter(None, kinds.split("+"))) if kinds else frozenset(KINDS)
@@ -183,8 +189,6 @@ def _gelu64(v: torch.Tensor) -> torch.Tensor:
 
 def check_op(kind: str, dtype: torch.dtype, device: torch.device) -> str | None:
     """None if the current ew.TUNING plan computes `kind` right on the check shapes, else what failed."""
-    from peerline.kernels import elementwise as ew
-
     for shape, off in CHECK_SHAPES:
         h = shape[-1]
         x = _randn(shape, dtype, device, off, 2.0)
@@ -214,33 +218,27 @@ def check_op(kind: str, dtype: torch.dtype, device: torch.device) -> str | None:
 def _calls(kind: str, dtype: torch.dtype, n: int, device: torch.device) -> tuple[int, list, list]:
     """(bytes moved, peerline calls, torch calls) of one case: one call per input set, enough sets (256 MiB in all,
     as the kernels suite) that a 16 MiB case does not run out of L2."""
-    import torch.nn.functional as F
-
-    from peerline.bench.suites.kernels import HIDDEN, ROTATE_BYTES, _torch_gelu_bwd
-    from peerline.kernels import elementwise as ew
-
-    rows = n // HIDDEN
+    hidden = common.HIDDEN
+    rows = n // hidden
     es = dtype.itemsize
-    sets = max(1, min(64, ROTATE_BYTES // (n * es)))
-    xs = [torch.randn(rows, HIDDEN, device=device).to(dtype) for _ in range(sets)]
-    b32 = torch.randn(HIDDEN, device=device)
+    sets = max(1, min(64, common.ROTATE_BYTES // (n * es)))
+    xs = [torch.randn(rows, hidden, device=device).to(dtype) for _ in range(sets)]
+    b32 = torch.randn(hidden, device=device)
     bx = b32.to(dtype)
     if kind == "fwd":
         return (2 * n * es, [(lambda x=x: ew.bias_gelu_forward(x, b32)) for x in xs],
                 [(lambda x=x: F.gelu(x + bx)) for x in xs])
-    gs = [torch.randn(rows, HIDDEN, device=device).to(dtype) for _ in range(sets)]
+    gs = [torch.randn(rows, hidden, device=device).to(dtype) for _ in range(sets)]
     if kind == "bwd":
         vs = [x + bx for x in xs]  # what torch's autograd saves for gelu's backward
         return (3 * n * es, [(lambda g=g, x=x: ew.bias_gelu_backward(g, x, b32)) for g, x in zip(gs, xs)],
-                [(lambda g=g, v=v: _torch_gelu_bwd(g, v)) for g, v in zip(gs, vs)])
+                [(lambda g=g, v=v: common.torch_gelu_bwd(g, v)) for g, v in zip(gs, vs)])
     return (3 * n * es, [(lambda x=x, g=g: ew.residual_add_forward(x, g)) for x, g in zip(xs, gs)],
             [(lambda x=x, g=g: x + g) for x, g in zip(xs, gs)])
 
 
 def _specs_for(plans: list, cases: tuple) -> list:
     """KernelSpecs of every (plan, op kind, dtype) the sweep will run; plans are (LaunchPlan, kinds) pairs."""
-    from peerline.kernels import compile as kc
-
     names = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
     out = []
     for p, kinds in plans:
@@ -283,13 +281,31 @@ def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_
     """Check, then time each plan per case; write out_dir/sweep.jsonl; return its rows. `plan_labels` entries may
     carry '@kinds' (parse_sweep_plan); `case_filters` keeps the cases whose name contains one of the strings;
     `sizes_mib` replaces the kept cases' sizes (each kept op and dtype at every one of these sizes)."""
-    from peerline.bench.suites.kernels import ROTATE_BYTES, _copy_calls, _graph_times
-    from peerline.kernels import compile as kc
-    from peerline.kernels import elementwise as ew
-    from peerline.kernels import plan as kp
-
     t0 = time.monotonic()
     sweep_cases = with_sizes(select_cases(SWEEP_CASES, case_filters), sizes_mib)
+    plans = _sweep_plans(plan_labels)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "sweep.jsonl"
+    _warm(plans, sweep_cases, device, t0)
+    ok = _check_plans(plans, sweep_cases, device)
+    log.info("sweep: correctness checked at %.1f s", time.monotonic() - t0)
+    cases = _anchor_cases(sweep_cases, device, reps)
+    log.info("sweep: anchors timed at %.1f s", time.monotonic() - t0)
+    rows = _time_plans(path, plans, cases, ok, device, reps, budget_s, t0)
+    del cases
+    torch.cuda.empty_cache()
+    for line in report_lines(rows, plans[0][0].label()):
+        sys.stdout.write(line + "\n")
+    for (label, kind, dt), err in ok.items():
+        if err is not None:
+            sys.stdout.write(f"SWEEP WRONG {label} {kind} {dt}: {err}\n")
+    log.info("sweep: done in %.1f s, %s", time.monotonic() - t0, path)
+    return rows
+
+
+def _sweep_plans(plan_labels: list[str] | None) -> list[tuple[kp.LaunchPlan, frozenset[str]]]:
+    """(plan, op kinds) of every label (SWEEP_PLANS by default), the default plan first on every kind, no plan
+    twice."""
     plans: list[tuple[kp.LaunchPlan, frozenset[str]]] = []
     for text in plan_labels or SWEEP_PLANS:
         label, kinds = parse_sweep_plan(text)
@@ -297,18 +313,22 @@ def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_
     default = kp.LaunchPlan()
     plans = [(p, k) for p, k in plans if p != default]
     plans.insert(0, (default, frozenset(KINDS)))  # always first, on every case
-    plans = list(dict.fromkeys(plans))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "sweep.jsonl"
-    rows: list[dict] = []
+    return list(dict.fromkeys(plans))
 
+
+def _warm(plans: list, sweep_cases: tuple, device: torch.device, t0: float) -> None:
+    """NVRTC-compile every build the sweep needs in parallel processes (kc.warm_compile) before any timing."""
     specs = _specs_for(plans, sweep_cases)
     workers = min(8, os.cpu_count() or 1)
     n_warm = kc.warm_compile(specs, device.index or 0, workers)
     log.info("sweep: %d of %d kernel builds compiled in parallel in %.1f s", n_warm, len(specs),
              time.monotonic() - t0)
 
-    # correctness of every (plan, op kind, dtype) first
+
+def _check_plans(plans: list, sweep_cases: tuple, device: torch.device
+                 ) -> dict[tuple[str, str, torch.dtype], str | None]:
+    """Correctness of every (plan, op kind, dtype) the sweep times, outputs poisoned with NaN: None if right, else
+    what failed (a plan that cannot build or launch is a failed plan). Leaves ew.TUNING and POISON_OUTPUTS as found."""
     ok: dict[tuple[str, str, torch.dtype], str | None] = {}
     saved_poison = ew.POISON_OUTPUTS
     ew.POISON_OUTPUTS = True
@@ -325,66 +345,73 @@ def run_sweep(out_dir: Path, device: torch.device, budget_s: float = 60.0, plan_
     finally:
         ew.TUNING.clear()
         ew.POISON_OUTPUTS = saved_poison
-    log.info("sweep: correctness checked at %.1f s", time.monotonic() - t0)
+    return ok
 
-    # anchors first (torch eager, d2d copy of the same bytes), then plan after plan over all cases, so a budget that
-    # runs out cuts the same plans from every case
+
+def _anchor_cases(sweep_cases: tuple, device: torch.device, reps: int) -> list[tuple]:
+    """Per case: (full name, kind, dtype, bytes, peerline calls, torch calls, torch ms, copy ms), the anchors (torch
+    eager, d2d copy of the same bytes) timed first, so a budget that runs out cuts the same plans from every case."""
     cases = []
     for name, kind, dt, mib in sweep_cases:
         n = int(mib * (1 << 20)) // dt.itemsize
         nbytes, pl_calls, torch_calls = _calls(kind, dt, n, device)
-        copies = max(1, min(len(torch_calls), ROTATE_BYTES // nbytes))
-        t_torch, t_copy = _graph_times([torch_calls, _copy_calls(nbytes, device, copies)], device, reps)
+        copies = max(1, min(len(torch_calls), common.ROTATE_BYTES // nbytes))
+        t_torch, t_copy = common.graph_times([torch_calls, common.copy_calls(nbytes, device, copies)], device, reps)
         cases.append((f"{name} {mib:g} MiB", kind, dt, nbytes, pl_calls, torch_calls, t_torch, t_copy))
-    log.info("sweep: anchors timed at %.1f s", time.monotonic() - t0)
-    dev_name = torch.cuda.get_device_name(device)
-    l2_bytes = ew._l2_bytes(device.index or 0)  # which cases are in the "l2" size class (plan.in_l2)
+    return cases
+
+
+def _time_plans(path: Path, plans: list, cases: list[tuple], ok: dict, device: torch.device, reps: int,
+                budget_s: float, t0: float) -> list[dict]:
+    """Plan after plan over all cases, each row written to `path` as it is made. The default runs once more at the
+    end ("repeat" rows): its spread against the first timing says how large a difference between plans is noise
+    (METHOD.md: time the same version twice)."""
+    meta = {"device": torch.cuda.get_device_name(device),
+            "l2_bytes": ew._l2_bytes(device.index or 0)}  # which cases are in the "l2" size class (plan.in_l2)
+    rows: list[dict] = []
+    schedule = [(p, kinds, False) for p, kinds in plans] + [(plans[0][0], frozenset(KINDS), True)]
     with path.open("w") as f:
-        # the default once more at the end ("repeat" rows): its spread against the first timing says how large a
-        # difference between plans is noise (METHOD.md: time the same version twice)
-        schedule = [(p, kinds, False) for p, kinds in plans] + [(default, frozenset(KINDS), True)]
         for i, (p, kinds, repeat) in enumerate(schedule):
             over = 0 < i and not repeat and time.monotonic() - t0 > budget_s
             log.info("sweep: plan %s%s at %.1f s%s", p.label(), " (repeat)" if repeat else "", time.monotonic() - t0,
                      " (budget spent)" if over else "")
-            for case, kind, dt, nbytes, pl_calls, torch_calls, t_torch0, t_copy in cases:
-                if kind not in kinds:
+            for case in cases:
+                if case[1] not in kinds:
                     continue
-
-                def gbps(t: float, nbytes: int = nbytes) -> float:
-                    return nbytes / (t * 1e-3) / 1e9
-
-                row = {"case": case, "plan": p.label(), **asdict(p), "bytes": nbytes, "torch_GBps": gbps(t_torch0),
-                       "copy_GBps": gbps(t_copy), "device": dev_name, "l2_bytes": l2_bytes}
-                err = ok[(p.label(), kind, dt)]
-                if err is not None:
-                    row.update(status="wrong", error=err)
-                elif over:
-                    row.update(status="skipped (budget)")
-                else:
-                    ew.TUNING.update(p.tuning())
-                    try:
-                        # torch again, in rotation with the plan (benchkit.time_interleaved): vs_torch is a
-                        # same-moment ratio, not one against the anchor timed minutes earlier
-                        t_torch, t = _graph_times([torch_calls, pl_calls], device, reps)
-                        row.update(status="repeat" if repeat else "ok", ms=t, GBps=gbps(t), vs_torch=t_torch / t,
-                                   vs_copy=t_copy / t, torch_GBps=gbps(t_torch))
-                    except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
-                        row.update(status="error", error=f"{type(e).__name__}: {e}")
-                    finally:
-                        ew.TUNING.clear()
+                row = _plan_row(p, case, ok[(p.label(), case[1], case[2])], repeat, over, meta, device, reps)
                 f.write(json.dumps(row) + "\n")
                 f.flush()
                 rows.append(row)
-    del cases
-    torch.cuda.empty_cache()
-    for line in report_lines(rows, default.label()):
-        sys.stdout.write(line + "\n")
-    for (label, kind, dt), err in ok.items():
-        if err is not None:
-            sys.stdout.write(f"SWEEP WRONG {label} {kind} {dt}: {err}\n")
-    log.info("sweep: done in %.1f s, %s", time.monotonic() - t0, path)
     return rows
+
+
+def _plan_row(p: kp.LaunchPlan, case: tuple, err: str | None, repeat: bool, over: bool, meta: dict,
+              device: torch.device, reps: int) -> dict:
+    """One sweep.jsonl row: the plan timed on one case (status ok / repeat), or why not (wrong, skipped, error)."""
+    name, _, _, nbytes, pl_calls, torch_calls, t_torch0, t_copy = case
+
+    def gbps(t: float) -> float:
+        return nbytes / (t * 1e-3) / 1e9
+
+    row = {"case": name, "plan": p.label(), **asdict(p), "bytes": nbytes, "torch_GBps": gbps(t_torch0),
+           "copy_GBps": gbps(t_copy), "device": meta["device"], "l2_bytes": meta["l2_bytes"]}
+    if err is not None:
+        row.update(status="wrong", error=err)
+    elif over:
+        row.update(status="skipped (budget)")
+    else:
+        ew.TUNING.update(p.tuning())
+        try:
+            # torch again, in rotation with the plan (benchkit.time_interleaved): vs_torch is a same-moment ratio,
+            # not one against the anchor timed minutes earlier
+            t_torch, t = common.graph_times([torch_calls, pl_calls], device, reps)
+            row.update(status="repeat" if repeat else "ok", ms=t, GBps=gbps(t), vs_torch=t_torch / t,
+                       vs_copy=t_copy / t, torch_GBps=gbps(t_torch))
+        except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+            row.update(status="error", error=f"{type(e).__name__}: {e}")
+        finally:
+            ew.TUNING.clear()
+    return row
 
 
 # case name prefix -> (elementwise op name, x dtype) of the TUNED_PLANS key (plan.parse_op_plans)
@@ -403,8 +430,6 @@ def _op_key(case: str) -> str | None:
 def _row_key(row: dict) -> str | None:
     """The TUNED_PLANS key of a sweep row: _op_key, plus ":l2" when the row's bytes fit in the L2 of its device
     (plan.in_l2; rows written before the sweep recorded "l2_bytes" have no size class)."""
-    from peerline.kernels import plan as kp
-
     key = _op_key(row["case"])
     if key is not None and kp.in_l2(row.get("bytes", 0), row.get("l2_bytes", 0)):
         key += ":l2"
@@ -437,8 +462,6 @@ def tuned_choice(rows: list[dict]) -> dict[str, tuple[str, float]]:
 def _short(label: str) -> str:
     """w8.s3.t0.b0.d1.v1 -> w8.s3.d1 (fields at their LaunchPlan default dropped, warps and stages kept;
     parse_plan reads either form)."""
-    from peerline.kernels import plan as kp
-
     p, d = kp.parse_plan(label), kp.LaunchPlan()
     names = kp.PLAN_FIELDS
     keep = [f for f in p.label().split(".")
@@ -464,8 +487,6 @@ def report_lines(rows: list[dict], default_label: str) -> list[str]:
 def summarize(path: Path) -> list[str]:
     """The SWEEP BEST / TUNED lines of a sweep.jsonl (also one cut short by a time limit)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    from peerline.kernels import plan as kp
-
     return report_lines(rows, kp.LaunchPlan().label())
 
 
@@ -473,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     """python -m peerline.bench.kernel_tools.sweep --summarize DIR/sweep.jsonl"""
     import argparse
 
-    ap = argparse.ArgumentParser(description="summarize a kernels sweep (run it with: kernels --sweep)")
+    ap = argparse.ArgumentParser(description="summarize a kernels sweep (run it with: python -m "
+                                             "peerline.bench.suites.kernels --sweep)")
     ap.add_argument("--summarize", type=Path, required=True, help="sweep.jsonl")
     args = ap.parse_args(argv)
     if not args.summarize.is_file():

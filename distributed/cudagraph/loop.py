@@ -1,16 +1,14 @@
 """Several training iterations from one host launch: a looped CUDA graph around the captured iteration
 (`--graph-loop K`).
 
-Why. cudaGraphLaunch's host cost grows with the node count and with the kind of kernel captured: on an H200
-(tests/gpu/graph_launch_probe.py, 2026-11-26) a chain of 64 bf16 GEMMs at h=2048 cost 99.7 us per launch, 64 at
-h=512 14.9 us. So one launch per iteration of the compute-bound step costs 60-100 us of host time, as torch's own
-hand-captured graph of that step does. Here the host launches a parent graph whose only node is a WHILE conditional
-node; its body is the captured iteration (a child graph) followed by a one-thread kernel (kernels/graph_loop.cu)
-that advances a device-side data slot and ends the loop after K iterations. The body lives on the device from the
-first upload; the host pays one launch per K iterations.
+Why. cudaGraphLaunch's host cost grows with the node count and the kinds of kernel captured (tens of us per
+launch for a compute-bound step; figures in docs/benchmarks). Here the host launches a parent graph whose only node
+is a WHILE conditional node; its body is the captured iteration (a child graph) followed by a one-thread kernel
+(kernels/graph_loop.cu) that advances a device-side data slot and ends the loop after K iterations. The body lives
+on the device from the first upload; the host pays one launch per K iterations.
 
 Data. A looped iteration cannot wait for the host to refill its static buffers. With `--data counter`
-(counter_data.py) the captured iteration makes its own data from a device-side iteration counter and advances it:
+(data/counter.py) the captured iteration makes its own data from a device-side iteration counter and advances it:
 no host work at all. With the default `--data seeded` the inputs of the next K iterations are generated before
 the launch into a device-side ring of K slots (`DataRing.load`, the same seeded data the eager feed writes) and
 the captured iteration begins by copying ring[slot] into the static buffers (the slot read on the device); a
@@ -22,13 +20,10 @@ Event record / wait nodes (external events: the bucket timers, the watchdog's ar
 replaced by empty nodes in the looped copy, a wait ordered after its event's records by an edge (so looped
 iterations are neither timed nor watched per receive). Stream memory operations (the copy-engine transport's flag
 waits/writes) have no such stand-in. Whatever refuses, building the loop fails and the runtime replays one
-iteration per launch and says why. Measured on 2 x H200 (NCCL 2.28, 2026-11-26): one GPU (also --stages N) loops;
-iterations with NCCL collectives (dp > 1, pp over NCCL) are still refused by cudaGraphInstantiate (invalid value)
-after the event nodes are stood in, for a reason not found. A lead: pytorch/pytorch#180960 saw the driver log
-"Device-launched graphs and conditional nodes do not support EVENT_WAIT nodes" for NCCL inside torch.cond, and
-NCCL_GRAPH_MIXING_SUPPORT=0 avoided it (NCCL's strong streams then add no event nodes); tests/gpu/run_graph_loop.sh
-now sets CUDA_LOG_FILE so the driver's reason is printed. The copy-engine transport's memory operations refuse the
-loop as expected.
+iteration per launch and says why: one GPU (also --stages N) loops; iterations with NCCL collectives (dp > 1, pp
+over NCCL) are refused by cudaGraphInstantiate even with the event nodes stood in (pytorch/pytorch#180960 traces
+a similar refusal to NCCL's event-wait nodes; NCCL_GRAPH_MIXING_SUPPORT=0 avoids them, but is not supported here);
+the copy-engine transport's memory operations refuse the loop as expected.
 Needs a CUDA 12.4+ driver, cuda-bindings and CuPy (the loop kernel is compiled by NVRTC like kernels/).
 """
 
@@ -46,7 +41,7 @@ from peerline.kernels.compile import load_kernel
 
 log = logging.getLogger(__name__)
 
-KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "graph_loop.cu"
+KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "graph_loop.cu"  # peerline/kernels
 KERNEL_NAME = "pl_graph_loop_next"
 
 

@@ -30,8 +30,8 @@ def test_kernel_coefficients_are_the_fit() -> None:
 
 def test_fp32_gelu_model_error_bound() -> None:
     """The float32 model of phi_cdf_acc against float64 over |v| <= 10 (dense grid, both tails): the numbers
-    NOTES.md records (gelu 5.4e-7, Phi 5.0e-7, exp 1.2e-7, gelu' 4.5e-7 relative to its terms); the GPU adds at
-    most 3 ulp of MUFU error, so every fp32 result stays under 1e-6."""
+    docs/benchmarks/kernels-history.md records (gelu 5.4e-7, Phi 5.0e-7, exp 1.2e-7, gelu' 4.5e-7 relative to its
+    terms); the GPU adds at most 3 ulp of MUFU error, so every fp32 result stays under 1e-6."""
     err = fit_phi.acc_errors(10.0, 400_001)
     assert err["gelu"] < 6e-7 and err["Phi"] < 6e-7, err
     assert err["exp"] < 1.5e-7, err

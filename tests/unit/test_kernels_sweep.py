@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from peerline.bench.kernel_tools import common
 from peerline.bench.kernel_tools import sweep as ks
 from peerline.bench.suites import kernels as suite
 from peerline.kernels import compile as kc
@@ -42,7 +43,7 @@ def _fake_time(calls: list, device: torch.device, reps: int) -> float:
 
 
 def _fake_times(call_lists: list, device: torch.device, reps: int) -> list[float]:
-    """suite._graph_times on the fake clock: the first list is the sweep's torch anchor (timed beside each plan)."""
+    """common.graph_times on the fake clock: the first list is the sweep's torch anchor (timed beside each plan)."""
     for c in call_lists[0]:
         c()
     return [1.0] + [_fake_time(calls, device, reps) for calls in call_lists[1:]]
@@ -56,7 +57,7 @@ def test_sweep_flow_on_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: py
     monkeypatch.setattr(ew, "bias_gelu_forward", _fake_fwd)
     monkeypatch.setattr(ew, "bias_gelu_backward", _fake_bwd)
     monkeypatch.setattr(ew, "residual_add_forward", lambda x, y: x + y)
-    monkeypatch.setattr(suite, "_graph_times", _fake_times)
+    monkeypatch.setattr(common, "graph_times", _fake_times)
     monkeypatch.setattr(kc, "warm_compile", lambda specs, dev, workers: 0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake")
@@ -83,7 +84,7 @@ def test_spent_budget_times_only_the_default(monkeypatch: pytest.MonkeyPatch, tm
     monkeypatch.setattr(ks, "SWEEP_CASES", (("residual_add fp32+fp32", "res", torch.float32, 0.125),))
     monkeypatch.setattr(ks, "CHECK_SHAPES", (((5, 101), 1),))
     monkeypatch.setattr(ew, "residual_add_forward", lambda x, y: x + y)
-    monkeypatch.setattr(suite, "_graph_times", _fake_times)
+    monkeypatch.setattr(common, "graph_times", _fake_times)
     monkeypatch.setattr(kc, "warm_compile", lambda specs, dev, workers: 0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "fake")
