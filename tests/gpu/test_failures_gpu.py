@@ -1,4 +1,4 @@
-"""Failure behaviour on GPUs (issue 10): the non-finite guard inside a CUDA graph, a checkpoint of CUDA state, and
+"""Failure behaviour on GPUs: the non-finite guard inside a CUDA graph, a checkpoint of CUDA state, and
 on two GPUs (NCCL / copy engine) a killed rank, a hung rank (the peer's stream spins on a flag that never comes),
 resume == uninterrupted, and --skip-nonfinite. Skipped without CUDA (two devices for the multi-rank tests)."""
 
@@ -19,8 +19,7 @@ from tests.multiproc.failures_util import STARTUP_S, losses, spawn
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-needs_2 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                             reason="needs 2 CUDA devices")
+needs_2 = pytest.mark.gpu2  # skipped with fewer than 2 CUDA devices (tests/gpu/conftest.py)
 
 # Small model, torch kernels (no NVRTC compile inside the first watched iteration), fp32 so resumed losses can be
 # compared closely.
@@ -132,7 +131,7 @@ def test_hung_rank_peer_stream_spinning_is_ended_by_the_watchdog(tmp_path):
                                           "for iteration 6 to finish (peers: rank 0 (stage 0))"], r1.err[-2000:]
     # Iteration 6 is a graph replay (captured at iteration 4, after 3 eager warm-ups): rank 0's device spins on the
     # flag of a gradient rank 1 never sends, and its line (unless rank 1's exit ended it first, through NCCL) names
-    # that edge and microbatch (failsafe.WatchedTransport.describe_stall: the events recorded after each receive,
+    # that edge and microbatch (resilience/exchange_watch.py, describe_stall: the events recorded after each receive,
     # replayed by the graph). A hang before the capture leaves rank 0's host in the pre-capture barrier instead,
     # with no receive queued: then the line names the peers only.
     assert r0.rc != 0, r0.err[-2000:]

@@ -22,29 +22,32 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from peerline.distributed.config import RunConfig  # noqa: E402
+from peerline.distributed.hooks import IterationHooks  # noqa: E402
 from peerline.distributed.runtime import Runtime  # noqa: E402
 
 K = 4
 ITERS = 18  # warm-up 0-1 eager, capture at 2; 2-3 single replays, 4-15 three loops, 16-17 single replays
 
 
+class _CountLoops(IterationHooks):
+    """Counts the launches that ran more than one iteration (a looped graph's)."""
+
+    def __init__(self) -> None:
+        self.looped = 0
+
+    def before_launch(self, rt, first_iteration: int, n: int) -> None:
+        self.looped += n > 1
+
+
 def _train(loop: int, graph: bool = True, **over) -> tuple[list[float], dict, int, int]:
+    counter = _CountLoops()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     kw = dict(hidden=256, layers=4, seq=64, micro_batch_size=2, microbatches=2, dtype="fp32", kernels="torch",
               device="cuda", iters=ITERS, seed=9, warmup_iters=2, log_every=K, graph=graph, graph_loop=loop)
     kw.update(over)
-    rt = Runtime.create(RunConfig(**kw))
+    rt = Runtime.create(RunConfig(**kw), hooks=[lambda rt: counter])
     try:
-        launches = 0
-        real = rt.run_looped
-
-        def counted() -> int:
-            nonlocal launches
-            launches += 1
-            return real()
-
-        rt.run_looped = counted
         losses = rt.train(K)  # through the capture and the first single replays
         if graph:
             assert rt.graph is not None, rt.graph_failed
@@ -53,7 +56,7 @@ def _train(loop: int, graph: bool = True, **over) -> tuple[list[float], dict, in
                     b.fill_(float("nan"))  # the looped iterations must copy their data from the ring
         losses += rt.train()
         torch.cuda.synchronize()
-        return losses, rt.layer_checksums(), launches, rt.graph_loop
+        return losses, rt.layer_checksums(), counter.looped, rt.graph_loop
     finally:
         rt.close()
 

@@ -289,7 +289,7 @@ def test_launches_on_current_stream() -> None:
 
 def test_kernel_attributes_and_sass(tmp_path) -> None:
     """Resources as loaded, and LDGSTS (and 16-byte shared loads / global stores) in the SASS of pl_main (needs
-    nvcc + cuobjdump, as the GPU machine has; run_kernels.sh reports every spec)."""
+    nvcc + cuobjdump, as the GPU machine has; test_kernels_tools_gpu.py checks every spec)."""
     from peerline.bench.kernel_tools import inspect_sass
     from peerline.kernels import compile as kc
     spec = kc.KernelSpec(kc.OP_BIAS_GELU_FWD, "bfloat16")

@@ -1,29 +1,27 @@
 """GPU checks of the copy-engine transport's building blocks (one GPU) and of the transport itself (two GPUs,
-through torchrun of tests/gpu/p2p_check.py). Skipped without CUDA, CuPy or cuda-bindings."""
+through torchrun of tests/gpu/workers/p2p_check.py). Skipped without CUDA, CuPy or cuda-bindings."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.gpu.jobs import WORKERS, gpu_env, launcher, outcome, run
+
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from peerline.distributed import ipc, stream_ops  # noqa: E402
+from peerline.distributed.p2p import flag_ops, ipc  # noqa: E402
 from peerline.distributed.streams import create_rank_streams, own_streams  # noqa: E402
 
-if not (ipc.available() and stream_ops.available()):
+if not (ipc.available() and flag_ops.available()):
     pytest.skip("needs CuPy and cuda-bindings", allow_module_level=True)
-
-HERE = Path(__file__).resolve().parent
 
 
 def _load_kernels(dev: torch.device, *streams: torch.cuda.Stream) -> None:
@@ -59,7 +57,7 @@ def test_device_allocation_is_a_tensor_over_cudamalloc_memory() -> None:
         alloc.free()
 
 
-QueueWait = Callable[["stream_ops.FlagOps", int, int], None]
+QueueWait = Callable[["flag_ops.FlagOps", int, int], None]
 
 
 def _copy_behind_a_late_flag(queue_wait: QueueWait) -> tuple[torch.Tensor, list[int]]:
@@ -71,7 +69,7 @@ def _copy_behind_a_late_flag(queue_wait: QueueWait) -> tuple[torch.Tensor, list[
     # peerline's own streams (distributed/streams.py), not torch's pool, where a wait like this one hung on an H200
     assert own_streams() and isinstance(streams.p2p, torch.cuda.ExternalStream)
     _load_kernels(dev, streams.p2p, streams.compute)
-    ops = stream_ops.FlagOps()
+    ops = flag_ops.FlagOps()
     flag = ipc.DeviceAllocation(128, dev)
     src = torch.zeros(1 << 20, device=dev)
     dst = torch.full_like(src, -1.0)
@@ -103,7 +101,7 @@ def test_flag_wait_orders_a_copy_after_another_streams_write() -> None:
 def test_batched_wait_and_clear_order_a_copy() -> None:
     """wait FREE + clear FREE as ONE cuStreamBatchMemOp (what every send issues): the copy behind it must wait
     for another stream's late write, and the clear must land after the wait."""
-    def queue(ops: stream_ops.FlagOps, stream: int, addr: int) -> None:
+    def queue(ops: flag_ops.FlagOps, stream: int, addr: int) -> None:
         assert ops.probe_batch(stream, addr + 64, 0), "cuStreamBatchMemOp refused"
         ops.batch(stream, (("wait", addr, 1), ("write", addr, 0), ("write", addr + 64, 3)))
 
@@ -118,7 +116,7 @@ def test_batched_flag_ops_in_a_captured_graph_replay_correctly() -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     streams = create_rank_streams(dev)
     _load_kernels(dev, streams.p2p, streams.compute)
-    ops = stream_ops.FlagOps()
+    ops = flag_ops.FlagOps()
     flag = ipc.DeviceAllocation(128, dev)
     words = flag.tensor.view(torch.int32)
     src = torch.zeros(1 << 18, device=dev)
@@ -149,13 +147,14 @@ def test_batched_flag_ops_in_a_captured_graph_replay_correctly() -> None:
 
 
 @pytest.mark.gpu2
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_copy_engine_transport_on_two_gpus() -> None:
-    """Slow/fast receivers, both directions, eager and capture-safe copies, graph replays, NCCL comparison."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HERE / "p2p_check.py")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=dict(os.environ))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    assert "PASS p2p.graph_replays" in out and "PASS p2p.graph_replays_split" in out and "FAIL" not in out, \
-        out[-6000:]
+def test_copy_engine_transport_on_two_gpus(gpu_out: Path) -> None:
+    """Slow/fast receivers, both directions, eager and capture-safe copies, graph replays, lanes round robin,
+    split and decoupled, the NCCL comparison and host errors (tests/gpu/workers/p2p_check.py): no mismatch."""
+    out = gpu_out / "p2p_check.json"
+    out.unlink(missing_ok=True)
+    cmd = [*launcher(2), str(WORKERS / "p2p_check.py"), "--json", str(out)]
+    rc, tail = run(cmd, gpu_out / "p2p_check.log", 240, gpu_env())
+    assert rc == 0 and out.exists(), outcome("p2p_check", rc, tail, 240)
+    mismatches = json.loads(out.read_text())
+    assert {"usable", "graph_replays", "graph_replays_split", "graph_replays_decoupled"} <= set(mismatches), mismatches
+    assert not {k: v for k, v in mismatches.items() if v}, mismatches

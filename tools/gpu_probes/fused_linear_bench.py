@@ -2,7 +2,7 @@
 8 blocks of h=2048 (one stage of the 16-block compute-bound pipeline), M=8 microbatches of 8x512 tokens, bf16
 autocast, each microbatch's forward then backward (1F1B's steady state), gradients accumulated in fp32 .grad.
 Same-process, same-GPU, alternating runs; median of CUDA-event timings. Prints one GOAL line.
-Run: python3 tests/gpu/fused_linear_bench.py [--blocks 8 --hidden 2048 --reps 5]"""
+Run: python3 tools/gpu_probes/fused_linear_bench.py [--blocks 8 --hidden 2048 --reps 5]"""
 
 from __future__ import annotations
 

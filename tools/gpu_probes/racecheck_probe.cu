@@ -1,4 +1,4 @@
-// Small kernels that ask compute-sanitizer's racecheck one question each (tests/gpu/racecheck_probe.py runs them):
+// Small kernels that ask compute-sanitizer's racecheck one question each (tools/gpu_probes/racecheck_probe.py runs them):
 // which synchronization does the tool follow? The engine's cp.async plan (w8.s2) draws hazards on one word of
 // libcu++'s pipeline_shared_state, between make_pipeline's barrier init and its refcount atomics, while the
 // hand-offs of tile data show none. These probes separate "the tool does not follow a partial named barrier"

@@ -1,7 +1,7 @@
 """Ask compute-sanitizer's racecheck which synchronization it follows (kernels in racecheck_probe.cu).
 
-    python tests/gpu/racecheck_probe.py CASE          # one probe kernel, checked; run it under the sanitizer
-    python tests/gpu/racecheck_probe.py --all OUTDIR  # every probe under `compute-sanitizer --tool racecheck`
+    python tools/gpu_probes/racecheck_probe.py CASE          # one probe kernel, checked; run it under the sanitizer
+    python tools/gpu_probes/racecheck_probe.py --all OUTDIR  # every probe under `compute-sanitizer --tool racecheck`
 
 --all prints one line per probe: "INFO kernels.racecheck_probe CASE: N hazards (expected ...)" and a PASS/FAIL line
 for the two controls (probe_race must be reported, probe_syncthreads must not), so a tool that reports nothing at

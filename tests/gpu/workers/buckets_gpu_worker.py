@@ -1,8 +1,9 @@
-"""One rank of the GPU (NCCL, dp = 2) check of GradBuckets. Launched by test_buckets_gpu.py and run_buckets.sh:
+"""One rank of the GPU (NCCL, dp = 2) check of GradBuckets. Launched by test_buckets_gpu.py:
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/gpu/buckets_gpu_worker.py
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/gpu/workers/buckets_gpu_worker.py [--json OUT]
 
-Prints `PASS <check>` / `FAIL <check>: <why>` per check (rank 0 and any failing rank), exits 1 on any failure.
+Prints `PASS <check>` / `FAIL <check>: <why>` per check (rank 0 and any failing rank), exits 1 on any failure;
+with --json OUT rank 0 writes {check: {"ok": bool, "detail": why}} over both ranks there.
 Checks:
   eager-<sizes>   bucketed grads (hooks release each bucket's all-reduce on the all-reduce stream during the last
                   backward) equal a per-parameter all_reduce(AVG), bitwise; equal a single-process reference of the
@@ -20,6 +21,7 @@ Checks:
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 import traceback
@@ -211,6 +213,19 @@ def check_graph(rank: int, dev: torch.device, streams, M: int = 2) -> None:
     gb.close()
 
 
+def write_json(path: str, per_rank: list[list[tuple[str, bool, str]]]) -> None:
+    """One verdict per check: ok only where every rank said so, with the failing ranks' details."""
+    merged: dict[str, dict] = {}
+    for rank, results in enumerate(per_rank):
+        for name, ok, detail in results:
+            entry = merged.setdefault(name, {"ok": True, "detail": ""})
+            if not ok:
+                entry["ok"] = False
+                entry["detail"] += f"rank {rank}: {detail}\n"
+    with open(path, "w") as f:
+        json.dump(merged, f, indent=1)
+
+
 def main() -> int:
     dist.init_process_group("nccl")
     rank, dp = dist.get_rank(), dist.get_world_size()
@@ -244,8 +259,12 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001
         report("graph", False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     torch.cuda.synchronize()
+    gathered: list = [None] * dp
+    dist.all_gather_object(gathered, RESULTS)
     dist.barrier()
     dist.destroy_process_group()
+    if rank == 0 and "--json" in sys.argv:
+        write_json(sys.argv[sys.argv.index("--json") + 1], gathered)
     failed = [r for r in RESULTS if not r[1]]
     for name, ok, detail in RESULTS:
         if rank == 0 or not ok:

@@ -1,6 +1,7 @@
-"""Small launches of every kernel path, for compute-sanitizer (memcheck, racecheck) in run_kernels.sh.
+"""Small launches of every kernel path, for compute-sanitizer: memcheck in
+tests/gpu/test_kernels_tools_gpu.py, racecheck as a probe (tools/gpu_probes/README.md).
 
-    python tests/gpu/kernels_sanitize.py [--plans w8.s2,w8.s3.d1] [--warm]
+    python tests/gpu/workers/kernels_sanitize.py [--plans w8.s2,w8.s3.d1] [--warm]
 
 Per launch plan (plan.LaunchPlan labels; default DEFAULT_PLANS: every loader and store path): vector paths with
 scalar heads and tails (views offset by one element), the scalar kernels (operands aligned differently), the
@@ -29,7 +30,7 @@ from peerline.kernels import plan as kp
 # evict-first loads (.l1.h2: residual add's default path .h1 plus the hinted loads; the same direct-store code as the
 # fp32 bias+GELU defaults' w12...d1), TMA both ways (bulk loader on mbarriers, bulk stores from the storer warp), and
 # the cp.async loader with the storer warp (w8.s2: the engine's default, bias+GELU bwd bf16's w8.s4). Three, as
-# before, so the run stays inside run_kernels.sh's caps (memcheck 35 s, racecheck 45 s); `--plans` takes others
+# before, so the run stays inside the test's and the probe's time caps; `--plans` takes others
 # (e.g. w8.s3.d1, the cp.async loader with direct stores). Plans with rounds (.r) need no run of their own: rounds
 # only sets the grid size (same cubin; plan.vector_grid), and the grid-of-2 case below makes blocks wrap their
 # stages. Nor does .p1 (phi_cdf_lite): arithmetic only, the same loads and stores.

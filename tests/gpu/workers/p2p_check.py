@@ -1,9 +1,11 @@
-"""Copy-engine transport on two GPUs: `torchrun --nproc_per_node=2 tests/gpu/p2p_check.py`.
+"""Copy-engine transport on two GPUs: `torchrun --nproc_per_node=2 tests/gpu/workers/p2p_check.py
+[--json OUT]` (run by tests/gpu/test_p2p_copy_engine.py).
 
 Rank 0 is stage 0, rank 1 stage 1. Every message carries a deterministic pattern (different per message and per
 replay) that the receiver recomputes and compares element by element; slots start poisoned with NaN, so a read
 before the copy landed or an overwrite of a slot still in use shows up as mismatches. Rank 0 prints one
-`PASS p2p.<check>` / `FAIL p2p.<check>` line per check; the exit status is 0 only if every check passed.
+`PASS p2p.<check>` / `FAIL p2p.<check>` line per check (the log) and, with --json OUT, writes
+{check: mismatches summed over both ranks} there; the exit status is 0 only if every check passed.
 P2P_CHECK_ONLY=<text> runs only the checks whose name contains it (e.g. decoupled).
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import json
 import os
 import sys
 import traceback
@@ -19,8 +22,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from peerline.distributed.p2p.base import ACT, GRAD, Links, TensorSpec
+from peerline.distributed.p2p.collective import CollectiveTransport
 from peerline.distributed.p2p.copy_engine import CopyEngineTransport, copy_engine_usable
-from peerline.distributed.p2p.transport import ACT, GRAD, CollectiveTransport, Links, TensorSpec
 from peerline.distributed.streams import RankStreams, create_rank_streams
 
 SPIN_CYCLES = 4_000_000  # torch.cuda._sleep: about 2-3 ms at H100/H200 clocks
@@ -302,6 +306,7 @@ def main() -> int:
     if only:
         checks = [c for c in checks if only in c[0]]
     failed = 0
+    results = {"usable": 0 if usable else 1}
     if rank == 0:
         print(f"{'PASS' if usable else 'FAIL'} p2p.usable (copy_engine_usable={usable})", flush=True)
         failed += not usable
@@ -317,10 +322,14 @@ def main() -> int:
             sys.stdout.flush()
             os._exit(1)
         failed += n_bad != 0
+        results[name] = n_bad
         if rank == 0:
             print(f"{'PASS' if n_bad == 0 else 'FAIL'} p2p.{name} ({n_bad} mismatches)", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    if rank == 0 and "--json" in sys.argv:
+        with open(sys.argv[sys.argv.index("--json") + 1], "w") as f:
+            json.dump(results, f, indent=1)
     return 1 if failed else 0
 
 

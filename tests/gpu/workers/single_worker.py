@@ -1,6 +1,6 @@
 """Child process of tests/gpu/test_single_gpu.py: one allocator backend, chosen before torch is imported.
 
-    python tests/gpu/single_worker.py KIND THRESHOLD OUT.json      (THRESHOLD: bytes, or 'none')
+    python tests/gpu/workers/single_worker.py KIND THRESHOLD OUT.json      (THRESHOLD: bytes, or 'none')
 
 Runs, with the staging feed and variable-size scratch (ScratchJitter) on 2 stages of one GPU, fp32:
   1. eager, 4 iterations issued back to back (host runs ahead), per-iteration losses from the d2h results;
@@ -18,7 +18,7 @@ import sys
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from peerline.distributed.memory.allocator import configure_allocator  # noqa: E402  (no torch import yet)
 
@@ -27,9 +27,9 @@ configure_allocator(KIND, THRESHOLD)
 
 import torch  # noqa: E402
 
+from peerline.bench.load import ScratchJitter  # noqa: E402
 from peerline.distributed.config import RunConfig  # noqa: E402
 from peerline.distributed.memory.allocator import (  # noqa: E402
-    ScratchJitter,
     active_allocator,
     allocation_count,
     allocator_stats,
@@ -76,7 +76,7 @@ def main() -> None:
         if device.type != "cuda":
             raise RuntimeError("no CUDA graphs on the CPU")
         rt, feed = build(graph=True)
-        for _ in range(ITERS):  # iteration 0 eager, then captured (Runtime.maybe_capture) and replayed
+        for _ in range(ITERS):  # iteration 0 eager, then captured (cudagraph/policy.py) and replayed
             rt.run_iteration()
         if rt.graph is None:
             raise RuntimeError(f"graph.py fell back to eager: {rt.graph_failed}")
