@@ -15,10 +15,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from peerline.choices import SCHEDULES
 from peerline.distributed.observe.timeline import Span
 from peerline.distributed.observe.timeline_check import compute_kind, default_placement, local_stage
-
-SCHEDULES = ("gpipe", "1f1b")
 
 
 def _check(microbatches: int, fwd_ms: list[float], bwd_ms: list[float]) -> None:

@@ -1,31 +1,68 @@
-"""peerline.bench.suites: the benchmark suites of launch/bench.py, by name.
+"""peerline.bench.suites: the benchmark suites of peerline-bench (launch/bench.py), by name.
 
-Each suite module exposes `run(args, ctx)` (see launch/benchkit.py) and may expose `add_arguments(parser)` for
-its own flags. Suites that need two ranks are listed in MIN_RANKS. Modules are imported only when asked for, so a
-suite whose module is missing, or cannot import on this machine, is reported as not available.
+Each suite module exposes `run(args, ctx)` (see bench/benchkit.py) and may expose `add_arguments(group)` for its
+own flags and `skip_reason(args, ctx) -> str | None` for what this machine lacks (CUDA, an optional package).
+The rank counts a suite needs are in MIN_RANKS / MAX_RANKS. Modules are imported only when asked for, so a suite
+whose module is missing, or cannot import on this machine, is reported as not available.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import logging
 from types import ModuleType
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 #: suite name -> module under peerline.bench.suites, in the order `all` runs them
 SUITES: dict[str, str] = {
-    "kernels": "kernels",  # fused elementwise kernels vs torch eager
-    "p2p": "p2p",  # copy-engine handoff vs NCCL send/recv
-    "allreduce": "allreduce",  # bucketed all-reduce overlapped with backward vs DDP
-    "batch_streams": "batch_streams",  # multi-stream batch driver: N streams vs one
-    "graph": "graph",  # whole-iteration CUDA graph vs eager
-    "single": "single",  # single-GPU mode: copy/compute overlap vs serial and its bound; allocators
-    "pipeline": "pipeline",  # full training iteration vs torch.distributed.pipelining + DDP
+    "kernels": "kernels",
+    "p2p": "p2p",
+    "allreduce": "allreduce",
+    "batch_streams": "batch_streams",
+    "graph": "graph",
+    "single": "single",
+    "pipeline": "pipeline",
+}
+
+#: suite name -> what it measures (the `--help` list)
+DESCRIPTIONS: dict[str, str] = {
+    "kernels": "fused elementwise kernels vs torch eager",
+    "p2p": "copy-engine handoff vs NCCL send/recv (2 GPUs)",
+    "allreduce": "bucketed all-reduce overlapped with backward vs DDP (2+ ranks)",
+    "batch_streams": "multi-stream batch driver: N streams vs one (CUDA)",
+    "graph": "whole-iteration CUDA graph vs eager and a hand-captured torch graph",
+    "single": "single-GPU mode: copy/compute overlap vs serial and its bound; allocators (1 rank)",
+    "pipeline": "full training iteration vs torch.distributed.pipelining + DDP",
 }
 
 #: suites that measure between two GPUs: run under torchrun --nproc_per_node=2 (skipped with fewer ranks)
 MIN_RANKS: dict[str, int] = {"p2p": 2, "allreduce": 2}
+#: suites of one process (its stages are streams of one device): skipped under a launcher of more ranks
+MAX_RANKS: dict[str, int] = {"single": 1}
+
+
+def describe(name: str) -> str:
+    """One line on what suite `name` measures."""
+    return DESCRIPTIONS.get(name, "")
+
+
+def rank_reason(name: str, world: int) -> str | None:
+    """Why suite `name` cannot run with `world` ranks, or None."""
+    least, most = MIN_RANKS.get(name, 1), MAX_RANKS.get(name)
+    if world < least:
+        return f"needs {least} ranks (torchrun --nproc_per_node={least} launch/bench.py {name})"
+    if most is not None and world > most:
+        return f"runs on {most} rank{'s' if most > 1 else ''} (python launch/bench.py {name}), this run has {world}"
+    return None
+
+
+def skip_reason(module: ModuleType, args: argparse.Namespace, ctx: Any) -> str | None:
+    """What this machine lacks for the suite (its own `skip_reason`), or None."""
+    check = getattr(module, "skip_reason", None)
+    return check(args, ctx) if callable(check) else None
 
 
 def load_suite(name: str) -> tuple[ModuleType | None, str]:

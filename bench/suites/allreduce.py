@@ -1,10 +1,11 @@
 """allreduce suite: peerline's bucketed all-reduce (GradBuckets) overlapped with backward, next to torch DDP on the
 same model, bucket size and optimizer, in the same run, at several NCCL CTA caps.
 
-Run under torchrun with 2 ranks (`torchrun --nproc_per_node=2 bench/suites/allreduce.py --out DIR`). Model: a
-stack of residual MLP blocks (LayerNorm -> Linear h->4h, no bias -> + bias, GELU -> Linear 4h->h -> residual),
-8 blocks of h=2048 (268.6 M parameters), bf16 autocast, fused AdamW (capturable), MSE loss. Per parameter dtype
-(fp32 params: 1 GiB of fp32 gradients, what the engine runs; bf16 params: 512 MiB, the DDP anchor's setting):
+Run under torchrun with 2 ranks (`torchrun --nproc_per_node=2 bench/suites/allreduce.py --out DIR`).
+Model: peerline's default block stack (allreduce_workload.py: LayerNorm -> Linear h->4h, no bias -> + bias,
+GELU -> Linear 4h->h -> residual), 8 blocks of h=2048 (268.6 M parameters), bf16 autocast, fused AdamW
+(capturable), MSE loss. Per parameter dtype (fp32 params: 1 GiB of fp32 gradients, what the engine runs; bf16
+params: 512 MiB, the DDP anchor's setting):
 
   local      one step without any gradient sync: the compute time the all-reduce has to hide behind
   peerline   GradBuckets (25 MiB buckets, 1 MiB first), all-reduce stream of the highest priority, eager
@@ -33,7 +34,7 @@ overlapped step. A bucket's time is per rank from its start event to its end eve
 all-reduce together, so the rank that started it later has the shorter time: taking the minimum over ranks times
 it from the later rank's start (skew between ranks excluded). Inside the step that is still the time shared with
 backward kernels, so in-step busbw understates the layout's bandwidth.
-Goals (issue 5): >= 90% hidden, <= 0.25 ms exposed, bucket busbw >= 90% of plain, step no worse than DDP.
+Goals: >= 90% hidden, <= 0.25 ms exposed, bucket busbw >= 90% of plain, step no worse than DDP.
 `--quick` (or ctx.quick): a tiny model on the CPU with gloo, as a smoke test (caps are ignored by gloo).
 """
 
@@ -41,13 +42,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import logging
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -55,109 +54,27 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from peerline.bench.benchkit import BenchContext, Record, Timing, time_fn
 from peerline.bench.suites.allreduce_h2h import goal_lines as h2h_goal_lines
 from peerline.bench.suites.allreduce_h2h import h2h_shapes, run_head_to_head
+from peerline.bench.suites.allreduce_workload import (
+    Shape,
+    Workload,
+    build_model,
+    capture_step,
+    free_memory,
+    make_optimizer,
+    step_ddp,
+    step_peerline,
+)
 from peerline.distributed.config import RunConfig
 from peerline.distributed.grad_sync.buckets import GradBuckets, MiB, nccl_options
-from peerline.distributed.streams import create_rank_streams, use
+from peerline.distributed.streams import use
 
 log = logging.getLogger(__name__)
 SUITE = "allreduce"
-
-
-class Block(torch.nn.Module):
-    """LayerNorm -> Linear h->4h (no bias) -> + bias, GELU -> Linear 4h->h -> residual."""
-
-    def __init__(self, h: int) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(h)
-        self.up = torch.nn.Linear(h, 4 * h, bias=False)
-        self.bias = torch.nn.Parameter(torch.zeros(4 * h))
-        self.down = torch.nn.Linear(4 * h, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(self.norm(x)) + self.bias))
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    hidden: int = 2048
-    blocks: int = 8
-    micro_batch: int = 8
-    seq: int = 1024
-    microbatches: int = 1
-    bucket_mb: float = 25.0
-    first_bucket_mb: float = 1.0
-
-
-def build_model(shape: Shape, dtype: torch.dtype, device: torch.device) -> torch.nn.Sequential:
-    """The same weights on every rank (rank 0's, broadcast) and for every variant; initialized on the device."""
-    torch.manual_seed(1234)
-    with torch.device(device):
-        model = torch.nn.Sequential(*[Block(shape.hidden) for _ in range(shape.blocks)]).to(dtype=dtype)
-    for p in model.parameters():
-        dist.broadcast(p.detach(), src=0)
-    return model
-
-
-def make_optimizer(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    if device.type == "cuda":
-        return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True, capturable=True)
-    return torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-
-class Workload:
-    """Static inputs / targets of every microbatch and the compute stream every variant runs on."""
-
-    def __init__(self, shape: Shape, device: torch.device) -> None:
-        self.shape, self.device = shape, device
-        self.streams = create_rank_streams(device)
-        g = torch.Generator(device=device).manual_seed(99 + dist.get_rank())
-        dims = (shape.micro_batch, shape.seq, shape.hidden)
-        with use(self.streams.compute):
-            self.xs = [torch.randn(dims, device=device, generator=g) for _ in range(shape.microbatches)]
-            self.ys = [torch.randn(dims, device=device, generator=g) for _ in range(shape.microbatches)]
-        self.autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
-
-    def loss(self, model: torch.nn.Module, m: int) -> torch.Tensor:
-        if self.autocast_dtype is None:
-            out = model(self.xs[m])
-        else:
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype):
-                out = model(self.xs[m].to(next(model.parameters()).dtype))
-        return F.mse_loss(out.float(), self.ys[m]) / self.shape.microbatches
-
-    def time(self, fn: Callable[[], Any], warmup: int, reps: int) -> Timing:
-        with use(self.streams.compute):
-            return time_fn(fn, warmup=warmup, reps=reps, stream=self.streams.compute, device=self.device)
-
-
-def step_peerline(w: Workload, model: torch.nn.Module, gb: GradBuckets, opt: torch.optim.Optimizer,
-                  sync: bool = True) -> None:
-    """One training step; with sync=False the hooks stay unarmed: the local (no all-reduce) step."""
-    gb.zero_grad()
-    for m in range(w.shape.microbatches):
-        if sync and m == w.shape.microbatches - 1:
-            gb.arm()
-        w.loss(model, m).backward()
-    if sync:
-        gb.finish()
-    opt.step()
-
-
-def step_ddp(w: Workload, ddp: DistributedDataParallel, opt: torch.optim.Optimizer) -> None:
-    opt.zero_grad(set_to_none=False)  # the grads are views into DDP's buckets: keep them
-    for m in range(w.shape.microbatches):
-        if m < w.shape.microbatches - 1:
-            with ddp.no_sync():
-                w.loss(ddp, m).backward()
-        else:
-            w.loss(ddp, m).backward()
-    opt.step()
 
 
 def over_ranks(values: list[float], device: torch.device, op: dist.ReduceOp,
@@ -253,23 +170,6 @@ def measure_alone(w: Workload, gb: GradBuckets, reps: int) -> list[float]:
     return later_start_ms(rows, w.device, gb.group)
 
 
-def capture_step(w: Workload, model, gb: GradBuckets, opt) -> torch.cuda.CUDAGraph | str:
-    """peerline's whole step captured into one CUDA graph on the compute stream, or the reason it failed (a failed
-    capture is a result, not a crash of the suite)."""
-    torch.cuda.synchronize()
-    dist.barrier()
-    g = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(g, stream=w.streams.compute, capture_error_mode="thread_local"):
-            step_peerline(w, model, gb, opt)
-    except Exception as exc:  # noqa: BLE001 - see the docstring
-        log.warning("graph capture failed: %s: %s", type(exc).__name__, exc)
-        torch.cuda.synchronize()
-        dist.barrier()
-        return f"{type(exc).__name__}: {exc}"
-    return g
-
-
 def measure_graph(w: Workload, model, gb: GradBuckets, opt, reps: int) -> dict[str, Any]:
     g = capture_step(w, model, gb, opt)
     if isinstance(g, str):
@@ -321,23 +221,33 @@ def busbw(nbytes: int, ms: float, n: int) -> float:
     return nbytes / (ms * 1e-3) / 1e9 * 2 * (n - 1) / n if ms > 0 else float("nan")
 
 
-def free_memory(dev: torch.device) -> None:
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
+@dataclass
+class _Sweep:
+    """What one parameter dtype's sweep measured, shared by the records of its variants."""
+
+    label: str  # "fp32" or "bf16"
+    n: int  # ranks
+    local_ms: float
+    eager: dict[tuple[int, str], float]  # (cap, priority) -> peerline eager step, slowest rank
+    ddp: dict[int, float]  # cap -> DDP step, slowest rank
+    plain: dict[int, dict[int, float]]  # cap -> bucket bytes -> lone all-reduce ms
+    bucket_bytes: list[int]
+    sizes: dict[str, Any]
+
+    @property
+    def plain_total(self) -> float:
+        """NCCL's default CTAs: what an un-overlapped gradient sync costs."""
+        return sum(self.plain[0][b] for b in self.bucket_bytes)
+
+    def ddp_exposed(self, cap: int) -> float:
+        return max(0.0, self.ddp[cap] - self.local_ms)
 
 
-def run_dtype(ctx: BenchContext, shape: Shape, dtype: torch.dtype, warmup: int, reps: int, graph: bool,
-              groups: dict[int, dist.ProcessGroup], headline: int | None, normal_priority: bool = False,
-              tail_uncapped: bool = True) -> None:
-    """Measure every variant on the group of every CTA cap (0 first: NCCL's default); record; `headline` None =
-    the cap of the fastest peerline eager step. `normal_priority`: one more peerline variant, NCCL's default CTAs
-    with the all-reduce on a normal-priority stream (as DDP's), to tell priority from CTA count (never headline)."""
-    dev = ctx.device
-    n = dist.get_world_size()
-    caps = list(groups)
-    w = Workload(shape, dev)
+def _measure_ours(ctx: BenchContext, w: Workload, dtype: torch.dtype, warmup: int, reps: int, graph: bool,
+                  groups: dict[int, dist.ProcessGroup], variants: list[tuple[int, str]], tail_uncapped: bool
+                  ) -> tuple[dict[tuple[int, str], dict[str, Any]], Timing, list[int], int]:
+    """peerline's step on every (cap, priority): (results, the local step, bucket bytes, parameter count)."""
+    dev, shape = w.device, w.shape
     with use(w.streams.compute):
         model = build_model(shape, dtype, dev)
     opt = make_optimizer(model, dev)
@@ -345,7 +255,6 @@ def run_dtype(ctx: BenchContext, shape: Shape, dtype: torch.dtype, warmup: int, 
     ours: dict[tuple[int, str], dict[str, Any]] = {}
     local: Timing | None = None
     bucket_bytes: list[int] = []
-    variants = [(cap, "high") for cap in caps] + ([(0, "normal")] if normal_priority else [])
     for cap, prio in variants:
         if ctx.on_step:
             ctx.on_step(f"allreduce peerline, {cap_name(cap)}, {prio} priority")
@@ -368,88 +277,130 @@ def run_dtype(ctx: BenchContext, shape: Shape, dtype: torch.dtype, warmup: int, 
     params = sum(p.numel() for p in model.parameters())
     del model, opt, layers
     free_memory(dev)
+    assert local is not None
+    return ours, local, bucket_bytes, params
+
+
+def _measure_anchors(ctx: BenchContext, w: Workload, dtype: torch.dtype, warmup: int, reps: int,
+                     groups: dict[int, dist.ProcessGroup], bucket_bytes: list[int]
+                     ) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
+    """DDP's step (slowest rank) and a lone all-reduce of every bucket size, on every cap's group."""
     ddp: dict[int, float] = {}
-    for cap in caps:
+    for cap in groups:
         if ctx.on_step:
             ctx.on_step(f"allreduce DDP, {cap_name(cap)}")
-        ddp[cap] = max_over_ranks(measure_ddp(w, dtype, warmup, reps, groups[cap]).median_ms, dev)
+        ddp[cap] = max_over_ranks(measure_ddp(w, dtype, warmup, reps, groups[cap]).median_ms, w.device)
     sizes = sorted(set(bucket_bytes))
-    plain = {cap: {nb: measure_plain(w, nb, dtype, reps, groups[cap]) for nb in sizes} for cap in caps}
+    plain = {cap: {nb: measure_plain(w, nb, dtype, reps, groups[cap]) for nb in sizes} for cap in groups}
+    return ddp, plain
 
+
+def run_dtype(ctx: BenchContext, shape: Shape, dtype: torch.dtype, warmup: int, reps: int, graph: bool,
+              groups: dict[int, dist.ProcessGroup], headline: int | None, normal_priority: bool = False,
+              tail_uncapped: bool = True) -> None:
+    """Measure every variant on the group of every CTA cap (0 first: NCCL's default); record; `headline` None =
+    the cap of the fastest peerline eager step. `normal_priority`: one more peerline variant, NCCL's default CTAs
+    with the all-reduce on a normal-priority stream (as DDP's), to tell priority from CTA count (never headline)."""
+    dev = ctx.device
+    caps = list(groups)
+    w = Workload(shape, dev)
+    variants = [(cap, "high") for cap in caps] + ([(0, "normal")] if normal_priority else [])
+    ours, local, bucket_bytes, params = _measure_ours(ctx, w, dtype, warmup, reps, graph, groups, variants,
+                                                      tail_uncapped)
+    ddp, plain = _measure_anchors(ctx, w, dtype, warmup, reps, groups, bucket_bytes)
     local_ms = max_over_ranks(local.median_ms, dev)
     eager = {v: max_over_ranks(ours[v]["eager"].median_ms, dev) for v in variants}
     if headline is None:
         headline = min(caps, key=lambda c: eager[c, "high"])
-    plain_total = sum(plain[0][b] for b in bucket_bytes)  # NCCL's default: what an un-overlapped sync costs
-    ddp_exposed = {cap: max(0.0, ddp[cap] - local_ms) for cap in caps}
-    dt = "fp32" if dtype == torch.float32 else "bf16"
-    common = {"hidden": shape.hidden, "blocks": shape.blocks, "tokens": shape.micro_batch * shape.seq,
-              "microbatches": shape.microbatches, "params": params, "grad_bytes": sum(bucket_bytes),
-              "buckets": len(bucket_bytes), "bucket_mb": shape.bucket_mb, "dp": n}
+    n = dist.get_world_size()
+    sizes = {"hidden": shape.hidden, "blocks": shape.blocks, "tokens": shape.micro_batch * shape.seq,
+             "microbatches": shape.microbatches, "params": params, "grad_bytes": sum(bucket_bytes),
+             "buckets": len(bucket_bytes), "bucket_mb": shape.bucket_mb, "dp": n}
+    sweep = _Sweep("fp32" if dtype == torch.float32 else "bf16", n, local_ms, eager, ddp, plain, bucket_bytes,
+                   sizes)
     for cap, prio in variants:
-        res, head = ours[cap, prio], cap == headline and prio == "high"
-        label = f"{dt} params, {cap_name(cap)}" + ("" if prio == "high" else ", normal-priority stream")
-        sizes_c = {**common, "nccl_max_ctas": cap, "allreduce_stream_priority": prio,
-                   "tail_buckets_default_ctas": res["tail_buckets"]}
-        base = {"local_ms": local_ms, "plain_allreduce_total_ms": plain_total, "headline": head,
-                "compute_to_allreduce": local_ms / plain_total if plain_total > 0 else float("nan"),
-                "ddp_same_cap_ms": ddp[cap], "ddp_default_ms": ddp[0], "bucket_bytes": bucket_bytes}
-        ctx.record(Record(SUITE, f"{label}: step (eager)", "ms/iter", eager[cap, prio], ddp[0], "torch DDP eager, "
-                          "nccl default CTAs", higher_is_better=False, sizes=sizes_c, extra=base))
-        if "graph" in res:
-            ctx.record(Record(SUITE, f"{label}: step (graph)", "ms/iter", max_over_ranks(res["graph"].median_ms, dev),
-                              ddp[0], "torch DDP eager, nccl default CTAs", higher_is_better=False, sizes=sizes_c,
-                              extra=base))
-        elif "graph_error" in res:
-            base = {**base, "graph_error": res["graph_error"]}
-        met = res["metrics"]
-        exposed_extra = {**base, "step_minus_local_ms": max(0.0, eager[cap, prio] - local_ms), "goal_ms": 0.25,
-                         "launched_in_backward": res["launched_in_backward"],
-                         "ddp_same_cap_exposed_ms": ddp_exposed[cap]}
-        if "graph_metrics" in res:
-            exposed_extra["graph_exposed_ms"] = res["graph_metrics"]["exposed_ms"]
-            exposed_extra["graph_hidden_share"] = res["graph_metrics"]["hidden_share"]
-        ctx.record(Record(SUITE, f"{label}: exposed all-reduce", "ms", met["exposed_ms"], ddp_exposed[0],
-                          "torch DDP (step - local step), nccl default CTAs", higher_is_better=False, sizes=sizes_c,
-                          extra=exposed_extra))
-        ddp_hidden = 1.0 - min(1.0, ddp_exposed[0] / plain_total) if plain_total > 0 else float("nan")
-        big = max(sizes)
-        on_cap = [t for b, c, t in zip(bucket_bytes, res["bucket_caps"], res["alone_ms"], strict=True)
-                  if b == big and c == cap]
-        alone_big = statistics.median(on_cap or [t for b, t in zip(bucket_bytes, res["alone_ms"], strict=True)
-                                                 if b == big])
-        ctx.record(Record(SUITE, f"{label}: hidden share", "fraction", met["hidden_share"], ddp_hidden,
-                          "torch DDP (1 - exposed / plain all-reduce total)", sizes=sizes_c,
-                          extra={**base, "allreduce_ms": met["allreduce_ms"], "goal": 0.9, "largest_bucket": big,
-                                 "alone_busbw_gbs": busbw(big, alone_big, n),
-                                 "plain_busbw_gbs": busbw(big, plain[cap][big], n),
-                                 "plain_default_busbw_gbs": busbw(big, plain[0][big], n)}))
-        if not head:
-            continue
-        in_step = met.get("bucket_ms_later_start")
-        for nbytes, bcap in sorted(set(zip(bucket_bytes, res["bucket_caps"], strict=True))):
-            idx = [i for i, (b, c) in enumerate(zip(bucket_bytes, res["bucket_caps"], strict=True))
-                   if b == nbytes and c == bcap]
-            alone = statistics.median(res["alone_ms"][i] for i in idx)
-            extra: dict[str, Any] = {"count": len(idx), "alone_ms": alone, "plain_ms": plain[bcap][nbytes],
-                                     "plain_default_ctas_busbw_gbs": busbw(nbytes, plain[0][nbytes], n),
-                                     "alone_is": "bucket buffers all-reduced back to back after backward, same "
-                                                 "sequence, from the later rank's start"}
-            if in_step is not None:
-                ms = statistics.median(in_step[i] for i in idx)
-                ms_rank = statistics.median(met["bucket_ms"][i] for i in idx)
-                extra.update(in_step_ms=ms, in_step_busbw_gbs=busbw(nbytes, ms, n),
-                             in_step_rank0_ms=ms_rank, in_step_rank0_busbw_gbs=busbw(nbytes, ms_rank, n),
-                             in_step_is="inside the overlapped backward (shares the GPU), from the later rank's "
-                                        "start; rank0: this rank's start, skew included")
-            where = "" if bcap == cap else " (tail bucket, nccl default CTAs)"
-            ctx.record(Record(SUITE, f"{label}: bucket {nbytes / MiB:.2f} MiB{where} busbw, alone after backward",
-                              "GB/s", busbw(nbytes, alone, n), busbw(nbytes, plain[bcap][nbytes], n),
-                              "plain all-reduce, same size and CTAs", sizes={**sizes_c, "bytes": nbytes,
-                                                                             "bucket_nccl_max_ctas": bcap},
-                              extra=extra))
+        _record_variant(ctx, sweep, cap, prio, ours[cap, prio], head=cap == headline and prio == "high")
     del w
     free_memory(dev)
+
+
+def _record_variant(ctx: BenchContext, sw: _Sweep, cap: int, prio: str, res: dict[str, Any], head: bool) -> None:
+    """The step, exposure and hidden-share records of one (cap, priority); the bucket records for the headline."""
+    label = f"{sw.label} params, {cap_name(cap)}" + ("" if prio == "high" else ", normal-priority stream")
+    sizes_c = {**sw.sizes, "nccl_max_ctas": cap, "allreduce_stream_priority": prio,
+               "tail_buckets_default_ctas": res["tail_buckets"]}
+    plain_total, ddp = sw.plain_total, sw.ddp
+    base = {"local_ms": sw.local_ms, "plain_allreduce_total_ms": plain_total, "headline": head,
+            "compute_to_allreduce": sw.local_ms / plain_total if plain_total > 0 else float("nan"),
+            "ddp_same_cap_ms": ddp[cap], "ddp_default_ms": ddp[0], "bucket_bytes": sw.bucket_bytes}
+    ctx.record(Record(SUITE, f"{label}: step (eager)", "ms/iter", sw.eager[cap, prio], ddp[0], "torch DDP eager, "
+                      "nccl default CTAs", higher_is_better=False, sizes=sizes_c, extra=base))
+    if "graph" in res:
+        ctx.record(Record(SUITE, f"{label}: step (graph)", "ms/iter", max_over_ranks(res["graph"].median_ms,
+                                                                                      ctx.device),
+                          ddp[0], "torch DDP eager, nccl default CTAs", higher_is_better=False, sizes=sizes_c,
+                          extra=base))
+    elif "graph_error" in res:
+        base = {**base, "graph_error": res["graph_error"]}
+    _record_exposure(ctx, sw, cap, prio, res, label, sizes_c, base)
+    if head:
+        _record_buckets(ctx, sw, cap, res, label, sizes_c)
+
+
+def _record_exposure(ctx: BenchContext, sw: _Sweep, cap: int, prio: str, res: dict[str, Any], label: str,
+                     sizes_c: dict[str, Any], base: dict[str, Any]) -> None:
+    """Exposed all-reduce and hidden share of one variant, against DDP's."""
+    met, n = res["metrics"], sw.n
+    exposed_extra = {**base, "step_minus_local_ms": max(0.0, sw.eager[cap, prio] - sw.local_ms), "goal_ms": 0.25,
+                     "launched_in_backward": res["launched_in_backward"],
+                     "ddp_same_cap_exposed_ms": sw.ddp_exposed(cap)}
+    if "graph_metrics" in res:
+        exposed_extra["graph_exposed_ms"] = res["graph_metrics"]["exposed_ms"]
+        exposed_extra["graph_hidden_share"] = res["graph_metrics"]["hidden_share"]
+    ctx.record(Record(SUITE, f"{label}: exposed all-reduce", "ms", met["exposed_ms"], sw.ddp_exposed(0),
+                      "torch DDP (step - local step), nccl default CTAs", higher_is_better=False, sizes=sizes_c,
+                      extra=exposed_extra))
+    plain_total = sw.plain_total
+    ddp_hidden = 1.0 - min(1.0, sw.ddp_exposed(0) / plain_total) if plain_total > 0 else float("nan")
+    big = max(sw.bucket_bytes)
+    on_cap = [t for b, c, t in zip(sw.bucket_bytes, res["bucket_caps"], res["alone_ms"], strict=True)
+              if b == big and c == cap]
+    alone_big = statistics.median(on_cap or [t for b, t in zip(sw.bucket_bytes, res["alone_ms"], strict=True)
+                                             if b == big])
+    ctx.record(Record(SUITE, f"{label}: hidden share", "fraction", met["hidden_share"], ddp_hidden,
+                      "torch DDP (1 - exposed / plain all-reduce total)", sizes=sizes_c,
+                      extra={**base, "allreduce_ms": met["allreduce_ms"], "goal": 0.9, "largest_bucket": big,
+                             "alone_busbw_gbs": busbw(big, alone_big, n),
+                             "plain_busbw_gbs": busbw(big, sw.plain[cap][big], n),
+                             "plain_default_busbw_gbs": busbw(big, sw.plain[0][big], n)}))
+
+
+def _record_buckets(ctx: BenchContext, sw: _Sweep, cap: int, res: dict[str, Any], label: str,
+                    sizes_c: dict[str, Any]) -> None:
+    """Bus bandwidth per bucket size and cap, alone after backward and inside the step, against a plain all-reduce."""
+    met, n, plain, bucket_bytes = res["metrics"], sw.n, sw.plain, sw.bucket_bytes
+    in_step = met.get("bucket_ms_later_start")
+    for nbytes, bcap in sorted(set(zip(bucket_bytes, res["bucket_caps"], strict=True))):
+        idx = [i for i, (b, c) in enumerate(zip(bucket_bytes, res["bucket_caps"], strict=True))
+               if b == nbytes and c == bcap]
+        alone = statistics.median(res["alone_ms"][i] for i in idx)
+        extra: dict[str, Any] = {"count": len(idx), "alone_ms": alone, "plain_ms": plain[bcap][nbytes],
+                                 "plain_default_ctas_busbw_gbs": busbw(nbytes, plain[0][nbytes], n),
+                                 "alone_is": "bucket buffers all-reduced back to back after backward, same "
+                                             "sequence, from the later rank's start"}
+        if in_step is not None:
+            ms = statistics.median(in_step[i] for i in idx)
+            ms_rank = statistics.median(met["bucket_ms"][i] for i in idx)
+            extra.update(in_step_ms=ms, in_step_busbw_gbs=busbw(nbytes, ms, n),
+                         in_step_rank0_ms=ms_rank, in_step_rank0_busbw_gbs=busbw(nbytes, ms_rank, n),
+                         in_step_is="inside the overlapped backward (shares the GPU), from the later rank's "
+                                    "start; rank0: this rank's start, skew included")
+        where = "" if bcap == cap else " (tail bucket, nccl default CTAs)"
+        ctx.record(Record(SUITE, f"{label}: bucket {nbytes / MiB:.2f} MiB{where} busbw, alone after backward",
+                          "GB/s", busbw(nbytes, alone, n), busbw(nbytes, plain[bcap][nbytes], n),
+                          "plain all-reduce, same size and CTAs", sizes={**sizes_c, "bytes": nbytes,
+                                                                         "bucket_nccl_max_ctas": bcap},
+                          extra=extra))
 
 
 def goals(ctx: BenchContext) -> list[str]:

@@ -4,13 +4,12 @@ interleaved, so that slow drifts of the GPU (clocks, temperature, memory layout)
 Each round runs every variant once, in an order shuffled from round to round (the same seed on every rank): one
 untimed step, then `steps` steps timed by CUDA events on the compute stream. The figure per variant is the median
 over rounds, and each round also gives a paired ratio (DDP's time / peerline's). Why shuffled, with an untimed
-step: a first version rotated a fixed order, so every variant always followed the same one, and on an H200 the
-variant right after DDP lost its rounds whichever variant it was (calls 1-4 of 2026-11-26: the same peerline
-setting lost 0.976 in one position and won 1.025 in another). "No worse than DDP" and "better with graphs" (issue 5) are
-judged on the median paired ratio, with the number of rounds won beside it: a single back-to-back measurement of
-each variant, as the sweep makes, moved by +-1 ms between runs of a 29 ms step on an H200.
+step: in a fixed rotation every variant always follows the same one, and the variant right after DDP pays for
+what DDP leaves behind, whichever variant it is (docs/benchmarks has the measurements). "No worse than DDP" and
+"better with graphs" are judged on the median paired ratio, with the number of rounds won beside it: a single
+back-to-back measurement of each variant moves by several percent between runs.
 
-Shapes: `anchor` is the suite's model (8 blocks of h=2048, the DDP anchor of the issue: GPU-bound, where a graph
+Shapes: `anchor` is the suite's model (8 blocks of h=2048, the DDP anchor: GPU-bound, where a graph
 can only save launch gaps); `launch` is a smaller, launch-heavy model (16 blocks of h=512, 4 microbatches of
 4x256), where the host's launch work is what a graph removes and where the all-reduce has less backward to hide
 behind.
@@ -31,6 +30,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from peerline.bench.benchkit import BenchContext, Record
+from peerline.bench.suites.allreduce_workload import (
+    Shape,
+    Workload,
+    build_model,
+    capture_step,
+    free_memory,
+    make_optimizer,
+    step_ddp,
+    step_peerline,
+)
 from peerline.distributed.grad_sync.buckets import GradBuckets
 from peerline.distributed.streams import use
 
@@ -40,10 +49,8 @@ SUITE = "allreduce"
 VARIANTS = ("DDP", "peerline eager", "peerline graph")  # then any diagnostic variants (extra_variants)
 
 
-def h2h_shapes(names: str, anchor: Any, quick: bool) -> dict[str, Any]:
+def h2h_shapes(names: str, anchor: Shape, quick: bool) -> dict[str, Shape]:
     """'anchor,launch' -> {name: Shape}; 'none' or '' -> {} (one clear error for an unknown name)."""
-    from peerline.bench.suites.allreduce import Shape
-
     known = {"anchor": anchor,
              "launch": Shape(hidden=512, blocks=16, micro_batch=4, seq=256, microbatches=4, bucket_mb=anchor.bucket_mb,
                              first_bucket_mb=anchor.first_bucket_mb)}
@@ -57,7 +64,7 @@ def h2h_shapes(names: str, anchor: Any, quick: bool) -> dict[str, Any]:
     return {n: known[n] for n in picked}
 
 
-def run_head_to_head(ctx: BenchContext, name: str, shape: Any, dtype: torch.dtype, rounds: int, steps: int,
+def run_head_to_head(ctx: BenchContext, name: str, shape: Shape, dtype: torch.dtype, rounds: int, steps: int,
                      groups: dict[int, dist.ProcessGroup], cap: int, normal_priority: bool = False,
                      extra_caps: tuple[int, ...] = ()) -> dict[str, Any]:
     """Build both models (same weights), capture peerline's step, run `rounds` interleaved rounds; record one
@@ -68,23 +75,8 @@ def run_head_to_head(ctx: BenchContext, name: str, shape: Any, dtype: torch.dtyp
     all-reduce stream at the highest priority; DDP on NCCL's defaults. Diagnostic eager variants, each on a model of
     its own: NCCL's default CTAs (when `cap` is not), `normal_priority` (the all-reduce on a normal-priority
     stream, as DDP's) and each of `extra_caps`."""
-    from peerline.bench.suites.allreduce import (
-        Workload,
-        build_model,
-        capture_step,
-        free_memory,
-        make_optimizer,
-        step_ddp,
-        step_peerline,
-    )
-
     dev = ctx.device
     w = Workload(shape, dev)
-
-    def buckets(model: torch.nn.Module, c: int, stream: Any) -> GradBuckets:
-        return GradBuckets([list(b.parameters()) for b in model], groups[c], dev, stream, shape.bucket_mb,
-                           shape.first_bucket_mb, tail_group=groups[0] if c else None)
-
     with use(w.streams.compute):
         model = build_model(shape, dtype, dev)
         ddp_model = build_model(shape, dtype, dev)
@@ -92,21 +84,10 @@ def run_head_to_head(ctx: BenchContext, name: str, shape: Any, dtype: torch.dtyp
                                       bucket_cap_mb=shape.bucket_mb, gradient_as_bucket_view=True,
                                       process_group=groups[0])
     opt, ddp_opt = make_optimizer(model, dev), make_optimizer(ddp, dev)
-    layers = [list(b.parameters()) for b in model]
-    gb = buckets(model, cap, w.streams.allreduce)
+    gb = _buckets(w, model, groups, cap, w.streams.allreduce)
     steps_of: dict[str, Callable[[], Any]] = {"DDP": partial(step_ddp, w, ddp, ddp_opt),
                                               "peerline eager": partial(step_peerline, w, model, gb, opt)}
-    extra_buckets = []
-    # (the p2p role's stream: normal priority and unused in this suite; streams come only from streams.py)
-    extras = [("peerline eager, NCCL default CTAs", 0, w.streams.allreduce)] if cap else []
-    extras += [("peerline eager, normal-priority stream", cap, w.streams.p2p)] if normal_priority else []
-    extras += [(f"peerline eager, max {c} CTAs", c, w.streams.allreduce) for c in extra_caps if c and c != cap]
-    for label, c, stream in extras:
-        with use(w.streams.compute):
-            model_x = build_model(shape, dtype, dev)
-        gb_x = buckets(model_x, c, stream)
-        extra_buckets.append(gb_x)
-        steps_of[label] = partial(step_peerline, w, model_x, gb_x, make_optimizer(model_x, dev))
+    extra_buckets = _add_diagnostic_variants(steps_of, w, dtype, groups, cap, normal_priority, extra_caps)
     for fn in steps_of.values():  # warm-up: DDP rebuilds its buckets after its first step
         with use(w.streams.compute):
             for _ in range(5):
@@ -127,6 +108,43 @@ def run_head_to_head(ctx: BenchContext, name: str, shape: Any, dtype: torch.dtyp
              "microbatches": shape.microbatches, "bucket_mb": shape.bucket_mb, "dp": dist.get_world_size(),
              "params": sum(p.numel() for p in model.parameters()),
              "param_dtype": "fp32" if dtype == torch.float32 else "bf16"}
+    _record(ctx, name, summary, names, rounds, steps, sizes)
+    if graph_note:
+        ctx.note(f"head-to-head {name}: peerline's step did not capture: {graph_note}")
+    del steps_of, gb, ddp, ddp_model, model, opt, ddp_opt, w, extra_buckets
+    free_memory(dev)
+    return summary
+
+
+def _buckets(w: Workload, model: torch.nn.Module, groups: dict[int, dist.ProcessGroup], cap: int, stream: Any
+             ) -> GradBuckets:
+    """GradBuckets over the model's blocks as the runtime sets them up: the dp group of `cap` CTAs, the first
+    block's buckets on NCCL's default CTAs (the tail group) when capped."""
+    return GradBuckets([list(b.parameters()) for b in model], groups[cap], w.device, stream, w.shape.bucket_mb,
+                       w.shape.first_bucket_mb, tail_group=groups[0] if cap else None)
+
+
+def _add_diagnostic_variants(steps_of: dict[str, Callable[[], Any]], w: Workload, dtype: torch.dtype,
+                             groups: dict[int, dist.ProcessGroup], cap: int, normal_priority: bool,
+                             extra_caps: tuple[int, ...]) -> list[GradBuckets]:
+    """Add the diagnostic peerline eager variants to `steps_of`, each on a model of its own; their buckets."""
+    # (the p2p role's stream: normal priority and unused in this suite; streams come only from streams.py)
+    extras = [("peerline eager, NCCL default CTAs", 0, w.streams.allreduce)] if cap else []
+    extras += [("peerline eager, normal-priority stream", cap, w.streams.p2p)] if normal_priority else []
+    extras += [(f"peerline eager, max {c} CTAs", c, w.streams.allreduce) for c in extra_caps if c and c != cap]
+    made = []
+    for label, c, stream in extras:
+        with use(w.streams.compute):
+            model_x = build_model(w.shape, dtype, w.device)
+        gb_x = _buckets(w, model_x, groups, c, stream)
+        made.append(gb_x)
+        steps_of[label] = partial(step_peerline, w, model_x, gb_x, make_optimizer(model_x, w.device))
+    return made
+
+
+def _record(ctx: BenchContext, name: str, summary: dict[str, dict[str, Any]], names: list[str], rounds: int,
+            steps: int, sizes: dict[str, Any]) -> None:
+    """One record per peerline variant against DDP, with the per-round times and the paired ratios."""
     for v in names[1:]:
         s = summary[v]
         ctx.record(Record(SUITE, f"head-to-head {name}: {v} step vs DDP", "ms/iter", s["median_ms"],
@@ -138,11 +156,6 @@ def run_head_to_head(ctx: BenchContext, name: str, shape: Any, dtype: torch.dtyp
                                  "ddp_round_ms": summary["DDP"]["round_ms"],
                                  "runtime_setting": v in VARIANTS,  # else a diagnostic variant
                                  "ratio_is": "DDP ms / peerline ms in the same round (> 1: peerline faster)"}))
-    if graph_note:
-        ctx.note(f"head-to-head {name}: peerline's step did not capture: {graph_note}")
-    del steps_of, gb, ddp, ddp_model, model, opt, ddp_opt, layers, w, extra_buckets
-    free_memory(dev)
-    return summary
 
 
 def _interleaved_rounds(w: Any, steps_of: dict[str, Callable[[], Any]], names: list[str], rounds: int,
@@ -192,7 +205,7 @@ def _summarize(rows: list[dict[str, float]], names: list[str]) -> dict[str, dict
 
 
 def goal_lines(ctx: BenchContext) -> list[str]:
-    """Issue 5's step goals from the head-to-head records: eager no worse than DDP, graph better than DDP, each by
+    """The step goals from the head-to-head records: eager no worse than DDP, graph better than DDP, each by
     the median paired ratio (rounds won beside it)."""
     lines = []
     for r in ctx.records:

@@ -16,6 +16,7 @@ cudaStreamNonBlocking).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import statistics
 import sys
@@ -87,16 +88,25 @@ def _enqueue(rt: Any, streams: list[torch.cuda.Stream], hin: int, hout: int, bia
         rt.freeAsync(d_out, sp)
 
 
+def skip_reason(args: argparse.Namespace, ctx: BenchContext) -> str | None:
+    """Why this machine cannot run the suite (CUDA and CuPy drive the streams), or None."""
+    if ctx.device.type != "cuda":
+        return f"needs CUDA (this run's device is {ctx.device.type})"
+    if importlib.util.find_spec("cupy") is None:
+        return "needs CuPy (pip install 'peerline[cuda13]')"
+    return None
+
+
 def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     device = ctx.device
     if device.type != "cuda":
         log.info("batch_streams: needs CUDA; skipped on %s", device)
         return
     quick = ctx.quick or getattr(args, "quick", False)
-    batches = getattr(args, "batches", 32) if not quick else 4
-    batch_mib = getattr(args, "batch_mib", 16) if not quick else 1
+    batches = (getattr(args, "batches", None) or 32) if not quick else 4
+    batch_mib = (getattr(args, "batch_mib", None) or 16) if not quick else 1
     stream_counts = getattr(args, "stream_counts", None) or (1, 2, 4, 8)
-    reps = getattr(args, "reps", 5) if not quick else 2
+    reps = (getattr(args, "reps", None) or 5) if not quick else 2
     batch_elems = max(HIDDEN, (int(batch_mib * (1 << 20)) // 4) // HIDDEN * HIDDEN)
     total = batches * batch_elems
     host_in = torch.randn(total, pin_memory=True)

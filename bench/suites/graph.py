@@ -1,6 +1,5 @@
 """Benchmark suite `graph`: one GPU, the whole training step captured into a CUDA graph, against torch eager and
-against the same step captured by hand with torch.cuda.graph (ARCHITECTURE.md measured 11.8 ms eager and
-3.15 ms graphed on an H200 for the launch-bound model with one microbatch + AdamW).
+against the same step captured by hand with torch.cuda.graph (docs/benchmarks has the figures per card).
 
     python launch/bench.py graph [--graph-microbatches 1]
 
@@ -170,74 +169,97 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
                  "count)")
 
 
+class ShapeRun:
+    """The measurements of one shape: every variant's time per iteration, losses and host times."""
+
+    def __init__(self, shape: PipeShape, args: argparse.Namespace, ctx: BenchContext) -> None:
+        self.shape, self.ctx, self.device = shape, ctx, ctx.device
+        self.iters = 2 if ctx.quick else 20
+        self.reps = getattr(args, "reps", None) or (2 if ctx.quick else 5)
+        warmup = getattr(args, "warmup", None)
+        self.warmup = warmup if warmup is not None else 1
+        self.timed: dict[str, Timing] = {}
+        self.losses: dict[str, list[float]] = {}
+        self.host_us: dict[str, dict[str, float]] = {}  # variant -> HOST_MODES mode -> us per step (load + replay)
+        self.host_b2b_us: dict[str, float] = {}
+        self.replay_us: dict[str, dict[str, float]] = {}  # graph variants: mode -> us per replay() call
+
+    def measure(self, name: str, step: Callable[[], Any], loss: Callable[[], float],
+                replay: Callable[[], Any] | None = None, per_call: int = 1) -> None:
+        """Times `step` (which runs `per_call` iterations); every figure is stored per iteration. Every rank
+        measures the same thing on its own device; time_blocks takes the slowest rank."""
+        device = self.device
+        self.ctx.step(f"{self.shape.name} M={self.shape.microbatches} {name}")
+        self.losses[name] = []
+        for _ in range(2):
+            step()
+            self.losses[name].append(loss())
+        calls = max(5, self.iters // per_call) if per_call > 1 else self.iters
+        t = time_blocks(lambda n: [step() for _ in range(n)], iters=calls, reps=self.reps, warmup=self.warmup,
+                        device=device)
+        self.timed[name] = Timing(t.median_ms / per_call, t.p10_ms / per_call, t.p90_ms / per_call, t.reps)
+        self.host_us[name] = {mode: _median_call_us(step, calls, device, mode) / per_call for mode in HOST_MODES}
+        self.host_b2b_us[name] = _host_us_back_to_back(step, calls, device) / per_call
+        if replay is not None:
+            self.replay_us[name] = {mode: _median_call_us(replay, calls, device, mode) / per_call
+                                    for mode in HOST_MODES}
+
+
 def run_shape(base: PipeShape, args: argparse.Namespace, ctx: BenchContext) -> float | None:
     """One shape: records the four comparisons; returns peerline's host microseconds per replay (None if no
     graph ran)."""
     m = getattr(args, "graph_microbatches", 1) or 1
     shape = PipeShape(base.name, base.layers, base.hidden, base.micro_batch_size, base.seq, m, base.dtype)
-    device, on_gpu = ctx.device, ctx.device.type == "cuda"
-    iters = 2 if ctx.quick else 20
-    reps = getattr(args, "reps", None) or (2 if ctx.quick else 5)
-    warmup = getattr(args, "warmup", None)
-    warmup = warmup if warmup is not None else 1
-    tokens = m * shape.micro_batch_size * shape.seq
-    # Every rank measures the same thing on its own device; time_blocks takes the slowest rank.
-    timed: dict[str, Timing] = {}
-    losses: dict[str, list[float]] = {}
-    host_us: dict[str, dict[str, float]] = {}  # variant -> HOST_MODES mode -> us per step (data load + replay)
-    host_b2b_us: dict[str, float] = {}
-    replay_us: dict[str, dict[str, float]] = {}  # graph variants: mode -> us per replay() call
-
-    def measure(name: str, step: Callable[[], Any], loss: Callable[[], float],
-                replay: Callable[[], Any] | None = None, per_call: int = 1) -> None:
-        """Times `step` (which runs `per_call` iterations); every figure is stored per iteration."""
-        ctx.step(f"{shape.name} M={m} {name}")
-        losses[name] = []
-        for _ in range(2):
-            step()
-            losses[name].append(loss())
-        calls = max(5, iters // per_call) if per_call > 1 else iters
-        t = time_blocks(lambda n: [step() for _ in range(n)], iters=calls, reps=reps, warmup=warmup, device=device)
-        timed[name] = Timing(t.median_ms / per_call, t.p10_ms / per_call, t.p90_ms / per_call, t.reps)
-        host_us[name] = {mode: _median_call_us(step, calls, device, mode) / per_call for mode in HOST_MODES}
-        host_b2b_us[name] = _host_us_back_to_back(step, calls, device) / per_call
-        if replay is not None:
-            replay_us[name] = {mode: _median_call_us(replay, calls, device, mode) / per_call for mode in HOST_MODES}
-
-    anchor = TorchStep(shape, device)
-    measure("torch eager", anchor.eager_step, lambda: float(anchor.loss))
+    on_gpu = ctx.device.type == "cuda"
+    sr = ShapeRun(shape, args, ctx)
+    anchor = TorchStep(shape, ctx.device)
+    sr.measure("torch eager", anchor.eager_step, lambda: float(anchor.loss))
     if on_gpu:
         anchor.capture()
-        measure("torch graph", anchor.graph_step, lambda: float(anchor.loss), anchor.graph.replay)
+        sr.measure("torch graph", anchor.graph_step, lambda: float(anchor.loss), anchor.graph.replay)
     loop = getattr(args, "graph_loop_k", DEFAULT_LOOP) or 1
     # (name, graph, iterations per launch, data): seeded data is written by the host each iteration, counter data
     # is made inside the graph (--data counter), so the last two separate the data's host cost from the launch's.
     variants = [("peerline eager", False, 1, "seeded"), ("peerline graph", True, 1, "seeded"),
                 (COUNTER, True, 1, "counter")] + ([(LOOPED, True, loop, "counter")] if loop > 1 else [])
     for name, graph, k, data in (variants if on_gpu else variants[:1]):
-        rt = _single_gpu_runtime(shape, device, graph, k, data)
-        try:
-            if graph:
-                rt.train(rt.cfg.warmup_iters + 1)  # capture happens after the eager warm-up iterations
-                if rt.graph is None:
-                    ctx.note(f"graph: peerline did not capture: {rt.graph_failed}")
-                    continue
-                if rt.graph_loop != k:
-                    ctx.note(f"graph: peerline's looped graph was not built: {rt.graph_loop_failed}")
-                    continue
-            if k > 1:
-                measure(name, lambda rt=rt: rt.run_looped(), lambda rt=rt: rt.read_loss(),
-                        lambda rt=rt: _launch_loop_on_main(rt), per_call=k)
-            else:
-                measure(name, lambda rt=rt: rt.run_iteration(), lambda rt=rt: rt.read_loss(),
-                        (lambda rt=rt: _replay_on_main(rt)) if graph else None)
-        finally:
-            if rt.graph is not None:
-                rt.graph.release()
-            rt.engine.transport.close()
+        _measure_peerline(sr, name, graph, k, data)
     if dist.is_initialized() and dist.get_world_size() > 1 and ctx.is_writer:
         ctx.note(f"graph: every one of {dist.get_world_size()} ranks ran the single-GPU step; times are the "
                  "slowest rank's")
+    _record_pairs(sr)
+    return _host_notes(sr, loop)
+
+
+def _measure_peerline(sr: ShapeRun, name: str, graph: bool, k: int, data: str) -> None:
+    """One peerline variant on this rank's device alone: eager, graph-replayed, or looped k iterations a launch."""
+    ctx = sr.ctx
+    rt = _single_gpu_runtime(sr.shape, sr.device, graph, k, data)
+    try:
+        if graph:
+            rt.train(rt.cfg.warmup_iters + 1)  # capture happens after the eager warm-up iterations
+            if rt.graph is None:
+                ctx.note(f"graph: peerline did not capture: {rt.graph_failed}")
+                return
+            if rt.graph_loop != k:
+                ctx.note(f"graph: peerline's looped graph was not built: {rt.graph_loop_failed}")
+                return
+        if k > 1:
+            sr.measure(name, lambda: rt.run_looped(), lambda: rt.read_loss(), lambda: _launch_loop_on_main(rt),
+                       per_call=k)
+        else:
+            sr.measure(name, lambda: rt.run_iteration(), lambda: rt.read_loss(),
+                       (lambda: _replay_on_main(rt)) if graph else None)
+    finally:
+        if rt.graph is not None:
+            rt.graph.release()
+        rt.engine.transport.close()
+
+
+def _record_pairs(sr: ShapeRun) -> None:
+    """tokens/s of each (peerline variant, anchor) pair that ran, and the never-slower goal of the compute shape."""
+    shape, timed, m = sr.shape, sr.timed, sr.shape.microbatches
+    tokens = m * shape.micro_batch_size * shape.seq
     sizes = {**shape.sizes(), "gpus": 1}
     for mine, theirs in (("peerline eager", "torch eager"), ("peerline graph", "torch eager"),
                          ("peerline graph", "torch graph"), ("peerline graph", "peerline eager"),
@@ -245,42 +267,48 @@ def run_shape(base: PipeShape, args: argparse.Namespace, ctx: BenchContext) -> f
         if mine not in timed or theirs not in timed:
             continue
         a, b = timed[mine], timed[theirs]
-        ctx.record(Record(SUITE, f"{shape.name} M={m} {mine} vs {theirs}", "tokens/s",
-                          tokens / (a.median_ms / 1e3), tokens / (b.median_ms / 1e3), theirs, sizes=sizes,
-                          extra={"ms_per_step": a.median_ms, "anchor_ms_per_step": b.median_ms,
-                                 "spread": a.spread, "anchor_spread": b.spread, "losses": losses[mine],
-                                 "anchor_losses": losses[theirs], "max_loss_diff": _loss_diff(mine, theirs, losses),
-                                 "host_us_per_step": host_us[mine], "anchor_host_us_per_step": host_us[theirs],
-                                 "host_us_back_to_back": host_b2b_us[mine],
-                                 "anchor_host_us_back_to_back": host_b2b_us[theirs],
-                                 "host_us_per_replay": replay_us.get(mine),
-                                 "anchor_host_us_per_replay": replay_us.get(theirs),
-                                 "host_modes": HOST_MODE_TEXT}))
+        sr.ctx.record(Record(SUITE, f"{shape.name} M={m} {mine} vs {theirs}", "tokens/s",
+                             tokens / (a.median_ms / 1e3), tokens / (b.median_ms / 1e3), theirs, sizes=sizes,
+                             extra={"ms_per_step": a.median_ms, "anchor_ms_per_step": b.median_ms,
+                                    "spread": a.spread, "anchor_spread": b.spread, "losses": sr.losses[mine],
+                                    "anchor_losses": sr.losses[theirs],
+                                    "max_loss_diff": _loss_diff(mine, theirs, sr.losses),
+                                    "host_us_per_step": sr.host_us[mine], "anchor_host_us_per_step": sr.host_us[theirs],
+                                    "host_us_back_to_back": sr.host_b2b_us[mine],
+                                    "anchor_host_us_back_to_back": sr.host_b2b_us[theirs],
+                                    "host_us_per_replay": sr.replay_us.get(mine),
+                                    "anchor_host_us_per_replay": sr.replay_us.get(theirs),
+                                    "host_modes": HOST_MODE_TEXT}))
     if shape.name.startswith("compute"):
         for variant in ("peerline graph", COUNTER, LOOPED):
             if variant in timed and "peerline eager" in timed:
                 ratio = timed["peerline eager"].median_ms / timed[variant].median_ms
-                ctx.note(f"GOAL {'MET' if ratio >= 1.0 else 'MISSED'} {shape.name}: {variant} {ratio:.3f}x eager "
-                         "(goal: never slower)")
-    torch_host = host_us.get("torch graph", {}).get("busy", float("nan"))
-    torch_replay = replay_us.get("torch graph", {}).get("busy", float("nan"))
+                sr.ctx.note(f"GOAL {'MET' if ratio >= 1.0 else 'MISSED'} {shape.name}: {variant} {ratio:.3f}x eager "
+                            "(goal: never slower)")
+
+
+def _host_notes(sr: ShapeRun, loop: int) -> float | None:
+    """The host-time notes of the graph variants; returns the last one's host microseconds per iteration."""
+    torch_host = sr.host_us.get("torch graph", {}).get("busy", float("nan"))
+    torch_replay = sr.replay_us.get("torch graph", {}).get("busy", float("nan"))
     result = None
     for variant in ("peerline graph", COUNTER, LOOPED):
-        if variant not in replay_us:
+        if variant not in sr.replay_us:
             continue
-        mine = host_us[variant]
+        mine = sr.host_us[variant]
         result = us = mine["busy"]
         how = {"peerline graph": "one launch per iteration, seeded data written by the host",
                COUNTER: "one launch per iteration, --data counter (made inside the graph)",
                LOOPED: f"--graph-loop {loop} --data counter: one launch per {loop} iterations"}[variant]
         # The goal is judged on the way peerline is meant to be run for it: the looped graph when it ran.
-        tag = ("GOAL " + ("MET" if us < 50 else "MISSED")) if variant == LOOPED or LOOPED not in replay_us else "DETAIL"
-        ctx.note(f"{tag} {shape.name}: host time per replayed iteration, {how} (data load + launch, issued while "
-                 f"the GPU runs earlier work) {us:.1f} us (goal < 50 us), torch graph {torch_host:.1f} us; launch "
-                 f"alone {replay_us[variant]['busy']:.1f} us per iteration (torch replay() {torch_replay:.1f}); "
-                 f"device idle {mine['idle']:.1f} us, short burst {mine['burst']:.1f} us, back to back "
-                 f"{host_b2b_us[variant]:.1f} us per iteration (GPU-bound runs block the host there: torch graph "
-                 f"{host_b2b_us.get('torch graph', float('nan')):.1f})")
+        judged = variant == LOOPED or LOOPED not in sr.replay_us
+        tag = ("GOAL " + ("MET" if us < 50 else "MISSED")) if judged else "DETAIL"
+        sr.ctx.note(f"{tag} {sr.shape.name}: host time per replayed iteration, {how} (data load + launch, issued "
+                    f"while the GPU runs earlier work) {us:.1f} us (goal < 50 us), torch graph {torch_host:.1f} us; "
+                    f"launch alone {sr.replay_us[variant]['busy']:.1f} us per iteration (torch replay() "
+                    f"{torch_replay:.1f}); device idle {mine['idle']:.1f} us, short burst {mine['burst']:.1f} us, "
+                    f"back to back {sr.host_b2b_us[variant]:.1f} us per iteration (GPU-bound runs block the host "
+                    f"there: torch graph {sr.host_b2b_us.get('torch graph', float('nan')):.1f})")
     return result
 
 
@@ -295,7 +323,7 @@ def _sync(device: torch.device) -> None:
 #          work, which is what a host running ahead of its GPU pays every iteration. The goal is judged on this.
 #   idle   the device is idle (synchronized) before each call: adds whatever an idle device costs the first launch.
 #   burst  calls back to back after one untimed call, few enough that the queue rarely fills (GPU-bound steps can
-#          still block here: seen on an H200 for the compute-bound step, graph or not).
+#          still block here: the compute-bound step does, graph or not).
 HOST_MODES = ("busy", "idle", "burst")
 HOST_MODE_TEXT = ("busy: behind a spin kernel (GPU busy, launch queue empty); idle: device synchronized before each "
                   "call; burst: back to back after one untimed call")

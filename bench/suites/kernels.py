@@ -21,7 +21,6 @@ and an untimed L2 scrub (a read of 2 x L2) comes before each replay, so none pay
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import sys
 from collections.abc import Callable
@@ -31,67 +30,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from peerline.bench.benchkit import BenchContext, Record, time_interleaved
+from peerline.bench.benchkit import BenchContext, Record
+from peerline.bench.kernel_tools import common
+from peerline.bench.kernel_tools.common import HIDDEN, ROTATE_BYTES
 
 log = logging.getLogger(__name__)
 
 SUITE = "kernels"
 DEFAULT_SIZES_MIB = (1, 16, 256, 1024)
-ROTATE_BYTES = 256 << 20
-HIDDEN = 8192  # 4h of h=2048: the width the bias-GELU sees in the compute-bound pipeline config
-
-
-def _captured(calls: list[Callable[[], object]], device: torch.device) -> tuple[Callable[[], object], int]:
-    """(replay, K): the K calls captured into one CUDA graph, replayed as one. On the CPU: one call per replay, in
-    rotation (K = 1)."""
-    if device.type != "cuda":
-        i = [0]
-
-        def one() -> None:
-            calls[i[0] % len(calls)]()
-            i[0] += 1
-
-        return one, 1
-    for c in calls:  # eager warm-up: compiles / loads kernels before capture
-        c()
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    return graph.replay, len(calls)  # the bound method keeps the graph alive as long as the caller holds it
-
-
-@functools.cache
-def _scrub_buffer(index: int) -> torch.Tensor:
-    from peerline.kernels import elementwise as ew  # lazy: CUDA only
-
-    return torch.ones(max(1, 2 * ew._l2_bytes(index) // 4), dtype=torch.float32, device=torch.device("cuda", index))
-
-
-def _l2_scrub(device: torch.device) -> Callable[[], object] | None:
-    """An untimed step between timed replays: read 2 x L2 of unrelated bytes, so each replay starts with an L2 that
-    holds neither the previous replay's data nor its dirty lines (their write-backs happen here, not in the next
-    timing). Reads, not writes: the scrub leaves no dirty lines of its own. None on the CPU."""
-    if device.type != "cuda":
-        return None
-    buf = _scrub_buffer(device.index if device.index is not None else torch.cuda.current_device())
-    return lambda: buf.sum()
-
-
-def _graph_times(call_lists: list[list[Callable[[], object]]], device: torch.device, reps: int) -> list[float]:
-    """Milliseconds per call of each list: each captured into its graph, the replays timed in rotation
-    (benchkit.time_interleaved), so ratios between the lists see the same clock drift, with an L2 scrub before
-    each replay (_l2_scrub), so none of them starts with another's write-backs."""
-    replays = [_captured(calls, device) for calls in call_lists]
-    timings = time_interleaved([r for r, _ in replays], warmup=2, reps=reps, device=device,
-                               before_each=_l2_scrub(device))
-    return [t.median_ms / k for t, (_, k) in zip(timings, replays)]
 
 
 def _graph_time(calls: list[Callable[[], object]], device: torch.device, reps: int) -> float:
-    """Milliseconds per call: K calls captured into one graph, replay timed."""
-    return _graph_times([calls], device, reps)[0]
+    """Milliseconds per call: K calls captured into one graph, replay timed (common.graph_times of one list)."""
+    return common.graph_times([calls], device, reps)[0]
 
 
 def _cases(dtype: torch.dtype, n: int, device: torch.device, sets: int, peerline: bool) -> dict[str, tuple]:
@@ -119,7 +70,7 @@ def _cases(dtype: torch.dtype, n: int, device: torch.device, sets: int, peerline
         f"bias_gelu_bwd {dtype_name(dtype)}": (
             3 * n * es,
             cyc(lambda i: ew.bias_gelu_backward(gs[i], xs[i], bias32)) if peerline else None,
-            cyc(lambda i: _torch_gelu_bwd(gs[i], vs[i])), "torch gelu_backward + bias sum"),
+            cyc(lambda i: common.torch_gelu_bwd(gs[i], vs[i])), "torch gelu_backward + bias sum"),
         f"residual_add {dtype_name(dtype)}+{dtype_name(dtype)}": (
             3 * n * es,
             cyc(lambda i: ew.residual_add_forward(xs[i], gs[i])) if peerline else None,
@@ -133,35 +84,24 @@ def _cases(dtype: torch.dtype, n: int, device: torch.device, sets: int, peerline
     return cases
 
 
-def _torch_gelu_bwd(g: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    gx = torch.ops.aten.gelu_backward(g, v)
-    return gx, gx.sum(0, dtype=torch.float32)
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
 
 
-def _copy_calls(total_bytes: int, device: torch.device, sets: int) -> list[Callable[[], object]]:
-    half = max(1, total_bytes // 2)
-    srcs = [torch.empty(half, dtype=torch.uint8, device=device).random_() for _ in range(sets)]
-    dsts = [torch.empty(half, dtype=torch.uint8, device=device) for _ in range(sets)]
-    return [(lambda i=i: dsts[i].copy_(srcs[i])) for i in range(sets)]
-
-
 # Kernel variants timed against the default (8 compute warps, 2 stages, the cheap Phi for bf16) at 256 MiB bf16,
-# in the same run: the first GPU run's kernel (4 warps, 1 + erff), and one change at a time from it.
+# in the same run: the original kernel (4 warps, 1 + erff; its label says "first run's"), and one change at a time
+# from it, so each design choice shows its own share.
 VARIANTS: tuple[tuple[str, dict[str, int]], ...] = (
     ("first run's kernel: 4 compute warps, 1 + erff", {"warps": 4, "stages": 2, "gelu": 2}),
     ("8 compute warps, 1 + erff", {"warps": 8, "stages": 2, "gelu": 2}),
     ("8 compute warps, exact normcdff", {"warps": 8, "stages": 2, "gelu": 0}),
     ("4 compute warps, cheap Phi", {"warps": 4, "stages": 2, "gelu": 1}),
 )
-# residual add has no GELU: only the block shape changed since the first run
+# residual add has no GELU: only the block shape differs from the original kernel
 RESIDUAL_VARIANTS: tuple[tuple[str, dict[str, int]], ...] = (
     ("first run's kernel: 4 compute warps", {"warps": 4, "stages": 2}),
 )
-# fp32 results: the GELU before phi_cdf_acc (normcdff + exact phi_pdf), against today's default in the same run
+# fp32 results: normcdff + exact phi_pdf (the form phi_cdf_acc replaces), against the default in the same run
 FP32_VARIANTS: tuple[tuple[str, dict[str, int]], ...] = (
     ("exact normcdff (PL_GELU 0, the fp32 path before phi_cdf_acc)", {"gelu": 0}),
 )
@@ -173,7 +113,7 @@ VARIANT_SETS = ("all", "fp32")
 
 def _variants(device: torch.device, reps: int, ctx: BenchContext, which: str = "all") -> None:
     """bias+GELU fwd/bwd at 256 MiB with other block shapes and GELU math, in the same run as the default: bf16
-    (block shapes, the first run's 1 + erff, normcdff) unless `which` is "fp32", and fp32 (normcdff, the path
+    (block shapes, the original 1 + erff, normcdff) unless `which` is "fp32", and fp32 (normcdff, the path
     before phi_cdf_acc)."""
     from peerline.kernels import elementwise as ew
 
@@ -215,7 +155,7 @@ def _variant_group(device: torch.device, reps: int, ctx: BenchContext, ew: Any, 
     del cases
 
 
-# Issue 3's goals: (case prefix, anchor_name prefix, smallest size in MiB, least ratio peerline / anchor): bias+GELU
+# The kernels' goals: (case prefix, anchor_name prefix, smallest size in MiB, least ratio peerline / anchor): bias+GELU
 # fwd bf16 at least 3x torch's unfused gelu(x + b), and for every op at >= 256 MiB at least 90% of the copy
 # bandwidth, at >= 16 MiB never slower than torch eager.
 GOAL_OPS = ("bias_gelu_fwd bf16", "bias_gelu_fwd fp32", "bias_gelu_bwd bf16", "bias_gelu_bwd fp32",
@@ -242,45 +182,54 @@ def goal_lines(records: list[Record]) -> list[str]:
     return lines
 
 
+def _record_case(ctx: BenchContext, name: str, case: tuple, size_mib: float, dtype: torch.dtype, n: int,
+                 sets: int, reps: int, peerline: bool) -> None:
+    """Time one case (torch, copy and peerline in rotation) and record peerline against torch and the copy."""
+    nbytes, pl_calls, torch_calls, anchor_name = case
+    device = ctx.device
+    copy_calls = common.copy_calls(nbytes, device, min(sets, max(1, ROTATE_BYTES // nbytes)))
+    # in rotation (torch, peerline, copy, torch, ...): the ratios near 1 are the goals' business
+    lists = [torch_calls, copy_calls, *([pl_calls] if pl_calls else [])]
+    t_torch, t_copy, *t_rest = common.graph_times(lists, device, reps)
+    t_pl = t_rest[0] if t_rest else t_torch
+    gbps = {k: nbytes / (t * 1e-3) / 1e9 for k, t in (("peerline", t_pl), ("torch", t_torch), ("copy", t_copy))}
+    sizes_d = {"x_MiB": size_mib, "dtype": dtype_name(dtype), "bytes": nbytes, "elements": n}
+    ctx.record(Record(SUITE, f"{name} {size_mib:g} MiB", "GB/s", gbps["peerline"], gbps["torch"],
+                      anchor_name if peerline else "torch (CPU: torch vs torch)", sizes=sizes_d,
+                      extra={"ms": {"peerline": t_pl, "torch": t_torch, "copy": t_copy}}))
+    ctx.record(Record(SUITE, f"{name} {size_mib:g} MiB", "GB/s", gbps["peerline"], gbps["copy"],
+                      "d2d copy of the same bytes", sizes=sizes_d))
+    log.info("%s %g MiB: peerline %.0f GB/s, torch %.0f GB/s, copy %.0f GB/s", name, size_mib,
+             gbps["peerline"], gbps["torch"], gbps["copy"])
+
+
+def _measure_size(ctx: BenchContext, size_mib: float, dtype: torch.dtype, reps: int, quick: bool) -> None:
+    """Every op of one dtype at one size."""
+    device, peerline = ctx.device, ctx.device.type == "cuda"
+    n = max(HIDDEN if not quick else 64, int(size_mib * (1 << 20)) // dtype.itemsize)
+    sets = max(1, min(64, ROTATE_BYTES // (n * dtype.itemsize))) if not quick else 2
+    cases = _cases(dtype, n, device, sets, peerline)
+    for name, case in cases.items():
+        _record_case(ctx, name, case, size_mib, dtype, n, sets, reps, peerline)
+    del cases
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     """Record peerline vs torch eager and vs a d2d copy for each op, dtype and size."""
-    device = ctx.device
     quick = ctx.quick or getattr(args, "quick", False)
     sizes = getattr(args, "kernel_sizes_mib", None) or DEFAULT_SIZES_MIB
-    dtypes = [torch.bfloat16, torch.float32]
-    reps = getattr(args, "reps", 20)
+    reps = getattr(args, "reps", None) or 20  # None: the common --reps flag was not given
     if quick:
         sizes, reps = (1 / 64,), 3
-    peerline = device.type == "cuda"
     for size_mib in sizes:
-        for dtype in dtypes:
-            n = max(HIDDEN if not quick else 64, int(size_mib * (1 << 20)) // dtype.itemsize)
-            x_bytes = n * dtype.itemsize
-            sets = max(1, min(64, ROTATE_BYTES // x_bytes)) if not quick else 2
-            cases = _cases(dtype, n, device, sets, peerline)
-            for name, (nbytes, pl_calls, torch_calls, anchor_name) in cases.items():
-                copy_calls = _copy_calls(nbytes, device, min(sets, max(1, ROTATE_BYTES // nbytes)))
-                # in rotation (torch, peerline, copy, torch, ...): the ratios near 1 are the goals' business
-                t_torch, t_copy, *t_rest = _graph_times([torch_calls, copy_calls, *([pl_calls] if pl_calls else [])],
-                                                        device, reps)
-                t_pl = t_rest[0] if t_rest else t_torch
-                gbps = {k: nbytes / (t * 1e-3) / 1e9 for k, t in
-                        (("peerline", t_pl), ("torch", t_torch), ("copy", t_copy))}
-                sizes_d = {"x_MiB": size_mib, "dtype": dtype_name(dtype), "bytes": nbytes, "elements": n}
-                ctx.record(Record(SUITE, f"{name} {size_mib:g} MiB", "GB/s", gbps["peerline"], gbps["torch"],
-                                  anchor_name if peerline else "torch (CPU: torch vs torch)", sizes=sizes_d,
-                                  extra={"ms": {"peerline": t_pl, "torch": t_torch, "copy": t_copy}}))
-                ctx.record(Record(SUITE, f"{name} {size_mib:g} MiB", "GB/s", gbps["peerline"], gbps["copy"],
-                                  "d2d copy of the same bytes", sizes=sizes_d))
-                log.info("%s %g MiB: peerline %.0f GB/s, torch %.0f GB/s, copy %.0f GB/s", name, size_mib,
-                         gbps["peerline"], gbps["torch"], gbps["copy"])
-            del cases
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        for dtype in (torch.bfloat16, torch.float32):
+            _measure_size(ctx, size_mib, dtype, reps, quick)
         if getattr(args, "write_partial", False):
             ctx.write(SUITE)  # a run cut short by its time limit still leaves the sizes it finished
-    if peerline and not quick and getattr(args, "kernel_variants", True):
-        _variants(device, reps, ctx, getattr(args, "variant_set", "all"))
+    if ctx.device.type == "cuda" and not quick and getattr(args, "kernel_variants", True):
+        _variants(ctx.device, reps, ctx, getattr(args, "variant_set", "all"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,14 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant-set", choices=VARIANT_SETS, default="all",
                     help="all: bf16 shapes and GELU forms plus fp32 normcdff; fp32: only fp32 normcdff vs the default")
     ap.add_argument("--sweep", action="store_true",
-                    help="launch-shape sweep instead (kernels_sweep.py): best plan per op, OUT/sweep.jsonl")
+                    help="launch-shape sweep instead (bench/kernel_tools/sweep.py): best plan per op, OUT/sweep.jsonl")
     ap.add_argument("--sweep-budget", type=float, default=60.0, help="seconds for the sweep, compiles included")
     ap.add_argument("--sweep-plans", default=None,
                     help="comma list of plan labels (e.g. w8.s3.d1,w16.s3.d1@fwd+bwd,w4.s4.t256.d1.l1@res: '@' "
-                         "restricts a plan to op kinds fwd|bwd|res); default: kernels_sweep.SWEEP_PLANS")
+                         "restricts a plan to op kinds fwd|bwd|res); default: sweep.SWEEP_PLANS")
     ap.add_argument("--sweep-cases", default=None,
                     help="comma list of substrings of case names to keep (e.g. 'residual_add,fwd fp32'); "
-                         "default: every case of kernels_sweep.SWEEP_CASES")
+                         "default: every case of sweep.SWEEP_CASES")
     ap.add_argument("--sweep-mib", default=None,
                     help="comma list of MiB of x: every kept case at each of these sizes instead of its own (e.g. "
                          "8,16,32,64: where a plan's lead turns over)")

@@ -24,7 +24,7 @@ rank 1. Per message size (64 KiB .. 256 MiB):
   graph      the cost of one 64 KiB handoff inside a captured CUDA graph of 64 handoffs, against one graph launch
              per handoff (replays timed on the host, both ranks).
 
-Goals (issue 4): at >= 16 MiB, >= 95% of the raw (one-stream) copy and >= 1.05x NCCL, one GOAL line per variant.
+Goals: at >= 16 MiB, >= 95% of the raw (one-stream) copy and >= 1.05x NCCL, one GOAL line per variant.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ import torch.distributed as dist
 from peerline.bench.benchkit import BenchContext, Record
 from peerline.distributed.p2p import flag_ops as stream_ops
 from peerline.distributed.p2p import ipc
+from peerline.distributed.p2p.base import ACT, GRAD, Links, TensorSpec
+from peerline.distributed.p2p.collective import CollectiveTransport
 from peerline.distributed.p2p.copy_engine import CopyEngineTransport
-from peerline.distributed.p2p.transport import ACT, GRAD, CollectiveTransport, Links, TensorSpec
 from peerline.distributed.streams import RankStreams, create_rank_streams
 
 log = logging.getLogger(__name__)
@@ -335,6 +336,15 @@ def goals(ctx: BenchContext, size: int | None = None) -> list[str]:
             lines.append(f"GOAL {'MET' if ok else 'MISSED'} p2p {r.case}: {frac:.3f} of raw (>= 0.95), "
                          f"{vs:.2f}x NCCL (>= 1.05); {r.extra['fraction_of_raw_split']:.3f} of raw split")
     return lines
+
+
+def skip_reason(args: argparse.Namespace, ctx: BenchContext) -> str | None:
+    """Why this machine cannot run the suite (copy engines between two GPUs, driven through cuda-bindings)."""
+    if ctx.device.type != "cuda":
+        return f"needs CUDA (this run's device is {ctx.device.type})"
+    if not stream_ops.available():
+        return "needs cuda-bindings (pip install 'peerline[cuda13]')"
+    return None
 
 
 def run(args: argparse.Namespace, ctx: BenchContext) -> None:

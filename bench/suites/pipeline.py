@@ -14,7 +14,7 @@ Timing (benchkit.time_blocks): blocks of --pipeline-iters iterations with no hos
 together, the slowest rank's time per iteration; median over --reps blocks after --warmup blocks. Before timing,
 the first two iterations' losses of every variant are read and compared with the anchor's (same weights, same
 data: they agree to rounding in fp32). The ideal time of each variant comes from its own stages' forward and
-backward times measured alone (distributed/ideal.py).
+backward times measured alone (bench/ideal.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import argparse
 import gc
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from peerline.bench.benchkit import BenchContext, Record, Timing, time_blocks
 from peerline.bench.ideal import IdealReport
 from peerline.bench.suites.torch_pipelining import PipeShape, TorchPipelineAnchor, measure_stage_ms
+from peerline.choices import SCHEDULES
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ CONFIGS = {
     "quick": PipeShape("quick", layers=4, hidden=32, micro_batch_size=2, seq=8, microbatches=4, dtype="fp32"),
 }
 VARIANTS = ("torch", "eager", "graph")
-#: goals of issue 8 (peerline graph vs torch 1F1B, tokens/s)
+#: goals: peerline graph vs torch 1F1B, tokens/s
 GOALS = {"compute-bound": 1.08, "launch-bound": 3.0}
 LOSS_CHECK_ITERS = 2
 
@@ -175,7 +176,8 @@ class PipelineBench:
                 if rt.graph is None:
                     why = getattr(rt, "graph_failed", None) or "; ".join(rt.notices) or "no reason given"
                     return f"the iteration was not captured into a CUDA graph: {why}"
-            rt.cfg.log_every = 10**9  # from now on: one loss read (host sync) per timed block, at its end
+            # From now on: one loss read (host sync) per timed block, at its end.
+            rt.cfg = replace(rt.cfg, log_every=10**9)
 
             def block(n: int) -> None:
                 rt.train(rt.iteration + n)
@@ -291,9 +293,9 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     if dp < 1 or world % dp:
         raise ValueError(f"pipeline: --dp {dp} does not divide the world size {world}")
     configs = getattr(args, "pipeline_configs", None) or (["quick"] if ctx.quick else ["compute", "launch"])
-    schedules = getattr(args, "schedules", None) or ["gpipe", "1f1b"]
+    schedules = getattr(args, "schedules", None) or list(SCHEDULES)
     variants = getattr(args, "variants", None) or list(VARIANTS)
-    for bad, allowed, what in ((configs, CONFIGS, "configuration"), (schedules, ("gpipe", "1f1b"), "schedule"),
+    for bad, allowed, what in ((configs, CONFIGS, "configuration"), (schedules, SCHEDULES, "schedule"),
                                (variants, VARIANTS, "variant")):
         unknown = [v for v in bad if v not in allowed]
         if unknown:

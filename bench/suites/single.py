@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from peerline.bench.benchkit import BenchContext, Record, summarize
+from peerline.choices import DEVICES
 
 log = logging.getLogger(__name__)
 
@@ -230,12 +231,8 @@ ALLOC_VARIANTS = (("caching", None), ("async", None), ("async", 0))
 
 def alloc_child(kind: str, threshold: int | None, quick: bool, out_path: str) -> None:
     """Runs in a fresh process after configure_allocator(kind, threshold): per-iteration times with scratch."""
-    from peerline.distributed.memory.allocator import (
-        ScratchJitter,
-        allocation_count,
-        allocator_stats,
-        apply_release_threshold,
-    )
+    from peerline.bench.load import ScratchJitter
+    from peerline.distributed.memory.allocator import allocation_count, allocator_stats, apply_release_threshold
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
@@ -325,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    ap.add_argument("--device", choices=DEVICES, default="auto")
     ap.add_argument("--part", choices=("all", "overlap", "allocator"), default="all")
     add_arguments(ap.add_argument_group("sizes"))
     args = ap.parse_args(argv)

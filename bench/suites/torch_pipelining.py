@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from peerline.choices import SCHEDULES
+
 log = logging.getLogger(__name__)
 
 
@@ -79,7 +81,7 @@ class TorchPipelineAnchor:
                  pp_group: dist.ProcessGroup | None = None, dp_group: dist.ProcessGroup | None = None) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        if schedule not in ("gpipe", "1f1b"):
+        if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; choose gpipe or 1f1b")
         self.shape, self.schedule_name, self.pp, self.dp, self.device = shape, schedule, pp, dp, device
         self.stage_index, self.replica = rank % pp, rank // pp

@@ -26,27 +26,22 @@ The cudaMallocAsync backend counts nothing of the kind (its stats are the pool's
 allocations come from the pool without any cudaMalloc; what costs is the pool growing. For it,
 `allocation_count` returns the number of times the pool's reserved memory was seen to grow between calls (at most
 one per call: sample it once per iteration).
-
-`ScratchJitter` (the --seq-jitter load): forward hooks that allocate a scratch tensor of a different size for every
-microbatch, as a model with variable sequence lengths would, and keep it alive for one iteration.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from peerline.distributed.config import ConfigError
+from peerline import overrides
+from peerline.distributed.config import ALLOCATORS, ConfigError
 
 if TYPE_CHECKING:
     import torch
-    import torch.nn as nn
 
 log = logging.getLogger(__name__)
 
-ALLOCATORS = ("caching", "async")
 ENV = "PYTORCH_CUDA_ALLOC_CONF"
 _BACKEND_NAME = {"caching": "native", "async": "cudaMallocAsync"}
 _RELEASE_THRESHOLD = 4  # cudaMemPoolAttrReleaseThreshold
@@ -112,9 +107,7 @@ def configure_allocator(kind: str | None, release_threshold: int | None = None) 
         if active is None:
             log.info("allocator %s: this torch has no CUDA allocator; nothing to configure", kind)
     else:
-        os.environ[ENV] = alloc_conf_with_backend(os.environ.get(ENV, ""), kind)
-        if not os.environ[ENV]:
-            del os.environ[ENV]
+        overrides.assign(ENV, alloc_conf_with_backend(overrides.get_str(ENV, ""), kind))
     _chosen.update(kind=kind, threshold=release_threshold)
 
 
@@ -127,7 +120,7 @@ def preconfigure_from_argv(argv: list[str], env_default: str = "PEERLINE_ALLOCAT
 
     p = argparse.ArgumentParser(add_help=False)
     # No --allocator and no $PEERLINE_ALLOCATOR: leave the environment's backend alone (None), not 'caching'.
-    p.add_argument("--allocator", default=os.environ.get(env_default) or None)
+    p.add_argument("--allocator", default=overrides.get(env_default))
     p.add_argument("--pool-release-threshold", type=int, default=None)
     try:
         known, _ = p.parse_known_args(argv)
@@ -239,59 +232,3 @@ def allocator_stats(device: torch.device) -> dict[str, Any]:
             out["release_threshold"] = _pool_get(index, _RELEASE_THRESHOLD)
     return out
 
-
-# -- variable-size per-microbatch scratch ---------------------------------------------------------------------
-class ScratchJitter:
-    """Forward hooks that give every microbatch a scratch tensor of its own size, alive for one iteration.
-
-    Models a variable sequence length: microbatch (iteration, mb) of a stage uses seq' = seq * (1 - jitter * u)
-    tokens, u in [0, 1) from a fixed hash, and allocates a (micro_batch, seq', width) scratch on the stage's stream,
-    writes it from the stage's output (so the allocation is really used), and holds it until the same microbatch
-    of the next iteration replaces it. The stage's output is not changed: losses stay equal to a run without it.
-    Iterations are counted by the hook itself: one per M forwards of a stage.
-    """
-
-    def __init__(self, jitter: float, microbatches: int, width_factor: int = 4, seed: int = 0) -> None:
-        if not 0.0 <= jitter < 1.0:
-            raise ConfigError(f"--seq-jitter must be in [0, 1), got {jitter}")
-        self.jitter, self.m, self.width_factor, self.seed = jitter, microbatches, width_factor, seed
-        self.live: dict[tuple[int, int], torch.Tensor] = {}
-        self.calls: dict[int, int] = {}
-        self.sizes: list[int] = []  # elements of every scratch allocated (for tests and reports)
-        self.handles: list[Any] = []
-
-    def seq_for(self, seq: int, iteration: int, mb: int) -> int:
-        """Tokens of microbatch `mb` of `iteration`: deterministic, at least 1."""
-        u = (hash((self.seed, iteration, mb)) & 0xFFFF) / 0x10000
-        return max(1, int(round(seq * (1.0 - self.jitter * u))))
-
-    def install(self, modules: list[nn.Module]) -> ScratchJitter:
-        for sid, module in enumerate(modules):
-            self.handles.append(module.register_forward_hook(self._hook(sid)))
-        return self
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-        self.live.clear()
-
-    def _hook(self, sid: int):
-        import torch
-
-        def hook(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-            n = self.calls.get(sid, 0)
-            self.calls[sid] = n + 1
-            iteration, mb = divmod(n, self.m)
-            y = out.detach()
-            batch, seq = (y.shape[0], y.shape[1]) if y.dim() >= 3 else (1, y.shape[0])
-            width = y.shape[-1] * self.width_factor
-            tokens = self.seq_for(seq, iteration, mb)
-            scratch = torch.empty((batch, tokens, width), dtype=y.dtype, device=y.device)
-            # Use it: broadcast the first tokens of the output over the scratch width.
-            src = y.reshape(batch, seq, -1)[:, : min(tokens, seq)]
-            scratch[:, : src.shape[1]].copy_(src.repeat(1, 1, self.width_factor)[..., :width])
-            self.live[(sid, mb)] = scratch  # frees last iteration's scratch of this microbatch
-            self.sizes.append(scratch.numel())
-
-        return hook

@@ -1,5 +1,5 @@
-"""CPU tests of distributed/allocator.py: the PYTORCH_CUDA_ALLOC_CONF edit, the too-late check, bad input, and the
-variable-size scratch hooks (sizes vary, outputs unchanged)."""
+"""CPU tests of distributed/memory/allocator.py (the PYTORCH_CUDA_ALLOC_CONF edit, the too-late check, bad input) and
+of the bench's variable-size scratch hooks, bench/load.py (sizes vary, outputs unchanged)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+from peerline.bench.load import ScratchJitter
 from peerline.distributed.config import ConfigError
 from peerline.distributed.memory import allocator
-from peerline.distributed.memory.allocator import ScratchJitter, alloc_conf_with_backend, configure_allocator
+from peerline.distributed.memory.allocator import alloc_conf_with_backend, configure_allocator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -86,7 +87,7 @@ def test_scratch_jitter_varies_sizes_and_leaves_outputs_alone():
 
 
 def test_scratch_jitter_rejects_bad_jitter():
-    with pytest.raises(ConfigError, match="--seq-jitter must be in"):
+    with pytest.raises(ValueError, match="scratch jitter must be in"):
         ScratchJitter(1.0, microbatches=2)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from peerline.bench.suites.allreduce import Shape
 from peerline.bench.suites.allreduce_h2h import _summarize, h2h_shapes
+from peerline.bench.suites.allreduce_workload import Shape
 
 
 def test_summary_pairs_each_round_with_ddp() -> None:

@@ -1,5 +1,7 @@
-"""launch/bench.py and benchkit: suite names, usage errors, not-available suites, failing suites, records."""
+"""peerline-bench (bench/main.py, bench/cli.py, launch/bench.py) and benchkit: suite names, usage errors, `--help`,
+not-available and skipped suites, failing suites, records."""
 
+import ast
 import json
 import math
 import subprocess
@@ -10,19 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from peerline.bench import benchkit, suites
+from peerline.bench import benchkit, cli, suites
+from peerline.bench import main as bench
 from peerline.bench.benchkit import BenchContext, Record
-from peerline.launch import bench
 
 pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_resolve_suites_all_and_unknown():
-    assert bench.resolve_suites(["all"]) == list(suites.SUITES)
-    assert bench.resolve_suites(["pipeline", "kernels", "pipeline"]) == ["pipeline", "kernels"]
+    assert cli.resolve_suites(["all"]) == list(suites.SUITES)
+    assert cli.resolve_suites(["pipeline", "kernels", "pipeline"]) == ["pipeline", "kernels"]
     with pytest.raises(ValueError, match="unknown suite 'nope'"):
-        bench.resolve_suites(["pipeline", "nope"])
+        cli.resolve_suites(["pipeline", "nope"])
 
 
 def test_bad_suite_name_is_one_line_and_exit_2():
@@ -61,7 +63,6 @@ def test_main_runs_suites_reports_failures_and_writes_valid_json(monkeypatch, tm
     _fake_suite("fake_good", good)
     _fake_suite("fake_bad", bad)
     monkeypatch.setattr(suites, "SUITES", {"good": "fake_good", "bad": "fake_bad", "ghost": "no_such_module"})
-    monkeypatch.setattr(bench, "SUITES", suites.SUITES)
     try:
         rc = bench.main(["all", "--out", str(tmp_path), "--device", "cpu"])
     finally:
@@ -78,6 +79,52 @@ def test_main_runs_suites_reports_failures_and_writes_valid_json(monkeypatch, tm
     assert "| good | case a | GB/s | 2 | 1 | anchor | 2.000 |" in md
     assert "suite bad: failed: RuntimeError: boom" in md and "suite ghost: not available" in md
     assert "a note" in md
+
+
+def test_skipped_suites_give_one_line_and_do_not_fail(monkeypatch, tmp_path, capsys):
+    ran = []
+    _fake_suite("fake_ok", lambda args, ctx: ran.append("ok"))
+    _fake_suite("fake_skip", lambda args, ctx: ran.append("skip"))
+    sys.modules["peerline.bench.suites.fake_skip"].skip_reason = lambda args, ctx: "needs a warp drive"
+    monkeypatch.setattr(suites, "SUITES", {"ok": "fake_ok", "skip": "fake_skip", "pair": "fake_ok",
+                                           "solo": "fake_ok"})
+    monkeypatch.setattr(suites, "MIN_RANKS", {"pair": 2})
+    monkeypatch.setattr(suites, "MAX_RANKS", {"solo": 0})
+    try:
+        rc = bench.main(["all", "--out", str(tmp_path), "--device", "cpu"])
+    finally:
+        for n in ("fake_ok", "fake_skip"):
+            sys.modules.pop(f"peerline.bench.suites.{n}", None)
+    assert rc == 0 and ran == ["ok"]
+    out = capsys.readouterr().out
+    assert "peerline-bench: skip: skipped: needs a warp drive\n" in out
+    assert "peerline-bench: pair: skipped: needs 2 ranks (torchrun --nproc_per_node=2 launch/bench.py pair)" in out
+    assert "peerline-bench: solo: skipped: runs on 0 rank" in out
+    assert "suite skip: skipped: needs a warp drive" in (tmp_path / "results.md").read_text()
+
+
+def test_rank_reasons_of_the_registry():
+    assert suites.rank_reason("p2p", 1) == "needs 2 ranks (torchrun --nproc_per_node=2 launch/bench.py p2p)"
+    assert suites.rank_reason("p2p", 2) is None and suites.rank_reason("single", 1) is None
+    assert suites.rank_reason("single", 2) == "runs on 1 rank (python launch/bench.py single), this run has 2"
+    assert set(suites.DESCRIPTIONS) == set(suites.SUITES)
+
+
+def test_help_lists_every_suite_and_its_flags():
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "bench.py"), "--help"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for name in suites.SUITES:
+        assert f"\n  {name} " in proc.stdout and f"{name} suite:" in proc.stdout, name
+    assert "--pipeline-configs" in proc.stdout and "--ar-h2h-rounds" in proc.stdout
+
+
+def test_launch_script_is_a_thin_entry():
+    tree = ast.parse((REPO / "launch" / "bench.py").read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    from peerline.launch import bench as entry
+
+    assert entry.main is bench.main
 
 
 def test_time_blocks_on_cpu_without_process_group():
@@ -98,7 +145,7 @@ def test_write_only_on_rank_zero(tmp_path):
 
 
 def test_parser_carries_the_suites_own_flags():
-    args = bench.build_parser().parse_args(["pipeline", "graph", "--schedules", "1f1b", "--dp", "2",
+    args = cli.build_parser().parse_args(["pipeline", "graph", "--schedules", "1f1b", "--dp", "2",
                                             "--pipeline-configs", "launch", "--variants", "torch,graph",
                                             "--graph-microbatches", "4", "--reps", "3"])
     assert args.schedules == ["1f1b"] and args.dp == 2 and args.pipeline_configs == ["launch"]
@@ -110,7 +157,7 @@ def test_pipeline_suite_rejects_unknown_names_before_running(tmp_path):
 
     from peerline.bench.suites import pipeline
 
-    args = bench.build_parser().parse_args(["pipeline", "--schedules", "zigzag"])
+    args = cli.build_parser().parse_args(["pipeline", "--schedules", "zigzag"])
     ctx = BenchContext(out_dir=tmp_path, device=torch.device("cpu"), quick=True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -16,7 +16,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
-from peerline.bench.suites.allreduce import Shape, Workload, build_model, make_optimizer, step_ddp, step_peerline
+from peerline.bench.suites.allreduce_workload import (
+    Shape,
+    Workload,
+    build_model,
+    make_optimizer,
+    step_ddp,
+    step_peerline,
+)
 from peerline.distributed.grad_sync.buckets import GradBuckets
 from peerline.distributed.streams import use
 

@@ -1,0 +1,120 @@
+"""The command line of peerline-bench: the common flags, each suite's own flags, and the suite names.
+
+Flags a suite adds with its `add_arguments(group)` sit in that suite's group of `--help`; the shared size flags of
+kernels, p2p and batch_streams are declared here, in the same groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from peerline import overrides
+from peerline.bench import suites as registry
+from peerline.choices import DEVICES
+
+log = logging.getLogger("peerline.bench")
+PROG = "peerline-bench"
+
+DESCRIPTION = """\
+peerline's benchmark suites: each one measures peerline next to its anchor (torch eager, NCCL, DDP,
+torch.distributed.pipelining), in the same run, on the same GPUs.
+
+examples:
+  python launch/bench.py kernels graph single            (one GPU, or the CPU with --quick)
+  torchrun --nproc_per_node=2 launch/bench.py p2p allreduce pipeline
+  torchrun --nproc_per_node=2 launch/bench.py all --out runs/bench-h100
+  torchrun --nproc_per_node=2 launch/bench.py all --quick  (the CPU smoke test)
+
+Results go to --out (default runs/bench-<UTC date-time>): results.jsonl (one JSON record per measurement, with
+card, driver and versions) and results.md (a table of peerline, the anchor and their ratio, then the notes).
+A suite that cannot run on this machine or with this many ranks is skipped with a one-line reason.
+Exit status: 0 when no suite failed, 1 when one failed, 2 on a usage error."""
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(",") if v)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v)
+
+
+def _epilog() -> str:
+    width = max(map(len, registry.SUITES))
+    lines = [f"  {name:<{width}}  {registry.describe(name)}" for name in registry.SUITES]
+    return "suites (in the order `all` runs them):\n" + "\n".join(lines)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("suites", nargs="+", metavar="SUITE", help="suites to run, or all")
+    p.add_argument("--out", type=Path, default=None, help="result folder (default runs/bench-<UTC date-time>)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test that runs on the CPU")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions (default: each suite's own)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up repetitions (default: each suite's own)")
+    p.add_argument("--device", choices=DEVICES, default=overrides.get_str("PEERLINE_DEVICE", "auto"),
+                   help="auto: the GPU of this rank when there is one (default $PEERLINE_DEVICE or auto)")
+    p.add_argument("--timeout-s", type=float, default=900.0, help="process-group timeout")
+    p.add_argument("--stem", default="results", help="file name stem of the results")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def _group(p: argparse.ArgumentParser, groups: dict[str, argparse._ArgumentGroup], name: str
+           ) -> argparse._ArgumentGroup:
+    """The `--help` group of suite `name`, made on first use."""
+    if name not in groups:
+        groups[name] = p.add_argument_group(f"{name} suite")
+    return groups[name]
+
+
+def _add_shared_sizes(p: argparse.ArgumentParser, groups: dict[str, argparse._ArgumentGroup]) -> None:
+    _group(p, groups, "kernels").add_argument("--kernel-sizes-mib", dest="kernel_sizes_mib", type=_floats,
+                                              default=None, help="tensor sizes, MiB, comma-separated")
+    _group(p, groups, "p2p").add_argument("--p2p-sizes", dest="sizes", type=_ints, default=None,
+                                          help="message sizes, bytes, comma-separated")
+    g = _group(p, groups, "batch_streams")
+    g.add_argument("--batches", type=int, default=None, help="batches per measurement")
+    g.add_argument("--batch-mib", dest="batch_mib", type=float, default=None, help="MiB per batch")
+    g.add_argument("--streams", dest="stream_counts", type=_ints, default=None,
+                   help="stream counts to compare, comma-separated")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser: common flags, then one group per suite with its own flags."""
+    p = argparse.ArgumentParser(prog=PROG, usage="%(prog)s SUITE [SUITE ...] [options]   (SUITE: a name below, or all)",
+                                description=DESCRIPTION, epilog=_epilog(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_common(p)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for name in registry.SUITES:
+        _group(p, groups, name)
+    _add_shared_sizes(p, groups)
+    for name in registry.SUITES:
+        module, _ = registry.load_suite(name)
+        adder = getattr(module, "add_arguments", None)
+        if adder is None:
+            continue
+        try:
+            adder(groups[name])
+        except argparse.ArgumentError as exc:
+            log.warning("suite %s: flag conflict, its flags are skipped: %s", name, exc)
+    return p
+
+
+def resolve_suites(names: list[str]) -> list[str]:
+    """The suites to run, in the registry's order for `all`; ValueError names the first unknown one."""
+    if "all" in names:
+        return list(registry.SUITES)
+    for n in names:
+        if n not in registry.SUITES:
+            raise ValueError(f"unknown suite {n!r}; choose from {', '.join(registry.SUITES)} or all")
+    return list(dict.fromkeys(names))
+
+
+def check_counts(args: argparse.Namespace) -> None:
+    """ValueError for a repetition count no suite could use."""
+    if args.reps is not None and args.reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {args.reps}")
+    if args.warmup is not None and args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
