@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import re
 import socket
 from collections.abc import Mapping
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from peerline import overrides
 from peerline.distributed.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,8 @@ DEFAULT_PORT = 29500
 
 @dataclass(frozen=True, slots=True)
 class LaunchInfo:
+    """Who this process is in the job and where the rendezvous is, as the launcher told it."""
+
     rank: int
     world_size: int
     local_rank: int
@@ -110,7 +112,7 @@ def _from_mpi(env: Mapping[str, str]) -> LaunchInfo | None:
 
 def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     """Answer "who am I" from the environment (torchrun > Slurm srun > MPI > single process)."""
-    env = os.environ if environ is None else environ
+    env = overrides.environment() if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return _from_torchrun(env)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
@@ -146,8 +148,8 @@ def init_distributed(info: LaunchInfo, device: torch.device, timeout_s: float) -
     if info.world_size == 1 or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
-    os.environ.setdefault("MASTER_ADDR", info.master_addr)
-    os.environ.setdefault("MASTER_PORT", str(info.master_port))
+    overrides.set_default("MASTER_ADDR", info.master_addr)
+    overrides.set_default("MASTER_PORT", str(info.master_port))
     kwargs = {}
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -25,7 +25,6 @@ class Mesh:
     # the same ranks as dp_group with the backend's default options, when dp_group has options (a CTA cap): the
     # buckets backward finishes last have nothing left to overlap with and all-reduce there at full speed
     dp_tail_group: dist.ProcessGroup | None = field(default=None, repr=False)
-    pp_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.pp < 1 or self.dp < 1:
@@ -63,9 +62,10 @@ class Mesh:
         return [self.rank_of(s, replica) for s in range(self.pp)]
 
     def create_groups(self, dp_options: Any = None) -> None:
-        """Create every dp and pp group. new_group is collective over the world: every rank creates every group,
-        in the same order, and keeps its own. `dp_options`: backend options of the dp groups
-        (buckets.nccl_options: a cap on NCCL's CTAs), None for the defaults."""
+        """Create every dp group (and its uncapped tail twin when `dp_options` is given). new_group is collective
+        over the world: every rank creates every group, in the same order, and keeps its own. `dp_options`: backend
+        options of the dp groups (buckets.nccl_options: a cap on NCCL's CTAs), None for the defaults. Pipeline
+        neighbours talk over the default group (the transports name global ranks), so there is no pp group."""
         if not dist.is_initialized() or self.world_size == 1:
             return
         for stage in range(self.pp):
@@ -76,10 +76,6 @@ class Mesh:
                 tail = dist.new_group(self.dp_ranks(stage))
                 if stage == self.stage:
                     self.dp_tail_group = tail
-        for replica in range(self.dp):
-            group = dist.new_group(self.pp_ranks(replica))
-            if replica == self.replica:
-                self.pp_group = group
 
     def describe(self) -> str:
         return (f"rank {self.rank}: stage {self.stage}/{self.pp}, replica {self.replica}/{self.dp}, "

@@ -40,6 +40,7 @@ class ResidualMLPBlock(nn.Module):
 
 
 def layer_seed(seed: int, index: int) -> int:
+    """The seed of layer `index`: every layer has its own, so any split of the model builds the same weights."""
     return seed * 1_000_003 + index
 
 
@@ -123,6 +124,7 @@ def build_stages(cfg: RunConfig, n_stages: int, stage_ids: list[int], kernels: s
 
 
 def describe_split(bounds: list[tuple[int, int]], n_params: list[int] | None = None) -> str:
+    """One line naming each stage's layers (and its parameters, when given), for the start-up log."""
     parts = []
     for s, (a, b) in enumerate(bounds):
         extra = f" ({n_params[s] / 1e6:.2f} M params)" if n_params else ""
@@ -131,7 +133,8 @@ def describe_split(bounds: list[tuple[int, int]], n_params: list[int] | None = N
 
 
 def data_seed(seed: int, iteration: int, global_mb: int, stream: int) -> int:
-    # Python hashes tuples of ints deterministically (no per-process salt), so every rank derives the same seed.
+    """The generator seed of one synthetic buffer. Python hashes tuples of ints deterministically (no
+    per-process salt), so every rank derives the same seed."""
     return hash((seed, iteration, global_mb, stream)) & 0x7FFF_FFFF_FFFF_FFFF
 
 

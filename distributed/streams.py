@@ -3,7 +3,7 @@
 Roles (see ARCHITECTURE.md, "Stream roles of one rank"):
   compute    forward/backward kernels of this rank's stage(s)
   p2p        copies to / from the neighbouring stage (copy engine or NCCL); `p2p_lanes` holds extra send streams
-             of the copy-engine transport (lanes 2..N: round robin or split copies, p2p_copy_engine.py)
+             of the copy-engine transport (lanes 2..N: round robin or split copies, p2p/copy_engine.py)
   allreduce  bucketed gradient all-reduce; the highest priority the device allows, so a ready bucket is not
              queued behind backward kernels
   h2d / d2h  input staging from pinned host memory and results back
@@ -16,22 +16,22 @@ queue (connection) it is mapped to, and with it every other stream on that queue
 CUDA_DEVICE_MAX_CONNECTIONS queues (default 8) round robin in creation order. torch's stream pool is created in one
 go, priorities interleaved (stream i of priority p is created (i * priorities + p)-th), so its low-priority streams
 land on only a couple of queues: a compute stream and a p2p stream drawn from it can share one, and a wait on one
-then stalls the other (seen on an H200: a test that waits on one stream for another stream's write hung). So peerline
-creates its own streams here, one after the other (consecutive creations get different queues), wraps them as
-torch.cuda.ExternalStream, and asks for 32 queues (the most there are) unless the user set a value before CUDA
-starts. Without cuda-bindings it falls back to torch's pool with a warning.
+then stalls the other (a stream waiting for a write that the other stream would make never sees it: a hang). So
+peerline creates its own streams here, one after the other (consecutive creations get different queues), wraps
+them as torch.cuda.ExternalStream, and asks for 32 queues (the most there are) unless the user set a value before
+CUDA starts. Without cuda-bindings it falls back to torch's pool with a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from peerline import overrides
 from peerline.distributed.config import ALLREDUCE_PRIORITIES
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 #: hardware queues asked for (read by the driver when the CUDA context is created: importing this module early,
 #: as every peerline entry point does, is enough); a value the user set is kept
 HARDWARE_QUEUES = 32
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(HARDWARE_QUEUES))
+overrides.set_default("CUDA_DEVICE_MAX_CONNECTIONS", str(HARDWARE_QUEUES))
 
 
 @dataclass

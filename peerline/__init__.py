@@ -1,7 +1,7 @@
 """peerline: a multi-GPU pipeline harness for PyTorch.
 
-The repository's top-level folders distributed/, kernels/ and launch/ are installed as
-peerline.distributed, peerline.kernels and peerline.launch (see pyproject.toml).
+The repository's top-level folders distributed/, kernels/, launch/ and bench/ are installed as
+peerline.distributed, peerline.kernels, peerline.launch and peerline.bench (see pyproject.toml).
 """
 
 import os as _os

@@ -2,9 +2,9 @@
 microbatch, stream, element index), with the iteration read from a device-side counter.
 
 Why: the default synthetic data (`--data seeded`, model.fill_batch) reseeds torch's generator per buffer on the host,
-two calls per buffer and iteration, 20-40 us of host time per iteration on an H200's host. Data made from a counter
-needs no host work: a captured iteration generates its own inputs from the counter and advances it, so a looped
-graph (graph_loop.py) runs K iterations, data included, from one host launch.
+two calls per buffer and iteration, tens of microseconds of host time per iteration (docs/benchmarks/code-notes.md).
+Data made from a counter needs no host work: a captured iteration generates its own inputs from the counter and
+advances it, so a looped graph (cudagraph/loop.py) runs K iterations, data included, from one host launch.
 
 The integer hash is splitmix64's finalizer; the normal is Box-Muller on two 24-bit uniforms in fp32. On a GPU one
 NVRTC kernel (kernels/counter_data.cu) writes a buffer; on the CPU (and as the GPU's test reference) the same
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "counter_data.cu"
+# peerline/distributed/data/counter.py -> peerline/kernels (the same layout in the checkout and when installed)
+KERNEL_SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "counter_data.cu"
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB

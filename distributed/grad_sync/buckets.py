@@ -28,9 +28,9 @@ external timing events, so a replay's times can be read after it). Run at least 
 arm()/finish() before capturing: it creates NCCL's communicator and the events.
 
 NCCL's kernels take SMs: each bucket's all-reduce runs one CTA per NCCL channel, and on the highest-priority
-stream those CTAs are scheduled ahead of the backward GEMMs they overlap with (on 2 x H200 the overlapped
-all-reduce slowed backward by ~1.9 ms of a 27 ms step). The SMs belong to the group's communicator, fixed when the
-group is created: create the dp group with `nccl_options(max_ctas=N)` (launch/suites/allreduce.py measures caps)
+stream those CTAs are scheduled ahead of the backward GEMMs they overlap with, which slows backward down
+(docs/benchmarks/code-notes.md has the figure). The SMs belong to the group's communicator, fixed when the
+group is created: create the dp group with `nccl_options(max_ctas=N)` (bench/suites/allreduce.py measures caps)
 to trade bus bandwidth for less interference. GradBuckets itself takes whatever group it is given.
 
 NCCL averages with ReduceOp.AVG. Gloo (CPU) has no AVG: it sums asynchronously (gloo's own threads overlap
@@ -111,8 +111,8 @@ def plan_buckets(params: Sequence[torch.nn.Parameter], bucket_mb: float, first_b
     they become complete in backward, which is the launch order. Each dtype's buckets tile its flat buffer in
     that order.
 
-    Why: a small bucket costs an NCCL launch and its latency (about 0.1 ms in backward on H200) for a few KiB;
-    with one bucket per large weight (the previous plan) the h=2048 model got 7 buckets of about 28 KiB.
+    Why: a small bucket costs a whole NCCL launch and its latency for a few KiB; cutting one bucket per large
+    weight instead would leave the small parameters in buckets of their own.
     """
     if bucket_mb <= 0 or first_bucket_mb <= 0:
         raise ValueError(f"bucket sizes must be positive, got bucket_mb={bucket_mb} first_bucket_mb={first_bucket_mb}")
@@ -151,7 +151,7 @@ def nccl_options(max_ctas: int | None = None, min_ctas: int | None = None, backe
     so SMs) the group's NCCL kernels may take: NCCL's `ncclConfig_t.maxCTAs` / `minCTAs`, per communicator.
 
     Why: the bucket all-reduces run on the highest-priority stream, so their kernels get SMs ahead of the
-    backward GEMMs they overlap with; NCCL's default (up to 32 channels, one CTA each, on H100/H200 NVLink) slows
+    backward GEMMs they overlap with; NCCL's default (up to 32 channels, one CTA each, on NVLink) can slow
     backward by more than the all-reduce it hides. Fewer CTAs: less bus bandwidth, less interference.
 
     Returns None (the backend's defaults) when no cap is asked, when `backend` is not NCCL (gloo ignores it),
@@ -201,38 +201,10 @@ class GradBuckets:
         self.buckets = plan_buckets(ready_order(layers), bucket_mb, first_bucket_mb)
         # Replicas of a stage hold the same parameters, so every rank of the group agrees on this.
         self.reduce = self.dp > 1 and bool(self.buckets)
-        if tail_group is not None and group is not None and dist.get_world_size(tail_group) != self.dp:
-            raise ValueError(f"tail_group has {dist.get_world_size(tail_group)} ranks, the dp group {self.dp}")
-        tail_ids = {id(p) for layer in layers[:max(0, tail_layers)] for p in layer} if tail_group is not None else set()
-        self.bucket_groups = [tail_group if any(id(p) in tail_ids for p in b.params) else group for b in self.buckets]
+        self.bucket_groups = self._bucket_groups(layers, group, tail_group, tail_layers)
         # AVG exists on NCCL (>= 2.10) only; gloo sums and finish() divides.
         self._use_avg = self.reduce and self.on_cuda and "nccl" in str(dist.get_backend(group)).lower()
-
-        sizes: dict[torch.dtype, int] = {}
-        for b in self.buckets:
-            sizes[b.dtype] = max(sizes.get(b.dtype, 0), b.offset + b.numel)
-        self.flat = {dt: torch.zeros(n, dtype=dt, device=self.device) for dt, n in sizes.items()}
-        self._slices = [self.flat[b.dtype][b.offset:b.offset + b.numel] for b in self.buckets]
-        # per bucket, per slot: the parameter, its view into the bucket and the view's address, so zero_grad and a
-        # hook compare one integer instead of slicing a tensor (hooks run on autograd's thread while the host races
-        # ahead of the GPU in eager mode)
-        self._slots: list[list[tuple[torch.nn.Parameter, torch.Tensor, int]]] = []
-        for b, flat in zip(self.buckets, self._slices, strict=True):
-            slots = []
-            for p, start in zip(b.params, b.starts, strict=True):
-                if p.device != self.device:
-                    raise ValueError(f"parameter on {p.device}, buckets on {self.device}")
-                view = flat[start:start + p.numel()].view_as(p)
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                p.grad = view
-                slots.append((p, view, view.data_ptr()))
-            self._slots.append(slots)
-
-        if self.on_cuda:
-            # The buffers were written on whatever stream built us; the compute and all-reduce streams are
-            # non-blocking and would not wait for that. Construction is outside any iteration: a host wait is fine.
-            torch.cuda.current_stream(self.device).synchronize()
+        self._build_flat()
 
         # Per-iteration host state (touched only by arm/hooks/finish, never by the device).
         self._armed = False
@@ -257,6 +229,42 @@ class GradBuckets:
                  ", ".join(f"{b.nbytes / MiB:.2f}" for b in self.buckets) + " MiB", self.dp,
                  "nccl avg" if self._use_avg else ("sum / dp" if self.reduce else "no all-reduce"),
                  f", last {tail} on the tail group" if tail else "")
+
+    def _bucket_groups(self, layers: Sequence[Sequence[torch.nn.Parameter]], group: dist.ProcessGroup | None,
+                       tail_group: dist.ProcessGroup | None, tail_layers: int) -> list[dist.ProcessGroup | None]:
+        """The group each bucket is all-reduced on: `tail_group` for buckets holding a parameter of the first
+        `tail_layers` layers (backward finishes them last), `group` for the others."""
+        if tail_group is not None and group is not None and dist.get_world_size(tail_group) != self.dp:
+            raise ValueError(f"tail_group has {dist.get_world_size(tail_group)} ranks, the dp group {self.dp}")
+        tail_ids = {id(p) for layer in layers[:max(0, tail_layers)] for p in layer} if tail_group is not None else set()
+        return [tail_group if any(id(p) in tail_ids for p in b.params) else group for b in self.buckets]
+
+    def _build_flat(self) -> None:
+        """One zeroed flat buffer per dtype, each parameter's `.grad` made a view into its bucket's slice."""
+        sizes: dict[torch.dtype, int] = {}
+        for b in self.buckets:
+            sizes[b.dtype] = max(sizes.get(b.dtype, 0), b.offset + b.numel)
+        self.flat = {dt: torch.zeros(n, dtype=dt, device=self.device) for dt, n in sizes.items()}
+        self._slices = [self.flat[b.dtype][b.offset:b.offset + b.numel] for b in self.buckets]
+        # per bucket, per slot: the parameter, its view into the bucket and the view's address, so zero_grad and a
+        # hook compare one integer instead of slicing a tensor (hooks run on autograd's thread while the host races
+        # ahead of the GPU in eager mode)
+        self._slots: list[list[tuple[torch.nn.Parameter, torch.Tensor, int]]] = []
+        for b, flat in zip(self.buckets, self._slices, strict=True):
+            slots = []
+            for p, start in zip(b.params, b.starts, strict=True):
+                if p.device != self.device:
+                    raise ValueError(f"parameter on {p.device}, buckets on {self.device}")
+                view = flat[start:start + p.numel()].view_as(p)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                slots.append((p, view, view.data_ptr()))
+            self._slots.append(slots)
+        if self.on_cuda:
+            # The buffers were written on whatever stream built us; the compute and all-reduce streams are
+            # non-blocking and would not wait for that. Construction is outside any iteration: a host wait is fine.
+            torch.cuda.current_stream(self.device).synchronize()
 
     # -- the engine's interface ---------------------------------------------------------------------------------
 

@@ -14,11 +14,11 @@ computes; the device-to-device hop costs a few percent of the host copy (HBM is 
 Everything here happens in `load()`, outside the iteration, so a captured iteration is unaffected: it reads the
 same static buffers at the same addresses, and the result hook's copies are plain device copies inside it.
 
-Every copy on the compute side is issued on the engine's main stream (`main_stream`, set by `attach`; else the
-stream current at `load()`), also from `flush()`/`drain()`, which a caller runs outside the iteration, where the
-current stream is the legacy default stream: that stream does not wait for our non-blocking streams, so results
-copied there would read the result buffers while the last iteration still runs (the first GPU run saw exactly
-that: the last iteration's losses came back stale).
+Every copy on the compute side is issued on the engine's main stream (`main_stream`, which the runtime and
+`attach` pass; else the stream current at `load()`), also from `flush()`/`drain()`, which a caller runs outside
+the iteration, where the current stream is the legacy default stream: that stream does not wait for our
+non-blocking streams, so results copied there would read the result buffers while the last iteration still runs
+(the last iteration's losses would come back stale).
 
 Cross-stream order is events only. A pinned slot is refilled only after the copy that read it has finished: the
 host queries that copy's event and waits on that one event only when the ring comes round to a slot still in
@@ -58,7 +58,7 @@ class Fence(Protocol):
     def synchronize(self) -> None: ...
 
 
-class SlotRing(Generic[T]):
+class HostSlotRing(Generic[T]):
     """K host slots used round robin. A slot handed out again first waits for the fence of its last copy.
 
     `waits` counts the times the host had to wait (the ring was full with copies in flight); `acquired` counts
@@ -159,36 +159,9 @@ class PinnedStagingFeed:
             raise ValueError("overlapped staging on a GPU needs the h2d and d2h streams of streams.py")
         self._generator = torch.Generator()  # CPU: the same data on every device, equal to DataFeed's on the CPU
         self._fill = fill or self._fill_batch
-        pin = self.on_gpu
-        in_shape = tuple(inputs[0].shape) if inputs else None
-        tgt_shape = tuple(targets[0].shape) if targets else None
-        self.in_ring = SlotRing([_InSlot(
-            torch.empty(in_shape, pin_memory=pin) if in_shape else None,
-            torch.empty(tgt_shape, pin_memory=pin) if tgt_shape else None) for _ in range(slots)])
         gpu_overlap = self.on_gpu and overlap
-        # Landing buffers: the second device copy of the inputs (see the module docstring).
-        self._land_in = [torch.empty_like(b) for b in inputs] if gpu_overlap else []
-        self._land_tgt = [torch.empty_like(b) for b in targets] if gpu_overlap else []
-        # Per microbatch: the main stream has copied landing buffer mb out. Per microbatch, not per iteration, so
-        # the H2D of the next iteration's first microbatches need not wait for this iteration's last one.
-        self._land_free: list[torch.cuda.Event | None] = [None] * microbatches
-        m = microbatches
-        # The static result buffers. torch.empty launches nothing: no work on the stream that happens to be current
-        # here (the legacy default stream, outside run_iteration); the result hook writes every element before it
-        # is read. `result_buffers` reuses another feed's (a graph captured with that feed's hook writes there).
-        shared_loss, shared_out = result_buffers or (None, None)
-        self.loss_dev = None if results == "none" else (
-            shared_loss if shared_loss is not None else torch.empty(m, dtype=torch.float32, device=self.device))
-        self.out_dev = None if results != "outputs" else (
-            shared_out if shared_out is not None else torch.empty((m, *out_shape), dtype=out_dtype,
-                                                                  device=self.device))
-        self._outbox_losses = torch.empty_like(self.loss_dev) if gpu_overlap and self.loss_dev is not None else None
-        self._outbox_out = torch.empty_like(self.out_dev) if gpu_overlap and self.out_dev is not None else None
-        self._outbox_free: torch.cuda.Event | None = None
-        self.out_ring = SlotRing([_OutSlot(
-            torch.empty(m, dtype=torch.float32, pin_memory=pin),
-            torch.empty((m, *out_shape), dtype=out_dtype, pin_memory=pin) if results == "outputs" else None)
-            for _ in range(result_slots)]) if results != "none" else None
+        self._make_input_buffers(inputs, targets, slots, gpu_overlap)
+        self._make_result_buffers(result_slots, out_shape, out_dtype, result_buffers, gpu_overlap)
         self._pending: deque[tuple[int, int, torch.cuda.Event | None]] = deque()
         self._done: list[Result] = []
         self._loaded: int | None = None  # the iteration whose data is in the static buffers
@@ -199,6 +172,44 @@ class PinnedStagingFeed:
         self.spans: list[tuple[str, int, int, torch.cuda.Event, torch.cuda.Event]] = []  # trace=True only
         self.host_fill_s = 0.0
         self.hook_handle: torch.utils.hooks.RemovableHandle | None = None
+
+    def _make_input_buffers(self, inputs: list[torch.Tensor], targets: list[torch.Tensor], slots: int,
+                            gpu_overlap: bool) -> None:
+        """The ring of pinned input slots and, when overlapped on a GPU, the landing buffers."""
+        pin = self.on_gpu
+        in_shape = tuple(inputs[0].shape) if inputs else None
+        tgt_shape = tuple(targets[0].shape) if targets else None
+        self.in_ring = HostSlotRing([_InSlot(
+            torch.empty(in_shape, pin_memory=pin) if in_shape else None,
+            torch.empty(tgt_shape, pin_memory=pin) if tgt_shape else None) for _ in range(slots)])
+        # Landing buffers: the second device copy of the inputs (see the module docstring).
+        self._land_in = [torch.empty_like(b) for b in inputs] if gpu_overlap else []
+        self._land_tgt = [torch.empty_like(b) for b in targets] if gpu_overlap else []
+        # Per microbatch: the main stream has copied landing buffer mb out. Per microbatch, not per iteration, so
+        # the H2D of the next iteration's first microbatches need not wait for this iteration's last one.
+        self._land_free: list[torch.cuda.Event | None] = [None] * self.microbatches
+
+    def _make_result_buffers(self, result_slots: int, out_shape: tuple[int, ...] | None, out_dtype: torch.dtype,
+                             result_buffers: tuple[torch.Tensor | None, torch.Tensor | None] | None,
+                             gpu_overlap: bool) -> None:
+        """The static result buffers, the outbox (overlapped on a GPU) and the ring of pinned result slots."""
+        m, pin, results = self.microbatches, self.on_gpu, self.results
+        # torch.empty launches nothing: no work on the stream that happens to be current here (the legacy default
+        # stream, outside run_iteration); the result hook writes every element before it is read.
+        # `result_buffers` reuses another feed's (a graph captured with that feed's hook writes there).
+        shared_loss, shared_out = result_buffers or (None, None)
+        self.loss_dev = None if results == "none" else (
+            shared_loss if shared_loss is not None else torch.empty(m, dtype=torch.float32, device=self.device))
+        self.out_dev = None if results != "outputs" else (
+            shared_out if shared_out is not None else torch.empty((m, *out_shape), dtype=out_dtype,
+                                                                  device=self.device))
+        self._outbox_losses = torch.empty_like(self.loss_dev) if gpu_overlap and self.loss_dev is not None else None
+        self._outbox_out = torch.empty_like(self.out_dev) if gpu_overlap and self.out_dev is not None else None
+        self._outbox_free: torch.cuda.Event | None = None
+        self.out_ring = HostSlotRing([_OutSlot(
+            torch.empty(m, dtype=torch.float32, pin_memory=pin),
+            torch.empty((m, *out_shape), dtype=out_dtype, pin_memory=pin) if results == "outputs" else None)
+            for _ in range(result_slots)]) if results != "none" else None
 
     # -- construction from a Runtime -------------------------------------------------------------------------
     @classmethod
@@ -437,19 +448,25 @@ class PinnedStagingFeed:
         return out
 
 
+def pinned_feed(feed: object, streams: RankStreams | None, last_local: object, **kwargs: object
+                ) -> PinnedStagingFeed:
+    """A PinnedStagingFeed over `feed`'s static buffers, with its result hook on `last_local` (this rank's last
+    local stage) when that stage is the pipeline's last. The runtime's assembly builds the engine with it."""
+    staged = PinnedStagingFeed.from_feed(feed, streams, out_spec=last_local.out_spec, **kwargs)
+    if last_local.is_last:
+        staged.install_result_hook(last_local.module)
+    return staged
+
+
 def attach(rt: object, **kwargs: object) -> PinnedStagingFeed:
-    """Swap a PinnedStagingFeed into a built Runtime: reuse its feed's static buffers, hook the last local stage
-    (when this rank holds the last stage) and set `rt.engine.feed`. Returns the feed. Attach before the iteration
-    is captured (Runtime.maybe_capture, after the warm-up iterations), so the graph holds the result copies; a
-    feed attached later (after detach() of the old one) shares the old feed's result buffers, which the graph
-    writes."""
+    """Give a built Runtime's engine a new PinnedStagingFeed (`Engine.use_feed`) over its feed's static buffers and
+    return it. Attach before the iteration is captured (after the warm-up iterations), so the graph holds the
+    result copies; a feed attached later replaces (and detaches) the old one and shares its result buffers, which
+    the graph writes."""
     engine = rt.engine
     if isinstance(engine.feed, PinnedStagingFeed):
         engine.feed.detach()
-    last = engine.stages[engine.order[-1]]
     kwargs.setdefault("main_stream", engine.main_stream)
-    feed = PinnedStagingFeed.from_feed(engine.feed, rt.streams, out_spec=last.out_spec, **kwargs)
-    if last.is_last:
-        feed.install_result_hook(last.module)
-    engine.feed = feed
+    feed = pinned_feed(engine.feed, rt.streams, engine.stages[engine.order[-1]], **kwargs)
+    engine.use_feed(feed)
     return feed

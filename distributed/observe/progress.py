@@ -7,6 +7,7 @@ from typing import Any
 
 
 def format_stats(stats: Any, total: int) -> str:
+    """The progress line of one logged iteration."""
     return (f"iter {stats.iteration}/{total} | loss {stats.loss:.6f} | {stats.ms:.2f} ms/iter | "
             f"{stats.tokens_per_s:,.0f} tokens/s | peak {stats.peak_mem_gb:.2f} GiB")
 

@@ -2,8 +2,8 @@
 
 The engine wraps each action in `timeline.span(lane, label, stream)`. Recording costs two events per span and
 never synchronizes; timestamps are read after the iteration (`collect()`), gathered to rank 0 (`gather()`) and
-drawn by distributed/timeline_draw.py (PNG and Chrome trace). distributed/timeline_check.py checks that the spans
-respect the pipeline's dependencies.
+drawn by observe/timeline_draw.py (PNG and Chrome trace). observe/timeline_check.py checks that the spans respect
+the pipeline's dependencies.
 
 Label vocabulary (what the drawing and the checker understand): "F<mb>" forward and "B<mb>" backward of
 microbatch mb on a compute lane ("compute", or "compute<i>" for local stage i in single-GPU mode); labels that

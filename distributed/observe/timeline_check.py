@@ -6,7 +6,7 @@ Dependencies of the pipeline (stage s of replica r; mb a microbatch):
   B(mb) on stage s    after  F(mb) on stage s      (backward needs the forward's saved tensors)
   spans of one lane of one rank do not overlap     (a stream runs its work in order)
 
-Spans are recognised by label ("F3", "B3"; see distributed/timeline.py). Cross-rank comparisons allow `tol_ms`
+Spans are recognised by label ("F3", "B3"; see observe/timeline.py). Cross-rank comparisons allow `tol_ms`
 for the clock alignment error.
 """
 

@@ -15,7 +15,7 @@ from peerline.distributed.observe.timeline import Span
 
 log = logging.getLogger(__name__)
 
-# the engine labels a transfer step with its schedule actions, e.g. "SA3" or "SA3+RG1" (distributed/schedule.py)
+# the engine labels a transfer step with its schedule actions, e.g. "SA3" or "SA3+RG1" (pipeline/schedule.py)
 _P2P_ACTION = re.compile(r"^(SA|RA|SG|RG)\d")
 
 LANE_ORDER = ("compute", "p2p", "allreduce", "h2d", "d2h")
@@ -30,7 +30,7 @@ KIND_COLOURS = {
 
 
 def span_kind(label: str) -> str:
-    """Colour class of a span from its label (vocabulary in distributed/timeline.py)."""
+    """Colour class of a span from its label (vocabulary in observe/timeline.py)."""
     low = label.lower()
     if low[:1] == "f" and low[1:2].isdigit():
         return "forward"

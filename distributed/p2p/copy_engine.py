@@ -1,7 +1,7 @@
 """Copy-engine transport: activations and gradients written straight into the neighbour's memory over CUDA IPC.
 
 Per pipeline edge and direction the receiver owns a ring of `depth` slots (cudaMalloc, exported by IPC handle and
-opened once by the sender) and the flag words of distributed/slot_ring.py. The sender's p2p stream waits until
+opened once by the sender) and the flag words of handoff_protocol.py. The sender's p2p stream waits until
 the slot is free, takes it, copies with the copy engine (no SM time) and sets FULL in the receiver's memory; the
 receiver's compute stream waits for FULL, clears it, uses the slot in place (no second copy) and, on
 `release(kind, mb)`, sets FREE in the sender's memory. All waits poll local memory; all values are the constants
@@ -40,35 +40,34 @@ Lanes (send streams: `streams.p2p` plus `lanes`), grouped by `split`:
                (so FULL means both halves landed). Groups (lanes // 2 of them) take slots round robin.
   decoupled=True
                the flag operations leave the copy streams: with lanes [c0, .., ck, F, W] the copy lanes c0..ck take
-               slots round robin and do nothing but copies (back to back, like raw cudaMemcpyPeerAsync: on H200 the
-               flag operations between copies on one stream cost ~10% at 16 MiB, and two copy engines at once are
-               slower than one). F does wait FREE + clear FREE and records the slot's event E_free; the copy lane
-               waits E_free (long satisfied in steady state), copies, records E_copied; W waits E_copied and writes
-               FULL. The copy lane follows the producer through E_free (F waits for the current stream).
-               FREE and FULL need two streams: on one, the wait for message m's copy would hold back message
-               m+1's FREE wait, and so m+1's copy. Each of the three streams keeps the message order of a single
-               lane and waits only for what that lane would, so decoupled never blocks where one lane would not.
-               Events: one E_free and one E_copied per (kind, slot), made at set-up (capture-safe: under capture
-               they become graph edges); reusing a slot's event is safe because a wait binds to the record
+               slots round robin and do nothing but copies (back to back, like raw cudaMemcpyPeerAsync: flag
+               operations between the copies of one stream slow the copies down, and two copy engines on one message
+               need not be faster than one; docs/benchmarks/code-notes.md). F does wait FREE + clear FREE and records
+               the slot's event E_free; the copy lane waits E_free (long satisfied in steady state), copies, records
+               E_copied; W waits E_copied and writes FULL. The copy lane follows the producer through E_free (F waits
+               for the current stream). FREE and FULL need two streams: on one, the wait for message m's copy would
+               hold back message m+1's FREE wait, and so m+1's copy. Each of the three streams keeps the message order
+               of a single lane and waits only for what that lane would, so decoupled never blocks where one lane
+               would not. Events: one E_free and one E_copied per (kind, slot), made at set-up (capture-safe: under
+               capture they become graph edges); reusing a slot's event is safe because a wait binds to the record
                issued before it.
 In every variant one slot's sends stay on one group, so a slot's uses keep their order, and the protocol of
-slot_ring.py is unchanged (one FREE and one FULL word per slot).
+handoff_protocol.py is unchanged (one FREE and one FULL word per slot).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from peerline.distributed.p2p import flag_ops as stream_ops
-from peerline.distributed.p2p import handoff_protocol as slot_ring
-from peerline.distributed.p2p import ipc
-from peerline.distributed.p2p.transport import ACT, GRAD, Links, TensorSpec, Transport
+from peerline import overrides
+from peerline.distributed.p2p import flag_ops, ipc
+from peerline.distributed.p2p import handoff_protocol as handoff
+from peerline.distributed.p2p.base import ACT, GRAD, Links, TensorSpec, Transport
 from peerline.distributed.streams import RankStreams, create_rank_streams
 
 log = logging.getLogger(__name__)
@@ -78,7 +77,7 @@ FLAG_STRIDE = 64  # bytes between flag words: one word per 64-byte sector, no tw
 SLOT_ALIGN = 4096  # slot start alignment: every dtype view is aligned and copies start on page boundaries
 # Smaller split messages go whole (two events would cost more than half a copy saves); tests lower it through the
 # environment to split the small messages of the pipeline checks.
-SPLIT_MIN_BYTES = int(os.environ.get("PEERLINE_P2P_SPLIT_MIN", str(1 << 20)))
+SPLIT_MIN_BYTES = overrides.get_int("PEERLINE_P2P_SPLIT_MIN", 1 << 20)
 SPLIT_ALIGN = 256  # the halves of a split message start on 256-byte boundaries
 POISON = 0xFF  # initial slot bytes (NaN in bf16/fp16/fp32): a read before the first copy shows up in checksums
 
@@ -90,7 +89,7 @@ def _round_up(n: int, k: int) -> int:
 def flag_offset(kind: str, flag: str, slot: int, depth: int) -> int:
     """Byte offset of a flag word in its owner's flag allocation. Every rank uses the same layout, so a peer
     finds our words from the base address alone: FULL words of the kinds we receive, FREE words of those we send."""
-    region = KINDS.index(kind) * 2 + (0 if flag == slot_ring.FULL else 1)
+    region = KINDS.index(kind) * 2 + (0 if flag == handoff.FULL else 1)
     return (region * depth + slot) * FLAG_STRIDE
 
 
@@ -109,7 +108,7 @@ class _Ring:
 
 def _single_node() -> bool:
     """Whether every rank of the job runs on this host, from launcher variables every rank shares."""
-    env = os.environ
+    env = overrides.environment()
     pairs = (("LOCAL_WORLD_SIZE", "WORLD_SIZE"),  # torchrun
              ("OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_COMM_WORLD_SIZE"),  # Open MPI
              ("MPI_LOCALNRANKS", "PMI_SIZE"))  # MPICH / Hydra
@@ -126,12 +125,12 @@ def copy_engine_usable(links: Links, device: torch.device) -> bool:
     """Whether the copy-engine transport can serve this job. Not collective, and the same answer on every rank:
     it depends only on facts all ranks share (all ranks on one host, every pair of the job's GPUs with peer
     access, CuPy and cuda-bindings importable), because every rank must pick the same transport."""
-    if device.type != "cuda" or not (ipc.available() and stream_ops.available()):
+    if device.type != "cuda" or not (ipc.available() and flag_ops.available()):
         return False
     if not _single_node():
         return False
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
-        int(os.environ.get("WORLD_SIZE", "1"))
+        overrides.get_int("WORLD_SIZE", 1)
     # world > visible GPUs: one GPU per process, hidden from the others, so no peer copy into IPC memory
     if world < 2 or world > torch.cuda.device_count():
         return False
@@ -148,8 +147,8 @@ class CopyEngineTransport(Transport):
     lanes: extra streams (made by distributed/streams.py) that carry sends beside `streams.p2p`; default
     `streams.p2p_lanes` (the extra lanes RankStreams was created with). split: cut each message in two halves
     copied by two lanes at once (needs an even number of lanes in all). See the module docstring.
-    batch_flags: send consecutive flag operations as one cuStreamBatchMemOp (False: one driver call each, as
-    before; also PEERLINE_P2P_BATCH=0 in the environment). decoupled: the last two lanes carry the FREE and the
+    batch_flags: send consecutive flag operations as one cuStreamBatchMemOp (False: one driver call per
+    operation; also PEERLINE_P2P_BATCH=0 in the environment). decoupled: the last two lanes carry the FREE and the
     FULL flag operations, the others only copies (needs >= 3 lanes, not with split).
     """
 
@@ -164,29 +163,18 @@ class CopyEngineTransport(Transport):
         depth = num_microbatches if depth is None else depth
         if depth < 1:
             raise ValueError(f"copy-engine ring depth must be >= 1, got {depth}")
-        stream_ops.check_connections()
+        flag_ops.check_connections()
         self.links, self.device, self.depth, self.group = links, device, depth, group
         self.capacity = depth
         self.capture_safe = capture_safe
         self.rank = dist.get_rank()
         self.streams = streams if streams is not None else create_rank_streams(device)
         self.p2p: torch.cuda.Stream = self.streams.p2p
-        extra = lanes if lanes is not None else list(getattr(self.streams, "p2p_lanes", []) or [])
-        self._lanes: list[torch.cuda.Stream] = [self.p2p, *extra]
-        width = 2 if split else 1
-        if len(self._lanes) % width:
-            raise ValueError(f"split copies need an even number of p2p lanes, got {len(self._lanes)}")
         self.split, self.decoupled = split, decoupled
-        copy_lanes = self._lanes
-        if decoupled:
-            if split or len(self._lanes) < 3:
-                raise ValueError("decoupled flags need >= 3 p2p lanes (copy lanes, then a FREE and a FULL flag "
-                                 f"stream) and no split, got {len(self._lanes)} lane(s){', split' if split else ''}")
-            *copy_lanes, self._free_lane, self._full_lane = self._lanes
-        self._groups = [copy_lanes[i:i + width] for i in range(0, len(copy_lanes), width)]
+        self._assign_lanes(lanes)
         self._events: dict[tuple[str, int], tuple[torch.cuda.Event, torch.cuda.Event]] = {}  # E_free, E_copied
-        self._ops = stream_ops.FlagOps()
-        self._ops.batching = batch_flags and os.environ.get("PEERLINE_P2P_BATCH", "1") != "0"
+        self._ops = flag_ops.FlagOps()
+        self._ops.batching = batch_flags and overrides.get("PEERLINE_P2P_BATCH") != "0"
         self._held: dict[tuple[str, int], int] = {}  # (kind, slot) -> mb received and not yet released
         self._pending: list[torch.cuda.Stream] = []  # lanes with sends issued since the last join()
         self._closed = False
@@ -201,6 +189,23 @@ class CopyEngineTransport(Transport):
         log.info("rank %d: %s", self.rank, self.describe())
 
     # --- set-up ---------------------------------------------------------------------------------------------
+    def _assign_lanes(self, lanes: list[torch.cuda.Stream] | None) -> None:
+        """Sort the send streams into groups of copy lanes (pairs when split) and, when decoupled, the FREE and
+        FULL flag streams (module docstring, "Lanes")."""
+        extra = lanes if lanes is not None else list(getattr(self.streams, "p2p_lanes", []) or [])
+        self._lanes: list[torch.cuda.Stream] = [self.p2p, *extra]
+        width = 2 if self.split else 1
+        if len(self._lanes) % width:
+            raise ValueError(f"split copies need an even number of p2p lanes, got {len(self._lanes)}")
+        copy_lanes = self._lanes
+        if self.decoupled:
+            if self.split or len(self._lanes) < 3:
+                raise ValueError("decoupled flags need >= 3 p2p lanes (copy lanes, then a FREE and a FULL flag "
+                                 f"stream) and no split, got {len(self._lanes)} lane(s)"
+                                 f"{', split' if self.split else ''}")
+            *copy_lanes, self._free_lane, self._full_lane = self._lanes
+        self._groups = [copy_lanes[i:i + width] for i in range(0, len(copy_lanes), width)]
+
     def _allocate(self) -> None:
         """Receive rings for the kinds this rank receives, and its flag words, initialised on the p2p stream."""
         for kind, spec in ((ACT, self.links.act_in), (GRAD, self.links.grad_in)):
@@ -224,9 +229,9 @@ class CopyEngineTransport(Transport):
         # Host sync at set-up only: peers may write our flags as soon as the exchange below returns.
         self.p2p.synchronize()
         if self._ops.batching:  # rewrite one FULL word (0, nobody writes it yet): does the driver take batches?
-            self._ops.probe_batch(self.p2p.cuda_stream, self._flags.ptr + flag_offset(ACT, slot_ring.FULL, 0,
+            self._ops.probe_batch(self.p2p.cuda_stream, self._flags.ptr + flag_offset(ACT, handoff.FULL, 0,
                                                                                       self.depth),
-                                  slot_ring.INITIAL[slot_ring.FULL])
+                                  handoff.INITIAL[handoff.FULL])
             self.p2p.synchronize()
 
     def _ring_info(self, kind: str) -> _Ring:
@@ -291,17 +296,17 @@ class CopyEngineTransport(Transport):
             peer_flags = self._open(peer, "flags", by_rank[peer]["flags"])
             self._send_to[kind] = (peer, ipc.find_device(by_rank[peer]["uuid"]), ring)
             for slot in range(self.depth):
-                self._send_prog[(kind, slot)] = self._resolve(slot_ring.send_ops(slot), kind, local, peer_flags,
+                self._send_prog[(kind, slot)] = self._resolve(handoff.send_ops(slot), kind, local, peer_flags,
                                                               base + slot * ring.slot_stride)
         for kind in self._rings:
             src = self.links.peer_or_none(kind)
             peer_flags = self._open(src, "flags", by_rank[src]["flags"])
             for slot in range(self.depth):
-                self._recv_prog[(kind, slot)] = self._resolve(slot_ring.recv_ops(slot), kind, local, peer_flags, 0)
-                self._release_prog[(kind, slot)] = self._resolve(slot_ring.release_ops(slot), kind, local,
+                self._recv_prog[(kind, slot)] = self._resolve(handoff.recv_ops(slot), kind, local, peer_flags, 0)
+                self._release_prog[(kind, slot)] = self._resolve(handoff.release_ops(slot), kind, local,
                                                                  peer_flags, 0)
 
-    def _resolve(self, ops: tuple[slot_ring.Op, ...], kind: str, local: int, peer: int, dst: int
+    def _resolve(self, ops: tuple[handoff.Op, ...], kind: str, local: int, peer: int, dst: int
                  ) -> list[tuple[str, object]]:
         """Turn an op list into segments: ("flags", ((action, addr, value), ...)) for each run of consecutive flag
         operations (issued as one batch) and ("copy", dst) for the copy."""
@@ -314,7 +319,7 @@ class CopyEngineTransport(Transport):
                     run = []
                 prog.append(("copy", dst))
             else:
-                base = local if op.where == slot_ring.LOCAL else peer
+                base = local if op.where == handoff.LOCAL else peer
                 run.append((op.action, base + flag_offset(kind, op.flag, op.slot, self.depth), op.value))
         if run:
             prog.append(("flags", tuple(run)))
@@ -340,16 +345,7 @@ class CopyEngineTransport(Transport):
         cur = torch.cuda.current_stream(self.device)
         # Validate the whole group on the host before queuing anything: a bad call must not leave half a group
         # on the GPU (a receive nobody sends would hang the stream).
-        keys = []
-        for kind, mb in recvs:
-            key = (kind, slot_ring.slot_of(mb, self.depth))
-            if key not in self._recv_prog:
-                raise ValueError(f"rank {self.rank} has no copy-engine edge to receive {kind!r} (mb {mb})")
-            if key in self._held or key in keys:
-                holder = self._held.get(key, "another receive of this group")
-                raise RuntimeError(f"receive {kind} mb {mb}: its slot {key[1]} still holds mb {holder}; release "
-                                   f"that first or use a deeper ring (depth {self.depth})")
-            keys.append(key)
+        keys = self._recv_keys(recvs)
         staged = []
         for kind, mb, t in sends:
             t = t.detach().contiguous()  # on the current stream, before the p2p stream waits for it
@@ -357,34 +353,57 @@ class CopyEngineTransport(Transport):
         if staged and self.decoupled:
             self._send_decoupled(cur, staged)
         elif staged:
-            capture = self.capture_safe or torch.cuda.is_current_stream_capturing()
-            waited: list[torch.cuda.Stream] = []
-            for kind, mb, t, (_peer, peer_dev, ring) in staged:
-                slot = slot_ring.slot_of(mb, self.depth)
-                group = self._groups[slot % len(self._groups)]
-                head = group[0]
-                if head not in waited:
-                    head.wait_stream(cur)  # "activation produced"
-                    waited.append(head)
-                parts = self._parts(ring.slot_bytes) if len(group) > 1 else [(0, ring.slot_bytes)]
-                used = group[:len(parts)]
+            self._send_on_lanes(cur, staged)
+        return self._receive(cur, recvs, keys)
+
+    def _recv_keys(self, recvs: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """The (kind, slot) of each receive, checked: an edge exists and the slot is not still held."""
+        keys: list[tuple[str, int]] = []
+        for kind, mb in recvs:
+            key = (kind, handoff.slot_of(mb, self.depth))
+            if key not in self._recv_prog:
+                raise ValueError(f"rank {self.rank} has no copy-engine edge to receive {kind!r} (mb {mb})")
+            if key in self._held or key in keys:
+                holder = self._held.get(key, "another receive of this group")
+                raise RuntimeError(f"receive {kind} mb {mb}: its slot {key[1]} still holds mb {holder}; release "
+                                   f"that first or use a deeper ring (depth {self.depth})")
+            keys.append(key)
+        return keys
+
+    def _send_on_lanes(self, cur: torch.cuda.Stream, staged: list) -> None:
+        """Sends with the flag operations on the copy lanes (module docstring, split=False / split=True)."""
+        capture = self.capture_safe or torch.cuda.is_current_stream_capturing()
+        waited: list[torch.cuda.Stream] = []
+        for kind, mb, t, (_peer, peer_dev, ring) in staged:
+            slot = handoff.slot_of(mb, self.depth)
+            group = self._groups[slot % len(self._groups)]
+            head = group[0]
+            if head not in waited:
+                head.wait_stream(cur)  # "activation produced"
+                waited.append(head)
+            parts = self._parts(ring.slot_bytes) if len(group) > 1 else [(0, ring.slot_bytes)]
+            used = group[:len(parts)]
+            for lane in used:
+                if lane not in self._pending:
+                    self._pending.append(lane)
+            for seg, arg in self._send_prog[(kind, slot)]:
+                if seg == "flags":
+                    self._ops.batch(head.cuda_stream, arg)
+                    continue
+                for lane in used[1:]:
+                    lane.wait_stream(head)  # the slot is free (and the producer done): the other part may copy
+                for lane, (off, n) in zip(used, parts):
+                    ipc.copy_peer(arg + off, peer_dev, t.data_ptr() + off, self.device.index, n,
+                                  lane.cuda_stream, capture)
+                for lane in used[1:]:
+                    head.wait_stream(lane)  # FULL only once every part landed
+            if t.is_cuda:  # (the CPU simulation in tests/unit passes host tensors)
                 for lane in used:
-                    if lane not in self._pending:
-                        self._pending.append(lane)
-                for seg, arg in self._send_prog[(kind, slot)]:
-                    if seg == "flags":
-                        self._ops.batch(head.cuda_stream, arg)
-                        continue
-                    for lane in used[1:]:
-                        lane.wait_stream(head)  # the slot is free (and the producer done): the other part may copy
-                    for lane, (off, n) in zip(used, parts):
-                        ipc.copy_peer(arg + off, peer_dev, t.data_ptr() + off, self.device.index, n,
-                                      lane.cuda_stream, capture)
-                    for lane in used[1:]:
-                        head.wait_stream(lane)  # FULL only once every part landed
-                if t.is_cuda:  # (the CPU simulation in tests/unit passes host tensors)
-                    for lane in used:
-                        t.record_stream(lane)  # the caller may drop t; its memory is reused only after the copy
+                    t.record_stream(lane)  # the caller may drop t; its memory is reused only after the copy
+
+    def _receive(self, cur: torch.cuda.Stream, recvs: list[tuple[str, int]], keys: list[tuple[str, int]]
+                 ) -> list[torch.Tensor]:
+        """Queue each receive on the current stream (wait FULL + clear FULL) and return the slot views."""
         out = []
         c = cur.cuda_stream
         for (_kind, mb), key in zip(recvs, keys):
@@ -402,7 +421,7 @@ class CopyEngineTransport(Transport):
         # E_free, which keeps one more wait off the copy streams.
         free.wait_stream(cur)
         for kind, mb, t, (_peer, peer_dev, ring) in staged:
-            slot = slot_ring.slot_of(mb, self.depth)
+            slot = handoff.slot_of(mb, self.depth)
             lane = self._groups[slot % len(self._groups)][0]
             e_free, e_copied = self._events[(kind, slot)]
             for s in (free, lane, full):
@@ -424,7 +443,7 @@ class CopyEngineTransport(Transport):
                 t.record_stream(lane)  # only the copy lane reads t
 
     def release(self, kind: str, mb: int) -> None:
-        key = (kind, slot_ring.slot_of(mb, self.depth))
+        key = (kind, handoff.slot_of(mb, self.depth))
         if self._held.get(key) != mb:
             raise ValueError(f"release {kind} mb {mb}: not received (slot holds {self._held.get(key)})")
         c = torch.cuda.current_stream(self.device).cuda_stream
@@ -461,11 +480,11 @@ class CopyEngineTransport(Transport):
         """This rank's flag words per (kind, flag) name, read back (synchronizes: tests and close only)."""
         words = self._flags.tensor.view(torch.int32).cpu()
         return {f"{kind}.{flag}": [int(words[flag_offset(kind, flag, s, self.depth) // 4]) for s in
-                                   range(self.depth)] for kind in KINDS for flag in (slot_ring.FULL, slot_ring.FREE)}
+                                   range(self.depth)] for kind in KINDS for flag in (handoff.FULL, handoff.FREE)}
 
     def idle(self) -> bool:
         """Whether every flag is back in its initial state (nothing in flight, everything released)."""
-        return all(all(v == slot_ring.INITIAL[name.split(".")[1]] for v in values)
+        return all(all(v == handoff.INITIAL[name.split(".")[1]] for v in values)
                    for name, values in self.flag_state().items())
 
     def reset(self, flags: bool = False) -> None:
@@ -492,8 +511,8 @@ class CopyEngineTransport(Transport):
         init = torch.zeros(self._flags.nbytes // 4, dtype=torch.int32)
         for kind in KINDS:
             for slot in range(self.depth):
-                for flag in (slot_ring.FULL, slot_ring.FREE):
-                    init[flag_offset(kind, flag, slot, self.depth) // 4] = slot_ring.INITIAL[flag]
+                for flag in (handoff.FULL, handoff.FREE):
+                    init[flag_offset(kind, flag, slot, self.depth) // 4] = handoff.INITIAL[flag]
         return init
 
     def describe(self) -> str:

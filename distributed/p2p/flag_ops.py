@@ -2,8 +2,9 @@
 
 These are the driver API's cuStreamWaitValue32 / cuStreamWriteValue32 (through `cuda.bindings.driver`). They run
 in stream order on the GPU without a kernel and without the host, work on IPC-mapped memory of another process,
-and can be captured into CUDA graphs (measured, see ARCHITECTURE.md). Since CUDA 12 they need no kernel-module
-option ("the V2 APIs are available by default on all platforms"), so there is no attribute to check first.
+and can be captured into CUDA graphs (the GPU transport tests replay such graphs). Since CUDA 12 they need no
+kernel-module option ("the V2 APIs are available by default on all platforms"), so there is no attribute to check
+first.
 
 A write is preceded by a memory fence (the default flag, with __threadfence_system() semantics): everything the
 stream wrote before it, a peer copy included, is visible to whoever observes the new value.
@@ -14,7 +15,7 @@ default (8) or above (streams.py asks for 32); `check_connections()` warns other
 lazily (CUDA_MODULE_LOADING=LAZY): a kernel's first launch may synchronize the context, so a first launch while a
 stream of the same process sits in a wait that only later work releases can deadlock (CUDA C++ Programming Guide,
 Lazy Loading); launch such kernels once before (the GPU tests do). The runtime's first iteration is exposed in
-principle (it has not happened in any run); CUDA_MODULE_LOADING=EAGER removes the risk at start-up cost.
+principle; CUDA_MODULE_LOADING=EAGER removes the risk at start-up cost.
 
 `FlagOps.batch` issues several of these operations with ONE cuStreamBatchMemOp call ("the operations are enqueued
 in the order they appear in the array"; CUDA driver API, Stream Memory Operations), which the driver documents as
@@ -26,7 +27,8 @@ driver refuses a batch (`probe_batch`), FlagOps falls back to one call per opera
 from __future__ import annotations
 
 import logging
-import os
+
+from peerline import overrides
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +150,7 @@ class FlagOps:
 
 def check_connections() -> None:
     """Warn when CUDA_DEVICE_MAX_CONNECTIONS is so low that a blocked wait could stall unrelated streams."""
-    value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    value = overrides.get("CUDA_DEVICE_MAX_CONNECTIONS")
     if value is not None and value.isdigit() and int(value) < 4:
         log.warning("CUDA_DEVICE_MAX_CONNECTIONS=%s: streams share hardware queues, so a stream waiting for a "
                     "flag can stall the compute stream; unset it (default 8) for the copy-engine transport", value)

@@ -9,7 +9,7 @@ two 32-bit flag words:
 Initial values: FULL = 0, FREE = 1. Every operation writes a constant (0 or 1), never a counter, so a captured
 CUDA graph that replays the same sequence stays valid on every replay.
 
-The operations below are what the GPU transport (p2p_copy_engine.py) issues, one to one and in this order: `wait`
+The operations below are what the GPU transport (copy_engine.py) issues, one to one and in this order: `wait`
 is CU_STREAM_MEM_OP_WAIT_VALUE_32 (EQ), `write` is CU_STREAM_MEM_OP_WRITE_VALUE_32 (fenced), consecutive ones sent
 as one cuStreamBatchMemOp; `copy` is the copy-engine transfer (with split lanes: two halves on two streams that
 both start after the preceding flag operations and both end before the following ones). "local" and "peer"

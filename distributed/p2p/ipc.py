@@ -6,7 +6,7 @@ straight from cudaMalloc here (`DeviceAllocation`) and wrapped as torch tensors 
 
 Copies into a peer's memory (`copy_peer`): cudaMemcpyPeerAsync, the eager path, or cudaMemcpyAsync with
 cudaMemcpyDefault, which is the same copy-engine transfer through unified addressing and, unlike the former into an
-IPC-mapped pointer, can be captured into a CUDA graph (measured, see ARCHITECTURE.md).
+IPC-mapped pointer, can be captured into a CUDA graph (the GPU transport tests replay such graphs).
 """
 
 from __future__ import annotations

@@ -14,13 +14,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from peerline.distributed.p2p.transport import TensorSpec
+from peerline.distributed.p2p.base import TensorSpec
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
 _MAX_DIMS = 8
 
 
 def encode_spec(spec: TensorSpec, device: torch.device) -> torch.Tensor:
+    """A spec as one int64 tensor of fixed length (rank, dims padded with zeros, dtype index), to send."""
     if len(spec.shape) > _MAX_DIMS:
         raise ValueError(f"stage boundary tensors may have at most {_MAX_DIMS} dimensions, got {spec.shape}")
     if spec.dtype not in _DTYPES:
@@ -30,15 +31,17 @@ def encode_spec(spec: TensorSpec, device: torch.device) -> torch.Tensor:
 
 
 def decode_spec(t: torch.Tensor) -> TensorSpec:
+    """Inverse of `encode_spec`."""
     v = t.tolist()
     return TensorSpec(tuple(v[1:1 + v[0]]), _DTYPES[v[-1]])
 
 
-def probe_specs(modules: list[nn.Module], first_in: TensorSpec | None, prev_rank: int | None,
-                next_rank: int | None, device: torch.device,
-                autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
-                ) -> tuple[TensorSpec, list[TensorSpec]]:
-    """(input spec of this rank's first stage, output spec of each of its stages)."""
+def exchange_boundary_specs(modules: list[nn.Module], first_in: TensorSpec | None, prev_rank: int | None,
+                            next_rank: int | None, device: torch.device,
+                            autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+                            ) -> tuple[TensorSpec, list[TensorSpec]]:
+    """(input spec of this rank's first stage, output spec of each of its stages): receive the input spec from
+    `prev_rank` (or take `first_in`), run the stages once, send the last output spec on to `next_rank`."""
     if prev_rank is None:
         in_spec = first_in
     else:

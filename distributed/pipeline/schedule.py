@@ -162,6 +162,93 @@ def _table(programs: list[list[Step]], pcs: list[int]) -> str:
     return "\n".join(rows)
 
 
+def _peer(stage: int, a: Action) -> tuple[int, str]:
+    """(other stage, message kind) of a communication action."""
+    if a.op in ("SA", "RA"):
+        return (stage + 1 if a.op == "SA" else stage - 1), "act"
+    return (stage - 1 if a.op == "SG" else stage + 1), "grad"
+
+
+class _Simulation:
+    """The state of one `simulate` run: each stage's position in its program and the messages on the edges."""
+
+    def __init__(self, programs: list[list[Step]], capacity: int | None) -> None:
+        n = len(programs)
+        self.programs, self.capacity = programs, capacity
+        self.pcs = [0] * n
+        self.done_ops: list[set[Action]] = [set() for _ in range(n)]  # completed actions of the current group
+        self.sent: set[tuple[int, str, int]] = set()  # (receiver stage, kind, mb) sent and not yet received
+        self.alive: dict[tuple[int, str], int] = {}  # (receiver stage, kind) -> messages occupying a slot
+        self.holding: list[set[tuple[str, int]]] = [set() for _ in range(n)]  # received, not released
+        self.order: list[tuple[int, Step]] = []
+
+    def current(self, stage: int) -> Step | None:
+        return self.programs[stage][self.pcs[stage]] if self.pcs[stage] < len(self.programs[stage]) else None
+
+    def finished(self) -> bool:
+        return all(pc == len(p) for pc, p in zip(self.pcs, self.programs))
+
+    def advance(self, s: int) -> bool:
+        """Let stage `s` make what progress it can on its current step; whether anything moved."""
+        step = self.current(s)
+        if step is None:
+            return False
+        if step[0].op in COMPUTE:
+            if step[0].op == "B":  # the backward consumed what this stage received for mb: release the slots
+                self._release(s, step[0].mb)
+            self._complete(s, step)
+            return True
+        progressed = False
+        for a in step:
+            if a not in self.done_ops[s] and self._post(s, a):
+                progressed = True
+        if all(a in self.done_ops[s] for a in step):
+            self.done_ops[s].clear()
+            self._complete(s, step)
+            progressed = True
+        return progressed
+
+    def _complete(self, s: int, step: Step) -> None:
+        self.order.append((s, step))
+        self.pcs[s] += 1
+
+    def _release(self, s: int, mb: int) -> None:
+        for kind in ("act", "grad"):
+            if (kind, mb) in self.holding[s]:
+                self.holding[s].discard((kind, mb))
+                self.alive[(s, kind)] -= 1
+
+    def _deliver(self, receiver: int, kind: str, mb: int) -> None:
+        self.holding[receiver].add((kind, mb))
+
+    def _post(self, s: int, a: Action) -> bool:
+        """Try to complete one communication action of stage `s`; whether it completed."""
+        other, kind = _peer(s, a)
+        if a.op in ("SA", "SG"):
+            if self.capacity is None:  # rendezvous: the partner must be posting the matching receive now
+                partner = self.current(other)
+                match = Action("RA" if kind == "act" else "RG", a.mb)
+                if partner is None or match not in partner or match in self.done_ops[other]:
+                    return False
+                self.done_ops[s].add(a)
+                self.done_ops[other].add(match)
+                self._deliver(other, kind, a.mb)
+                self.alive[(other, kind)] = self.alive.get((other, kind), 0) + 1
+                return True
+            if self.alive.get((other, kind), 0) >= self.capacity:
+                return False
+            self.alive[(other, kind)] = self.alive.get((other, kind), 0) + 1
+            self.sent.add((other, kind, a.mb))
+            self.done_ops[s].add(a)
+            return True
+        if self.capacity is not None and (s, kind, a.mb) in self.sent:
+            self.sent.discard((s, kind, a.mb))
+            self._deliver(s, kind, a.mb)
+            self.done_ops[s].add(a)
+            return True
+        return False
+
+
 def simulate(programs: list[list[Step]], capacity: int | None = None) -> list[tuple[int, Step]]:
     """Play the programs against each other; return a global order of (stage, step).
 
@@ -173,74 +260,18 @@ def simulate(programs: list[list[Step]], capacity: int | None = None) -> list[tu
     m = 1 + max((a.mb for p in programs for s in p for a in s), default=0)
     for s, p in enumerate(programs):
         check_program(s, n, m, p)
-    pcs = [0] * n
-    done_ops: list[set[Action]] = [set() for _ in range(n)]  # completed actions of the current group
-    sent: set[tuple[int, str, int]] = set()  # (receiver stage, kind, mb) messages sent and not yet received
-    alive: dict[tuple[int, str], int] = {}  # (receiver stage, kind) -> messages occupying a slot
-    holding: list[set[tuple[str, int]]] = [set() for _ in range(n)]  # messages a stage received, not released
-    order: list[tuple[int, Step]] = []
-
-    def peer(stage: int, a: Action) -> tuple[int, str]:
-        """(other stage, message kind) of a communication action."""
-        if a.op in ("SA", "RA"):
-            return (stage + 1 if a.op == "SA" else stage - 1), "act"
-        return (stage - 1 if a.op == "SG" else stage + 1), "grad"
-
-    def current(stage: int) -> Step | None:
-        return programs[stage][pcs[stage]] if pcs[stage] < len(programs[stage]) else None
-
+    sim = _Simulation(programs, capacity)
     while True:
         progressed = False
         for s in range(n):
-            step = current(s)
-            if step is None:
-                continue
-            if step[0].op in COMPUTE:
-                a = step[0]
-                if a.op == "B":  # the backward consumed what this stage received for mb: release the slots
-                    for kind in ("act", "grad"):
-                        if (kind, a.mb) in holding[s]:
-                            holding[s].discard((kind, a.mb))
-                            alive[(s, kind)] -= 1
-                order.append((s, step))
-                pcs[s] += 1
+            if sim.advance(s):
                 progressed = True
-                continue
-            for a in step:
-                if a in done_ops[s]:
-                    continue
-                other, kind = peer(s, a)
-                if a.op in ("SA", "SG"):
-                    if capacity is None:
-                        partner = current(other)
-                        match = Action("RA" if kind == "act" else "RG", a.mb)
-                        if partner is not None and match in partner and match not in done_ops[other]:
-                            done_ops[s].add(a)
-                            done_ops[other].add(match)
-                            holding[other].add((kind, a.mb))
-                            alive[(other, kind)] = alive.get((other, kind), 0) + 1
-                            progressed = True
-                    elif alive.get((other, kind), 0) < capacity:
-                        alive[(other, kind)] = alive.get((other, kind), 0) + 1
-                        sent.add((other, kind, a.mb))
-                        done_ops[s].add(a)
-                        progressed = True
-                elif capacity is not None and (s, kind, a.mb) in sent:
-                    sent.discard((s, kind, a.mb))
-                    holding[s].add((kind, a.mb))
-                    done_ops[s].add(a)
-                    progressed = True
-            if all(a in done_ops[s] for a in step):
-                done_ops[s].clear()
-                order.append((s, step))
-                pcs[s] += 1
-                progressed = True
-        if all(pc == len(p) for pc, p in zip(pcs, programs)):
-            return order
+        if sim.finished():
+            return sim.order
         if not progressed:
             model = "rendezvous" if capacity is None else f"{capacity} slot(s) per edge"
             raise ScheduleError(f"schedule deadlocks ({model}); '>' marks where each stage waits:\n"
-                                + _table(programs, pcs))
+                                + _table(programs, sim.pcs))
 
 
 def min_capacity(programs: list[list[Step]], limit: int = 64) -> int:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from peerline import overrides
 from peerline.distributed.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ class Faults:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Faults:
-        env = os.environ if environ is None else environ
+        env = overrides.environment() if environ is None else environ
         attempt_text = env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
         try:
             attempt = int(attempt_text)

@@ -2,7 +2,7 @@
 
 Only the last stage sees the loss, but every rank must take the same decision, or the ranks that step and the
 ranks that do not drift apart (and the ones that stop leave the others hanging). `NonFiniteGuard` agrees on
-device, with no host synchronization, so it works inside a captured iteration (failsafe.py wires it up):
+device, with no host synchronization, so it works inside a captured iteration (resilience/failsafe.py wires it up):
 
   guard = NonFiniteGuard(device, skip=cfg.skip_nonfinite)
   guard.prepare(optimizer, completed=iterations_done)   # once, before capture

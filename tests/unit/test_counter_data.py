@@ -1,4 +1,4 @@
-"""CPU checks of the counter-based synthetic data (distributed/counter_data.py, `--data counter`) and its feed."""
+"""CPU checks of the counter-based synthetic data (distributed/data/counter.py, `--data counter`) and its feed."""
 
 from __future__ import annotations
 
@@ -12,6 +12,12 @@ from peerline.distributed.data import counter as counter_data
 from peerline.distributed.pipeline.engine import CounterDataFeed
 
 pytestmark = pytest.mark.timeout(60)
+
+
+def test_the_gpu_kernel_source_is_found():
+    # The GPU path compiles this file; on the CPU nothing else would notice a wrong path.
+    assert counter_data.KERNEL_SOURCE.is_file(), counter_data.KERNEL_SOURCE
+    assert "pl_counter_normal" in counter_data.KERNEL_SOURCE.read_text()
 
 
 def test_mix64_matches_splitmix64s_published_first_output():

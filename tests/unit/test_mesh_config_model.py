@@ -32,6 +32,7 @@ def test_grid_must_fit_world():
     ({"global_batch": 10, "dp": 2, "microbatches": 4}, "not divisible"),
     ({"model": "nocolon"}, "package.module:factory"),
     ({"timeout_s": 0}, "--timeout-s"),
+    ({"global_batch": 0}, "--global-batch must be >= 1"),
 ])
 def test_bad_config_is_one_clear_error(kwargs, match):
     with pytest.raises(ConfigError, match=match):

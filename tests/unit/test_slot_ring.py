@@ -1,4 +1,4 @@
-"""The slot-ring handoff protocol (distributed/slot_ring.py) against a simulated sender/receiver pair.
+"""The slot-ring handoff protocol (distributed/p2p/handoff_protocol.py) against a simulated sender/receiver pair.
 
 The op sequences checked here are the ones the copy-engine transport issues on the GPU.
 """

@@ -7,7 +7,7 @@ import torch
 
 from peerline.distributed.p2p import copy_engine as ce
 from peerline.distributed.p2p import handoff_protocol as sr
-from peerline.distributed.p2p.transport import ACT, GRAD, Links, TensorSpec
+from peerline.distributed.p2p.base import ACT, GRAD, Links, TensorSpec
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from peerline.distributed.p2p import copy_engine as ce
 from peerline.distributed.p2p import flag_ops as stream_ops
 from peerline.distributed.p2p import ipc
-from peerline.distributed.p2p.transport import ACT, GRAD, Links, TensorSpec
+from peerline.distributed.p2p.base import ACT, GRAD, Links, TensorSpec
 from peerline.distributed.streams import RankStreams
 
 pytestmark = pytest.mark.timeout(60)

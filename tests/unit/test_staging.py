@@ -1,4 +1,4 @@
-"""CPU tests of the pinned staging feed (distributed/staging.py): the slot ring's recycling on a fake clock, the
+"""CPU tests of the pinned staging feed (distributed/memory/staging.py): the slot ring's recycling on a fake clock, the
 data equal to DataFeed's, and a CPU Runtime trained through the feed equal to the DataFeed run."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from peerline.distributed.config import RunConfig
-from peerline.distributed.memory.staging import PinnedStagingFeed, SlotRing, attach
+from peerline.distributed.memory.staging import HostSlotRing, PinnedStagingFeed, attach
 from peerline.distributed.pipeline.engine import DataFeed
 
 pytestmark = pytest.mark.timeout(60)
@@ -35,7 +35,7 @@ class FakeFence:
 
 def test_ring_reuses_a_slot_only_after_its_copy_finished():
     clock = Clock()
-    ring = SlotRing(["a", "b", "c"])
+    ring = HostSlotRing(["a", "b", "c"])
     fences = []
     order = []
     # Each copy takes 1.0 time unit on a single copy engine, queued behind the previous one; the host needs 0.1
@@ -60,7 +60,7 @@ def test_ring_reuses_a_slot_only_after_its_copy_finished():
 
 def test_ring_never_waits_when_copies_are_done_and_release_none_frees():
     clock = Clock()
-    ring = SlotRing([0, 1])
+    ring = HostSlotRing([0, 1])
     for _ in range(5):
         i, _ = ring.acquire()
         ring.release(i, FakeFence(clock, clock.now))  # already finished
@@ -72,7 +72,7 @@ def test_ring_never_waits_when_copies_are_done_and_release_none_frees():
 
 def test_ring_waits_for_its_own_slot_not_the_newest():
     clock = Clock()
-    ring = SlotRing(["x", "y"])
+    ring = HostSlotRing(["x", "y"])
     i0, _ = ring.acquire()
     f0 = FakeFence(clock, 5.0)
     ring.release(i0, f0)
@@ -86,7 +86,7 @@ def test_ring_waits_for_its_own_slot_not_the_newest():
 
 def test_ring_rejects_no_slots():
     with pytest.raises(ValueError, match="at least one slot"):
-        SlotRing([])
+        HostSlotRing([])
 
 
 def _buffers(m: int, shape: tuple[int, ...]) -> list[torch.Tensor]:
