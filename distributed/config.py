@@ -1,190 +1,206 @@
-"""The run's configuration: one dataclass, documented fields, cross-field checks.
+"""The run's configuration: one frozen dataclass whose fields carry their command-line facts.
 
-The command line (launch/cli.py) maps onto `RunConfig`. Checks that need no process group run here, so every rank
-rejects a bad configuration with the same one-line `ConfigError` before anything can hang.
+Each field's `Flag` (its metadata) names the `--help` group, the help text, the choice list and the bounds;
+launch/cli.py builds the parser by walking the fields, `__post_init__` checks values from the same facts, and
+`to_dict` is the --json record's "config". Checks that need no process group run here, so every rank rejects a bad
+configuration with the same one-line `ConfigError` before anything can hang.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
-SCHEDULES = ("gpipe", "1f1b")
-DTYPES = ("bf16", "fp32")
-DEVICES = ("auto", "cuda", "cpu")
-KERNELS = ("auto", "peerline", "torch")
-P2P = ("auto", "copy-engine", "nccl")
-GRAD_SYNCS = ("buckets", "per-param")
-ALLREDUCE_PRIORITIES = ("highest", "normal")
-ALLOCATORS = ("caching", "async")
-STAGINGS = ("direct", "pinned")
-DATA_SOURCES = ("seeded", "counter")
+from peerline.choices import (
+    ALLOCATORS,
+    ALLREDUCE_PRIORITIES,
+    DATA_SOURCES,
+    DEVICES,
+    DTYPES,
+    GRAD_SYNCS,
+    KERNEL_IMPLEMENTATIONS,
+    KERNELS,
+    P2P,
+    SCHEDULES,
+    STAGINGS,
+)
+
+#: The `--help` groups, in the order they are shown.
+GRID, BATCH, MODEL, EXECUTION, OUTPUT, FAILURES = (
+    "grid", "schedule and batch", "model", "execution", "output", "failures and checkpoints")
+GROUPS = (GRID, BATCH, MODEL, EXECUTION, OUTPUT, FAILURES)
 
 
 class ConfigError(ValueError):
     """A user error: printed as one line `peerline: error: <message>`, exit code 2, on every rank."""
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """The command-line facts of one RunConfig field (its flag is `--<name with dashes>`).
+
+    group: the `--help` group; help: argparse help (may use %(default)s); choices: allowed values; short: an
+    alias such as '-m'; metavar: the value's name in --help; minimum: checked by RunConfig (None values pass);
+    switch: a bool field given as a plain on-switch instead of --x/--no-x; env: an override (peerline/overrides.py)
+    that replaces the field's default on the command line."""
+
+    group: str
+    help: str
+    choices: tuple[str, ...] | None = None
+    short: str | None = None
+    metavar: str | None = None
+    minimum: int | None = None
+    switch: bool = False
+    env: str | None = None
+
+
+def option(default: Any, group: str, help: str, **facts: Any) -> Any:
+    """A RunConfig field with its `Flag` as metadata."""
+    return dataclasses.field(default=default, metadata={"flag": Flag(group, help, **facts)})
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class RunConfig:
-    pp: int | None = None
+    pp: int | None = option(None, GRID, "pipeline stages across ranks (default: world size / dp)", minimum=1)
     """Pipeline stages across ranks (default: the world size divided by dp)."""
-    dp: int = 1
+    dp: int = option(1, GRID, "data-parallel replicas (default: %(default)s)", minimum=1)
     """Data-parallel replicas of the whole pipeline."""
-    stages: int = 1
+    stages: int = option(1, GRID, "stages on this one device, as separate streams (single-GPU mode; default: "
+                         "%(default)s)", minimum=1)
     """Stages per rank, run as separate streams of one device (single-GPU mode: --stages N)."""
-    schedule: str = "1f1b"
+    schedule: str = option("1f1b", BATCH, "(default: %(default)s)", choices=SCHEDULES)
     """Pipeline schedule: gpipe or 1f1b."""
-    microbatches: int = 4
+    microbatches: int = option(4, BATCH, "microbatches per iteration and replica (default: %(default)s)",
+                               short="-m", minimum=1)
     """Microbatches per iteration and replica (M)."""
-    micro_batch_size: int = 2
+    micro_batch_size: int = option(2, BATCH, "sequences per microbatch (default: %(default)s)", minimum=1)
     """Sequences per microbatch."""
-    global_batch: int | None = None
+    global_batch: int | None = option(None, BATCH, "sequences per iteration over all replicas (sets "
+                                      "--micro-batch-size; must divide by dp x microbatches)", minimum=1)
     """Sequences per iteration over all replicas; when given, micro_batch_size = global_batch / (dp * M)."""
-    seq: int = 64
+    seq: int = option(64, BATCH, "tokens per sequence (default: %(default)s)", minimum=1)
     """Tokens per sequence."""
-    hidden: int = 128
+    hidden: int = option(128, MODEL, "hidden size (default: %(default)s)", minimum=1)
     """Hidden size of the default model."""
-    layers: int = 8
+    layers: int = option(8, MODEL, "residual MLP blocks (default: %(default)s)", minimum=1)
     """Residual MLP blocks of the default model."""
-    model: str | None = None
+    model: str | None = option(None, MODEL, "a user model 'pkg.module:factory' returning an nn.Sequential")
     """A user model: 'pkg.module:factory' returning an nn.Sequential (replaces the default model)."""
-    seed: int = 0
+    seed: int = option(0, MODEL, "(default: %(default)s)")
     """Seed of the weights and of the synthetic data."""
-    iters: int = 5
+    iters: int = option(5, EXECUTION, "iterations from the start of training (default: %(default)s)", minimum=1)
     """Iterations counted from the start of training (a resumed run continues up to this number)."""
-    lr: float = 1e-3
+    lr: float = option(1e-3, MODEL, "AdamW learning rate (default: %(default)s)")
     """AdamW learning rate."""
-    device: str = "auto"
+    device: str = option("auto", EXECUTION, "default: $PEERLINE_DEVICE, else auto (CUDA when available)",
+                         choices=DEVICES, env="PEERLINE_DEVICE")
     """auto (CUDA when available), cuda, or cpu."""
-    dtype: str | None = None
+    dtype: str | None = option(None, EXECUTION, "bf16 autocast (default on GPU) or fp32 (default on CPU)",
+                               choices=DTYPES)
     """bf16 (autocast; default on GPU) or fp32 (default on CPU)."""
-    kernels: str = "auto"
+    kernels: str = option("auto", EXECUTION, "elementwise kernels (default: %(default)s = peerline on GPU, torch "
+                          "on CPU)", choices=KERNELS)
     """Elementwise kernels: peerline (warp-specialized CUDA), torch, or auto (peerline on GPU)."""
-    p2p: str = "auto"
+    p2p: str = option("auto", EXECUTION, "stage-to-stage transport (default: %(default)s = copy engine between "
+                      "GPUs of a host)", choices=P2P)
     """Stage-to-stage transport: copy-engine, nccl (gloo on CPU), or auto."""
-    p2p_lanes: int = 2
+    p2p_lanes: int = option(2, EXECUTION, "copy-engine send streams (default: %(default)s, messages round robin)")
     """Send streams of the copy-engine transport (2: messages round robin over two lanes)."""
-    p2p_split: bool = False
+    p2p_split: bool = option(False, EXECUTION, "copy-engine: copy each message's halves on two lanes at once "
+                             "(default: off)")
     """Copy-engine transport: each message's halves copied at once by two lanes (needs an even --p2p-lanes)."""
-    p2p_decoupled: bool = False
+    p2p_decoupled: bool = option(False, EXECUTION, "copy-engine: flags on the last two lanes, copies alone on the "
+                                 "others (default: off)")
     """Copy-engine transport: the last two lanes carry the FREE / FULL flags, the others only copies (--p2p-lanes
     >= 3, not with --p2p-split)."""
-    graph: bool | None = None
+    graph: bool | None = option(None, EXECUTION, "capture each iteration into a CUDA graph (default: on for GPUs)")
     """Capture each iteration into a CUDA graph (default on GPU; ignored on the CPU)."""
-    warmup_iters: int = 3
+    warmup_iters: int = option(3, EXECUTION, "eager iterations before graph capture (default: %(default)s)",
+                               minimum=1)
     """Eager iterations before a CUDA graph is captured."""
-    graph_loop: int = 1
+    graph_loop: int = option(1, EXECUTION, "iterations per host launch of the graph: K > 1 loops the captured "
+                             "iteration on the device, the host launching once per K iterations (default: "
+                             "%(default)s; --log-every then defaults to K)", metavar="K", minimum=1)
     """Iterations per host launch of the graph: K > 1 replays the captured iteration K times from one launch (a
-    WHILE node on the device, the K iterations' data staged on the device first: graph_loop.py), so the host's
+    WHILE node on the device, the K iterations' data staged on the device first: cudagraph/loop.py), so the host's
     launch cost is paid once per K iterations. Needs --log-every a multiple of K (launches also end at --save-every
     checkpoints); a graph that cannot be looped (copy-engine flags between GPUs) replays one iteration per
     launch, with a notice."""
-    grad_sync: str = "buckets"
+    grad_sync: str = option("buckets", EXECUTION, "data-parallel gradient average (default: %(default)s)",
+                            choices=GRAD_SYNCS)
     """Data-parallel gradient average: buckets (bucketed all-reduce overlapped with backward) or per-param."""
-    bucket_mb: float = 25.0
+    bucket_mb: float = option(25.0, EXECUTION, "(default: %(default)s)")
     """Gradient bucket size for the data-parallel all-reduce, MiB."""
-    first_bucket_mb: float = 1.0
+    first_bucket_mb: float = option(1.0, EXECUTION, "(default: %(default)s)")
     """Size of the first (last-layer) bucket, MiB, so the all-reduce starts early."""
-    nccl_max_ctas: int | None = 16
+    nccl_max_ctas: int | None = option(16, EXECUTION, "cap on the CTAs (SMs) of the dp group's NCCL all-reduce "
+                                       "kernels, 0 = NCCL's default (default: %(default)s, measured on H200; see "
+                                       "docs/benchmarks)")
     """Cap on the CTAs (SMs) of the dp group's NCCL kernels (bucket all-reduces overlapped with backward); 0 or
     None: NCCL's default. The buckets of the stage's first layer, which nothing is left to overlap, run on an
-    uncapped twin group (Mesh.dp_tail_group). Measured on 2 x H200 (dp=2, docs/benchmarks, 2026-11-26 calls 4-5):
-    against NCCL's default CTAs, 16 left less all-reduce exposed after backward (0.175 vs 0.334 ms) and was ahead
-    on the launch-heavy model (1.016x vs 0.991x DDP in shuffled interleaved rounds), level on the GPU-bound one
-    (1.016x vs 1.027x, within the round-to-round spread)."""
-    allreduce_priority: str = "highest"
+    uncapped twin group (Mesh.dp_tail_group). 16 leaves backward its SMs and exposes less all-reduce after it than
+    NCCL's default; docs/benchmarks has the measurements."""
+    allreduce_priority: str = option("highest", EXECUTION, "all-reduce stream priority: highest (a ready bucket is "
+                                     "not queued behind backward) or normal (as DDP's), for comparison; graphs "
+                                     "ignore stream priorities (default: %(default)s)", choices=ALLREDUCE_PRIORITIES)
     """Priority of the all-reduce stream: highest (the device's highest, so a ready bucket's all-reduce is not
     queued behind backward kernels) or normal (as DDP's NCCL stream), for comparison. Eager iterations only: a
     CUDA graph launched as torch instantiates it ignores the priorities of the streams it was captured from."""
-    timeout_s: float = 300.0
+    timeout_s: float = option(300.0, EXECUTION, "deadline for any wait, seconds (default: %(default)s)")
     """Deadline for any wait: process-group timeout and the per-iteration watchdog."""
-    log_every: int = 1
-    """Read the loss back (one host sync) every N iterations."""
-    json: str | None = None
+    log_every: int | None = option(None, OUTPUT, "read the loss back every N iterations (default: 1, or K with "
+                                   "--graph-loop K)", minimum=1)
+    """Read the loss back (one host sync) every N iterations; None: once per graph launch (1, or graph_loop)."""
+    json: str | None = option(None, OUTPUT, "write config, losses, timings and versions to this file (rank 0)")
     """Write config, losses, timings and versions to this JSON file (rank 0)."""
-    timeline: str | None = None
+    timeline: str | None = option(None, OUTPUT, "write a timeline of the last iteration: PATH.png and PATH.json")
     """Write a timeline (PNG + Chrome trace) of the last iteration with this path stem."""
-    data: str = "seeded"
+    data: str = option("seeded", EXECUTION, "synthetic data: seeded (torch's generator, reseeded on the host per "
+                       "iteration) or counter (a counter-based hash made on the device inside the graph: no host "
+                       "work per iteration; default: %(default)s)", choices=DATA_SOURCES)
     """Synthetic data: seeded (torch's generator reseeded per iteration and microbatch on the host) or counter (a
     hash of (seed, iteration, microbatch, element) made on the device from an iteration counter, inside the CUDA
-    graph: no host work per iteration; counter_data.py)."""
-    staging: str = "direct"
+    graph: no host work per iteration; data/counter.py)."""
+    staging: str = option("direct", EXECUTION, "inputs/results: direct, or pinned (host ring + h2d/d2h streams; "
+                          "default: %(default)s)", choices=STAGINGS)
     """Inputs and results: direct (generated on the device into the static buffers) or pinned (generated on the
     host, equal to the CPU's data, staged through a ring of pinned slots on the h2d stream; per-microbatch losses
-    back on the d2h stream: distributed/staging.py)."""
-    allocator: str | None = None
+    back on the d2h stream: memory/staging.py)."""
+    allocator: str | None = option(None, EXECUTION, "device allocator: caching or async (cudaMallocAsync; default: "
+                                   "$PEERLINE_ALLOCATOR, else the backend PYTORCH_CUDA_ALLOC_CONF selects)",
+                                   choices=ALLOCATORS, env="PEERLINE_ALLOCATOR")
     """Device allocator: caching (PyTorch's) or async (cudaMallocAsync pool); chosen before torch loads. None: the
     one the environment chose (PYTORCH_CUDA_ALLOC_CONF; caching unless it names cudaMallocAsync)."""
-    pool_release_threshold: int | None = None
+    pool_release_threshold: int | None = option(None, EXECUTION, "bytes the async pool keeps across "
+                                                "synchronizations (default: all)")
     """Bytes the async allocator's pool keeps across synchronizations (default: all of it)."""
-    seq_jitter: float = 0.0
-    """Variable-size per-microbatch scratch (sequence length varies by up to this fraction; 0: off)."""
+    save: str | None = option(None, FAILURES, "write checkpoints to DIR (checked for writing before training)",
+                              metavar="DIR")
+    """Directory the checkpoints are written to."""
+    save_every: int = option(0, FAILURES, "checkpoint every N iterations (default: only at the end)", metavar="N",
+                             minimum=0)
+    """Checkpoint every N iterations; 0: only at the end (needs save)."""
+    resume: str | None = option(None, FAILURES, "continue from the newest checkpoint in DIR (grid, schedule and "
+                                "model must match); the run still ends at --iters, counted from the start of "
+                                "training", metavar="DIR")
+    """Directory whose newest checkpoint the run continues from."""
+    skip_nonfinite: bool = option(False, FAILURES, "skip the optimizer step of an iteration with a NaN/inf loss "
+                                  "(on every rank) instead of stopping", switch=True)
+    """Skip the optimizer step of an iteration whose loss is NaN/inf (on every rank) instead of stopping."""
 
     def __post_init__(self) -> None:
-        def choose(name: str, value: object, allowed: tuple[str, ...]) -> None:
-            if value not in allowed:
-                raise ConfigError(f"unknown {name} {value!r}; choose one of {', '.join(allowed)}")
-
-        choose("schedule", self.schedule, SCHEDULES)
-        choose("device", self.device, DEVICES)
-        choose("kernels", self.kernels, KERNELS)
-        choose("p2p", self.p2p, P2P)
-        choose("grad sync", self.grad_sync, GRAD_SYNCS)
-        choose("staging", self.staging, STAGINGS)
-        choose("data", self.data, DATA_SOURCES)
-        if self.data == "counter" and self.staging != "direct":
-            raise ConfigError("--data counter makes the data on the device: it needs --staging direct")
-        if self.allocator is not None:
-            choose("allocator", self.allocator, ALLOCATORS)
-        if not 0.0 <= self.seq_jitter < 1.0:
-            raise ConfigError(f"--seq-jitter must be in [0, 1), got {self.seq_jitter}")
-        if self.pool_release_threshold is not None:
-            if self.allocator == "caching":
-                raise ConfigError("--pool-release-threshold applies to --allocator async only")
-            if self.pool_release_threshold < 0:
-                raise ConfigError(f"--pool-release-threshold must be >= 0 bytes, got {self.pool_release_threshold}")
-        if self.dtype is not None:
-            choose("dtype", self.dtype, DTYPES)
-        for name in ("dp", "stages", "microbatches", "micro_batch_size", "seq", "hidden", "layers", "iters",
-                     "log_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.p2p_lanes < 1 or (self.p2p_split and self.p2p_lanes % 2):
-            raise ConfigError(f"--p2p-lanes must be >= 1 (and even with --p2p-split), got {self.p2p_lanes}")
-        if self.p2p_decoupled and (self.p2p_split or self.p2p_lanes < 3):
-            raise ConfigError(f"--p2p-decoupled needs --p2p-lanes >= 3 and no --p2p-split, got {self.p2p_lanes}")
-        if self.pp is not None and self.pp < 1:
-            raise ConfigError(f"--pp must be >= 1, got {self.pp}")
-        if self.graph_loop < 1:
-            raise ConfigError(f"--graph-loop must be >= 1, got {self.graph_loop}")
-        if self.graph_loop > 1 and self.log_every % self.graph_loop:
-            raise ConfigError(f"--graph-loop {self.graph_loop} runs {self.graph_loop} iterations per launch: "
-                              f"--log-every must be a multiple of it, got {self.log_every}")
-        if self.graph_loop > 1 and self.staging != "direct":
-            raise ConfigError("--graph-loop needs --staging direct (the looped iterations read data staged on the "
-                              "device)")
-        if self.warmup_iters < 1:
-            raise ConfigError(f"--warmup-iters must be >= 1, got {self.warmup_iters}")
-        if self.nccl_max_ctas is not None and not 0 <= self.nccl_max_ctas <= 64:
-            raise ConfigError(f"--nccl-max-ctas must be in 0..64 (0: NCCL's default), got {self.nccl_max_ctas}")
-        if self.allreduce_priority not in ALLREDUCE_PRIORITIES:
-            raise ConfigError(f"--allreduce-priority must be one of {', '.join(ALLREDUCE_PRIORITIES)}, got "
-                              f"{self.allreduce_priority!r}")
-        if self.bucket_mb <= 0 or self.first_bucket_mb <= 0:
-            raise ConfigError("--bucket-mb and --first-bucket-mb must be positive")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"--timeout-s must be positive, got {self.timeout_s}")
-        if self.lr <= 0:
-            raise ConfigError(f"--lr must be positive, got {self.lr}")
-        if self.global_batch is not None:
-            per = self.dp * self.microbatches
-            if self.global_batch % per:
-                raise ConfigError(f"global batch {self.global_batch} is not divisible by dp x microbatches "
-                                  f"= {self.dp} x {self.microbatches} = {per}")
-            self.micro_batch_size = self.global_batch // per
+        _check_flags(self)
+        _check_transport(self)
+        _check_graph_loop(self)
+        _check_memory(self)
+        _check_numbers(self)
+        _derive_batch(self)
         if self.model is not None and ":" not in self.model:
             raise ConfigError(f"--model {self.model!r} must look like 'package.module:factory'")
+        if self.save_every and not self.save:
+            raise ConfigError("--save-every needs --save DIR")
 
     def resolved_pp(self, world_size: int) -> int:
         """Pipeline stages across ranks; checks pp x dp against the world size."""
@@ -199,4 +215,85 @@ class RunConfig:
         return self.resolved_pp(world_size) * self.stages
 
     def to_dict(self) -> dict[str, object]:
+        """Every field by name (flat, in declaration order): the --json record's "config"."""
         return dataclasses.asdict(self)
+
+
+def flags() -> Iterator[tuple[dataclasses.Field, Flag]]:
+    """Every RunConfig field with its Flag, in declaration order."""
+    for f in dataclasses.fields(RunConfig):
+        yield f, f.metadata["flag"]
+
+
+def flag_name(field_name: str) -> str:
+    """The command-line flag of a field: 'micro_batch_size' -> '--micro-batch-size'."""
+    return "--" + field_name.replace("_", "-")
+
+
+def _check_flags(cfg: RunConfig) -> None:
+    """Choice lists and lower bounds, from each field's Flag (None values are left to their defaults)."""
+    for f, flag in flags():
+        value = getattr(cfg, f.name)
+        if value is None:
+            continue
+        if flag.choices is not None and value not in flag.choices:
+            raise ConfigError(f"unknown {f.name.replace('_', ' ')} {value!r}; choose one of "
+                              f"{', '.join(flag.choices)}")
+        if flag.minimum is not None and value < flag.minimum:
+            raise ConfigError(f"{flag_name(f.name)} must be >= {flag.minimum}, got {value}")
+
+
+def _check_transport(cfg: RunConfig) -> None:
+    if cfg.p2p_lanes < 1 or (cfg.p2p_split and cfg.p2p_lanes % 2):
+        raise ConfigError(f"--p2p-lanes must be >= 1 (and even with --p2p-split), got {cfg.p2p_lanes}")
+    if cfg.p2p_decoupled and (cfg.p2p_split or cfg.p2p_lanes < 3):
+        raise ConfigError(f"--p2p-decoupled needs --p2p-lanes >= 3 and no --p2p-split, got {cfg.p2p_lanes}")
+    if cfg.nccl_max_ctas is not None and not 0 <= cfg.nccl_max_ctas <= 64:
+        raise ConfigError(f"--nccl-max-ctas must be in 0..64 (0: NCCL's default), got {cfg.nccl_max_ctas}")
+
+
+def _check_graph_loop(cfg: RunConfig) -> None:
+    """Looped launches read the loss once per launch and need the data already on the device."""
+    if cfg.log_every is None:  # not given: read the loss once per looped launch
+        object.__setattr__(cfg, "log_every", cfg.graph_loop)
+    if cfg.graph_loop > 1 and cfg.log_every % cfg.graph_loop:
+        raise ConfigError(f"--graph-loop {cfg.graph_loop} runs {cfg.graph_loop} iterations per launch: "
+                          f"--log-every must be a multiple of it, got {cfg.log_every}")
+    if cfg.graph_loop > 1 and cfg.staging != "direct":
+        raise ConfigError("--graph-loop needs --staging direct (the looped iterations read data staged on the "
+                          "device)")
+
+
+def _check_memory(cfg: RunConfig) -> None:
+    if cfg.data == "counter" and cfg.staging != "direct":
+        raise ConfigError("--data counter makes the data on the device: it needs --staging direct")
+    if cfg.pool_release_threshold is not None:
+        if cfg.allocator == "caching":
+            raise ConfigError("--pool-release-threshold applies to --allocator async only")
+        if cfg.pool_release_threshold < 0:
+            raise ConfigError(f"--pool-release-threshold must be >= 0 bytes, got {cfg.pool_release_threshold}")
+
+
+def _check_numbers(cfg: RunConfig) -> None:
+    if cfg.bucket_mb <= 0 or cfg.first_bucket_mb <= 0:
+        raise ConfigError("--bucket-mb and --first-bucket-mb must be positive")
+    if cfg.timeout_s <= 0:
+        raise ConfigError(f"--timeout-s must be positive, got {cfg.timeout_s}")
+    if cfg.lr <= 0:
+        raise ConfigError(f"--lr must be positive, got {cfg.lr}")
+
+
+def _derive_batch(cfg: RunConfig) -> None:
+    """global_batch, when given, sets micro_batch_size (the config is frozen: set once, here)."""
+    if cfg.global_batch is None:
+        return
+    per = cfg.dp * cfg.microbatches
+    if cfg.global_batch % per:
+        raise ConfigError(f"global batch {cfg.global_batch} is not divisible by dp x microbatches "
+                          f"= {cfg.dp} x {cfg.microbatches} = {per}")
+    object.__setattr__(cfg, "micro_batch_size", cfg.global_batch // per)
+
+
+__all__ = ["RunConfig", "ConfigError", "Flag", "GROUPS", "flags", "flag_name", "SCHEDULES", "DTYPES", "DEVICES",
+           "KERNEL_IMPLEMENTATIONS", "KERNELS", "P2P", "GRAD_SYNCS", "ALLREDUCE_PRIORITIES", "ALLOCATORS",
+           "STAGINGS", "DATA_SOURCES"]

@@ -66,3 +66,14 @@ def test_mpi_hint_without_mpi_world_falls_back(monkeypatch):
     # A lone process with an OMPI variable but mpi4py reporting one rank and... still a valid single-rank answer.
     info = detect_launch({"OMPI_COMM_WORLD_SIZE": "1"})
     assert info.world_size == 1
+
+
+def test_process_environment_is_the_default(monkeypatch):
+    # No mapping given: the process environment, read through peerline/overrides.py.
+    for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    info = detect_launch()
+    assert (info.rank, info.world_size, info.local_rank, info.launcher) == (1, 2, 1, "torchrun")

@@ -47,15 +47,15 @@ def test_allreduce_priority_flag() -> None:
     assert RunConfig().allreduce_priority == "highest"
     cfg = config_from_args(build_parser().parse_args(["--allreduce-priority", "normal"]))
     assert cfg.allreduce_priority == "normal"
-    with pytest.raises(ConfigError, match="--allreduce-priority must be one of highest, normal"):
+    with pytest.raises(ConfigError, match="unknown allreduce priority 'urgent'; choose one of highest, normal"):
         RunConfig(allreduce_priority="urgent")
     with pytest.raises(ValueError, match="allreduce_priority must be highest or normal"):
         create_rank_streams(torch.device("cpu"), allreduce_priority="urgent")
 
 
 def test_nccl_max_ctas_default_and_zero() -> None:
+    from peerline.distributed.assemble import dp_group_options
     from peerline.distributed.config import RunConfig
-    from peerline.distributed.runtime import dp_group_options
 
     assert RunConfig().nccl_max_ctas == 16  # measured default (config.py says where)
     cfg = config_from_args(build_parser().parse_args(["--nccl-max-ctas", "0"]))

@@ -1,0 +1,22 @@
+"""The choice lists of the run's configuration, each defined once.
+
+A neutral module that imports nothing, so kernels/ (which must not import distributed/) and distributed/config.py
+(which re-exports every list) share the same tuples; the command line takes its `choices=` from here too.
+"""
+
+from __future__ import annotations
+
+SCHEDULES = ("gpipe", "1f1b")
+DTYPES = ("bf16", "fp32")
+DEVICES = ("auto", "cuda", "cpu")
+KERNEL_IMPLEMENTATIONS = ("peerline", "torch")
+KERNELS = ("auto", *KERNEL_IMPLEMENTATIONS)
+P2P = ("auto", "copy-engine", "nccl")
+GRAD_SYNCS = ("buckets", "per-param")
+ALLREDUCE_PRIORITIES = ("highest", "normal")
+ALLOCATORS = ("caching", "async")
+STAGINGS = ("direct", "pinned")
+DATA_SOURCES = ("seeded", "counter")
+
+__all__ = ["SCHEDULES", "DTYPES", "DEVICES", "KERNEL_IMPLEMENTATIONS", "KERNELS", "P2P", "GRAD_SYNCS",
+           "ALLREDUCE_PRIORITIES", "ALLOCATORS", "STAGINGS", "DATA_SOURCES"]
