@@ -1,4 +1,4 @@
-"""peerline's main job: parse flags -> build the run -> train -> report.
+"""peerline's main job: parse flags -> assemble the run -> train -> report.
 
     torchrun --nproc_per_node=2 launch/pipeline.py [flags]      (also srun, mpirun, or plain python)
 """
@@ -23,12 +23,14 @@ try:
     _ALLOCATOR_ERROR = preconfigure_from_argv(sys.argv[1:])
     import torch
 
-    from peerline.distributed.config import ConfigError
+    from peerline import overrides
+    from peerline.distributed.config import ConfigError, RunConfig
+    from peerline.distributed.hooks import IterationStats
     from peerline.distributed.observe.progress import ProgressReporter
     from peerline.distributed.observe.versions import versions
     from peerline.distributed.resilience import faults
-    from peerline.distributed.resilience.failsafe import Failsafe, failsafe_options
-    from peerline.distributed.runtime import IterationStats, Runtime
+    from peerline.distributed.resilience.failsafe import Failsafe
+    from peerline.distributed.runtime import Runtime
     from peerline.launch.cli import build_parser, config_from_args
 except ImportError as exc:  # run from a checkout that was never installed
     print(f"peerline: error: cannot import peerline ({exc}); install it first: pip install -e .", file=sys.stderr)
@@ -39,52 +41,16 @@ ERROR_GRACE_S = 2.0
 
 
 def run(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if _ALLOCATOR_ERROR:
-        raise ConfigError(_ALLOCATOR_ERROR)
-    cfg = config_from_args(args)
-    if args.print_schedule:
-        from peerline.distributed.pipeline import schedule
-        print(schedule.render(schedule.build(cfg.schedule, (cfg.pp or 1) * cfg.stages, cfg.microbatches)))
+    """Parse -> assemble (with the failsafe hook) -> train -> report. Returns the exit code."""
+    cfg = parse(argv)
+    if cfg is None:
         return 0
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-    if cfg.device == "auto" and not torch.cuda.is_available() and rank == 0:
-        print("peerline: no GPU found; running the same pipeline on the CPU with gloo", flush=True)
     faults.active()  # a bad PEERLINE_FAULT is one clear line before anything starts
-    rt = Runtime.create(cfg)
+    # The failsafe: watchdog, fault hooks, checkpoints at --save-every, --resume, the non-finite guard.
+    rt = Runtime.create(cfg, hooks=[Failsafe.attach])
     try:
-        fs = Failsafe.attach(rt, **failsafe_options(args))  # watchdog, fault hooks, checkpoints, non-finite guard
-        is_writer = rt.info.rank == 0
-        if is_writer:
-            print(f"peerline: {rt.info.world_size} rank(s) via {rt.info.launcher}, pp={rt.mesh.pp} dp={rt.mesh.dp} "
-                  f"stages/rank={cfg.stages}, schedule {cfg.schedule}, M={cfg.microbatches}, device "
-                  f"{rt.device.type}, p2p {rt.transport_name}; {rt.split}", flush=True)
-            for notice in rt.notices:
-                print(f"peerline: {notice}", flush=True)
-        history: list[IterationStats] = []
-        with ProgressReporter(cfg.iters, enabled=is_writer, start=rt.iteration) as progress:
-            def on_iteration(stats: IterationStats) -> None:
-                history.append(stats)
-                progress.update(stats)
-
-            fs.train(on_iteration=on_iteration)
-        if cfg.timeline:
-            rt.write_timeline(cfg.timeline)
-        checksums = rt.layer_checksums() if cfg.json else {}
-        if is_writer:
-            if cfg.json:
-                with open(cfg.json, "w") as f:
-                    json.dump({"config": cfg.to_dict(), "world_size": rt.info.world_size, "launcher": rt.info.launcher,
-                               "transport": rt.transport_name, "graph": rt.graph is not None,
-                               "graph_loop": rt.graph_loop, "graph_loop_failed": rt.graph_loop_failed,
-                               "losses": [s.loss for s in history], "iterations": [s.iteration for s in history],
-                               "ms_per_iter": [s.ms for s in history],
-                               "tokens_per_s": [s.tokens_per_s for s in history],
-                               "peak_mem_gb": max((s.peak_mem_gb for s in history), default=0.0),
-                               "layer_checksums": checksums,
-                               "versions": versions()}, f, indent=1)
-            final = history[-1].loss if history else float("nan")
-            print(f"peerline: final loss={final:.9g} iterations={rt.iteration}", flush=True)
+        history = train(rt)
+        report(rt, history)
     finally:
         clean = rt.close()
     # Leave without the interpreter's teardown when it can only hurt: NCCL teardown stuck (captured communicators),
@@ -99,14 +65,71 @@ def run(argv: list[str] | None = None) -> int:
     return 0
 
 
+def parse(argv: list[str] | None) -> RunConfig | None:
+    """The run's configuration from the command line; None when there is nothing to train (--print-schedule)."""
+    args = build_parser().parse_args(argv)
+    if _ALLOCATOR_ERROR:
+        raise ConfigError(_ALLOCATOR_ERROR)
+    cfg = config_from_args(args)
+    if args.print_schedule:
+        from peerline.distributed.pipeline import schedule
+        print(schedule.render(schedule.build(cfg.schedule, (cfg.pp or 1) * cfg.stages, cfg.microbatches)))
+        return None
+    rank = overrides.get_int("RANK", overrides.get_int("SLURM_PROCID", 0))
+    if cfg.device == "auto" and not torch.cuda.is_available() and rank == 0:
+        print("peerline: no GPU found; running the same pipeline on the CPU with gloo", flush=True)
+    return cfg
+
+
+def train(rt: Runtime) -> list[IterationStats]:
+    """The start lines (rank 0), then training with a progress line per logged iteration; returns their stats."""
+    cfg = rt.cfg
+    is_writer = rt.info.rank == 0
+    if is_writer:
+        print(f"peerline: {rt.info.world_size} rank(s) via {rt.info.launcher}, pp={rt.mesh.pp} dp={rt.mesh.dp} "
+              f"stages/rank={cfg.stages}, schedule {cfg.schedule}, M={cfg.microbatches}, device "
+              f"{rt.device.type}, p2p {rt.transport_name}; {rt.split}", flush=True)
+        for notice in rt.notices:
+            print(f"peerline: {notice}", flush=True)
+    history: list[IterationStats] = []
+    with ProgressReporter(cfg.iters, enabled=is_writer, start=rt.iteration) as progress:
+        def on_iteration(stats: IterationStats) -> None:
+            history.append(stats)
+            progress.update(stats)
+
+        rt.train(on_iteration=on_iteration)
+    return history
+
+
+def report(rt: Runtime, history: list[IterationStats]) -> None:
+    """The --json record and the final line (rank 0; the checksums for the record are gathered from every rank)."""
+    cfg = rt.cfg
+    checksums = rt.layer_checksums() if cfg.json else {}
+    if rt.info.rank != 0:
+        return
+    if cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump({"config": cfg.to_dict(), "world_size": rt.info.world_size, "launcher": rt.info.launcher,
+                       "transport": rt.transport_name, "graph": rt.graph is not None,
+                       "graph_loop": rt.graph_loop, "graph_loop_failed": rt.graph_loop_failed,
+                       "losses": [s.loss for s in history], "iterations": [s.iteration for s in history],
+                       "ms_per_iter": [s.ms for s in history],
+                       "tokens_per_s": [s.tokens_per_s for s in history],
+                       "peak_mem_gb": max((s.peak_mem_gb for s in history), default=0.0),
+                       "layer_checksums": checksums,
+                       "versions": versions()}, f, indent=1)
+    final = history[-1].loss if history else float("nan")
+    print(f"peerline: final loss={final:.9g} iterations={rt.iteration}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("PEERLINE_LOG", "WARNING"),
-                        format="%(asctime)s %(name)s [rank " + os.environ.get("RANK", "0") + "] %(message)s")
+    logging.basicConfig(level=overrides.get_str("PEERLINE_LOG", "WARNING"),
+                        format="%(asctime)s %(name)s [rank " + overrides.get_str("RANK", "0") + "] %(message)s")
     try:
         return run(argv)
     except ConfigError as exc:
         print(f"peerline: error: {exc}", file=sys.stderr, flush=True)
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if overrides.get_int("WORLD_SIZE", 1) > 1:
             # torchrun stops the other ranks as soon as one exits: a short grace lets every rank, which checks
             # the same input at the same point, print its own line first.
             time.sleep(ERROR_GRACE_S)

@@ -2,8 +2,8 @@
 
 The engine owns the iteration: it issues every forward, backward, handoff, gradient sync and the optimizer step
 in schedule order, on the stages' compute streams, and never waits on the host. That makes `iteration()` safe to
-capture into a CUDA graph (graph.py). The loss is accumulated on the device into `loss_sum`; reading it is the
-caller's business, once per logged iteration.
+capture into a CUDA graph (cudagraph/capture.py). The loss is accumulated on the device into `loss_sum`; reading
+it is the caller's business, once per logged iteration.
 
 A rank runs one stage (one process per GPU) or several (single-GPU mode: stages as streams of one device).
 Handoffs to a stage of another rank go through the `Transport`; handoffs between local stages are an
@@ -25,7 +25,7 @@ from peerline.distributed.config import ConfigError
 from peerline.distributed.data import counter as counter_data
 from peerline.distributed.model import fill_batch
 from peerline.distributed.observe.timeline import Timeline
-from peerline.distributed.p2p.transport import ACT, GRAD, TensorSpec, Transport
+from peerline.distributed.p2p.base import ACT, GRAD, TensorSpec, Transport
 from peerline.distributed.pipeline.schedule import Step, step_str
 from peerline.distributed.streams import use, wait_stream
 from peerline.kernels import fused_linear
@@ -36,6 +36,15 @@ class GradSync(Protocol):
     def arm(self) -> None: ...
     def finish(self) -> None: ...
     def metrics(self) -> dict[str, float]: ...
+
+
+class ExchangeObserver(Protocol):
+    """Told of every exchange with another rank, on the host, around `Transport.exchange` (e.g. the watchdog's
+    view of which edge and microbatch this rank waits for). Both run on the exchanging stage's stream."""
+
+    def on_exchange(self, sends: list[tuple[str, int, torch.Tensor]], recvs: list[tuple[str, int]]) -> None: ...
+    def after_exchange(self, sends: list[tuple[str, int, torch.Tensor]], recvs: list[tuple[str, int]],
+                       received: list[torch.Tensor]) -> None: ...
 
 
 @dataclass
@@ -85,7 +94,8 @@ class DataFeed:
 
     def load_into(self, iteration: int, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
         """Fill `inputs` / `targets` (shaped like this feed's buffers) with the data of `iteration`: the static
-        buffers themselves (load), or a slot of a device-side ring that a looped graph copies from (graph_loop.py)."""
+        buffers themselves (load), or a slot of a device-side ring that a looped graph copies from
+        (cudagraph/loop.py)."""
         for buf, global_mb, stream_id in self.buffers(inputs, targets):
             fill_batch(buf, self.seed, iteration, global_mb, stream_id, self.generator)
 
@@ -100,7 +110,7 @@ class DataFeed:
 
 @dataclass
 class CounterDataFeed(DataFeed):
-    """`--data counter`: the same static buffers, filled from a counter-based hash (counter_data.py) of the
+    """`--data counter`: the same static buffers, filled from a counter-based hash (data/counter.py) of the
     iteration held on the device in `counter`. A captured iteration makes its own data (`generate`, then
     `advance`), so replays need no host work for data; eager iterations set the counter and generate (`load`).
     `counter_at` is the host's view of the value the counter holds when the work queued so far has run."""
@@ -153,12 +163,19 @@ class Engine:
         self.autocast_dtype = autocast_dtype
         self.timeline = timeline or Timeline(rank=0, enabled=False)
         self.check_shapes = check_shapes
+        #: told of every exchange with another rank (None: nobody watches); set before any capture
+        self.exchange_observer: ExchangeObserver | None = None
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         # The step after which each stage's gradients are final: arm the gradient sync just before it.
         self._last_backward = {}
         for pos, (s, step) in enumerate(program):
             if step[0].op == "B":
                 self._last_backward[s] = pos
+
+    def use_feed(self, feed: DataFeed) -> None:
+        """Read the data from `feed` from the next iteration on (a feed with the same static buffers, such as the
+        pinned staging feed, keeps a captured graph valid)."""
+        self.feed = feed
 
     # -- streams -------------------------------------------------------------------------------------------
     @property
@@ -265,8 +282,13 @@ class Engine:
                 recvs.append((kind, a.mb))
         if not sends and not recvs:
             return
+        observer = self.exchange_observer
         with self.timeline.span("p2p", step_str(step), stage.stream):
+            if observer is not None:
+                observer.on_exchange(sends, recvs)
             received = self.transport.exchange(sends, recvs)
+            if observer is not None:
+                observer.after_exchange(sends, recvs, received)
         for (kind, mb), tensor in zip(recvs, received):
             self._accept(stage, kind, mb, tensor)
 

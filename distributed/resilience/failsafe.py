@@ -1,29 +1,29 @@
-"""Failure behaviour of a run, attached to a built Runtime: deadlines, clear errors, faults, checkpoints.
+"""Failure behaviour of a run, as an iteration hook: deadlines, clear errors, faults, checkpoints.
 
-  rt = Runtime.create(cfg)
-  fs = Failsafe.attach(rt, save=..., save_every=..., resume=..., skip_nonfinite=...)   # before any graph capture
-  losses = fs.train(on_iteration=...)          # instead of rt.train(...)
+  rt = Runtime.create(cfg, hooks=[Failsafe.attach])   # reads --save/--save-every/--resume/--skip-nonfinite from cfg
+  rt.train(on_iteration=...)
 
-`attach` (every rank, collectively):
+`attach` (every rank, collectively, before any graph capture):
   - parses PEERLINE_FAULT (a bad spec: one line, exit 2),
   - checks the --save directory is writable and loads --resume (weights, optimizer, RNG, iteration), and agrees
     across ranks that both worked, so no rank starts training while another has failed,
-  - installs the hooks: an iteration boundary around `rt.run_iteration` (faults, watchdog, checkpoints), a
-    transport wrapper that tells the watchdog which edge / microbatch / peer rank it is waiting for, a forward
-    hook for injected NaN, and an optimizer pre-step hook for the non-finite guard,
+  - plugs in: the engine's exchange observer (exchange_watch.py: tells the watchdog which edge / microbatch / peer
+    rank an exchange waits for), a forward hook for injected NaN (and graphs off: the graph policy's `disable`),
+    an optimizer pre-step hook for the non-finite guard,
   - starts the watchdog (deadline --timeout-s per iteration) and its SIGTERM reporting.
 
-`train` runs `rt.train` and turns every failure into one line: a non-finite loss (rank 0 prints it, every rank
-exits 1 together), a communication error (`watchdog.fail`: names what this rank waited for, so the lost peer;
-exit 1), a timeout (the watchdog: exit 3), a user error raised by one rank mid-run (a stage output that changed
-shape, a checkpoint that cannot be written: one line, exit 2 at once, since its peers wait for it). User errors
-found by `attach` (bad fault spec, unwritable --save, a checkpoint of another run) are agreed by every rank and
-propagate to the entry point, which prints them and exits 2.
+As a hook: `before_launch` / `after_launch` are the iteration boundary (watchdog, faults, a checkpoint at
+--save-every multiples, which also end looped launches: `launch_stops`); `on_logged` checks the loss; `on_train_end`
+makes the final checkpoint; `on_error` turns every failure into one line: a non-finite loss (rank 0 prints it,
+every rank exits 1 together), a communication error (`watchdog.fail`: names what this rank waited for, so the lost
+peer; exit 1), a timeout (the watchdog: exit 3), a user error raised by one rank mid-run (a stage output that
+changed shape, a checkpoint that cannot be written: one line, exit 2 at once, since its peers wait for it). User
+errors found by `attach` (bad fault spec, unwritable --save, a checkpoint of another run) are agreed by every rank
+and propagate to the entry point, which prints them and exits 2.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -35,116 +35,30 @@ import torch
 import torch.distributed as dist
 
 from peerline.distributed.config import ConfigError
-from peerline.distributed.p2p.transport import ACT, Transport
+from peerline.distributed.hooks import IterationHooks, IterationStats
 from peerline.distributed.resilience import checkpoint as ckpt
 from peerline.distributed.resilience import faults as faults_mod
+from peerline.distributed.resilience.exchange_watch import ExchangeWatch
 from peerline.distributed.resilience.nonfinite import NonFiniteGuard, NonFiniteLossError, check_finite
-from peerline.distributed.resilience.watchdog import Watchdog, describe_edge
+from peerline.distributed.resilience.watchdog import Watchdog
 from peerline.distributed.streams import use
 
 log = logging.getLogger(__name__)
 
 
-class WatchedTransport(Transport):
-    """Delegates to the real transport; tells the watchdog what each exchange waits for.
+class Failsafe(IterationHooks):
+    """See the module docstring. The failure options come from `rt.cfg` (validated by RunConfig)."""
 
-    On the CPU a receive blocks the host, so the description set before it is what a timeout names. On a GPU the
-    host only queues the wait and moves on; so after each receive an event is recorded on the stream that waits
-    (external events: they become graph nodes under capture, and replays record them again), and at a timeout
-    `describe_stall` names the first receive whose event has not completed: the edge and microbatch the device
-    is stuck on."""
-
-    def __init__(self, inner: Transport, watchdog: Watchdog, first_stage: int, last_stage: int) -> None:
-        self.inner = inner
-        self.watchdog = watchdog
-        self.first_stage, self.last_stage = first_stage, last_stage
-        self.name = inner.name
-        self.capacity = inner.capacity
-        self._arrived: dict[tuple[str, int], torch.cuda.Event] = {}  # one per (kind, mb), reused every iteration
-        self._order: list[tuple[torch.cuda.Event, str]] = []  # this iteration's receives, in the order queued
-        self._stale = False  # a new iteration began: the first receive it queues starts a new order
-        self._device: torch.device | None = None
-
-    def new_iteration(self) -> None:
-        """An iteration begins. A replayed graph queues no receive from the host: the captured order stays."""
-        self._stale = True
-
-    def describe_stall(self) -> str | None:
-        """The first receive of the iteration that the device has not got past, or None (host-side hang, or all
-        done). Only queries events: safe from the watchdog thread while streams are blocked."""
-        if not self._order:
-            return None
-        # The watchdog thread has no current device of its own.
-        with torch.cuda.device(self._device) if self._device is not None else contextlib.nullcontext():
-            for event, desc in self._order:
-                if not event.query():
-                    return f"{desc} (the device is stuck there)"
-        return None
-
-    def _mark_arrivals(self, recvs: list[tuple[str, int]], descs: list[str], out: list[torch.Tensor]) -> None:
-        if not out or not out[0].is_cuda:
-            return
-        if self._stale:
-            self._order.clear()
-            self._stale = False
-        self._device = out[0].device
-        stream = torch.cuda.current_stream(self._device)
-        for (kind, mb), desc in zip(recvs, descs, strict=True):
-            event = self._arrived.get((kind, mb))
-            if event is None:
-                event = self._arrived[(kind, mb)] = torch.cuda.Event(external=True)
-            event.record(stream)
-            self._order.append((event, desc))
-
-    def _describe(self, kind: str, mb: int, sending: bool) -> str:
-        links = getattr(self.inner, "links", None)
-        # act arrives at the first local stage from the one before; grad at the last local stage from the next.
-        here = self.first_stage if (kind == ACT) != sending else self.last_stage
-        there = here - 1 if (kind == ACT) != sending else here + 1
-        peer = links.peer(kind, sending) if links is not None else "?"
-        return describe_edge(kind, mb, peer, here, there, sending=sending)
-
-    def exchange(self, sends, recvs):
-        received = [self._describe(kind, mb, False) for kind, mb in recvs]
-        parts = received + [self._describe(kind, mb, True) for kind, mb, _t in sends]
-        if parts:
-            self.watchdog.waiting_for(", ".join(parts))
-        out = self.inner.exchange(sends, recvs)
-        self._mark_arrivals(recvs, received, out)
-        return out
-
-    def release(self, kind: str, mb: int) -> None:
-        self.inner.release(kind, mb)
-
-    def finish_iteration(self) -> None:
-        self.inner.finish_iteration()
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def describe(self) -> str:
-        return self.inner.describe()
-
-    def __getattr__(self, name: str) -> Any:  # anything else the engine or graph code asks of the transport
-        return getattr(self.inner, name)
-
-
-class Failsafe:
-    """See the module docstring."""
-
-    def __init__(self, rt: Any, *, save: str | None = None, save_every: int = 0, resume: str | None = None,
-                 skip_nonfinite: bool = False, timeout_s: float | None = None, faults: faults_mod.Faults | None = None,
+    def __init__(self, rt: Any, *, timeout_s: float | None = None, faults: faults_mod.Faults | None = None,
                  signals: bool = True) -> None:
-        if save_every < 0:
-            raise ConfigError(f"--save-every must be >= 0, got {save_every}")
-        if save_every and not save:
-            raise ConfigError("--save-every needs --save DIR")
         self.rt = rt
         self.cfg = rt.cfg
-        self.save_dir = save
-        self.save_every = save_every
-        self.resume_dir = resume
-        self.skip = skip_nonfinite
+        self.save_dir = self.cfg.save
+        self.save_every = self.cfg.save_every
+        self.resume_dir = self.cfg.resume
+        self.skip = self.cfg.skip_nonfinite
+        # A launch ends at every checkpoint iteration (a looped graph never runs past one).
+        self.launch_stops = (self.save_every,) if self.save_dir and self.save_every else ()
         self.rank = rt.info.rank
         self.world = rt.info.world_size
         self.faults = faults if faults is not None else faults_mod.active()
@@ -158,25 +72,29 @@ class Failsafe:
         self.manifest["grid"]["pp"] = rt.mesh.pp
         self.manifest["model"]["dtype"] = self.cfg.dtype or ("bf16" if rt.device.type == "cuda" else "fp32")
         self.watchdog = Watchdog(self.rank, self.stage, timeout_s or self.cfg.timeout_s)
-        self.guard = NonFiniteGuard(rt.device, skip=skip_nonfinite)
+        self.guard = NonFiniteGuard(rt.device, skip=self.skip)
+        self.watch = ExchangeWatch(rt.links, self.watchdog, min(self.stage_ids), max(self.stage_ids))
         self.current = rt.iteration  # number of the iteration running now (from 1); 0 before the first
         self.last_saved: int | None = None
         self.resumed_from = 0  # iterations completed when training (re)started
         self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._signals = signals
         self._installed = False
+        self._finished = False  # training ended (or failed) and the watchdog stopped
 
     # ----------------------------------------------------------------------------------------------------------
     # setup
 
     @classmethod
     def attach(cls, rt: Any, **kwargs: Any) -> Failsafe:
-        """Build, check the save directory, resume, install the hooks and start the watchdog (all ranks)."""
+        """Build, check the save directory, resume, plug in and start the watchdog (all ranks); returns the hook
+        for the runtime to call (a `Runtime.create` hook factory)."""
         fs = cls(rt, **kwargs)
         fs.setup()
         return fs
 
     def setup(self) -> None:
+        """Check --save, load --resume (every rank agreeing), plug in, start the watchdog."""
         if self.save_dir:
             self._agree(lambda: ckpt.check_writable(self.save_dir), "write its checkpoint directory")
         if self.resume_dir:
@@ -237,41 +155,18 @@ class Failsafe:
         log.info("resumed from %s at iteration %d", root, state.iteration)
 
     def _install(self) -> None:
+        """Plug into the runtime's explicit slots: the engine's exchange observer, the graph policy, the stage
+        modules' forward hooks (injected NaN) and the optimizer's step hooks (the non-finite guard)."""
         if self._installed:
             return
         self._installed = True
-        rt, engine = self.rt, self.rt.engine
-        engine.transport = WatchedTransport(engine.transport, self.watchdog, min(self.stage_ids), max(self.stage_ids))
+        engine = self.rt.engine
+        engine.exchange_observer = self.watch
         # At a timeout, the receive the device is stuck on (edge and microbatch) refines the line.
-        self.watchdog.set_probe(engine.transport.describe_stall)
-        # The iteration boundary: an instance attribute shadows Runtime.run_iteration (see the report for the hook
-        # the runtime could offer instead).
-        inner_run = rt.run_iteration
-
-        def run_iteration(*args: Any, **kwargs: Any) -> None:
-            self.before_iteration(rt.iteration + 1)
-            inner_run(*args, **kwargs)
-            self.after_iteration(rt.iteration)
-
-        rt.run_iteration = run_iteration
-        # A looped graph launch (--graph-loop K) is one boundary for its K iterations: the watchdog sees it as one
-        # long iteration, the device-side guard counts each, and launches end at checkpoint iterations.
-        inner_looped = rt.run_looped
-
-        def run_looped() -> int:
-            self.before_iteration(rt.iteration + 1)
-            k = inner_looped()
-            self.after_iteration(rt.iteration)
-            return k
-
-        rt.run_looped = run_looped
-        if self.save_dir and self.save_every:
-            rt.launch_stops.append(self.save_every)
+        self.watchdog.set_probe(self.watch.describe_stall)
         if self.faults.needs_eager():
             # The NaN hook decides per iteration on the host; a graph replay would not run it.
-            if getattr(rt, "graph_wanted", False):
-                rt.graph_wanted = False
-                rt.notices.append("CUDA graph off: PEERLINE_FAULT injects NaN, which needs eager iterations")
+            self.rt.graphs.disable("CUDA graph off: PEERLINE_FAULT injects NaN, which needs eager iterations")
             for sid in self.stage_ids:
                 engine.stages[sid].module.register_forward_hook(self._poison_hook(sid))
         engine.optimizer.register_step_pre_hook(self._pre_step)
@@ -283,15 +178,22 @@ class Failsafe:
         return hook
 
     # ----------------------------------------------------------------------------------------------------------
-    # per iteration
+    # per launch: a looped launch (--graph-loop K) is one boundary for its K iterations: the watchdog sees it as
+    # one long iteration, the device-side guard counts each
+
+    def before_launch(self, rt: Any, first_iteration: int, n: int) -> None:
+        self.before_iteration(first_iteration)
+
+    def after_launch(self, rt: Any, last_iteration: int) -> None:
+        self.after_iteration(last_iteration)
 
     def before_iteration(self, n: int) -> None:
         """Iteration number `n` (from 1) is about to run."""
         self.current = n
         self.watchdog.iteration_started(n)
-        self.rt.engine.transport.new_iteration()  # the WatchedTransport _install() put there
+        self.watch.new_iteration()
         # A GPU rank can block inside the iteration (a full launch queue behind a stream waiting on a peer): name
-        # the peers from the start, so that timeout too points at the rank that was lost. Seen on 2 x H200.
+        # the peers from the start, so that timeout too points at the rank that was lost.
         self.watchdog.waiting_for(f"iteration {n} to finish ({self._peers})")
         with use(self.rt.engine.main_stream):
             # Set, not only counted on the device: graph capture may run the step's hooks more than once.
@@ -361,49 +263,55 @@ class Failsafe:
     # ----------------------------------------------------------------------------------------------------------
     # the run
 
-    def train(self, on_iteration: Callable[[Any], None] | None = None) -> list[float]:
-        """`rt.train` with failures turned into one line each (see the module docstring)."""
-        def on_stats(stats: Any) -> None:
-            if not math.isfinite(stats.loss):
-                # The logged loss is agreed across ranks, so every rank gets here together: the collective in
-                # first_nonfinite() is safe, and check_finite raises (or logs the skip) on every rank alike.
-                with use(self.rt.engine.main_stream):
-                    first = None if self.skip else self.guard.first_nonfinite()
-                check_finite(stats.loss, stats.iteration, self.skip, first_bad=first)
-            if on_iteration is not None:
-                on_iteration(stats)
+    def on_logged(self, rt: Any, stats: IterationStats) -> None:
+        """A non-finite logged loss stops every rank (or, with --skip-nonfinite, is logged as skipped)."""
+        if math.isfinite(stats.loss):
+            return
+        # The logged loss is agreed across ranks, so every rank gets here together: the collective in
+        # first_nonfinite() is safe, and check_finite raises (or logs the skip) on every rank alike.
+        with use(self.rt.engine.main_stream):
+            first = None if self.skip else self.guard.first_nonfinite()
+        check_finite(stats.loss, stats.iteration, self.skip, first_bad=first)
 
+    def on_train_end(self, rt: Any) -> None:
+        """Final checks: no non-finite iteration so far, the last checkpoint, the count of skipped steps. What
+        raises here reaches `on_error` like a failure of the loop."""
+        self._finite_so_far()
+        if self.save_dir and self.last_saved != self.rt.iteration and self.rt.iteration > 0:
+            self.save(self.rt.iteration)
+        if self.skip:
+            with use(self.rt.engine.main_stream):
+                n = self.guard.skipped_steps()
+            if n:
+                log.warning("%d step(s) skipped for non-finite loss", n)
+        self.close()
+
+    def on_error(self, rt: Any, exc: BaseException) -> None:
+        """One line per failure, and the exit code of its kind (see the module docstring)."""
+        if self._finished:
+            return  # raised after this hook's work was done (by another hook): not a training failure
         try:
-            losses = self.rt.train(on_iteration=on_stats)
-            self._finite_so_far()
-            if self.save_dir and self.last_saved != self.rt.iteration and self.rt.iteration > 0:
-                self.save(self.rt.iteration)
-            if self.skip:
-                with use(self.rt.engine.main_stream):
-                    n = self.guard.skipped_steps()
-                if n:
-                    log.warning("%d step(s) skipped for non-finite loss", n)
-            return losses
-        except NonFiniteLossError as exc:
-            # Every rank raises at the same point (the loss and the flags are agreed); one line, from rank 0. A hard
-            # exit, like every other failure here: a teardown of captured NCCL communicators could still hang.
-            if self.rank == 0:
-                os.write(2, f"peerline: error: {exc}\n".encode())
-            self.watchdog.fatal_quiet(1)
-            raise SystemExit(1) from None
-        except ConfigError as exc:
-            # Raised by one rank in the middle of training (a stage output that changed shape, a checkpoint that
-            # could not be written): the others are waiting for it, so a clean shutdown could hang. One line, exit 2,
-            # now; the others end by their own error or deadline.
-            self.watchdog.fatal(str(exc), 2)
-            raise
-        except Exception as exc:  # noqa: BLE001 - a communication failure: one line naming the wait, exit 1
-            self.watchdog.fail(exc)
-            raise
+            if isinstance(exc, NonFiniteLossError):
+                # Every rank raises at the same point (the loss and the flags are agreed); one line, from rank 0.
+                # A hard exit, like every other failure here: a teardown of captured NCCL communicators could
+                # still hang.
+                if self.rank == 0:
+                    os.write(2, f"peerline: error: {exc}\n".encode())
+                self.watchdog.fatal_quiet(1)
+                raise SystemExit(1) from None
+            if isinstance(exc, ConfigError):
+                # Raised by one rank in the middle of training (a stage output that changed shape, a checkpoint
+                # that could not be written): the others are waiting for it, so a clean shutdown could hang. One
+                # line, exit 2, now; the others end by their own error or deadline.
+                self.watchdog.fatal(str(exc), 2)
+            elif isinstance(exc, Exception):  # a communication failure: one line naming the wait, exit 1
+                self.watchdog.fail(exc)
         finally:
-            self.watchdog.stop()
+            self.close()
 
     def close(self) -> None:
+        """Stop the watchdog (training is over)."""
+        self._finished = True
         self.watchdog.stop()
 
 
@@ -417,22 +325,3 @@ def _describe_peers(mesh: Any) -> str:
         if r != mesh.rank:
             peers.append(f"rank {r} (replica {r // mesh.pp})")
     return "peers: " + ", ".join(peers) if peers else "no peers"
-
-
-def add_failure_flags(parser: Any) -> None:
-    """The command-line flags of this module (argparse), for launch/cli.py."""
-    g = parser.add_argument_group("failures and checkpoints")
-    g.add_argument("--save", metavar="DIR", help="write checkpoints to DIR (checked for writing before training)")
-    g.add_argument("--save-every", type=int, default=0, metavar="N",
-                   help="checkpoint every N iterations (default: only at the end)")
-    g.add_argument("--resume", metavar="DIR", help="continue from the newest checkpoint in DIR (grid, schedule and "
-                   "model must match); the run still ends at --iters, counted from the start of training")
-    g.add_argument("--skip-nonfinite", action="store_true",
-                   help="skip the optimizer step of an iteration with a NaN/inf loss (on every rank) instead of "
-                   "stopping")
-
-
-def failsafe_options(args: Any) -> dict[str, Any]:
-    """Keyword arguments of `Failsafe.attach` from parsed flags (absent flags take their defaults)."""
-    return {"save": getattr(args, "save", None), "save_every": getattr(args, "save_every", 0) or 0,
-            "resume": getattr(args, "resume", None), "skip_nonfinite": bool(getattr(args, "skip_nonfinite", False))}

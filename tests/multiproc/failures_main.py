@@ -1,8 +1,8 @@
-"""Entry point of the failure tests: launch/pipeline.py's flow with the failure flags of distributed/failsafe.py.
+"""A second entry point for the failure tests: launch/pipeline.py's flow (its parser and config, the runtime with the
+failsafe hook) reduced to what the tests read: the same lines (`peerline: error: ...`, `peerline: final loss=...`)
+and a --json record of the losses, their iterations and the iteration training (re)started from.
 
-Used by tests/multiproc/test_failures.py (and tests/gpu/run_failures.sh) while launch/pipeline.py does not carry
---save/--resume/--skip-nonfinite itself; it prints the same lines (`peerline: error: ...`, `peerline: final
-loss=...`) and writes the same --json "losses".
+tests/multiproc/failures_util.py uses launch/pipeline.py itself while its parser carries --save.
 """
 
 from __future__ import annotations
@@ -14,27 +14,24 @@ import sys
 
 from peerline.distributed.config import ConfigError
 from peerline.distributed.resilience import faults
-from peerline.distributed.resilience.failsafe import Failsafe, add_failure_flags, failsafe_options
+from peerline.distributed.resilience.failsafe import Failsafe
 from peerline.distributed.runtime import Runtime
 from peerline.launch.cli import build_parser, config_from_args
 
 
 def run(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    add_failure_flags(parser)
-    args = parser.parse_args(argv)
-    cfg = config_from_args(args)
+    cfg = config_from_args(build_parser().parse_args(argv))
     faults.active()  # a bad PEERLINE_FAULT fails here, before any process group exists
-    rt = Runtime.create(cfg)
+    rt = Runtime.create(cfg, hooks=[Failsafe.attach])  # --save/--resume/--skip-nonfinite come from cfg
     try:
-        fs = Failsafe.attach(rt, **failsafe_options(args))
+        start = rt.iteration  # after a resume: the iteration of the checkpoint
         history = []
-        losses = fs.train(on_iteration=history.append)
+        losses = rt.train(on_iteration=history.append)
         if rt.info.rank == 0:
             if cfg.json:
                 with open(cfg.json, "w") as f:
                     json.dump({"losses": [s.loss for s in history], "iterations": [s.iteration for s in history],
-                               "start": fs.resumed_from}, f)
+                               "start": start}, f)
             final = losses[-1] if losses else float("nan")
             print(f"peerline: final loss={final:.9g} iterations={rt.iteration}", flush=True)
     finally:

@@ -1,5 +1,5 @@
-"""CPU checks of --graph-loop (distributed/graph_loop.py, runtime's launch planning): the data ring, when a launch
-runs K iterations, the flag's validation and its CPU notice. The looped graph itself needs a GPU
+"""CPU checks of --graph-loop (cudagraph/loop.py, the launch planning of cudagraph/policy.py): the data ring, when a
+launch runs K iterations, the flag's validation and its CPU notice. The looped graph itself needs a GPU
 (tests/gpu/test_graph_loop_gpu.py)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 
 from peerline.distributed.config import ConfigError, RunConfig
 from peerline.distributed.cudagraph.loop import DataRing
+from peerline.distributed.cudagraph.policy import iterations_this_launch
 from peerline.distributed.pipeline.engine import DataFeed
-from peerline.distributed.runtime import iterations_this_launch
 from peerline.launch.cli import build_parser, config_from_args
 
 pytestmark = pytest.mark.timeout(60)

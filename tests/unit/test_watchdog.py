@@ -194,15 +194,12 @@ class _FakeEvent:
         return self.done
 
 
-def test_watched_transport_names_the_first_receive_the_device_is_stuck_on() -> None:
+def test_exchange_watch_names_the_first_receive_the_device_is_stuck_on() -> None:
     """describe_stall walks the receives in the order they were queued and names the first whose event has not
     completed; none pending (a host-side hang) -> None, so the watchdog keeps its own description."""
-    from peerline.distributed.resilience.failsafe import WatchedTransport
+    from peerline.distributed.resilience.exchange_watch import ExchangeWatch
 
-    class Inner:
-        name, capacity = "fake", 4
-
-    wt = WatchedTransport(Inner(), watchdog=None, first_stage=0, last_stage=0)  # type: ignore[arg-type]
+    wt = ExchangeWatch(links=None, watchdog=None, first_stage=0, last_stage=0)
     assert wt.describe_stall() is None
     wt._order = [(_FakeEvent(True), "grad mb 0 from rank 1 (edge stage 1->0)"),
                  (_FakeEvent(False), "grad mb 1 from rank 1 (edge stage 1->0)"),

@@ -1,0 +1,238 @@
+"""Assembles one rank's run, once: launcher -> grid -> model -> process groups -> streams -> transport -> engine.
+
+`assemble(cfg, info)` runs the steps below in this order and returns the parts (`RunParts`) a Runtime trains
+with. The order matters: everything that can be a user error (the grid, the schedule, the model or a user factory)
+is checked before any process group exists, so every rank fails alike and nobody waits in a collective; the
+stage shapes are agreed with the neighbours before the transport is sized; every rank checks the whole schedule
+against the transport it will run on before the first step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from peerline.distributed.config import ConfigError, RunConfig
+from peerline.distributed.cudagraph.policy import GraphPolicy
+from peerline.distributed.env import LaunchInfo, choose_device, detect_launch, init_distributed
+from peerline.distributed.grad_sync.per_param import PerParameterAllReduce
+from peerline.distributed.hooks import IterationHooks, TimelineWriter
+from peerline.distributed.mesh import Mesh
+from peerline.distributed.model import build_stages, describe_split
+from peerline.distributed.observe.timeline import Timeline
+from peerline.distributed.p2p.base import Links, TensorSpec, Transport
+from peerline.distributed.p2p.factory import make_transport
+from peerline.distributed.pipeline import schedule as sched
+from peerline.distributed.pipeline.boundary_shapes import exchange_boundary_specs
+from peerline.distributed.pipeline.engine import CounterDataFeed, DataFeed, Engine, GradSync, LocalStage
+from peerline.distributed.streams import RankStreams, create_rank_streams
+from peerline.kernels import ops
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Grid:
+    """Where this rank sits: its device, the mesh, the global stage ids it holds and the schedule's programs."""
+
+    info: LaunchInfo
+    device: torch.device
+    mesh: Mesh
+    n_stages: int
+    stage_ids: list[int]
+    programs: list[list[sched.Step]]
+
+
+@dataclass
+class RunParts:
+    """Everything a Runtime trains with, built once by `assemble`."""
+
+    cfg: RunConfig
+    grid: Grid
+    engine: Engine
+    streams: RankStreams
+    links: Links
+    split: str  # which layers each stage holds, for the start line
+    layer_offsets: dict[int, int]  # global stage id -> index of its first layer in the whole model
+    graphs: GraphPolicy
+    hooks: list[IterationHooks] = field(default_factory=list)
+
+
+def assemble(cfg: RunConfig, info: LaunchInfo | None = None) -> RunParts:
+    """Build one rank's run (collective over every rank of the launch)."""
+    grid = plan_grid(cfg, info)
+    kernels = ops.resolve_impl(cfg.kernels, grid.device)
+    modules, bounds = build_stages(cfg, grid.n_stages, grid.stage_ids, kernels)
+    start_process_groups(cfg, grid)
+    streams = make_streams(cfg, grid.device)
+    modules = [m.to(grid.device) for m in modules]
+    autocast_dtype = resolve_autocast(cfg, grid.device)
+    first_in = TensorSpec((cfg.micro_batch_size, cfg.seq, cfg.hidden), torch.float32)
+    in_spec, out_specs = exchange_boundary_specs(modules, first_in, grid.mesh.prev_rank, grid.mesh.next_rank,
+                                                 grid.device, lambda: autocast_context(grid.device, autocast_dtype))
+    links = make_links(grid.mesh, in_spec, out_specs[-1])
+    transport, program = make_checked_transport(cfg, grid, links, streams)
+    stages = make_stages(cfg, grid, modules, out_specs, streams)
+    engine = make_engine(cfg, grid, stages, program, transport, streams, first_in, out_specs[-1], autocast_dtype)
+    n_params = sum(p.numel() for stage in stages for layer in stage.module for p in layer.parameters())
+    split = describe_split(bounds)
+    log.info("%s; %s; %.2f M parameters here; transport %s", grid.mesh.describe(), split, n_params / 1e6,
+             transport.describe())
+    return RunParts(cfg=cfg, grid=grid, engine=engine, streams=streams, links=links, split=split,
+                    layer_offsets={sid: bounds[sid][0] for sid in grid.stage_ids},
+                    graphs=make_graph_policy(cfg, grid), hooks=make_hooks(cfg))
+
+
+# -- the steps, in the order assemble() runs them --------------------------------------------------------------
+
+def plan_grid(cfg: RunConfig, info: LaunchInfo | None) -> Grid:
+    """The allocator (checked against the backend torch loaded with), the launch, the grid and the schedule: all
+    checked before any process group exists, so nothing can hang."""
+    from peerline.distributed.memory.allocator import configure_allocator
+
+    configure_allocator(cfg.allocator, cfg.pool_release_threshold)
+    info = info or detect_launch()
+    pp = cfg.resolved_pp(info.world_size)
+    if cfg.stages > 1 and pp > 1:
+        raise ConfigError(f"--stages {cfg.stages} (stages as streams of one device) needs pp=1, got pp={pp}")
+    n_stages = pp * cfg.stages
+    programs = sched.build(cfg.schedule, n_stages, cfg.microbatches)  # validates M against the stages
+    device = choose_device(cfg.device, info)
+    mesh = Mesh(pp=pp, dp=cfg.dp, rank=info.rank)
+    stage_ids = [mesh.stage * cfg.stages + i for i in range(cfg.stages)]
+    return Grid(info, device, mesh, n_stages, stage_ids, programs)
+
+
+def dp_group_options(cfg: RunConfig) -> object | None:
+    """NCCL options of the dp groups: --nccl-max-ctas caps the SMs the overlapped bucket all-reduces take from
+    backward (0: NCCL's default). None (no cap, or not NCCL) keeps the backend's defaults."""
+    if not cfg.nccl_max_ctas or not dist.is_initialized():
+        return None
+    from peerline.distributed.grad_sync.buckets import nccl_options
+
+    return nccl_options(cfg.nccl_max_ctas, backend=dist.get_backend())  # None for gloo
+
+
+def start_process_groups(cfg: RunConfig, grid: Grid) -> None:
+    """The default process group, then the mesh's dp groups."""
+    init_distributed(grid.info, grid.device, cfg.timeout_s)
+    grid.mesh.create_groups(dp_options=dp_group_options(cfg))
+
+
+def make_streams(cfg: RunConfig, device: torch.device) -> RankStreams:
+    """This rank's streams; on a GPU also the async pool's release threshold (a no-op under the caching one)."""
+    streams = create_rank_streams(device, cfg.stages, p2p_lanes=cfg.p2p_lanes,
+                                  allreduce_priority=cfg.allreduce_priority)
+    if device.type == "cuda":
+        from peerline.distributed.memory.allocator import apply_release_threshold
+
+        apply_release_threshold(device, cfg.pool_release_threshold)
+    return streams
+
+
+def resolve_autocast(cfg: RunConfig, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast by default on a GPU, fp32 (no autocast) on the CPU or when asked."""
+    dtype = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    return torch.bfloat16 if dtype == "bf16" else None
+
+
+def autocast_context(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def make_links(mesh: Mesh, in_spec: TensorSpec, out_spec: TensorSpec) -> Links:
+    """This rank's pipeline edges: what it receives from the previous stage and from the next."""
+    return Links(prev_rank=mesh.prev_rank, next_rank=mesh.next_rank,
+                 act_in=in_spec if mesh.prev_rank is not None else None,
+                 grad_in=out_spec if mesh.next_rank is not None else None)
+
+
+def make_checked_transport(cfg: RunConfig, grid: Grid, links: Links, streams: RankStreams
+                           ) -> tuple[Transport, list[tuple[int, sched.Step]]]:
+    """The transport, and this rank's share of the schedule in global order, simulated against its capacity."""
+    on_gpu = grid.device.type == "cuda"
+    transport = make_transport(cfg.p2p, links, grid.device, cfg.microbatches, streams=streams,
+                               capture_safe=on_gpu and cfg.graph is not False, split=cfg.p2p_split,
+                               decoupled=cfg.p2p_decoupled)
+    order = sched.simulate(grid.programs, transport.capacity)
+    return transport, [(s, step) for s, step in order if s in grid.stage_ids]
+
+
+def make_grad_sync(cfg: RunConfig, params: list[list[nn.Parameter]], mesh: Mesh, device: torch.device,
+                   streams: RankStreams) -> GradSync:
+    """Bucketed all-reduce (grad_sync/buckets.py) when available, else one all-reduce per parameter."""
+    if cfg.grad_sync == "buckets":
+        try:
+            from peerline.distributed.grad_sync.buckets import GradBuckets
+        except ImportError:
+            log.warning("bucketed all-reduce unavailable; averaging gradients per parameter")
+        else:
+            dp = mesh.dp > 1
+            return GradBuckets(params, group=mesh.dp_group if dp else None, device=device,
+                               stream=streams.allreduce, bucket_mb=cfg.bucket_mb,
+                               first_bucket_mb=cfg.first_bucket_mb,
+                               tail_group=mesh.dp_tail_group if dp else None)
+    flat = [p for layer in params for p in layer]
+    return PerParameterAllReduce(flat, mesh.dp_group, mesh.dp)
+
+
+def make_stages(cfg: RunConfig, grid: Grid, modules: list[nn.Module], out_specs: list[TensorSpec],
+                streams: RankStreams) -> list[LocalStage]:
+    """The stages this rank holds, each on its compute stream with its gradient sync."""
+    stages = []
+    for i, (sid, module, spec) in enumerate(zip(grid.stage_ids, modules, out_specs)):
+        stage = LocalStage(index=sid, n_stages=grid.n_stages, module=module, stream=streams.stage_compute[i],
+                           out_spec=spec)
+        layers = [list(layer.parameters()) for layer in module]
+        stage.grad_sync = make_grad_sync(cfg, layers, grid.mesh, grid.device, streams)
+        stages.append(stage)
+    return stages
+
+
+def make_feed(cfg: RunConfig, grid: Grid, first_in: TensorSpec, last_out: TensorSpec) -> DataFeed:
+    """Static input / target buffers of every microbatch (inputs on the first stage's rank, targets on the
+    last's), filled from torch's seeded generator or, with --data counter, from a device-side counter."""
+    device, m = grid.device, cfg.microbatches
+    holds_first, holds_last = grid.stage_ids[0] == 0, grid.stage_ids[-1] == grid.n_stages - 1
+    feed_kind, extra = DataFeed, {}
+    if cfg.data == "counter":
+        feed_kind, extra = CounterDataFeed, {"counter": torch.zeros(1, dtype=torch.int64, device=device)}
+    return feed_kind(
+        **extra, seed=cfg.seed, replica=grid.mesh.replica, microbatches=m,
+        generator=torch.Generator(device=device),
+        inputs=[torch.empty(first_in.shape, device=device) for _ in range(m)] if holds_first else [],
+        targets=[torch.empty(last_out.shape, device=device) for _ in range(m)] if holds_last else [])
+
+
+def make_engine(cfg: RunConfig, grid: Grid, stages: list[LocalStage], program: list[tuple[int, sched.Step]],
+                transport: Transport, streams: RankStreams, first_in: TensorSpec, last_out: TensorSpec,
+                autocast_dtype: torch.dtype | None) -> Engine:
+    """The engine with its optimizer (fused, capturable AdamW on a GPU), its data feed (through pinned host
+    staging with --staging pinned) and its timeline (recording only with --timeline)."""
+    on_gpu = grid.device.type == "cuda"
+    params = [p for stage in stages for layer in stage.module for p in layer.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, fused=on_gpu or None, capturable=on_gpu)
+    feed = make_feed(cfg, grid, first_in, last_out)
+    if cfg.staging == "pinned":
+        from peerline.distributed.memory.staging import pinned_feed
+
+        feed = pinned_feed(feed, streams, stages[-1], results="losses", main_stream=stages[0].stream)
+    timeline = Timeline(rank=grid.info.rank, enabled=cfg.timeline is not None)
+    return Engine(stages=stages, program=program, transport=transport, optimizer=optimizer, feed=feed,
+                  microbatches=cfg.microbatches, device=grid.device, autocast_dtype=autocast_dtype,
+                  timeline=timeline)
+
+
+def make_graph_policy(cfg: RunConfig, grid: Grid) -> GraphPolicy:
+    return GraphPolicy(device=grid.device, rank=grid.info.rank, graph=cfg.graph, warmup_iters=cfg.warmup_iters,
+                       loop=cfg.graph_loop, eager_last=cfg.timeline is not None)
+
+
+def make_hooks(cfg: RunConfig) -> list[IterationHooks]:
+    """The hooks the configuration itself asks for (a timeline written at the end)."""
+    return [TimelineWriter(cfg.timeline)] if cfg.timeline else []

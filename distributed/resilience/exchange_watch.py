@@ -1,0 +1,80 @@
+"""The watchdog's view of the pipeline edges: which edge, microbatch and peer rank an exchange waits for.
+
+`ExchangeWatch` is the engine's exchange observer (`Engine.exchange_observer`). Before each exchange with another
+rank it tells the watchdog what the exchange waits for. On the CPU a receive blocks the host, so that description
+is what a timeout names. On a GPU the host only queues the wait and moves on; so after each receive an event is
+recorded on the stream that waits (external events: they become graph nodes under capture, and replays record
+them again), and at a timeout `describe_stall` names the first receive whose event has not completed: the edge and
+microbatch the device is stuck on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from peerline.distributed.p2p.base import ACT, Links
+from peerline.distributed.resilience.watchdog import Watchdog, describe_edge
+
+
+class ExchangeWatch:
+    """See the module docstring. `first_stage` / `last_stage`: the global ids of this rank's local stages' ends."""
+
+    def __init__(self, links: Links | None, watchdog: Watchdog | None, first_stage: int, last_stage: int) -> None:
+        self.links = links
+        self.watchdog = watchdog
+        self.first_stage, self.last_stage = first_stage, last_stage
+        self._arrived: dict[tuple[str, int], torch.cuda.Event] = {}  # one per (kind, mb), reused every iteration
+        self._order: list[tuple[torch.cuda.Event, str]] = []  # this iteration's receives, in the order queued
+        self._stale = False  # a new iteration began: the first receive it queues starts a new order
+        self._device: torch.device | None = None
+        self._receiving: list[str] = []  # the descriptions of the receives of the exchange under way
+
+    def new_iteration(self) -> None:
+        """An iteration begins. A replayed graph queues no receive from the host: the captured order stays."""
+        self._stale = True
+
+    def describe_stall(self) -> str | None:
+        """The first receive of the iteration that the device has not got past, or None (host-side hang, or all
+        done). Only queries events: safe from the watchdog thread while streams are blocked."""
+        if not self._order:
+            return None
+        # The watchdog thread has no current device of its own.
+        with torch.cuda.device(self._device) if self._device is not None else contextlib.nullcontext():
+            for event, desc in self._order:
+                if not event.query():
+                    return f"{desc} (the device is stuck there)"
+        return None
+
+    # -- the engine's exchange observer ------------------------------------------------------------------------
+    def on_exchange(self, sends: list[tuple[str, int, torch.Tensor]], recvs: list[tuple[str, int]]) -> None:
+        """Name what the exchange about to be posted waits for."""
+        self._receiving = [self._describe(kind, mb, False) for kind, mb in recvs]
+        parts = self._receiving + [self._describe(kind, mb, True) for kind, mb, _t in sends]
+        if parts:
+            self.watchdog.waiting_for(", ".join(parts))
+
+    def after_exchange(self, sends: list[tuple[str, int, torch.Tensor]], recvs: list[tuple[str, int]],
+                       received: list[torch.Tensor]) -> None:
+        """Record an arrival event after each receive on a GPU (what `describe_stall` queries)."""
+        if not received or not received[0].is_cuda:
+            return
+        if self._stale:
+            self._order.clear()
+            self._stale = False
+        self._device = received[0].device
+        stream = torch.cuda.current_stream(self._device)
+        for (kind, mb), desc in zip(recvs, self._receiving, strict=True):
+            event = self._arrived.get((kind, mb))
+            if event is None:
+                event = self._arrived[(kind, mb)] = torch.cuda.Event(external=True)
+            event.record(stream)
+            self._order.append((event, desc))
+
+    def _describe(self, kind: str, mb: int, sending: bool) -> str:
+        # act arrives at the first local stage from the one before; grad at the last local stage from the next.
+        here = self.first_stage if (kind == ACT) != sending else self.last_stage
+        there = here - 1 if (kind == ACT) != sending else here + 1
+        peer = self.links.peer(kind, sending) if self.links is not None else "?"
+        return describe_edge(kind, mb, peer, here, there, sending=sending)
