@@ -23,7 +23,7 @@ run_suite() {  # SIDE_DIR LABEL SUITE
         --variants torch,eager,graph --pipeline-iters 5 --reps 5 --warmup 2 --out "$res") ;;
     kernels)
       (cd "$dir" && PYTHONPATH=$dir:${SITE:-} timeout -k 10 150 "$PY" launch/bench.py kernels \
-        --kernel-sizes-mib 16,256 --out "$res") ;;
+        --kernel-sizes-mib 16,256 --reps 20 --out "$res") ;;
   esac > "$res.log" 2>&1
   echo "   rc=$? $(grep -c . "$res/results.jsonl" 2>/dev/null || echo 0) records"
 }
