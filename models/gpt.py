@@ -1,0 +1,148 @@
+"""A decoder-only transformer language model, built as a flat list of layers so a stage split can cut it anywhere.
+
+  index 0        TokenEmbedding   int64 ids [B, T] -> hidden states [B, T, H]
+  index 1 .. L   GPTBlock         pre-norm causal self-attention (RoPE, torch's scaled_dot_product_attention)
+                                  and an MLP (fc1 -> bias+GELU -> fc2), both added back to the residual stream
+  index L + 1    LMHead           final LayerNorm and the projection to the vocabulary: fp32 logits [B, T, V]
+
+Positions come from RoPE inside attention, so every boundary between layers carries one tensor, [B, T, H].
+The Linears are FusedLinear and the bias+GELU and residual adds go through peerline.kernels.ops, as in the
+residual-MLP model. Every layer is initialised under its own seed (distributed/model.py's layer_seed), so any
+split builds the weights the single-process model has.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from peerline.distributed.config import ConfigError
+from peerline.distributed.model import layer_seed
+from peerline.kernels import ops
+from peerline.kernels.fused_linear import FusedLinear
+from peerline.models.rope import apply_rope, rope_tables
+
+INIT_STD = 0.02  # GPT-2's initialisation: N(0, 0.02) weights, zero biases
+
+
+def embedding_init(vocab: int, hidden: int, seed: int) -> torch.Tensor:
+    """The token embedding's initial weight [vocab, hidden], drawn from the embedding layer's own seed (layer 0)
+    by a private generator: a head tied to the embedding starts from the same tensor on any stage."""
+    generator = torch.Generator().manual_seed(layer_seed(seed, 0))
+    return torch.randn(vocab, hidden, generator=generator) * INIT_STD
+
+
+class TokenEmbedding(nn.Module):
+    """Token ids (int64 [B, T]) -> their embedding vectors [B, T, H]."""
+
+    def __init__(self, vocab: int, hidden: int, *, seed: int = 0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(embedding_init(vocab, hidden, seed))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.is_floating_point() or ids.dim() != 2:
+            raise TypeError(f"TokenEmbedding takes integer token ids [batch, seq]; got {ids.dtype} "
+                            f"{list(ids.shape)}")
+        return F.embedding(ids, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
+
+
+class GPTBlock(nn.Module):
+    """x + attn(norm1(x)), then + fc2(gelu(fc1(norm2(x)) + b1)): pre-norm causal self-attention and an MLP.
+
+    `max_seq` sizes the RoPE tables (non-persistent buffers: derived, not state); `depth` (the number of blocks)
+    scales the init of the two projections that write into the residual stream by 1/sqrt(2 * depth), as GPT-2
+    does. fc1 has no bias of its own: its bias is fused into the GELU kernel."""
+
+    def __init__(self, hidden: int, heads: int, kernels: str = "torch", *, max_seq: int = 2048,
+                 depth: int = 1) -> None:
+        super().__init__()
+        check_shape(hidden, heads)
+        self.heads, self.head_dim, self.kernels = heads, hidden // heads, kernels
+        self.norm1 = nn.LayerNorm(hidden)
+        self.qkv = FusedLinear(hidden, 3 * hidden, bias=False, impl=kernels)
+        self.proj = FusedLinear(hidden, hidden, bias=False, impl=kernels)
+        self.norm2 = nn.LayerNorm(hidden)
+        self.fc1 = FusedLinear(hidden, 4 * hidden, bias=False, impl=kernels)
+        self.fc1_bias = nn.Parameter(torch.zeros(4 * hidden))
+        self.fc2 = FusedLinear(4 * hidden, hidden, impl=kernels)
+        cos, sin = rope_tables(max_seq, self.head_dim)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        out_std = INIT_STD / math.sqrt(2 * depth)
+        for linear, std in ((self.qkv, INIT_STD), (self.proj, out_std), (self.fc1, INIT_STD), (self.fc2, out_std)):
+            nn.init.normal_(linear.weight, std=std)
+        nn.init.zeros_(self.fc2.bias)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        """Causal multi-head self-attention of x [B, T, H] (already normalised), projected back to [B, T, H]."""
+        batch, seq, hidden = x.shape
+        if seq > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence of {seq} tokens is longer than the block's max_seq {self.rope_cos.shape[0]}")
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q = apply_rope(q, self.rope_cos, self.rope_sin)
+        k = apply_rope(k, self.rope_cos, self.rope_sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = ops.residual_add(x, self.attention(self.norm1(x)), self.kernels)
+        h = ops.bias_gelu(self.fc1(self.norm2(x)), self.fc1_bias, self.kernels)
+        return ops.residual_add(x, self.fc2(h), self.kernels)
+
+
+class LMHead(nn.Module):
+    """Final LayerNorm and the projection to the vocabulary: [B, T, H] -> fp32 logits [B, T, V].
+
+    tied=True starts the projection's weight as a copy of the embedding's initial weight (embedding_init of the
+    same seed), so a head on another stage starts equal to the embedding; summing the two weights' gradients
+    across stages keeps them equal and is the pipeline's job."""
+
+    def __init__(self, hidden: int, vocab: int, kernels: str = "torch", *, tied: bool = False, seed: int = 0
+                 ) -> None:
+        super().__init__()
+        self.tied = tied
+        self.norm = nn.LayerNorm(hidden)
+        self.out = FusedLinear(hidden, vocab, bias=False, impl=kernels)
+        with torch.no_grad():
+            if tied:
+                self.out.weight.copy_(embedding_init(vocab, hidden, seed))
+            else:
+                nn.init.normal_(self.out.weight, std=INIT_STD)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x)).float()
+
+
+def check_shape(hidden: int, heads: int) -> None:
+    """hidden must split into `heads` heads of an even width (RoPE rotates dimension pairs)."""
+    if heads < 1 or hidden % heads:
+        raise ConfigError(f"--hidden {hidden} is not divisible by --heads {heads}")
+    if (hidden // heads) % 2:
+        raise ConfigError(f"head width {hidden // heads} (--hidden / --heads) must be even for RoPE")
+
+
+def build_gpt_layers(*, vocab: int, hidden: int, heads: int, layers: int, seq: int, seed: int, kernels: str,
+                     start: int = 0, stop: int | None = None, tie_embeddings: bool = False) -> list[nn.Module]:
+    """Layers [start, stop) of the layers + 2 of the GPT (0 = embedding, 1..layers = blocks, layers + 1 = head),
+    each built on the CPU under its own seed, so any split builds the same weights."""
+    total = layers + 2
+    stop = total if stop is None else stop
+    if not 0 <= start < stop <= total:
+        raise ConfigError(f"GPT layer range [{start}, {stop}) is not inside the model's {total} layers")
+    check_shape(hidden, heads)
+    built: list[nn.Module] = []
+    for index in range(start, stop):
+        torch.manual_seed(layer_seed(seed, index))
+        if index == 0:
+            built.append(TokenEmbedding(vocab, hidden, seed=seed))
+        elif index == total - 1:
+            built.append(LMHead(hidden, vocab, kernels, tied=tie_embeddings, seed=seed))
+        else:
+            built.append(GPTBlock(hidden, heads, kernels, max_seq=seq, depth=layers))
+    return built

@@ -1,0 +1,177 @@
+"""Text data (distributed/data/{corpus,tokenizer,token_file,sampler}.py): tokenizing a folder round-trips its text,
+the cache is reused and written atomically under a lock, sampling is deterministic, bad inputs are one-line
+ConfigErrors."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from peerline.distributed.config import ConfigError
+from peerline.distributed.data import tokenizer as tokenizer_mod
+from peerline.distributed.data.corpus import path_corpus, stdlib_corpus
+from peerline.distributed.data.sampler import TokenSampler
+from peerline.distributed.data.token_file import atomic_write, open_token_file, sidecar_path, write_token_file
+from peerline.distributed.data.tokenizer import cache_dir_for, load_tokenizer, text_tokens, tokenize_corpus
+
+DOCS = {
+    "b.md": "# Notes\n\nPipelines split a model into stages; microbatches keep every stage busy.\n" * 20,
+    "a.txt": "The quick brown fox jumps over the lazy dog. Ünïcödé too: λ → ∞.\n" * 30,
+    "sub/c.py": "def f(x):\n    return x * 2  # doubles\n" * 25,
+}
+
+
+@pytest.fixture
+def corpus_dir(tmp_path: Path) -> Path:
+    root = tmp_path / "corpus"
+    for name, text in DOCS.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text, encoding="utf-8")
+    (root / "blob.dat").write_bytes(b"\x00\x01\x02binary")
+    (root / ".hidden").mkdir()
+    (root / ".hidden" / "x.txt").write_text("never read")
+    return root
+
+
+def test_folder_round_trips_through_the_tokenizer(corpus_dir: Path, tmp_path: Path) -> None:
+    tokens = text_tokens(str(corpus_dir), vocab_size=300, cache_root=tmp_path / "cache")
+    assert tokens.tokens.dtype == np.uint16 and tokens.vocab <= 300 and tokens.eot_id is not None
+    ids = np.asarray(tokens.tokens)
+    assert ids[-1] == tokens.eot_id and int(ids.max()) < tokens.vocab
+    cuts = np.flatnonzero(ids == tokens.eot_id)
+    tok = load_tokenizer(tokens)
+    decoded = [tok.decode(part.tolist()) for part in np.split(ids, cuts + 1)[:-1]]
+    assert decoded == [DOCS[name] for name in sorted(DOCS)]  # sorted paths; binary and hidden files left out
+
+
+def test_second_call_reuses_the_cache(corpus_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    first = text_tokens(str(corpus_dir), vocab_size=300, cache_root=tmp_path)
+    folder = first.path.parent
+    stamps = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the tokenizer was trained again")
+
+    monkeypatch.setattr(tokenizer_mod, "train_tokenizer", no_training)
+    second = text_tokens(str(corpus_dir), vocab_size=300, cache_root=tmp_path)
+    assert np.array_equal(first.tokens, second.tokens)
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == stamps
+    assert sorted(stamps) == [".lock", "tokenizer.json", "tokens.bin", "tokens.json"]
+    # Other text or another vocabulary size is another cache folder.
+    (corpus_dir / "a.txt").write_text("changed")
+    assert cache_dir_for(path_corpus(corpus_dir), 300, tmp_path)[0] != folder
+    assert cache_dir_for(path_corpus(corpus_dir), 301, tmp_path)[0] != cache_dir_for(path_corpus(corpus_dir), 300,
+                                                                                       tmp_path)[0]
+
+
+def test_atomic_write_leaves_no_partial_file(tmp_path: Path) -> None:
+    target = tmp_path / "tokens.bin"
+    target.write_bytes(b"old")
+
+    def fails_halfway(f) -> None:
+        f.write(b"new, but")
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError):
+        atomic_write(target, fails_halfway)
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["tokens.bin"]
+    atomic_write(target, lambda f: f.write(b"new"))
+    assert target.read_bytes() == b"new" and len(list(tmp_path.iterdir())) == 1
+
+
+def _tokenize_in_child(corpus_dir: str, cache_root: str, log_path: str) -> None:
+    real_build = tokenizer_mod._build_cache
+
+    def logged_build(*args, **kwargs):
+        with open(log_path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(0.5)  # a slow build: the other processes reach the cache while it runs
+        real_build(*args, **kwargs)
+
+    tokenizer_mod._build_cache = logged_build
+    tokenize_corpus(path_corpus(corpus_dir), vocab_size=300, cache_root=Path(cache_root))
+
+
+def test_concurrent_processes_tokenize_once(corpus_dir: Path, tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    log_path = tmp_path / "builds.log"
+    procs = [ctx.Process(target=_tokenize_in_child, args=(str(corpus_dir), str(tmp_path / "c"), str(log_path)))
+             for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert len(log_path.read_text().split()) == 1
+    folder = cache_dir_for(path_corpus(corpus_dir), 300, tmp_path / "c")[0]
+    assert sorted(p.name for p in folder.iterdir()) == [".lock", "tokenizer.json", "tokens.bin", "tokens.json"]
+    reference = text_tokens(str(corpus_dir), vocab_size=300, cache_root=tmp_path / "fresh")
+    assert np.array_equal(open_token_file(folder / "tokens.bin").tokens, reference.tokens)
+
+
+def test_sampler_is_deterministic_and_shifts_labels() -> None:
+    tokens = np.arange(1000, dtype=np.uint16)
+    sampler = TokenSampler(tokens, seq=16, micro_batch_size=4, seed=3)
+    inputs, labels = sampler.batch(5, 2)
+    assert inputs.dtype == labels.dtype == torch.int64 and inputs.shape == labels.shape == (4, 16)
+    assert torch.equal(inputs[:, 1:], labels[:, :-1])
+    offsets = sampler.offsets(5, 2)
+    assert ((offsets >= 0) & (offsets <= 1000 - 17)).all()
+    for row, start in enumerate(offsets):
+        assert torch.equal(labels[row], torch.from_numpy(tokens[start + 1:start + 17].astype(np.int64)))
+    # Same (seed, iteration, microbatch) -> same windows, from a fresh sampler too (another rank); others differ.
+    other = TokenSampler(tokens, seq=16, micro_batch_size=4, seed=3)
+    other.batch(0, 0)
+    assert torch.equal(other.batch(5, 2)[0], inputs)
+    assert not torch.equal(sampler.batch(5, 3)[0], inputs) and not torch.equal(sampler.batch(6, 2)[0], inputs)
+    assert not torch.equal(TokenSampler(tokens, seq=16, micro_batch_size=4, seed=4).batch(5, 2)[0], inputs)
+    staged_in, staged_lab = torch.empty(4, 16, dtype=torch.int64), torch.empty(4, 16, dtype=torch.int64)
+    sampler.fill(staged_in, staged_lab, 5, 2)
+    assert torch.equal(staged_in, inputs) and torch.equal(staged_lab, labels)
+
+
+def test_nanogpt_bin_without_sidecar(tmp_path: Path) -> None:
+    path = tmp_path / "train.bin"
+    np.array([5, 1, 300, 7], dtype=np.uint16).tofile(path)
+    opened = open_token_file(path)
+    assert opened.vocab == 301 and opened.tokens.tolist() == [5, 1, 300, 7]
+    np.array([5, 70_000], dtype=np.uint32).tofile(tmp_path / "big.bin")
+    assert open_token_file(tmp_path / "big.bin", dtype="uint32", vocab=100_000).tokens.tolist() == [5, 70_000]
+    written = write_token_file(tmp_path / "w.bin", np.array([3, 2, 1]), vocab=10, eot_id=0)
+    assert sidecar_path(written.path).is_file() and written.vocab == 10 and written.tokens.tolist() == [3, 2, 1]
+
+
+def test_default_corpus_is_the_stdlib_capped() -> None:
+    corpus = stdlib_corpus(cap_bytes=50_000)
+    docs = list(corpus.documents())
+    assert sum(len(d.encode()) for d in docs) <= 50_000 + 3 * len(docs)  # U+FFFD may replace a cut character
+    assert all(p.suffix == ".py" and "site-packages" not in p.parts for p in corpus.files)
+    assert corpus.digest() == stdlib_corpus(cap_bytes=50_000).digest() != stdlib_corpus(cap_bytes=60_000).digest()
+
+
+def test_errors_are_one_line_config_errors(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    tiny = tmp_path / "tiny.bin"
+    np.array([1, 2, 3], dtype=np.uint16).tofile(tiny)
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x01\x00\x02")
+    cases = [
+        (lambda: text_tokens(str(tmp_path / "missing")), "does not exist"),
+        (lambda: text_tokens(str(tmp_path / "missing.bin")), "does not exist"),
+        (lambda: text_tokens(str(tmp_path / "empty")), "no text files"),
+        (lambda: TokenSampler(open_token_file(tiny).tokens, seq=8, micro_batch_size=1, seed=0), "too few"),
+        (lambda: open_token_file(tiny, vocab=70_000), "does not fit uint16"),
+        (lambda: open_token_file(tiny, vocab=3), "token id 3 >= vocab 3"),
+        (lambda: open_token_file(odd), "whole number"),
+        (lambda: open_token_file(tiny, dtype="int8"), "dtype"),
+    ]
+    for make, message in cases:
+        with pytest.raises(ConfigError, match=message) as info:
+            make()
+        assert "\n" not in str(info.value)
