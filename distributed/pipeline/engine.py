@@ -13,7 +13,7 @@ event (stream wait) on the same device, no copy.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -145,13 +145,22 @@ class CounterDataFeed(DataFeed):
         self.counter_at += iterations
 
 
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The default model's loss: mean squared error in fp32 against the target buffer."""
+    return F.mse_loss(output.float(), target)
+
+
 class Engine:
-    """Runs `program` (a global order of (stage, step) over this rank's stages) once per `iteration()`."""
+    """Runs `program` (a global order of (stage, step) over this rank's stages) once per `iteration()`.
+    `loss_fn(last stage's output, target)` gives one microbatch's mean loss (run outside autocast)."""
 
     def __init__(self, *, stages: list[LocalStage], program: list[tuple[int, Step]], transport: Transport,
                  optimizer: torch.optim.Optimizer, feed: DataFeed, microbatches: int, device: torch.device,
                  autocast_dtype: torch.dtype | None, timeline: Timeline | None = None,
-                 check_shapes: bool = True) -> None:
+                 check_shapes: bool = True, loss_fn: LossFn = mse_loss) -> None:
         self.stages = {s.index: s for s in stages}
         self.order = [s.index for s in stages]
         self.program = program
@@ -163,6 +172,7 @@ class Engine:
         self.autocast_dtype = autocast_dtype
         self.timeline = timeline or Timeline(rank=0, enabled=False)
         self.check_shapes = check_shapes
+        self.loss_fn = loss_fn
         #: told of every exchange with another rank (None: nobody watches); set before any capture
         self.exchange_observer: ExchangeObserver | None = None
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -246,7 +256,7 @@ class Engine:
         if stage.is_last:
             # Mean over the replica's microbatches: the 1/M scale makes the summed gradients a mean.
             with self._autocast(enabled=False):
-                loss = F.mse_loss(out.float(), self.feed.targets[mb]) / self.m
+                loss = self.loss_fn(out, self.feed.targets[mb]) / self.m
             stage.losses[mb] = loss
             self.loss_sum.add_(loss.detach())
 
