@@ -173,6 +173,9 @@ class Engine:
         self.timeline = timeline or Timeline(rank=0, enabled=False)
         self.check_shapes = check_shapes
         self.loss_fn = loss_fn
+        #: called on the main stream after every gradient is final and before the optimizer step (e.g. summing
+        #: tied weights' gradients across stages); capturable work only
+        self.before_step: list[Callable[[], None]] = []
         #: told of every exchange with another rank (None: nobody watches); set before any capture
         self.exchange_observer: ExchangeObserver | None = None
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -236,6 +239,8 @@ class Engine:
             wait_stream(main, stage.stream)  # join
         with use(main):
             self.transport.finish_iteration()
+            for fn in self.before_step:
+                fn()
             with self.timeline.span(self._lane(self.order[0]), "optimizer", main):
                 self.optimizer.step()
         for stage in self.stages.values():
