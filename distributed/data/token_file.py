@@ -11,16 +11,14 @@ sees half a file; the sidecar is written last and marks the token file complete.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
 from peerline.distributed.config import ConfigError
+from peerline.files import atomic_write
 
 TOKEN_DTYPES = ("uint16", "uint32")
 _SCAN_CHUNK = 1 << 26  # ids per step when scanning a large file for its largest id
@@ -47,21 +45,6 @@ def sidecar_path(path: Path) -> Path:
 def token_dtype_for(vocab: int) -> np.dtype:
     """uint16 while every id of the vocabulary fits 16 bits, else uint32 (little-endian, as nanoGPT writes)."""
     return np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
-
-
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call write(f) on a temporary file beside `path`, then rename it over `path` in one step."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_sidecar(path: Path, meta: dict[str, Any]) -> None:

@@ -29,12 +29,13 @@ import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from peerline.distributed.config import ConfigError
+from peerline.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -94,39 +95,6 @@ def check_writable(root: str | os.PathLike) -> Path:
     except OSError as exc:
         raise CheckpointError(f"checkpoint directory {path} is not writable: {_oneline(exc)}") from None
     return path
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename inside `path` durable. Some file systems refuse fsync on a directory: that is not an error."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write a file so that readers see either the old content or the complete new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
 
 
 def _sha256(path: Path) -> str:
