@@ -18,8 +18,8 @@ from peerline.distributed.data import tokenizer as tokenizer_mod
 from peerline.distributed.data.corpus import path_corpus, stdlib_corpus
 from peerline.distributed.data.sampler import TokenSampler
 from peerline.distributed.data.token_file import open_token_file, sidecar_path, write_token_file
-from peerline.files import atomic_write
 from peerline.distributed.data.tokenizer import cache_dir_for, load_tokenizer, text_tokens, tokenize_corpus
+from peerline.files import atomic_write
 
 DOCS = {
     "b.md": "# Notes\n\nPipelines split a model into stages; microbatches keep every stage busy.\n" * 20,
