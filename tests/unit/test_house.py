@@ -11,8 +11,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # Repository folder -> the package it is installed as (pyproject.toml's package-dir).
-PACKAGE_DIRS = {"peerline": "peerline", "distributed": "peerline.distributed", "kernels": "peerline.kernels", "models": "peerline.models",
-                "launch": "peerline.launch", "bench": "peerline.bench"}
+PACKAGE_DIRS = {"peerline": "peerline", "distributed": "peerline.distributed", "kernels": "peerline.kernels",
+                "models": "peerline.models", "launch": "peerline.launch", "bench": "peerline.bench"}
 PRODUCT_DIRS = ("peerline", "distributed", "kernels", "models")
 PRODUCT_FILES = ("launch/pipeline.py", "launch/cli.py")
 MAX_FUNCTION_LINES = 60
