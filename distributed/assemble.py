@@ -19,19 +19,25 @@ import torch.nn as nn
 
 from peerline.distributed.config import ConfigError, RunConfig
 from peerline.distributed.cudagraph.policy import GraphPolicy
+from peerline.distributed.data.token_feed import SYNTHETIC_VOCAB, TokenData, make_token_feed, token_data
 from peerline.distributed.env import LaunchInfo, choose_device, detect_launch, init_distributed
 from peerline.distributed.grad_sync.per_param import PerParameterAllReduce
+from peerline.distributed.grad_sync.tied import TiedGradSum, tied_pair
 from peerline.distributed.hooks import IterationHooks, TimelineWriter
 from peerline.distributed.mesh import Mesh
-from peerline.distributed.model import build_stages, describe_split
+from peerline.distributed.model import build_stages, describe_split, make_loss, mlp_flops_per_token, split_by_weight
 from peerline.distributed.observe.timeline import Timeline
 from peerline.distributed.p2p.base import Links, TensorSpec, Transport
 from peerline.distributed.p2p.factory import make_transport
 from peerline.distributed.pipeline import schedule as sched
+from peerline.distributed.pipeline.boundary import BoundarySpec
 from peerline.distributed.pipeline.boundary_shapes import exchange_boundary_specs
 from peerline.distributed.pipeline.engine import CounterDataFeed, DataFeed, Engine, GradSync, LocalStage
+from peerline.distributed.pipeline.recompute import with_recompute
 from peerline.distributed.streams import RankStreams, create_rank_streams
 from peerline.kernels import ops
+from peerline.models.flops import gpt_flops_per_token, gpt_layer_costs
+from peerline.models.gpt import build_gpt_layers
 
 log = logging.getLogger(__name__)
 
@@ -61,31 +67,47 @@ class RunParts:
     layer_offsets: dict[int, int]  # global stage id -> index of its first layer in the whole model
     graphs: GraphPolicy
     hooks: list[IterationHooks] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)  # one line each for the start of the run (rank 0 prints)
+    flops_per_token: float | None = None  # model FLOPs of one trained token (None: unknown, a user model)
+
+
+@dataclass
+class Workload:
+    """This rank's share of the model (on the CPU, not yet recomputing) and what feeds it."""
+
+    modules: list[nn.Sequential]
+    bounds: list[tuple[int, int]]  # [start, stop) layers of every stage of the whole model
+    vocab: int
+    tokens: TokenData | None  # None: synthetic float data
+    flops_per_token: float | None
+    notices: list[str]
 
 
 def assemble(cfg: RunConfig, info: LaunchInfo | None = None) -> RunParts:
     """Build one rank's run (collective over every rank of the launch)."""
     grid = plan_grid(cfg, info)
     kernels = ops.resolve_impl(cfg.kernels, grid.device)
-    modules, bounds = build_stages(cfg, grid.n_stages, grid.stage_ids, kernels)
+    work = make_model(cfg, grid, kernels)
     start_process_groups(cfg, grid)
     streams = make_streams(cfg, grid.device)
-    modules = [m.to(grid.device) for m in modules]
+    modules = [with_recompute(m.to(grid.device), cfg.recompute_layers) for m in work.modules]
     autocast_dtype = resolve_autocast(cfg, grid.device)
-    first_in = TensorSpec((cfg.micro_batch_size, cfg.seq, cfg.hidden), torch.float32)
-    in_spec, out_specs = exchange_boundary_specs(modules, first_in, grid.mesh.prev_rank, grid.mesh.next_rank,
-                                                 grid.device, lambda: autocast_context(grid.device, autocast_dtype))
+    first_in = first_input_spec(cfg)
+    in_spec, out_specs = probe_boundaries(cfg, grid, modules, work, first_in, autocast_dtype)
     links = make_links(grid.mesh, in_spec, out_specs[-1])
     transport, program = make_checked_transport(cfg, grid, links, streams)
     stages = make_stages(cfg, grid, modules, out_specs, streams)
-    engine = make_engine(cfg, grid, stages, program, transport, streams, first_in, out_specs[-1], autocast_dtype)
+    stages[0].in_spec = in_spec  # what this rank's first stage receives (the engine links its local stages)
+    engine = make_engine(cfg, grid, stages, program, transport, streams, first_in, out_specs[-1], autocast_dtype,
+                         tokens=work.tokens)
     n_params = sum(p.numel() for stage in stages for layer in stage.module for p in layer.parameters())
-    split = describe_split(bounds)
+    split = describe_split(work.bounds)
     log.info("%s; %s; %.2f M parameters here; transport %s", grid.mesh.describe(), split, n_params / 1e6,
              transport.describe())
     return RunParts(cfg=cfg, grid=grid, engine=engine, streams=streams, links=links, split=split,
-                    layer_offsets={sid: bounds[sid][0] for sid in grid.stage_ids},
-                    graphs=make_graph_policy(cfg, grid), hooks=make_hooks(cfg))
+                    layer_offsets={sid: work.bounds[sid][0] for sid in grid.stage_ids},
+                    graphs=make_graph_policy(cfg, grid), hooks=make_hooks(cfg), notices=work.notices,
+                    flops_per_token=work.flops_per_token)
 
 
 # -- the steps, in the order assemble() runs them --------------------------------------------------------------
@@ -108,6 +130,34 @@ def plan_grid(cfg: RunConfig, info: LaunchInfo | None) -> Grid:
     return Grid(info, device, mesh, n_stages, stage_ids, programs)
 
 
+def make_model(cfg: RunConfig, grid: Grid, kernels: str) -> Workload:
+    """The data source (token data: resolved on every rank, tokenized once) and this rank's stages of the model:
+    the GPT (split by compute), the residual-MLP model or a user model (model.py). Before any process group, so a
+    bad model or data path fails on every rank alike."""
+    tokens = token_data(cfg) if cfg.token_data else None
+    vocab = tokens.vocab if tokens is not None else (cfg.vocab or SYNTHETIC_VOCAB)
+    notices: list[str] = []
+    if cfg.model == "gpt":
+        costs = gpt_layer_costs(vocab=vocab, hidden=cfg.hidden, layers=cfg.layers, seq=cfg.seq)
+        bounds = split_by_weight(costs, grid.n_stages)
+        modules = [nn.Sequential(*build_gpt_layers(
+            vocab=vocab, hidden=cfg.hidden, heads=cfg.heads, layers=cfg.layers, seq=cfg.seq, seed=cfg.seed,
+            kernels=kernels, start=bounds[s][0], stop=bounds[s][1], tie_embeddings=cfg.tie_embeddings))
+            for s in grid.stage_ids]
+        flops = gpt_flops_per_token(vocab=vocab, hidden=cfg.hidden, layers=cfg.layers, seq=cfg.seq)
+    else:
+        modules, bounds = build_stages(cfg, grid.n_stages, grid.stage_ids, kernels, vocab, notices)
+        flops = mlp_flops_per_token(cfg) if cfg.model is None else None
+    return Workload(modules, bounds, vocab, tokens, flops, notices)
+
+
+def first_input_spec(cfg: RunConfig) -> TensorSpec:
+    """What the first stage reads: token ids int64 [B, T], or synthetic floats [B, T, hidden]."""
+    if cfg.token_data:
+        return TensorSpec((cfg.micro_batch_size, cfg.seq), torch.int64)
+    return TensorSpec((cfg.micro_batch_size, cfg.seq, cfg.hidden), torch.float32)
+
+
 def dp_group_options(cfg: RunConfig) -> object | None:
     """NCCL options of the dp groups: --nccl-max-ctas caps the SMs the overlapped bucket all-reduces take from
     backward (0: NCCL's default). None (no cap, or not NCCL) keeps the backend's defaults."""
@@ -122,6 +172,8 @@ def start_process_groups(cfg: RunConfig, grid: Grid) -> None:
     """The default process group, then the mesh's dp groups."""
     init_distributed(grid.info, grid.device, cfg.timeout_s)
     grid.mesh.create_groups(dp_options=dp_group_options(cfg))
+    if cfg.tie_embeddings:
+        grid.mesh.create_embedding_groups()
 
 
 def make_streams(cfg: RunConfig, device: torch.device) -> RankStreams:
@@ -145,11 +197,71 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None) -> context
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
-def make_links(mesh: Mesh, in_spec: TensorSpec, out_spec: TensorSpec) -> Links:
-    """This rank's pipeline edges: what it receives from the previous stage and from the next."""
+def probe_boundaries(cfg: RunConfig, grid: Grid, modules: list[nn.Sequential], work: Workload,
+                     first_in: TensorSpec, autocast_dtype: torch.dtype | None) -> tuple[BoundarySpec, list]:
+    """Every stage boundary's spec, from one forward per stage (pipeline/boundary_shapes.py), with the layers run
+    one by one so a model that does not fit its input fails as one line naming the layer; then the last stage's
+    output is checked against the loss."""
+    probes = [LayerProbe(m, work.bounds[sid][0]) for m, sid in zip(modules, grid.stage_ids)]
+    in_spec, out_specs = exchange_boundary_specs(probes, first_in, grid.mesh.prev_rank, grid.mesh.next_rank,
+                                                 grid.device, lambda: autocast_context(grid.device, autocast_dtype),
+                                                 first_index=grid.stage_ids[0])
+    if grid.stage_ids[-1] == grid.n_stages - 1 and cfg.loss == "cross-entropy":
+        check_logits(out_specs[-1], cfg, work.vocab)
+    return in_spec, out_specs
+
+
+class LayerProbe(nn.Module):
+    """A stage's layers run one by one for the start-up probe: an exception becomes one ConfigError line naming
+    the layer (its index in the whole model and its class) and what it was given."""
+
+    def __init__(self, stage: nn.Sequential, first_layer: int) -> None:
+        super().__init__()
+        self.stage, self.first_layer = stage, first_layer
+
+    def forward(self, x: object) -> object:
+        for i, layer in enumerate(self.stage):
+            try:
+                x = layer(x)
+            except ConfigError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a model that does not fit its data is a user error
+                reason = (str(exc).strip().splitlines() or [""])[0]
+                raise ConfigError(f"the model does not fit its input: layer {self.first_layer + i} "
+                                  f"({type(layer).__name__}) got {describe_value(x)}: {type(exc).__name__}: "
+                                  f"{reason}") from None
+        return x
+
+
+def describe_value(x: object) -> str:
+    """'int64 [2, 32]' for a tensor; the leaves of a tuple, list or dict of tensors."""
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)}"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k}: {describe_value(v)}" for k, v in x.items()) + "}"
+    if isinstance(x, tuple | list):
+        return "(" + ", ".join(describe_value(v) for v in x) + ")"
+    return type(x).__name__
+
+
+def check_logits(out: object, cfg: RunConfig, vocab: int) -> None:
+    """Cross-entropy scores float logits [B, T, V >= vocab] against the labels [B, T]."""
+    shape, dtype = tuple(out.shape), out.dtype
+    want = (cfg.micro_batch_size, cfg.seq)
+    if len(shape) != 3 or shape[:2] != want or not dtype.is_floating_point:
+        raise ConfigError(f"the model's output {str(dtype).removeprefix('torch.')} {list(shape)} cannot be scored "
+                          f"by cross-entropy: it needs float logits [{want[0]}, {want[1]}, vocab]")
+    if shape[2] < vocab:
+        raise ConfigError(f"the model's output has {shape[2]} logits per token, fewer than the data's vocabulary "
+                          f"of {vocab} token ids (--vocab)")
+
+
+def make_links(mesh: Mesh, in_spec: BoundarySpec, out_spec: BoundarySpec) -> Links:
+    """This rank's pipeline edges: the messages it receives from the previous stage and from the next (a
+    boundary of several tensors travels packed, pipeline/boundary.py)."""
     return Links(prev_rank=mesh.prev_rank, next_rank=mesh.next_rank,
-                 act_in=in_spec if mesh.prev_rank is not None else None,
-                 grad_in=out_spec if mesh.next_rank is not None else None)
+                 act_in=in_spec.message if mesh.prev_rank is not None else None,
+                 grad_in=out_spec.grad_message if mesh.next_rank is not None else None)
 
 
 def make_checked_transport(cfg: RunConfig, grid: Grid, links: Links, streams: RankStreams
@@ -194,11 +306,17 @@ def make_stages(cfg: RunConfig, grid: Grid, modules: list[nn.Module], out_specs:
     return stages
 
 
-def make_feed(cfg: RunConfig, grid: Grid, first_in: TensorSpec, last_out: TensorSpec) -> DataFeed:
+def make_feed(cfg: RunConfig, grid: Grid, first_in: TensorSpec, last_out: TensorSpec,
+              tokens: TokenData | None = None) -> DataFeed:
     """Static input / target buffers of every microbatch (inputs on the first stage's rank, targets on the
-    last's), filled from torch's seeded generator or, with --data counter, from a device-side counter."""
+    last's), filled from torch's seeded generator, with --data counter from a device-side counter, or with token
+    data by the token feed (data/token_feed.py: int64 ids and labels through pinned host memory)."""
     device, m = grid.device, cfg.microbatches
     holds_first, holds_last = grid.stage_ids[0] == 0, grid.stage_ids[-1] == grid.n_stages - 1
+    if tokens is not None:
+        return make_token_feed(tokens, seed=cfg.seed, replica=grid.mesh.replica, microbatches=m,
+                               micro_batch_size=cfg.micro_batch_size, seq=cfg.seq, device=device,
+                               holds_first=holds_first, holds_last=holds_last)
     feed_kind, extra = DataFeed, {}
     if cfg.data == "counter":
         feed_kind, extra = CounterDataFeed, {"counter": torch.zeros(1, dtype=torch.int64, device=device)}
@@ -211,21 +329,26 @@ def make_feed(cfg: RunConfig, grid: Grid, first_in: TensorSpec, last_out: Tensor
 
 def make_engine(cfg: RunConfig, grid: Grid, stages: list[LocalStage], program: list[tuple[int, sched.Step]],
                 transport: Transport, streams: RankStreams, first_in: TensorSpec, last_out: TensorSpec,
-                autocast_dtype: torch.dtype | None) -> Engine:
+                autocast_dtype: torch.dtype | None, tokens: TokenData | None = None) -> Engine:
     """The engine with its optimizer (fused, capturable AdamW on a GPU), its data feed (through pinned host
-    staging with --staging pinned) and its timeline (recording only with --timeline)."""
+    staging with --staging pinned), its loss (--loss), the tied weights' gradient sum before the optimizer step
+    (--tie-embeddings) and its timeline (recording only with --timeline)."""
     on_gpu = grid.device.type == "cuda"
     params = [p for stage in stages for layer in stage.module for p in layer.parameters()]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, fused=on_gpu or None, capturable=on_gpu)
-    feed = make_feed(cfg, grid, first_in, last_out)
+    feed = make_feed(cfg, grid, first_in, last_out, tokens)
     if cfg.staging == "pinned":
         from peerline.distributed.memory.staging import pinned_feed
 
         feed = pinned_feed(feed, streams, stages[-1], results="losses", main_stream=stages[0].stream)
     timeline = Timeline(rank=grid.info.rank, enabled=cfg.timeline is not None)
-    return Engine(stages=stages, program=program, transport=transport, optimizer=optimizer, feed=feed,
-                  microbatches=cfg.microbatches, device=grid.device, autocast_dtype=autocast_dtype,
-                  timeline=timeline)
+    engine = Engine(stages=stages, program=program, transport=transport, optimizer=optimizer, feed=feed,
+                    microbatches=cfg.microbatches, device=grid.device, autocast_dtype=autocast_dtype,
+                    timeline=timeline, loss_fn=make_loss(cfg.loss))
+    tied = tied_pair([s.module for s in stages], grid.stage_ids, grid.n_stages) if cfg.tie_embeddings else []
+    if tied:
+        engine.before_step.append(TiedGradSum(tied, grid.mesh.embedding_group if len(tied) == 1 else None))
+    return engine
 
 
 def make_graph_policy(cfg: RunConfig, grid: Grid) -> GraphPolicy:

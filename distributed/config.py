@@ -22,9 +22,13 @@ from peerline.choices import (
     GRAD_SYNCS,
     KERNEL_IMPLEMENTATIONS,
     KERNELS,
+    LOSSES,
+    MODELS,
     P2P,
+    RECOMPUTE,
     SCHEDULES,
     STAGINGS,
+    TOKEN_DATA,  # noqa: F401 - re-exported
 )
 
 #: The `--help` groups, in the order they are shown.
@@ -86,8 +90,35 @@ class RunConfig:
     """Hidden size of the default model."""
     layers: int = option(8, MODEL, "residual MLP blocks (default: %(default)s)", minimum=1)
     """Residual MLP blocks of the default model."""
-    model: str | None = option(None, MODEL, "a user model 'pkg.module:factory' returning an nn.Sequential")
-    """A user model: 'pkg.module:factory' returning an nn.Sequential (replaces the default model)."""
+    model: str | None = option(None, MODEL, "gpt (a decoder-only LM sized by --layers --hidden --heads --seq "
+                               "--vocab), or a user model 'pkg.module:factory' returning an nn.Sequential or a list "
+                               "of per-layer builders; the factory gets the keyword arguments it names of vocab_size, "
+                               "hidden, seq, heads, layers, seed (default: the residual-MLP model)")
+    """None: the residual-MLP model; gpt: the decoder-only LM of models/gpt.py; or 'pkg.module:factory'. A factory
+    may name keyword arguments (vocab_size, vocab, hidden, seq, heads, layers, seed, micro_batch_size) and gets
+    their run values; it returns an nn.Sequential (every rank builds it whole) or a list of builders, callables
+    returning one layer each (every rank builds only its own layers, each under its own seed). Its first layer
+    receives floats [B, T, hidden] with --data seeded/counter, int64 token ids [B, T] with token data; its last
+    layer's output is scored by --loss against the targets (floats [B, T, hidden] or token ids [B, T])."""
+    heads: int = option(4, MODEL, "attention heads of --model gpt (default: %(default)s)", minimum=1)
+    """Attention heads of the GPT; must divide --hidden into heads of an even width (RoPE)."""
+    vocab: int | None = option(None, MODEL, "vocabulary size (default: the token data's; 4096 with synthetic data)",
+                               minimum=2)
+    """Vocabulary of the model: by default the token data's (a tokenizer of this size is trained on a text
+    corpus), 4096 with synthetic data."""
+    loss: str | None = option(None, MODEL, "mse, cross-entropy or 'pkg.module:fn' (fn(output, target) -> mean "
+                              "loss; default: cross-entropy for token data, mse otherwise)")
+    """The last stage's loss: mse (fp32, against float targets), cross-entropy (logits [B, T, V] against token
+    labels [B, T]), or 'pkg.module:fn' called as fn(output, target) -> a scalar mean loss. Default: cross-entropy
+    with token data (text, a PATH, a user feed), mse with synthetic data."""
+    tie_embeddings: bool = option(False, MODEL, "tie the GPT's LM head to its token embedding (gradients summed "
+                                  "across the first and last stage)", switch=True)
+    """The GPT's LM head shares the token embedding's weight: both start equal and their gradients are summed
+    before every optimizer step (across the first and last stage's ranks, or on one rank)."""
+    recompute: str = option("off", MODEL, "activation recomputation: off, full (every layer) or N (the first N "
+                            "layers of each stage; default: %(default)s)", metavar="off|full|N")
+    """Activation recomputation per layer (torch.utils.checkpoint): off, full, or N = the first N layers of every
+    stage (early stages of 1F1B hold the most activations in flight)."""
     seed: int = option(0, MODEL, "(default: %(default)s)")
     """Seed of the weights and of the synthetic data."""
     iters: int = option(5, EXECUTION, "iterations from the start of training (default: %(default)s)", minimum=1)
@@ -157,12 +188,20 @@ class RunConfig:
     """Write config, losses, timings and versions to this JSON file (rank 0)."""
     timeline: str | None = option(None, OUTPUT, "write a timeline of the last iteration: PATH.png and PATH.json")
     """Write a timeline (PNG + Chrome trace) of the last iteration with this path stem."""
-    data: str = option("seeded", EXECUTION, "synthetic data: seeded (torch's generator, reseeded on the host per "
-                       "iteration) or counter (a counter-based hash made on the device inside the graph: no host "
-                       "work per iteration; default: %(default)s)", choices=DATA_SOURCES)
-    """Synthetic data: seeded (torch's generator reseeded per iteration and microbatch on the host) or counter (a
-    hash of (seed, iteration, microbatch, element) made on the device from an iteration counter, inside the CUDA
-    graph: no host work per iteration; data/counter.py)."""
+    data: str | None = option(None, EXECUTION, "seeded or counter (synthetic floats), text (the Python standard "
+                              "library's source, tokenized once), PATH (a folder of text files or a .bin token "
+                              "file), or 'pkg.module:fn' (a user token feed; see the README) (default: text with "
+                              "--model gpt, seeded otherwise)", metavar="SOURCE")
+    """The data. Synthetic floats [B, T, hidden]: seeded (torch's generator reseeded per iteration and microbatch
+    on the host) or counter (a hash of (seed, iteration, microbatch, element) made on the device from an iteration
+    counter, inside the CUDA graph; data/counter.py). Token ids [B, T] (inputs on the first stage, next-token
+    labels on the last; data/token_feed.py): text (the default corpus), a PATH (a folder of text files, one text
+    file, or a nanoGPT-style .bin token file), or 'pkg.module:fn', a factory called with the keyword arguments it
+    names of seq, micro_batch_size, seed, vocab_size and returning fill(inputs, labels, iteration, global_mb) (a
+    function, or an object with that method) that writes int64 [B, T] tensors in place."""
+    data_cache: str | None = option(None, EXECUTION, "where text is tokenized to (default: ~/.cache/peerline/text)",
+                                    metavar="DIR")
+    """Folder of the tokenizer and token-file cache of text data (default: ~/.cache/peerline/text)."""
     staging: str = option("direct", EXECUTION, "inputs/results: direct, or pinned (host ring + h2d/d2h streams; "
                           "default: %(default)s)", choices=STAGINGS)
     """Inputs and results: direct (generated on the device into the static buffers) or pinned (generated on the
@@ -191,14 +230,14 @@ class RunConfig:
     """Skip the optimizer step of an iteration whose loss is NaN/inf (on every rank) instead of stopping."""
 
     def __post_init__(self) -> None:
+        _resolve_workload(self)
         _check_flags(self)
+        _check_workload(self)
         _check_transport(self)
         _check_graph_loop(self)
         _check_memory(self)
         _check_numbers(self)
         _derive_batch(self)
-        if self.model is not None and ":" not in self.model:
-            raise ConfigError(f"--model {self.model!r} must look like 'package.module:factory'")
         if self.save_every and not self.save:
             raise ConfigError("--save-every needs --save DIR")
 
@@ -210,6 +249,18 @@ class RunConfig:
             raise ConfigError(f"grid does not fit: pp={shown} x dp={self.dp} = {max(pp, 0) * self.dp} "
                               f"!= world size {world_size}")
         return pp
+
+    @property
+    def token_data(self) -> bool:
+        """Token ids (text, a PATH, a user feed) rather than synthetic floats (seeded, counter)."""
+        return self.data not in DATA_SOURCES
+
+    @property
+    def recompute_layers(self) -> int | None:
+        """Layers recomputed at the start of every stage: None for all (full), 0 for none (off)."""
+        if self.recompute == "full":
+            return None
+        return 0 if self.recompute == "off" else int(self.recompute)
 
     def total_stages(self, world_size: int) -> int:
         return self.resolved_pp(world_size) * self.stages
@@ -241,6 +292,48 @@ def _check_flags(cfg: RunConfig) -> None:
                               f"{', '.join(flag.choices)}")
         if flag.minimum is not None and value < flag.minimum:
             raise ConfigError(f"{flag_name(f.name)} must be >= {flag.minimum}, got {value}")
+
+
+def is_spec(value: str) -> bool:
+    """'package.module:name' (a user model, feed or loss), as opposed to a built-in name or a path."""
+    module, sep, attr = value.partition(":")
+    return bool(sep) and attr.isidentifier() and all(p.isidentifier() for p in module.split("."))
+
+
+def _resolve_workload(cfg: RunConfig) -> None:
+    """Defaults that follow the model and the data (set once, here: the config is frozen)."""
+    if cfg.data is None:
+        object.__setattr__(cfg, "data", "text" if cfg.model == "gpt" else "seeded")
+    if cfg.loss is None:
+        object.__setattr__(cfg, "loss", "cross-entropy" if cfg.token_data else "mse")
+
+
+def _check_workload(cfg: RunConfig) -> None:
+    """The model, data, loss and recomputation fit each other."""
+    if cfg.model is not None and cfg.model not in MODELS and not is_spec(cfg.model):
+        raise ConfigError(f"--model {cfg.model!r} must be {' or '.join(MODELS)} or look like 'package.module:factory'")
+    if cfg.loss not in LOSSES and not is_spec(cfg.loss):
+        raise ConfigError(f"--loss {cfg.loss!r} must be {', '.join(LOSSES)} or look like 'package.module:fn'")
+    if cfg.recompute not in RECOMPUTE and not cfg.recompute.isdigit():
+        raise ConfigError(f"--recompute must be off, full or a number of layers N >= 0, got {cfg.recompute!r}")
+    if cfg.model == "gpt":
+        if cfg.hidden % cfg.heads or (cfg.hidden // cfg.heads) % 2:
+            raise ConfigError(f"--heads {cfg.heads} must divide --hidden {cfg.hidden} into heads of an even width "
+                              "(RoPE rotates pairs of dimensions)")
+        if not cfg.token_data:
+            raise ConfigError(f"--model gpt reads token ids: --data {cfg.data} makes floats; use --data text, a PATH "
+                              "or 'pkg.module:fn'")
+    if cfg.tie_embeddings and cfg.model != "gpt":
+        raise ConfigError("--tie-embeddings needs --model gpt")
+    if cfg.loss == "mse" and cfg.token_data:
+        raise ConfigError(f"--loss mse needs float targets: --data {cfg.data} gives token labels")
+    if cfg.loss == "cross-entropy" and not cfg.token_data:
+        raise ConfigError(f"--loss cross-entropy needs token labels: --data {cfg.data} makes floats")
+    if cfg.token_data and cfg.staging != "direct":
+        raise ConfigError("--staging pinned applies to synthetic data: token data is staged through pinned host "
+                          "memory already")
+    if cfg.token_data and cfg.graph_loop > 1:
+        raise ConfigError(f"--graph-loop needs --data seeded or counter (made on the device), got --data {cfg.data}")
 
 
 def _check_transport(cfg: RunConfig) -> None:
@@ -296,4 +389,4 @@ def _derive_batch(cfg: RunConfig) -> None:
 
 __all__ = ["RunConfig", "ConfigError", "Flag", "GROUPS", "flags", "flag_name", "SCHEDULES", "DTYPES", "DEVICES",
            "KERNEL_IMPLEMENTATIONS", "KERNELS", "P2P", "GRAD_SYNCS", "ALLREDUCE_PRIORITIES", "ALLOCATORS",
-           "STAGINGS", "DATA_SOURCES"]
+           "STAGINGS", "DATA_SOURCES", "TOKEN_DATA", "MODELS", "LOSSES", "RECOMPUTE", "is_spec"]

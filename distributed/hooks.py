@@ -26,7 +26,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class IterationStats:
     """What a logged launch measured: the loss after `iteration` (agreed by every rank), milliseconds and tokens per
-    second per iteration, and the peak device memory so far."""
+    second per iteration, and the peak device memory so far (GiB, the largest of any rank's; 0 on the CPU).
+
+    ppl: exp(loss) for a cross-entropy loss; tflops: achieved model TFLOP/s of the whole run (model FLOPs per token
+    x tokens/s); mfu: percent of the bf16 peak of all the run's cards; peak_mem_gb_per_rank: every rank's peak, by
+    rank. Each None where it does not apply (not an LM, a user model's FLOPs, an unknown card, the CPU)."""
 
     iteration: int
     loss: float
@@ -34,6 +38,10 @@ class IterationStats:
     tokens_per_s: float
     peak_mem_gb: float
     extra: dict[str, float] = field(default_factory=dict)
+    ppl: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    peak_mem_gb_per_rank: list[float] | None = None
 
 
 class IterationHooks:

@@ -25,6 +25,8 @@ class Mesh:
     # the same ranks as dp_group with the backend's default options, when dp_group has options (a CTA cap): the
     # buckets backward finishes last have nothing left to overlap with and all-reduce there at full speed
     dp_tail_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    # {first stage, last stage} of this rank's replica (pp > 1, tied embeddings): the tied weights' gradient sum
+    embedding_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.pp < 1 or self.dp < 1:
@@ -60,6 +62,21 @@ class Mesh:
 
     def pp_ranks(self, replica: int) -> list[int]:
         return [self.rank_of(s, replica) for s in range(self.pp)]
+
+    def embedding_ranks(self, replica: int) -> list[int]:
+        """The ranks holding a replica's first and last stage (one rank when pp == 1)."""
+        return sorted({self.rank_of(0, replica), self.rank_of(self.pp - 1, replica)})
+
+    def create_embedding_groups(self) -> None:
+        """One group per replica of its first and last stage's ranks (Megatron-LM's embedding group), for the
+        gradient sum of weights tied across them. Collective over the world like create_groups; none when pp == 1
+        (both stages on one rank: the sum is local)."""
+        if not dist.is_initialized() or self.pp == 1:
+            return
+        for replica in range(self.dp):
+            group = dist.new_group(self.embedding_ranks(replica))
+            if replica == self.replica:
+                self.embedding_group = group
 
     def create_groups(self, dp_options: Any = None) -> None:
         """Create every dp group (and its uncapped tail twin when `dp_options` is given). new_group is collective

@@ -1,17 +1,22 @@
-"""The model: the default residual-MLP block stack, user models, their split into stages, and synthetic data.
+"""The model: the default residual-MLP block stack, user models, their split into stages, the losses, and synthetic
+data.
 
 Every layer of the default model is initialised from its own seed (seed, layer index), so a stage builds exactly
-the weights the single-process reference builds for the same layers, whatever the split.
+the weights the single-process reference builds for the same layers, whatever the split. A user factory's layer
+builders get the same treatment; a factory that returns a whole nn.Sequential is called under the run's seed.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from peerline.distributed.config import ConfigError, RunConfig
 from peerline.kernels import ops
@@ -54,21 +59,80 @@ def build_default_layers(cfg: RunConfig, start: int, stop: int, kernels: str) ->
     return layers
 
 
-def load_user_model(spec: str, seed: int) -> nn.Sequential:
-    """Import 'pkg.module:factory', call it under the run's seed, and check it returns an nn.Sequential."""
+def load_spec(spec: str, what: str) -> Callable:
+    """Import 'pkg.module:name'; one ConfigError line when it is not there."""
     module_name, _, attr = spec.partition(":")
     try:
-        factory: Callable[[], object] = getattr(importlib.import_module(module_name), attr)
+        return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"cannot load model factory {spec!r}: {exc}") from None
+        raise ConfigError(f"cannot load {what} {spec!r}: {exc}") from None
+
+
+def call_with_wanted(fn: Callable, available: dict[str, object]) -> tuple[object, set[str]]:
+    """Call `fn` with the keyword arguments it names among `available` (all of them when it takes **kwargs);
+    returns its result and the names it took."""
+    params = inspect.signature(fn).parameters
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    taken = set(available) if takes_all else set(available) & set(params)
+    return fn(**{k: available[k] for k in taken}), taken
+
+
+@dataclass
+class UserModel:
+    """What a factory gave: the whole model's layers (an nn.Sequential's), or one builder per layer; and the run
+    values it took (`taken`: flags it ignores get a notice)."""
+
+    spec: str
+    layers: list[nn.Module] | None = None
+    builders: list[Callable[[], nn.Module]] | None = None
+    taken: set[str] = field(default_factory=set)
+
+    def __len__(self) -> int:
+        return len(self.layers if self.layers is not None else self.builders)
+
+    def build(self, start: int, stop: int, seed: int) -> list[nn.Module]:
+        """Layers [start, stop): sliced from the whole model, or built each under its own seed."""
+        if self.layers is not None:
+            return self.layers[start:stop]
+        built = []
+        for i in range(start, stop):
+            torch.manual_seed(layer_seed(seed, i))
+            layer = _call_user(self.spec, self.builders[i], f"layer builder {i} of ")
+            if not isinstance(layer, nn.Module):
+                raise ConfigError(f"layer builder {i} of {self.spec!r} returned {type(layer).__name__}, not an "
+                                  "nn.Module")
+            built.append(layer)
+        return built
+
+
+def _call_user(spec: str, fn: Callable[[], object], what: str = "") -> object:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - any failure of user code is reported as one line
+        raise ConfigError(f"{what}model factory {spec!r} failed: {type(exc).__name__}: {exc}") from None
+
+
+def run_values(cfg: RunConfig, vocab: int) -> dict[str, object]:
+    """The run's values a user factory may ask for by keyword."""
+    return {"vocab_size": vocab, "vocab": vocab, "hidden": cfg.hidden, "seq": cfg.seq, "heads": cfg.heads,
+            "layers": cfg.layers, "seed": cfg.seed, "micro_batch_size": cfg.micro_batch_size}
+
+
+def load_user_model(spec: str, seed: int, values: dict[str, object] | None = None) -> UserModel:
+    """Import 'pkg.module:factory' and call it under the run's seed with the `values` it names; it returns an
+    nn.Sequential or a list of per-layer builders (callables returning one nn.Module each)."""
+    factory = load_spec(spec, "model factory")
     torch.manual_seed(seed)
     try:
-        model = factory()
+        made, taken = call_with_wanted(factory, values or {})
     except Exception as exc:  # noqa: BLE001 - any failure of user code is reported as one line
         raise ConfigError(f"model factory {spec!r} failed: {type(exc).__name__}: {exc}") from None
-    if not isinstance(model, nn.Sequential):
-        raise ConfigError(f"model factory {spec!r} returned {type(model).__name__}, not an nn.Sequential")
-    return model
+    if isinstance(made, nn.Sequential):
+        return UserModel(spec, layers=list(made), taken=taken)
+    if isinstance(made, list | tuple) and made and all(callable(b) and not isinstance(b, nn.Module) for b in made):
+        return UserModel(spec, builders=list(made), taken=taken)
+    raise ConfigError(f"model factory {spec!r} returned {type(made).__name__}, not an nn.Sequential or a list of "
+                      "layer builders")
 
 
 def split_even(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
@@ -85,7 +149,7 @@ def split_even(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
 
 
 def split_by_weight(weights: list[int], n_stages: int) -> list[tuple[int, int]]:
-    """Contiguous split that minimises the heaviest stage (weights: parameters per layer). Exact dynamic
+    """Contiguous split that minimises the heaviest stage (weights: parameters or FLOPs per layer). Exact dynamic
     programme: models have few layers, and a greedy split can leave a stage empty."""
     n = len(weights)
     if n < n_stages:
@@ -111,16 +175,62 @@ def split_by_weight(weights: list[int], n_stages: int) -> list[tuple[int, int]]:
     return bounds[::-1]
 
 
-def build_stages(cfg: RunConfig, n_stages: int, stage_ids: list[int], kernels: str
-                 ) -> tuple[list[nn.Sequential], list[tuple[int, int]]]:
-    """The stage modules this rank runs (stage_ids of n_stages) and the split of the whole model."""
+def build_stages(cfg: RunConfig, n_stages: int, stage_ids: list[int], kernels: str, vocab: int = 4096,
+                 notices: list[str] | None = None) -> tuple[list[nn.Sequential], list[tuple[int, int]]]:
+    """The stage modules this rank runs (stage_ids of n_stages) and the split of the whole model: the residual-MLP
+    model split evenly, or a user model (its nn.Sequential split by parameters; its builders split evenly, each
+    rank building only its own layers; `notices` gets its notices). --model gpt is built by assemble.py (models/
+    sits above this module)."""
     if cfg.model is None:
         bounds = split_even(cfg.layers, n_stages)
         stages = [nn.Sequential(*build_default_layers(cfg, *bounds[s], kernels)) for s in stage_ids]
         return stages, bounds
-    full = load_user_model(cfg.model, cfg.seed)
-    bounds = split_by_weight([sum(p.numel() for p in layer.parameters()) for layer in full], n_stages)
-    return [nn.Sequential(*list(full)[slice(*bounds[s])]) for s in stage_ids], bounds
+    user = load_user_model(cfg.model, cfg.seed, run_values(cfg, vocab))
+    if user.layers is not None:
+        bounds = split_by_weight([sum(p.numel() for p in layer.parameters()) for layer in user.layers], n_stages)
+    else:
+        bounds = split_even(len(user), n_stages)
+    stages = [nn.Sequential(*user.build(*bounds[s], cfg.seed)) for s in stage_ids]
+    if notices is not None:
+        notices += user_model_notices(cfg, user.taken, user.layers if user.layers is not None else stages)
+    return stages, bounds
+
+
+def user_model_notices(cfg: RunConfig, taken: set[str], modules: list[nn.Module]) -> list[str]:
+    """One-line notices about a user model: size flags it ignores, dropout that makes results depend on the split."""
+    notices = []
+    defaults = RunConfig.__dataclass_fields__
+    sized = ("layers", "heads", "hidden") if cfg.token_data else ("layers", "heads")  # --hidden sizes float data
+    ignored = [f"--{name}" for name in sized
+               if getattr(cfg, name) != defaults[name].default and name not in taken]
+    if ignored:
+        notices.append(f"{' and '.join(ignored)} not applied: the model factory {cfg.model!r} does not take "
+                       f"{'it' if len(ignored) == 1 else 'them'}")
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for module in modules for m in module.modules()):
+        notices.append("the model has dropout: its random masks, and so the results, then depend on the stage split")
+    return notices
+
+
+def mlp_flops_per_token(cfg: RunConfig) -> float:
+    """Model FLOPs of one trained token of the residual-MLP model: 6 x its matmul weights (fc1 and fc2 hold
+    8 H^2 per block), forward and backward, nothing else counted."""
+    return 6.0 * 8 * cfg.hidden * cfg.hidden * cfg.layers
+
+
+def cross_entropy_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy in fp32: logits [B, T, V] against int64 labels [B, T], mean over tokens."""
+    return F.cross_entropy(output.float().flatten(0, -2), target.flatten())
+
+
+def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error in fp32 against the float targets (the residual-MLP model's loss)."""
+    return F.mse_loss(output.float(), target)
+
+
+def make_loss(spec: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """--loss: mse, cross-entropy, or a user function 'pkg.module:fn' (output, target) -> scalar mean loss."""
+    builtin = {"mse": mse_loss, "cross-entropy": cross_entropy_loss}
+    return builtin[spec] if spec in builtin else load_spec(spec, "loss function")
 
 
 def describe_split(bounds: list[tuple[int, int]], n_params: list[int] | None = None) -> str:

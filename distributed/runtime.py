@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from peerline.distributed.cudagraph.capture import IterationGraph
 from peerline.distributed.env import LaunchInfo
 from peerline.distributed.hooks import IterationHooks, IterationStats
 from peerline.distributed.streams import use
+from peerline.models.flops import peak_bf16_tflops
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,11 @@ class Runtime:
         self.transport_name = parts.engine.transport.describe()
         self.graphs = parts.graphs  # the CUDA-graph policy and state (cudagraph/policy.py)
         self.hooks: list[IterationHooks] = list(parts.hooks)
+        self.run_notices = list(parts.notices)
+        self.flops_per_token = parts.flops_per_token  # model FLOPs of one trained token (None: unknown)
+        # The bf16 peak of one card (None: the CPU or a card not in models/flops.py): MFU's denominator.
+        self.peak_tflops = peak_bf16_tflops(torch.cuda.get_device_name(self.device)) \
+            if self.device.type == "cuda" else None
         self.iteration = 0  # iterations completed since the start of training (a resumed run starts later)
         self.iterations_run = 0  # iterations this process ran: a resumed run warms up again before capture
 
@@ -94,8 +101,9 @@ class Runtime:
 
     @property
     def notices(self) -> list[str]:
-        """One-line notices for the start of the run (options ignored here, graphs turned off)."""
-        return self.graphs.notices
+        """One-line notices for the start of the run (flags a user model ignores, options ignored here, graphs
+        turned off)."""
+        return [*self.run_notices, *self.graphs.notices]
 
     # -- training ----------------------------------------------------------------------------------------------
     def train(self, iters: int | None = None, on_iteration: Callable[[IterationStats], None] | None = None
@@ -147,10 +155,30 @@ class Runtime:
         if not log_now:
             return None
         ms = watch.elapsed_ms() / launch.n
-        loss = self.read_loss()
-        on_gpu = self.engine.main_stream is not None
-        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if on_gpu else 0.0
-        return IterationStats(self.iteration, loss, ms, self.tokens_per_iteration / (ms / 1e3), peak)
+        return self.measure(self.read_loss(), ms)
+
+    def measure(self, loss: float, ms: float) -> IterationStats:
+        """The stats of a logged iteration: throughput, model TFLOP/s and MFU, every rank's peak memory (one small
+        all-gather on a GPU: a logged iteration has synchronized already)."""
+        tokens_per_s = self.tokens_per_iteration / (ms / 1e3)
+        per_rank = self.peak_memory_per_rank()
+        tflops = self.flops_per_token * tokens_per_s / 1e12 if self.flops_per_token else None
+        mfu = 100 * tflops / (self.peak_tflops * self.info.world_size) if tflops and self.peak_tflops else None
+        ppl = math.exp(min(loss, 700.0)) if self.cfg.loss == "cross-entropy" and math.isfinite(loss) else None
+        return IterationStats(self.iteration, loss, ms, tokens_per_s, max(per_rank) if per_rank else 0.0,
+                              ppl=ppl, tflops=tflops, mfu=mfu, peak_mem_gb_per_rank=per_rank)
+
+    def peak_memory_per_rank(self) -> list[float] | None:
+        """Every rank's peak allocated device memory so far, GiB, by rank (collective); None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        with use(self.engine.main_stream):
+            mine = torch.tensor([torch.cuda.max_memory_allocated(self.device) / 2**30], device=self.device)
+            if not (dist.is_initialized() and self.info.world_size > 1):
+                return mine.tolist()
+            everyone = torch.empty(self.info.world_size, device=self.device)
+            dist.all_gather_into_tensor(everyone, mine)
+            return everyone.tolist()
 
     def _launch_stops(self) -> tuple[int, ...]:
         """Cadences at which a launch must end: the loss read, and whatever the hooks ask for."""

@@ -116,6 +116,9 @@ def report(rt: Runtime, history: list[IterationStats]) -> None:
                        "ms_per_iter": [s.ms for s in history],
                        "tokens_per_s": [s.tokens_per_s for s in history],
                        "peak_mem_gb": max((s.peak_mem_gb for s in history), default=0.0),
+                       "peak_mem_gb_per_rank": history[-1].peak_mem_gb_per_rank if history else None,
+                       "tflops": [s.tflops for s in history], "mfu": [s.mfu for s in history],
+                       "ppl": [s.ppl for s in history],
                        "layer_checksums": checksums,
                        "versions": versions()}, f, indent=1)
     final = history[-1].loss if history else float("nan")

@@ -17,6 +17,12 @@ ALLREDUCE_PRIORITIES = ("highest", "normal")
 ALLOCATORS = ("caching", "async")
 STAGINGS = ("direct", "pinned")
 DATA_SOURCES = ("seeded", "counter")
+#: --data values besides a PATH or 'pkg.module:fn': the synthetic sources above and the default text corpus
+TOKEN_DATA = ("text",)
+MODELS = ("gpt",)  # built-in models besides the default residual MLP; --model also takes 'pkg.module:factory'
+LOSSES = ("mse", "cross-entropy")  # --loss also takes 'pkg.module:fn'
+RECOMPUTE = ("off", "full")  # --recompute also takes N: the first N layers of each stage
 
 __all__ = ["SCHEDULES", "DTYPES", "DEVICES", "KERNEL_IMPLEMENTATIONS", "KERNELS", "P2P", "GRAD_SYNCS",
-           "ALLREDUCE_PRIORITIES", "ALLOCATORS", "STAGINGS", "DATA_SOURCES"]
+           "ALLREDUCE_PRIORITIES", "ALLOCATORS", "STAGINGS", "DATA_SOURCES",
+           "TOKEN_DATA", "MODELS", "LOSSES", "RECOMPUTE"]

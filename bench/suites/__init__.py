@@ -25,6 +25,7 @@ SUITES: dict[str, str] = {
     "graph": "graph",
     "single": "single",
     "pipeline": "pipeline",
+    "gpt": "gpt",
 }
 
 #: suite name -> what it measures (the `--help` list)
@@ -36,6 +37,7 @@ DESCRIPTIONS: dict[str, str] = {
     "graph": "whole-iteration CUDA graph vs eager and a hand-captured torch graph",
     "single": "single-GPU mode: copy/compute overlap vs serial and its bound; allocators (1 rank)",
     "pipeline": "full training iteration vs torch.distributed.pipelining + DDP",
+    "gpt": "GPT LM on real text vs torch.distributed.pipelining (fastest schedule and recipe); recompute table",
 }
 
 #: suites that measure between two GPUs: run under torchrun --nproc_per_node=2 (skipped with fewer ranks)

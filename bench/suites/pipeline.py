@@ -20,18 +20,24 @@ backward times measured alone (bench/ideal.py).
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import math
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from peerline.bench.benchkit import BenchContext, Record, Timing, time_blocks
+from peerline.bench.benchkit import BenchContext, Record, Timing
 from peerline.bench.ideal import IdealReport
+from peerline.bench.runtime_timing import (
+    BlockTimer,
+    Measured,
+    first_losses,
+    free_device,
+    open_runtime,
+    peak_gb,
+    time_runtime,
+)
 from peerline.bench.suites.torch_pipelining import PipeShape, TorchPipelineAnchor, measure_stage_ms
 from peerline.choices import SCHEDULES
 
@@ -66,37 +72,6 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="also draw one peerline eager iteration per configuration (PNG + Chrome trace)")
 
 
-@dataclass
-class Measured:
-    """One variant of one (configuration, schedule)."""
-
-    name: str
-    timing: Timing
-    losses: list[float]
-    ideal: IdealReport | None
-    peak_gb: float
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def tokens_per_s(self, tokens: int) -> float:
-        return tokens / (self.timing.median_ms / 1e3)
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _peak_gb(device: torch.device) -> float:
-    if device.type != "cuda":
-        return 0.0
-    t = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def _ideal(schedule: str, shape: PipeShape, pp: int, mine: tuple[int, int, float, float], achieved_ms: float
            ) -> IdealReport:
     """Gather (stage, replica, fwd, bwd) from every rank; the bound of replica 0's stages."""
@@ -118,10 +93,7 @@ class PipelineBench:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.pp = self.world // dp
         quick = ctx.quick
-        self.iters = getattr(args, "pipeline_iters", None) or (2 if quick else 5)
-        self.reps = getattr(args, "reps", None) or (2 if quick else 5)
-        warmup = getattr(args, "warmup", None)
-        self.warmup = warmup if warmup is not None else (1 if quick else 2)
+        self._time = BlockTimer.from_args(args, quick, self.device, getattr(args, "pipeline_iters", None))
         self.draw_timeline = bool(getattr(args, "pipeline_timeline", False))
         self.stage_warmup, self.stage_reps = (1, 2) if quick else (3, 10)
 
@@ -129,9 +101,6 @@ class PipelineBench:
     def tokens(self) -> int:
         s = self.shape
         return s.microbatches * s.micro_batch_size * s.seq * self.dp
-
-    def _time(self, run_block) -> Timing:
-        return time_blocks(run_block, iters=self.iters, reps=self.reps, warmup=self.warmup, device=self.device)
 
     # -- (c) the anchor ----------------------------------------------------------------------------------------
     def torch_anchor(self, groups: tuple[Any, Any]) -> Measured:
@@ -147,7 +116,7 @@ class PipelineBench:
                 anchor.step()
 
         timing = self._time(block)
-        peak = _peak_gb(self.device)
+        peak = peak_gb(self.device)
         f, b = measure_stage_ms(anchor.module, self.shape, self.device, anchor.is_first, anchor.is_last,
                                 warmup=self.stage_warmup, reps=self.stage_reps)
         ideal = _ideal(self.schedule, self.shape, self.pp, (anchor.stage_index, anchor.replica, f, b),
@@ -159,7 +128,6 @@ class PipelineBench:
         """Measured, or why the variant could not run."""
         try:
             from peerline.distributed.config import RunConfig
-            from peerline.distributed.runtime import Runtime
         except ImportError as exc:
             return f"peerline runtime not available ({exc})"
         s = self.shape
@@ -167,29 +135,16 @@ class PipelineBench:
                         micro_batch_size=s.micro_batch_size, seq=s.seq, hidden=s.hidden, layers=s.layers,
                         seed=s.seed, lr=s.lr, dtype=s.dtype, device=self.device.type, graph=graph,
                         iters=10**9, log_every=1)
-        rt = Runtime.create(cfg)
-        try:
-            losses = rt.train(LOSS_CHECK_ITERS)
-            if graph and getattr(rt, "graph", None) is None:
-                # Capture may wait for its warm-up iterations: run them, then look again.
-                rt.train(rt.iteration + cfg.warmup_iters + 1)
-                if rt.graph is None:
-                    why = getattr(rt, "graph_failed", None) or "; ".join(rt.notices) or "no reason given"
-                    return f"the iteration was not captured into a CUDA graph: {why}"
-            # From now on: one loss read (host sync) per timed block, at its end.
-            rt.cfg = replace(rt.cfg, log_every=10**9)
-
-            def block(n: int) -> None:
-                rt.train(rt.iteration + n)
-
-            timing = self._time(block)
-            peak = _peak_gb(self.device)
+        with open_runtime(cfg) as rt:
+            losses, not_captured = first_losses(rt, LOSS_CHECK_ITERS, graph)
+            if not_captured:
+                return f"the iteration was not captured into a CUDA graph: {not_captured}"
+            timing = time_runtime(rt, self._time)
+            peak = peak_gb(self.device)
             extra: dict[str, Any] = {"transport": rt.transport_name}
             if not graph and self.draw_timeline:
                 extra["timeline"] = self._timeline(rt)
             ideal = self._peerline_ideal(rt, timing)
-        finally:
-            rt.engine.transport.close()  # not rt.close(): it would end the process group the suite still uses
         return Measured("graph" if graph else "eager", timing, losses, ideal, peak, extra)
 
     def _peerline_ideal(self, rt, timing: Timing) -> IdealReport | None:
@@ -317,7 +272,7 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
             results: dict[str, Measured] = {}
             for variant in variants:
                 ctx.step(f"{shape.name} {schedule} {variant}")
-                _free(ctx.device)
+                free_device(ctx.device)
                 try:
                     if variant == "torch":
                         got: Measured | str = bench.torch_anchor(groups)
@@ -337,6 +292,6 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
                              shape.name, schedule, variant, got.timing.median_ms, got.timing.spread,
                              got.tokens_per_s(bench.tokens), ", ".join(f"{v:.6g}" for v in got.losses))
             bench.report_ideal(results)
-            _free(ctx.device)
+            free_device(ctx.device)
     if failures:
         raise RuntimeError(f"{len(failures)} pipeline variant(s) failed: " + " | ".join(failures))

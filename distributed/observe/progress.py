@@ -7,9 +7,19 @@ from typing import Any
 
 
 def format_stats(stats: Any, total: int) -> str:
-    """The progress line of one logged iteration."""
-    return (f"iter {stats.iteration}/{total} | loss {stats.loss:.6f} | {stats.ms:.2f} ms/iter | "
-            f"{stats.tokens_per_s:,.0f} tokens/s | peak {stats.peak_mem_gb:.2f} GiB")
+    """The progress line of one logged iteration: iter | loss | ppl (LMs) | ms/iter | tokens/s | TFLOP/s (known
+    model FLOPs) | MFU (known card) | peak memory (GPU: the largest of any rank's)."""
+    parts = [f"iter {stats.iteration}/{total}", f"loss {stats.loss:.6f}"]
+    if getattr(stats, "ppl", None) is not None:
+        parts.append(f"ppl {stats.ppl:.2f}")
+    parts += [f"{stats.ms:.2f} ms/iter", f"{stats.tokens_per_s:,.0f} tokens/s"]
+    if getattr(stats, "tflops", None) is not None:
+        parts.append(f"{stats.tflops:.3g} TFLOP/s")
+    if getattr(stats, "mfu", None) is not None:
+        parts.append(f"MFU {stats.mfu:.1f}%")
+    if getattr(stats, "peak_mem_gb_per_rank", None) is not None:
+        parts.append(f"peak {stats.peak_mem_gb:.2f} GiB")
+    return " | ".join(parts)
 
 
 class ProgressReporter:

@@ -8,6 +8,11 @@ it is the caller's business, once per logged iteration.
 A rank runs one stage (one process per GPU) or several (single-GPU mode: stages as streams of one device).
 Handoffs to a stage of another rank go through the `Transport`; handoffs between local stages are an
 event (stream wait) on the same device, no copy.
+
+What a stage hands on is a tensor or a tuple / list / dict of tensors (boundary.py): the next stage's module
+receives it as its one argument. Several tensors travel as one packed message each way (the gradient message
+holds the floating leaves' gradients only); a single tensor takes the plain path, unpacked. The first stage's
+input is the feed's one buffer; the last stage's output goes to `loss_fn` as it is, structure and all.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -26,6 +31,8 @@ from peerline.distributed.data import counter as counter_data
 from peerline.distributed.model import fill_batch
 from peerline.distributed.observe.timeline import Timeline
 from peerline.distributed.p2p.base import ACT, GRAD, TensorSpec, Transport
+from peerline.distributed.pipeline import boundary
+from peerline.distributed.pipeline.boundary import BoundarySpec
 from peerline.distributed.pipeline.schedule import Step, step_str
 from peerline.distributed.streams import use, wait_stream
 from peerline.kernels import fused_linear
@@ -55,12 +62,19 @@ class LocalStage:
     n_stages: int
     module: nn.Module
     stream: torch.cuda.Stream | None
-    out_spec: TensorSpec  # shape/dtype of this stage's output (and of the gradient it receives)
+    out_spec: BoundarySpec  # what this stage hands on (a TensorSpec is taken as a single tensor)
     grad_sync: GradSync | None = None
-    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
-    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    in_spec: BoundarySpec | None = None  # what it receives from the stage before (None: a single tensor)
+    inputs: dict[int, Any] = field(default_factory=dict)  # received boundary values (tensor or structure)
+    outputs: dict[int, Any] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
-    grads_in: dict[int, torch.Tensor] = field(default_factory=dict)
+    grads_in: dict[int, torch.Tensor | list[torch.Tensor]] = field(default_factory=dict)  # list: per float leaf
+
+    def __post_init__(self) -> None:
+        if isinstance(self.out_spec, TensorSpec):
+            self.out_spec = BoundarySpec.of_tensor(self.out_spec)
+        if isinstance(self.in_spec, TensorSpec):
+            self.in_spec = BoundarySpec.of_tensor(self.in_spec)
 
     @property
     def is_first(self) -> bool:
@@ -179,6 +193,9 @@ class Engine:
         #: told of every exchange with another rank (None: nobody watches); set before any capture
         self.exchange_observer: ExchangeObserver | None = None
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        for s in self.order:  # a stage after a local one receives what that one hands on
+            if s - 1 in self.stages:
+                self.stages[s].in_spec = self.stages[s - 1].out_spec
         # The step after which each stage's gradients are final: arm the gradient sync just before it.
         self._last_backward = {}
         for pos, (s, step) in enumerate(program):
@@ -253,10 +270,8 @@ class Engine:
         x = self.feed.inputs[mb] if stage.is_first else stage.inputs[mb]
         with self.timeline.span(self._lane(stage.index), f"F{mb}", stage.stream):
             out = stage.module(x)  # inside iteration()'s autocast region
-        if self.check_shapes and (tuple(out.shape) != stage.out_spec.shape or out.dtype != stage.out_spec.dtype):
-            raise ConfigError(f"stage {stage.index} output changed between microbatches: microbatch {mb} gave "
-                              f"{tuple(out.shape)} {out.dtype}, the first gave {stage.out_spec.shape} "
-                              f"{stage.out_spec.dtype}")
+        if self.check_shapes:
+            self._check_output(stage, mb, out)
         stage.outputs[mb] = out
         if stage.is_last:
             # Mean over the replica's microbatches: the 1/M scale makes the summed gradients a mean.
@@ -265,12 +280,29 @@ class Engine:
             stage.losses[mb] = loss
             self.loss_sum.add_(loss.detach())
 
+    @staticmethod
+    def _check_output(stage: LocalStage, mb: int, out: Any) -> None:
+        """The output must keep the first microbatch's structure, shapes and dtypes (the transport's buffers and
+        a captured graph are sized by them)."""
+        spec = stage.out_spec
+        if spec.is_tensor and isinstance(out, torch.Tensor):
+            if tuple(out.shape) == spec.shape and out.dtype == spec.dtype:
+                return
+            raise ConfigError(f"stage {stage.index} output changed between microbatches: microbatch {mb} gave "
+                              f"{tuple(out.shape)} {out.dtype}, the first gave {spec.shape} {spec.dtype}")
+        problem = spec.mismatch(out)
+        if problem is not None:
+            raise ConfigError(f"stage {stage.index} output changed between microbatches: microbatch {mb} gave "
+                              f"{problem} (the first gave {spec.describe()})")
+
     def _backward(self, stage: LocalStage, mb: int) -> None:
         with self.timeline.span(self._lane(stage.index), f"B{mb}", stage.stream):
             if stage.is_last:
                 stage.losses.pop(mb).backward()
-            else:
+            elif stage.out_spec.is_tensor:
                 torch.autograd.backward(stage.outputs[mb], grad_tensors=stage.grads_in[mb])
+            else:
+                boundary.backward(stage.outputs[mb], stage.grads_in[mb], stage.out_spec)
         stage.outputs.pop(mb, None)
         stage.grads_in.pop(mb, None)
         # The backward consumed what this stage received for mb: a remote sender may reuse those slots.
@@ -290,9 +322,9 @@ class Engine:
                     self._receive_local(stage, self.stages[peer], kind, a.mb)
                 continue  # a local send is the producer's work already queued on its stream
             if a.op == "SA":
-                sends.append((ACT, a.mb, stage.outputs[a.mb].detach()))
+                sends.append((ACT, a.mb, self._act_message(stage, a.mb)))
             elif a.op == "SG":
-                sends.append((GRAD, a.mb, stage.inputs.pop(a.mb).grad))
+                sends.append((GRAD, a.mb, self._grad_message(stage, a.mb)))
             else:
                 recvs.append((kind, a.mb))
         if not sends and not recvs:
@@ -307,20 +339,53 @@ class Engine:
         for (kind, mb), tensor in zip(recvs, received):
             self._accept(stage, kind, mb, tensor)
 
+    @staticmethod
+    def _act_message(stage: LocalStage, mb: int) -> torch.Tensor:
+        """The output of mb as one message: the tensor itself, or a structure's leaves packed."""
+        out = stage.outputs[mb]
+        return out.detach() if stage.out_spec.is_tensor else boundary.act_message(out)
+
+    @staticmethod
+    def _grad_message(stage: LocalStage, mb: int) -> torch.Tensor:
+        """The input gradient of mb as one message: the input's .grad, or its floating leaves' gradients packed."""
+        x = stage.inputs.pop(mb)
+        if stage.in_spec is None or stage.in_spec.is_tensor:
+            return x.grad
+        return boundary.grad_message(boundary.input_grads(x, stage.in_spec))
+
     def _receive_local(self, stage: LocalStage, producer: LocalStage, kind: str, mb: int) -> None:
-        """Same-device handoff: order this stage's stream after the producer's queued work; no copy."""
+        """Same-device handoff: order this stage's stream after the producer's queued work; no copy (a structure
+        passes by reference, leaf by leaf)."""
         wait_stream(stage.stream, producer.stream)
+        spec = producer.out_spec if kind == ACT else stage.out_spec  # the boundary between the two
         if kind == ACT:
-            tensor = producer.outputs[mb].detach()
+            value = producer.outputs[mb]
+            value = value.detach() if spec.is_tensor else boundary.as_input(boundary.flatten(value), spec)
+        elif spec.is_tensor:
+            value = producer.inputs.pop(mb).grad
         else:
-            tensor = producer.inputs.pop(mb).grad
-        if stage.stream is not None:
-            tensor.record_stream(stage.stream)  # the allocator must not reuse it while this stream reads it
-        self._accept(stage, kind, mb, tensor)
+            value = boundary.input_grads(producer.inputs.pop(mb), spec)
+        if stage.stream is not None:  # the allocator must not reuse them while this stream reads them
+            for tensor in [value] if isinstance(value, torch.Tensor) else boundary.flatten(value):
+                tensor.record_stream(stage.stream)
+        if kind == ACT and spec.is_tensor:
+            value = value.requires_grad_(True)
+        if kind == ACT:
+            stage.inputs[mb] = value
+        else:
+            stage.grads_in[mb] = value
 
     @staticmethod
     def _accept(stage: LocalStage, kind: str, mb: int, tensor: torch.Tensor) -> None:
+        """Take a message received from another rank: the next stage's input, or the gradient of this stage's
+        output (unpacked into views of the message where it holds several tensors)."""
         if kind == ACT:
-            stage.inputs[mb] = tensor.detach().requires_grad_(True)
-        else:
+            spec = stage.in_spec
+            if spec is None or spec.is_tensor:
+                stage.inputs[mb] = tensor.detach().requires_grad_(True)
+            else:
+                stage.inputs[mb] = boundary.received_input(tensor, spec)
+        elif stage.out_spec.is_tensor:
             stage.grads_in[mb] = tensor
+        else:
+            stage.grads_in[mb] = boundary.received_grads(tensor, stage.out_spec)

@@ -84,8 +84,8 @@ def test_counter_feed_load_generate_advance():
 def test_counter_data_needs_direct_staging():
     with pytest.raises(ConfigError, match="--staging direct"):
         RunConfig(data="counter", staging="pinned")
-    with pytest.raises(ConfigError, match="unknown data"):
-        RunConfig(data="files")
+    with pytest.raises(ConfigError, match="--graph-loop needs --data seeded or counter"):
+        RunConfig(data="files", graph_loop=2)  # any other --data is token data: a path or a user feed
 
 
 def test_cpu_run_with_counter_data_trains_and_repeats():

@@ -1,0 +1,121 @@
+"""Measuring a peerline Runtime inside a benchmark suite (shared by the pipeline and gpt suites): the first losses,
+the wait for graph capture, timed blocks of iterations, and each rank's peak device memory.
+
+A suite creates the runtime in the process group it already runs in and closes only the transport afterwards
+(`Runtime.close` would end the process group the other measurements still use).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from peerline.bench.benchkit import Timing, time_blocks
+from peerline.bench.ideal import IdealReport
+
+
+@dataclass
+class Measured:
+    """One measured variant: its timing, its first losses, its ideal time (when measured) and peak memory."""
+
+    name: str
+    timing: Timing
+    losses: list[float]
+    ideal: IdealReport | None
+    peak_gb: float
+    extra: dict[str, Any] = field(default_factory=dict)
+    #: max_memory_allocated of every rank, GiB, by rank (empty on the CPU)
+    peak_gb_per_rank: list[float] = field(default_factory=list)
+
+    def tokens_per_s(self, tokens: int) -> float:
+        return tokens / (self.timing.median_ms / 1e3)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTimer:
+    """benchkit.time_blocks with a suite's counts: `iters` iterations per block, `reps` timed blocks after `warmup`.
+    Defaults: --reps / --warmup, else 5 and 2 (2 and 1 with --quick); iters 5 (2 with --quick)."""
+
+    iters: int
+    reps: int
+    warmup: int
+    device: torch.device
+
+    @classmethod
+    def from_args(cls, args: Any, quick: bool, device: torch.device, iters: int | None = None) -> BlockTimer:
+        warmup = getattr(args, "warmup", None)
+        return cls(iters=iters or (2 if quick else 5), reps=getattr(args, "reps", None) or (2 if quick else 5),
+                   warmup=warmup if warmup is not None else (1 if quick else 2), device=device)
+
+    def __call__(self, run_block: Callable[[int], Any]) -> Timing:
+        return time_blocks(run_block, iters=self.iters, reps=self.reps, warmup=self.warmup, device=self.device)
+
+
+def free_device(device: torch.device) -> None:
+    """Drop what the last variant left (garbage, cached blocks) and restart the peak-memory counter."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gb_per_rank(device: torch.device) -> list[float]:
+    """Every rank's peak allocated device memory since the last `free_device`, GiB, by rank ([] on the CPU)."""
+    if device.type != "cuda":
+        return []
+    mine = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], dtype=torch.float64, device=device)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [float(mine.item())]
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [float(t.item()) for t in everyone]
+
+
+def peak_gb(device: torch.device) -> float:
+    """The largest peak over the ranks, GiB (0 on the CPU)."""
+    return max(peak_gb_per_rank(device), default=0.0)
+
+
+@contextlib.contextmanager
+def open_runtime(cfg) -> Iterator[Any]:
+    """A Runtime of `cfg` in the suite's process group; on the way out its graph (and the graph's memory pool) is
+    released and its transport closed, so the next variant starts with the device's memory free."""
+    from peerline.distributed.runtime import Runtime
+
+    rt = Runtime.create(cfg)
+    try:
+        yield rt
+    finally:
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize(rt.device)
+        rt.graphs.release()
+        rt.engine.transport.close()  # not rt.close(): it would end the process group the suite still uses
+
+
+def first_losses(rt, n: int, graph: bool) -> tuple[list[float], str | None]:
+    """Train `n` iterations and return their losses; with `graph`, also run the warm-up the capture waits for.
+    The second item says why the iteration was not captured (None when it was, or when no graph was asked)."""
+    losses = rt.train(rt.iteration + n)
+    if graph and rt.graph is None:
+        rt.train(rt.iteration + rt.cfg.warmup_iters + 1)
+        if rt.graph is None:
+            return losses, rt.graph_failed or "; ".join(rt.notices) or "no reason given"
+    return losses, None
+
+
+def time_runtime(rt, timer: Callable[[Callable[[int], None]], Timing]) -> Timing:
+    """Time blocks of the runtime's iterations with `timer` (e.g. benchkit.time_blocks with the suite's counts).
+    From here on the loss is read once per block, at its end: one host sync per block, as in training."""
+    rt.cfg = replace(rt.cfg, log_every=10**9)
+
+    def block(n: int) -> None:
+        rt.train(rt.iteration + n)
+
+    return timer(block)

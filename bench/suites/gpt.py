@@ -1,0 +1,120 @@
+"""Benchmark suite `gpt`: the GPT language model (--model gpt on the default text corpus) trained by peerline,
+eager and with whole-iteration CUDA graphs, against torch.distributed.pipelining on the same model, data and loss
+with its fastest schedule and precision recipe; pp = the world size. Optionally (--gpt-recompute) the cost of
+activation recomputation: peerline with --recompute off / N / full.
+
+    torchrun --nproc_per_node=2 launch/bench.py gpt [--gpt-configs compute,launch] [--gpt-recompute]
+        [--gpt-layers 24 --gpt-hidden 2048 --gpt-heads 16 --gpt-seq 2048 --gpt-mbs 1 --gpt-microbatches 8]
+    torchrun --nproc_per_node=2 launch/bench.py gpt --quick          (a tiny fp32 GPT on the CPU, gloo)
+
+Configurations (cross-entropy on the default corpus's tokens, AdamW, peerline 1F1B):
+  compute  24 blocks, hidden 2048, 16 heads, seq 2048, micro-batch 1, M=8, bf16  (the --gpt-* flags resize it)
+  launch   32 blocks, hidden 256, 4 heads, seq 256, micro-batch 2, M=16, bf16   (host-launch-bound)
+  quick    2 blocks, hidden 32, 2 heads, seq 16, micro-batch 2, M=4, fp32       (--quick: the CPU smoke test)
+
+The anchor tries every schedule (1F1B, Interleaved1F1B where it applies, GPipe) under every precision recipe
+(bf16 parameters; fp32 parameters + bf16 autocast; fp32 alone for fp32 shapes); the fastest is the anchor, and each
+record's extra names it and lists every candidate's time. Records: tokens/s (extra: ms/iter, achieved TFLOP/s per
+GPU and MFU from models/flops.py, peak memory of every rank, the first losses of both), and MFU % where the card's
+peak is known. The recompute table: ms/iter and peak memory (max over ranks) of each setting against off.
+Timing is the pipeline suite's (bench/runtime_timing.py): blocks of --gpt-iters iterations, the slowest rank's time,
+median over --reps blocks after --warmup blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import torch.distributed as dist
+
+from peerline.bench.benchkit import BenchContext
+from peerline.bench.runtime_timing import free_device
+from peerline.bench.suites.gpt_anchor import GPTShape
+from peerline.bench.suites.gpt_runs import GPTBench
+
+CONFIGS = {
+    "compute": GPTShape("compute-bound", layers=24, hidden=2048, heads=16, seq=2048, micro_batch_size=1,
+                        microbatches=8, dtype="bf16"),
+    "launch": GPTShape("launch-bound", layers=32, hidden=256, heads=4, seq=256, micro_batch_size=2,
+                       microbatches=16, dtype="bf16"),
+    "quick": GPTShape("quick", layers=2, hidden=32, heads=2, seq=16, micro_batch_size=2, microbatches=4,
+                      dtype="fp32"),
+}
+VARIANTS = ("torch", "eager", "graph")
+#: --gpt-* size flag -> GPTShape field (they resize the compute configuration)
+SIZE_FLAGS = {"gpt_layers": "layers", "gpt_hidden": "hidden", "gpt_heads": "heads", "gpt_seq": "seq",
+              "gpt_mbs": "micro_batch_size", "gpt_microbatches": "microbatches"}
+
+
+def _csv(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--gpt-configs", type=_csv, default=None,
+                       help="comma-separated: compute, launch, quick (default compute,launch; quick with --quick)")
+    for flag, name in SIZE_FLAGS.items():
+        group.add_argument("--" + flag.replace("_", "-"), dest=flag, type=int, default=None,
+                           help=f"the compute configuration's {name.replace('_', ' ')} (default "
+                                f"{getattr(CONFIGS['compute'], name)})")
+    group.add_argument("--gpt-variants", type=_csv, default=None, help="torch,eager,graph (default all)")
+    group.add_argument("--gpt-anchor-schedules", type=_csv, default=None,
+                       help="the anchor's schedules to try: 1f1b,interleaved-1f1b,gpipe (default all that apply)")
+    group.add_argument("--gpt-iters", type=int, default=None, help="iterations per timed block (default 5)")
+    group.add_argument("--gpt-recompute", action="store_true",
+                       help="also the recompute table: peerline --recompute off / N (half a stage's layers) / full "
+                            "on the compute configuration (quick with --quick)")
+
+
+def selected_shapes(args: argparse.Namespace, quick: bool) -> list[GPTShape]:
+    """The configurations asked for, the compute one resized by the --gpt-* size flags."""
+    keys = getattr(args, "gpt_configs", None) or (["quick"] if quick else ["compute", "launch"])
+    unknown = [k for k in keys if k not in CONFIGS]
+    if unknown:
+        raise ValueError(f"gpt: unknown configuration {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
+    sizes = {name: getattr(args, flag) for flag, name in SIZE_FLAGS.items() if getattr(args, flag, None)}
+    return [replace(CONFIGS[k], **sizes) if k == "compute" else CONFIGS[k] for k in keys]
+
+
+def _variants(args: argparse.Namespace, ctx: BenchContext) -> list[str]:
+    variants = getattr(args, "gpt_variants", None) or list(VARIANTS)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"gpt: unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)}")
+    variants = sorted(set(variants), key=VARIANTS.index)  # the anchor first: each variant is recorded against it
+    if ctx.device.type != "cuda" and "graph" in variants:
+        variants.remove("graph")
+        ctx.note("gpt: no CUDA: the graph variant is skipped")
+    return variants
+
+
+def _recompute_shape(shapes: list[GPTShape]) -> GPTShape | None:
+    """The shape of the recompute table: the compute configuration, else the quick one."""
+    for wanted in ("compute-bound", "quick"):
+        found = next((s for s in shapes if s.name == wanted), None)
+        if found is not None:
+            return found
+    return None
+
+
+def run(args: argparse.Namespace, ctx: BenchContext) -> None:
+    """Every configuration: the anchor's candidates, peerline eager and graph; then the recompute table."""
+    shapes = selected_shapes(args, ctx.quick)
+    variants = _variants(args, ctx)
+    pp = dist.get_world_size()
+    ctx.facts.setdefault("gpt_grid", f"pp={pp}")
+    if not ctx.quick and ctx.device.type != "cuda":
+        ctx.note("gpt: the full configurations on the CPU take long; use --quick for a smoke test")
+    recompute = _recompute_shape(shapes) if getattr(args, "gpt_recompute", False) else None
+    if getattr(args, "gpt_recompute", False) and recompute is None:
+        ctx.note("gpt: --gpt-recompute needs the compute configuration (quick with --quick); no table")
+    failures: list[str] = []
+    for shape in shapes:
+        bench = GPTBench(args, ctx, shape)
+        bench.run_variants(variants, failures)
+        if shape is recompute:
+            bench.recompute_table(failures)
+        free_device(ctx.device)
+    if failures:
+        raise RuntimeError(f"{len(failures)} gpt measurement(s) failed: " + " | ".join(failures))

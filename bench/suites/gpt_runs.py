@@ -1,0 +1,168 @@
+"""The measurements of the gpt suite for one GPT shape on this rank (pp = the world size): the anchor's candidates
+(torch.distributed.pipelining: schedule x precision recipe), peerline eager and graph, and peerline under each
+--recompute setting. Records are written by bench/suites/gpt_report.py; the suite's docstring (gpt.py) says what
+is measured and how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from peerline.bench.benchkit import BenchContext
+from peerline.bench.runtime_timing import (
+    BlockTimer,
+    Measured,
+    first_losses,
+    free_device,
+    open_runtime,
+    peak_gb_per_rank,
+    time_runtime,
+)
+from peerline.bench.suites.gpt_anchor import (
+    SCHEDULES,
+    GPTShape,
+    StageCache,
+    TorchGPTAnchor,
+    interleaved_applies,
+    recipes_for,
+    token_source,
+)
+from peerline.bench.suites.gpt_report import GPTReport
+
+log = logging.getLogger(__name__)
+
+LOSS_CHECK_ITERS = 2  # iterations whose losses are read and compared before timing
+
+
+class GPTBench:
+    """Every variant of one GPT shape on this rank; `results` by variant name (torch, eager, graph)."""
+
+    def __init__(self, args: argparse.Namespace, ctx: BenchContext, shape: GPTShape) -> None:
+        self.args, self.ctx, self.shape, self.device = args, ctx, shape, ctx.device
+        self.pp, self.rank = dist.get_world_size(), dist.get_rank()
+        self.timer = BlockTimer.from_args(args, ctx.quick, self.device, getattr(args, "gpt_iters", None))
+        self.vocab, self.fill = token_source(shape)
+        self.report = GPTReport(ctx, shape, self.vocab, self.pp)
+        self.results: dict[str, Measured] = {}
+
+    def run_variants(self, variants: list[str], failures: list[str]) -> dict[str, Measured]:
+        """Measure each variant (the anchor first) and record it against the anchor as soon as both exist."""
+        for variant in variants:
+            self.ctx.step(f"{self.shape.name} {variant}")
+            free_device(self.device)
+            try:
+                got = self.best_anchor(failures) if variant == "torch" else self.peerline(variant == "graph")
+            except Exception as exc:  # noqa: BLE001 - the other variants still run; the suite fails at the end
+                log.exception("gpt %s %s failed", self.shape.name, variant)
+                failures.append(f"{self.shape.name} {variant}: {type(exc).__name__}: {exc}")
+                continue
+            if isinstance(got, str):
+                self.ctx.note(f"gpt {self.shape.name} {variant}: skipped: {got}")
+                continue
+            self.results[variant] = got
+            self.report.variant(got, self.results.get("torch"))
+        return self.results
+
+    # -- the anchor ----------------------------------------------------------------------------------------------
+    def candidates(self) -> list[tuple[str, str]]:
+        """(schedule, recipe) pairs the anchor tries, in order; a schedule that does not apply is noted."""
+        schedules = getattr(self.args, "gpt_anchor_schedules", None) or list(SCHEDULES)
+        unknown = [s for s in schedules if s not in SCHEDULES]
+        if unknown:
+            raise ValueError(f"gpt: unknown anchor schedule {unknown[0]!r}; choose from {', '.join(SCHEDULES)}")
+        why = interleaved_applies(self.shape, self.pp)
+        if why and "interleaved-1f1b" in schedules:
+            schedules = [s for s in schedules if s != "interleaved-1f1b"]
+            self.ctx.note(f"gpt {self.shape.name}: torch Interleaved1F1B not tried: {why}")
+        return [(s, r) for s in schedules for r in recipes_for(self.shape)]
+
+    def best_anchor(self, failures: list[str]) -> Measured | str:
+        """Every candidate measured; the fastest, its extra naming it and listing every candidate."""
+        stages = StageCache(self.shape)
+        measured: dict[str, Measured] = {}
+        for schedule, recipe in self.candidates():
+            self.ctx.step(f"{self.shape.name} torch {schedule} {recipe}")
+            free_device(self.device)
+            try:
+                measured[f"{schedule} {recipe}"] = self.anchor(stages, schedule, recipe)
+            except Exception as exc:  # noqa: BLE001 - one candidate failing leaves the others
+                log.exception("gpt %s torch %s %s failed", self.shape.name, schedule, recipe)
+                failures.append(f"{self.shape.name} torch {schedule} {recipe}: {type(exc).__name__}: {exc}")
+            free_device(self.device)
+        if not measured:
+            return "no anchor candidate ran"
+        best = min(measured.values(), key=lambda m: m.timing.median_ms)
+        best.extra["candidates"] = {name: {"ms_per_iter": m.timing.median_ms, "losses": m.losses,
+                                           "peak_mem_gb_per_rank": m.peak_gb_per_rank}
+                                    for name, m in measured.items()}
+        self.report.candidates(measured, best)
+        return best
+
+    def anchor(self, stages: StageCache, schedule: str, recipe: str) -> Measured:
+        """One candidate: its first losses, then timed blocks of its iterations."""
+        anchor = TorchGPTAnchor(stages, self.fill, schedule, recipe, self.pp, self.rank, self.device)
+        losses = []
+        for _ in range(LOSS_CHECK_ITERS):
+            anchor.step()
+            losses.append(anchor.read_loss())
+
+        def block(n: int) -> None:
+            for _ in range(n):
+                anchor.step()
+
+        timing = self.timer(block)
+        per_rank = peak_gb_per_rank(self.device)
+        return Measured(f"torch {schedule} {recipe}", timing, losses, None, max(per_rank, default=0.0),
+                        {"schedule": schedule, "recipe": recipe}, per_rank)
+
+    # -- peerline ------------------------------------------------------------------------------------------------
+    def peerline(self, graph: bool, recompute: str = "off") -> Measured | str:
+        """peerline 1F1B on the same shape and data; why not, when the iteration was not captured."""
+        cfg = self.shape.run_config(None, device=self.device.type, graph=graph, recompute=recompute,
+                                    schedule="1f1b", iters=10**9, log_every=1)
+        with open_runtime(cfg) as rt:
+            losses, not_captured = first_losses(rt, LOSS_CHECK_ITERS, graph)
+            if not_captured:
+                return f"the iteration was not captured into a CUDA graph: {not_captured}"
+            timing = time_runtime(rt, self.timer)
+            per_rank = peak_gb_per_rank(self.device)
+            extra: dict[str, Any] = {"transport": rt.transport_name, "recompute": recompute,
+                                     "stage_layers": _most_stage_layers(rt, self.device)}
+        return Measured("graph" if graph else "eager", timing, losses, None, max(per_rank, default=0.0), extra,
+                        per_rank)
+
+    def recompute_table(self, failures: list[str]) -> None:
+        """peerline --recompute N (half the largest stage's layers) and full against off (the graph run, else the
+        eager one, already measured with the same settings)."""
+        off = self.results.get("graph") or self.results.get("eager")
+        if off is None:
+            self.ctx.note(f"gpt {self.shape.name}: no peerline run to compare recomputation with; no table")
+            return
+        half = max(1, off.extra["stage_layers"] // 2)
+        for setting in (str(half), "full"):
+            self.ctx.step(f"{self.shape.name} recompute {setting}")
+            free_device(self.device)
+            try:
+                got = self.peerline(off.name == "graph", recompute=setting)
+            except Exception as exc:  # noqa: BLE001 - the other setting still runs; the suite fails at the end
+                log.exception("gpt %s recompute %s failed", self.shape.name, setting)
+                failures.append(f"{self.shape.name} recompute {setting}: {type(exc).__name__}: {exc}")
+                continue
+            if isinstance(got, str):
+                self.ctx.note(f"gpt {self.shape.name} recompute {setting}: skipped: {got}")
+                continue
+            self.report.recompute(got, off)
+
+
+def _most_stage_layers(rt, device: torch.device) -> int:
+    """The largest number of layers one stage holds, over all ranks."""
+    mine = max((len(stage.module) for stage in rt.engine.stages.values()), default=0)
+    value = torch.tensor([mine], dtype=torch.int64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())

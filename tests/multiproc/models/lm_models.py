@@ -1,0 +1,39 @@
+"""User models for the GPT tests (`--model lm_models:<factory>`, with this folder on PYTHONPATH)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class LastDim(nn.Module):
+    """A Linear over the last dimension followed by tanh: one body layer of the tiny LM."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+def embedding_lm(vocab_size: int, hidden: int) -> nn.Sequential:
+    """nn.Embedding first, then two body layers, then logits over the vocabulary: a whole nn.Sequential."""
+    return nn.Sequential(nn.Embedding(vocab_size, hidden), LastDim(hidden), LastDim(hidden),
+                         nn.Linear(hidden, vocab_size))
+
+
+def embedding_lm_builders(vocab_size: int, hidden: int) -> list:
+    """The same layers as per-layer builders: each rank builds only its own."""
+    return [lambda: nn.Embedding(vocab_size, hidden), lambda: LastDim(hidden), lambda: LastDim(hidden),
+            lambda: nn.Linear(hidden, vocab_size)]
+
+
+def float_lm(vocab_size: int) -> nn.Sequential:
+    """A model whose first layer is a Linear of width 48: token ids (int64) do not fit it."""
+    return nn.Sequential(nn.Linear(48, 48), nn.Linear(48, vocab_size))
+
+
+def dropout_lm(vocab_size: int) -> nn.Sequential:
+    """An embedding LM with dropout (for the notice); it ignores --hidden and --layers."""
+    return nn.Sequential(nn.Embedding(vocab_size, 16), nn.Dropout(0.1), nn.Linear(16, vocab_size))
