@@ -357,5 +357,19 @@ def make_graph_policy(cfg: RunConfig, grid: Grid) -> GraphPolicy:
 
 
 def make_hooks(cfg: RunConfig) -> list[IterationHooks]:
-    """The hooks the configuration itself asks for (a timeline written at the end)."""
-    return [TimelineWriter(cfg.timeline)] if cfg.timeline else []
+    """The hooks the configuration itself asks for: a timeline written at the end, metrics (--metrics-jsonl,
+    --tensorboard), a profile (--profile) and the engine's step ranges (--nvtx, or --profile)."""
+    from peerline.distributed.observe.metrics_jsonl import MetricsJsonl
+    from peerline.distributed.observe.profiler import Profiler, StepRanges
+    from peerline.distributed.observe.tensorboard import TensorBoardWriter
+
+    hooks: list[IterationHooks] = [TimelineWriter(cfg.timeline)] if cfg.timeline else []
+    if cfg.metrics_jsonl:
+        hooks.append(MetricsJsonl(cfg.metrics_jsonl))
+    if cfg.tensorboard:
+        hooks.append(TensorBoardWriter(cfg.tensorboard))
+    if cfg.nvtx or cfg.profile:
+        hooks.append(StepRanges(labels=cfg.profile is not None))
+    if cfg.profile:
+        hooks.append(Profiler(cfg.profile))
+    return hooks

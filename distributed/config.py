@@ -188,6 +188,23 @@ class RunConfig:
     """Write config, losses, timings and versions to this JSON file (rank 0)."""
     timeline: str | None = option(None, OUTPUT, "write a timeline of the last iteration: PATH.png and PATH.json")
     """Write a timeline (PNG + Chrome trace) of the last iteration with this path stem."""
+    tensorboard: str | None = option(None, OUTPUT, "write TensorBoard event files (loss, ms/iter, tokens/s, "
+                                     "TFLOP/s, MFU, peak memory per logged iteration) to DIR (rank 0; needs the "
+                                     "[tensorboard] extra)", metavar="DIR")
+    """Folder of TensorBoard event files, one scalar per metric and logged iteration (rank 0)."""
+    metrics_jsonl: str | None = option(None, OUTPUT, "write one JSON line per logged iteration (the same metrics) to "
+                                       "PATH, flushed each line (rank 0; a resumed run appends)", metavar="PATH")
+    """File of one JSON object per logged iteration, flushed line by line (rank 0; a resumed run appends)."""
+    profile: str | None = option(None, OUTPUT, "write a torch.profiler trace (Chrome / TensorBoard format) of 3 "
+                                 "iterations after warm-up to DIR/rank<k> on every rank; the run is eager (CUDA "
+                                 "graphs off: a profile of graph replays shows one launch per iteration)",
+                                 metavar="DIR")
+    """Folder of torch.profiler traces, one sub-folder per rank, of a few eager iterations after warm-up (CUDA
+    graphs are off: a replayed graph shows as one launch). Implies nvtx."""
+    nvtx: bool = option(False, OUTPUT, "NVTX ranges around every forward, backward, send and receive, for Nsight "
+                        "Systems (GPU; eager iterations: a graph replay runs no host code)", switch=True)
+    """NVTX ranges (GPU only) around each step of the schedule, named by stage and step, so Nsight Systems shows the
+    stages; nothing is called when off."""
     data: str | None = option(None, EXECUTION, "seeded or counter (synthetic floats), text (the Python standard "
                               "library's source, tokenized once), PATH (a folder of text files or a .bin token "
                               "file), or 'pkg.module:fn' (a user token feed; see the README) (default: text with "

@@ -1,7 +1,8 @@
 """Who am I: rank, world size, local rank and rendezvous address, from whichever launcher started us.
 
 Order: torchrun (RANK/WORLD_SIZE/LOCAL_RANK), Slurm srun (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID), MPI (mpi4py
-COMM_WORLD; OMPI_/PMI_ variables only hint that mpi4py is worth importing), else a single process.
+COMM_WORLD; OMPI_/PMI_ variables only hint that mpi4py is worth importing), else a single process. Under mpirun
+with several processes but without mpi4py the job refuses (one line naming the fix) rather than run N lone copies.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ from peerline.distributed.config import ConfigError
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 29500
+MPI_FIX = "pip install mpi4py (or pip install 'peerline[mpi]')"
+
+_group_started = False  # set once this process has created its default process group
+
+
+class RankConfigError(ConfigError):
+    """A bad input only this rank sees (its GPU, its local files): every rank that raises it prints its line,
+    unlike the job-wide checks every rank makes alike before any process group exists."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +96,22 @@ def _mpi_hinted(env: Mapping[str, str]) -> bool:
     return any(k in env for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"))
 
 
+def _mpi_size_hint(env: Mapping[str, str]) -> int:
+    """The MPI job's size as the launcher's variables tell it without mpi4py (2 when only a rank > 0 says so)."""
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS"):
+        if env.get(name, "").isdigit():
+            return int(env[name])
+    return 2 if env.get("PMIX_RANK", "0").isdigit() and int(env.get("PMIX_RANK", "0")) > 0 else 1
+
+
 def _from_mpi(env: Mapping[str, str]) -> LaunchInfo | None:
     try:
         from mpi4py import MPI
     except ImportError:
+        size = _mpi_size_hint(env)
+        if size > 1:
+            raise ConfigError(f"mpirun started {size} processes but mpi4py is not installed, so each would train "
+                              f"alone; {MPI_FIX}") from None
         return None
     comm = MPI.COMM_WORLD
     if comm.Get_size() == 1 and not _mpi_hinted(env):
@@ -127,6 +148,24 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchInfo:
                       master_port=DEFAULT_PORT, launcher="single")
 
 
+def launch_rank_world(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(rank, world size) from the launcher's variables alone, without mpi4py or a process group: for who prints
+    an error or a notice, and the log prefix, before (or without) `detect_launch`."""
+    env = overrides.environment() if environ is None else environ
+    for rank_name, world_name in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"),
+                                  ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
+        rank, world = env.get(rank_name, ""), env.get(world_name, "")
+        if rank.isdigit() and world.isdigit():
+            return int(rank), int(world)
+    rank = env.get("PMIX_RANK", "")
+    return (int(rank), max(2, int(rank) + 1)) if rank.isdigit() and int(rank) > 0 else (0, 1)
+
+
+def group_started() -> bool:
+    """Whether this process has created its default process group (an error after it may be this rank's own)."""
+    return _group_started
+
+
 def choose_device(requested: str, info: LaunchInfo) -> torch.device:
     """One rank per GPU, device = local rank. 'auto' falls back to the CPU when there is no GPU."""
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
@@ -135,7 +174,7 @@ def choose_device(requested: str, info: LaunchInfo) -> torch.device:
         raise ConfigError("--device cuda was asked for, but CUDA is not available on this machine")
     count = torch.cuda.device_count()
     if info.local_rank >= count:
-        raise ConfigError(f"local rank {info.local_rank} has no GPU: this node has {count} GPU(s); start at most "
+        raise RankConfigError(f"local rank {info.local_rank} has no GPU: this node has {count} GPU(s); start at most "
                           f"{count} ranks per node")
     return torch.device("cuda", info.local_rank)
 
@@ -147,7 +186,9 @@ def init_distributed(info: LaunchInfo, device: torch.device, timeout_s: float) -
     rank waited for) fires before NCCL's multi-line abort."""
     if info.world_size == 1 or dist.is_initialized():
         return
+    global _group_started
     backend = "nccl" if device.type == "cuda" else "gloo"
+    _group_started = True
     overrides.set_default("MASTER_ADDR", info.master_addr)
     overrides.set_default("MASTER_PORT", str(info.master_port))
     kwargs = {}

@@ -39,7 +39,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
         return "torch"
     if impl == "auto":
         if importlib.util.find_spec("cupy") is None:
-            log.warning("kernels=auto: CuPy is not installed, using the torch reference kernels")
+            log.info("kernels=auto: CuPy is not installed, using the torch reference kernels")  # main job: notice
             return "torch"
         return "peerline"
     return impl

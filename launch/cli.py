@@ -2,19 +2,23 @@
 
 Each field's `Flag` (distributed/config.py) gives the group, help, choices, alias and metavar; the argument's type
 comes from the field's annotation and its default from the field (or from the documented environment override the
-Flag names). argparse, not a library such as tyro: no dependency to ship to the GPU images, and a bad value keeps
-argparse's usage error (exit 2) while RunConfig's checks stay one `peerline: error:` line.
+Flag names). argparse, not a library such as tyro: no dependency to ship to the GPU images. A bad flag or value
+is one `peerline: error: <argparse's message> (see --help)` line, like RunConfig's checks, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 import typing
 from typing import Any
 
 from peerline import overrides
 from peerline.distributed.config import GROUPS, OUTPUT, ConfigError, Flag, RunConfig, flag_name, flags
+from peerline.distributed.config_file import ConfigFileParser
+from peerline.launch.messages import report_error
 
 DESCRIPTION = ("Train a pipelined model across GPUs (pp stages x dp replicas) and report loss and speed. "
                "Start with torchrun (--nproc_per_node=N), srun, mpirun, or plainly for one GPU / the CPU.")
@@ -27,9 +31,8 @@ EXAMPLES = ("examples:\n"
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser: RunConfig's fields by group, then the action flags that are no part of the run's config."""
-    p = argparse.ArgumentParser(prog="launch/pipeline.py", description=DESCRIPTION,
-                                epilog=EXAMPLES + "\n\n" + overrides.describe(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog=program_name(), description=DESCRIPTION,  # with --config, --print-config
+               epilog=EXAMPLES + "\n\n" + overrides.describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
     types = typing.get_type_hints(RunConfig)
     groups = {name: p.add_argument_group(name) for name in GROUPS}
     for group_name, group in groups.items():
@@ -39,6 +42,23 @@ def build_parser() -> argparse.ArgumentParser:
         if group_name == OUTPUT:
             group.add_argument("--print-schedule", action="store_true", help="print the schedule as a table and exit")
     return p
+
+
+class Parser(ConfigFileParser):
+    """The main job's parser: a bad flag or value is one `peerline: error:` line, shown once per job, exit 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        report_error(f"{message} (see --help)")
+        sys.exit(2)
+
+
+def program_name(argv0: str | None = None) -> str:
+    """The name `usage:` shows: the console script's name (peerline-pipeline), or the script's path as typed
+    (launch/pipeline.py); an absolute path (python -m) shows as the module."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    if not argv0.endswith(".py"):
+        return os.path.basename(argv0) or "peerline-pipeline"
+    return "python -m peerline.launch.pipeline" if os.path.isabs(argv0) else argv0
 
 
 def _add_flag(group: Any, f: dataclasses.Field, flag: Flag, annotation: Any) -> None:
@@ -68,4 +88,4 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
-__all__ = ["build_parser", "config_from_args", "ConfigError"]
+__all__ = ["build_parser", "config_from_args", "program_name", "Parser", "ConfigError"]

@@ -5,11 +5,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
-import time
 
 if __package__ in (None, ""):
     # Run as a script from a checkout (torchrun launch/pipeline.py): make `import peerline` find the checkout
@@ -23,21 +21,21 @@ try:
     _ALLOCATOR_ERROR = preconfigure_from_argv(sys.argv[1:])
     import torch
 
-    from peerline import overrides
     from peerline.distributed.config import ConfigError, RunConfig
+    from peerline.distributed.env import detect_launch, launch_rank_world
     from peerline.distributed.hooks import IterationStats
     from peerline.distributed.observe.progress import ProgressReporter
-    from peerline.distributed.observe.versions import versions
+    from peerline.distributed.observe.record import build_record, check_outputs, write_record
     from peerline.distributed.resilience import faults
     from peerline.distributed.resilience.failsafe import Failsafe
     from peerline.distributed.runtime import Runtime
     from peerline.launch.cli import build_parser, config_from_args
+    from peerline.launch.messages import report_error, setup_logging, start_notices
 except ImportError as exc:  # run from a checkout that was never installed
     print(f"peerline: error: cannot import peerline ({exc}); install it first: pip install -e .", file=sys.stderr)
     sys.exit(2)
 
 log = logging.getLogger("peerline")
-ERROR_GRACE_S = 2.0
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -46,6 +44,7 @@ def run(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 0
     faults.active()  # a bad PEERLINE_FAULT is one clear line before anything starts
+    check_outputs(cfg)  # an unwritable --json / --timeline / metrics output is one line now, not after training
     # The failsafe: watchdog, fault hooks, checkpoints at --save-every, --resume, the non-finite guard.
     rt = Runtime.create(cfg, hooks=[Failsafe.attach])
     try:
@@ -72,13 +71,25 @@ def parse(argv: list[str] | None) -> RunConfig | None:
         raise ConfigError(_ALLOCATOR_ERROR)
     cfg = config_from_args(args)
     if args.print_schedule:
-        from peerline.distributed.pipeline import schedule
-        print(schedule.render(schedule.build(cfg.schedule, (cfg.pp or 1) * cfg.stages, cfg.microbatches)))
+        print_schedule(cfg)
         return None
-    rank = overrides.get_int("RANK", overrides.get_int("SLURM_PROCID", 0))
+    rank, _ = launch_rank_world()
     if cfg.device == "auto" and not torch.cuda.is_available() and rank == 0:
         print("peerline: no GPU found; running the same pipeline on the CPU with gloo", flush=True)
     return cfg
+
+
+def print_schedule(cfg: RunConfig) -> None:
+    """The schedule of the grid this launch would train (pp from the world and --dp), printed by rank 0."""
+    from peerline.distributed.pipeline import schedule
+
+    info = detect_launch()
+    pp = cfg.resolved_pp(info.world_size)
+    n_stages = pp * cfg.stages
+    table = schedule.render(schedule.build(cfg.schedule, n_stages, cfg.microbatches))
+    if info.rank == 0:
+        print(f"schedule {cfg.schedule}: {n_stages} stage(s) (pp={pp} x stages/rank={cfg.stages}), dp={cfg.dp}, "
+              f"M={cfg.microbatches}\n{table}", flush=True)
 
 
 def train(rt: Runtime) -> list[IterationStats]:
@@ -89,10 +100,10 @@ def train(rt: Runtime) -> list[IterationStats]:
         print(f"peerline: {rt.info.world_size} rank(s) via {rt.info.launcher}, pp={rt.mesh.pp} dp={rt.mesh.dp} "
               f"stages/rank={cfg.stages}, schedule {cfg.schedule}, M={cfg.microbatches}, device "
               f"{rt.device.type}, p2p {rt.transport_name}; {rt.split}", flush=True)
-        for notice in rt.notices:
+        for notice in [*start_notices(cfg, rt.device), *rt.notices]:
             print(f"peerline: {notice}", flush=True)
     history: list[IterationStats] = []
-    with ProgressReporter(cfg.iters, enabled=is_writer, start=rt.iteration) as progress:
+    with ProgressReporter(cfg.iters, enabled=is_writer, start=rt.iteration, launcher=rt.info.launcher) as progress:
         def on_iteration(stats: IterationStats) -> None:
             history.append(stats)
             progress.update(stats)
@@ -102,40 +113,25 @@ def train(rt: Runtime) -> list[IterationStats]:
 
 
 def report(rt: Runtime, history: list[IterationStats]) -> None:
-    """The --json record and the final line (rank 0; the checksums for the record are gathered from every rank)."""
+    """The --json record (observe/record.py) and the final line (rank 0; the record's checksums are gathered from
+    every rank). A run that had nothing left to train (resumed at --iters) has no final loss to print."""
     cfg = rt.cfg
     checksums = rt.layer_checksums() if cfg.json else {}
     if rt.info.rank != 0:
         return
     if cfg.json:
-        with open(cfg.json, "w") as f:
-            json.dump({"config": cfg.to_dict(), "world_size": rt.info.world_size, "launcher": rt.info.launcher,
-                       "transport": rt.transport_name, "graph": rt.graph is not None,
-                       "graph_loop": rt.graph_loop, "graph_loop_failed": rt.graph_loop_failed,
-                       "losses": [s.loss for s in history], "iterations": [s.iteration for s in history],
-                       "ms_per_iter": [s.ms for s in history],
-                       "tokens_per_s": [s.tokens_per_s for s in history],
-                       "peak_mem_gb": max((s.peak_mem_gb for s in history), default=0.0),
-                       "peak_mem_gb_per_rank": history[-1].peak_mem_gb_per_rank if history else None,
-                       "tflops": [s.tflops for s in history], "mfu": [s.mfu for s in history],
-                       "ppl": [s.ppl for s in history],
-                       "layer_checksums": checksums,
-                       "versions": versions()}, f, indent=1)
-    final = history[-1].loss if history else float("nan")
-    print(f"peerline: final loss={final:.9g} iterations={rt.iteration}", flush=True)
+        write_record(cfg.json, build_record(rt, history, checksums))
+    if history:
+        print(f"peerline: final loss={history[-1].loss:.9g} iterations={rt.iteration}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=overrides.get_str("PEERLINE_LOG", "WARNING"),
-                        format="%(asctime)s %(name)s [rank " + overrides.get_str("RANK", "0") + "] %(message)s")
+    """The console script: run, with a bad input as one error line per job (launch/messages.py), exit 2."""
+    setup_logging()
     try:
         return run(argv)
     except ConfigError as exc:
-        print(f"peerline: error: {exc}", file=sys.stderr, flush=True)
-        if overrides.get_int("WORLD_SIZE", 1) > 1:
-            # torchrun stops the other ranks as soon as one exits: a short grace lets every rank, which checks
-            # the same input at the same point, print its own line first.
-            time.sleep(ERROR_GRACE_S)
+        report_error(str(exc), exc)
         return 2
 
 

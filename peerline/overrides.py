@@ -57,10 +57,13 @@ LAUNCH_VARIABLES: tuple[str, ...] = (
     "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_ID",
     "SLURM_STEPID", "SLURM_NNODES", "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",
     "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
-    "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS",
+    "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "TORCHELASTIC_ERROR_FILE",
 )
 
-_KNOWN = frozenset(o.name for o in OVERRIDES) | frozenset(LAUNCH_VARIABLES)
+#: Read to choose between a progress bar and plain lines: a dumb (or unknown) terminal gets plain lines.
+TERMINAL_VARIABLES: tuple[str, ...] = ("TERM",)
+
+_KNOWN = frozenset(o.name for o in OVERRIDES) | frozenset(LAUNCH_VARIABLES) | frozenset(TERMINAL_VARIABLES)
 
 
 def _known(name: str) -> str:
@@ -117,10 +120,11 @@ def describe() -> str:
     lines = ["environment (overrides; an unset or empty variable keeps its default):",
              f"  {'variable':<{width}}{'default':<{shown}}meaning"]
     lines += [f"  {o.name:<{width}}{o.default:<{shown}}{o.meaning}" for o in OVERRIDES]
-    launch = "launcher variables read: " + ", ".join(LAUNCH_VARIABLES)
+    launch = ("launcher variables read: " + ", ".join(LAUNCH_VARIABLES) + "; and " + ", ".join(TERMINAL_VARIABLES)
+              + " (a progress bar or plain lines)")
     lines += textwrap.wrap(launch, width=116, initial_indent="  ", subsequent_indent="    ")
     return "\n".join(lines)
 
 
-__all__ = ["Override", "OVERRIDES", "LAUNCH_VARIABLES", "get", "get_str", "get_int", "set_default", "assign",
-           "environment", "describe"]
+__all__ = ["Override", "OVERRIDES", "LAUNCH_VARIABLES", "TERMINAL_VARIABLES", "get", "get_str", "get_int",
+           "set_default", "assign", "environment", "describe"]

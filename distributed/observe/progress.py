@@ -1,9 +1,12 @@
-"""What rank 0 shows while training: a rich progress bar on a terminal, plain lines elsewhere."""
+"""What rank 0 shows while training: a rich progress bar on an interactive terminal of a process started alone,
+plain lines elsewhere (under torchrun, srun or mpirun, in logs, on a dumb terminal)."""
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, TextIO
+
+from peerline import overrides
 
 
 def format_stats(stats: Any, total: int) -> str:
@@ -22,16 +25,24 @@ def format_stats(stats: Any, total: int) -> str:
     return " | ".join(parts)
 
 
-class ProgressReporter:
-    """Rich progress bar when stdout is a terminal, one plain line per logged iteration otherwise."""
+def wants_bar(launcher: str, stream: TextIO | None = None) -> bool:
+    """A bar only for a process started alone whose output is an interactive terminal (not TERM=dumb): launchers
+    interleave other ranks' output with it or redirect it, and escape codes must not land in logs."""
+    stream = sys.stdout if stream is None else stream
+    term = overrides.get_str("TERM", "")
+    return launcher == "single" and stream.isatty() and term not in ("", "dumb")
 
-    def __init__(self, total: int, enabled: bool, start: int = 0) -> None:
-        self.total, self.enabled, self.start = total, enabled, start
+
+class ProgressReporter:
+    """Rich progress bar where `wants_bar`, one plain line per logged iteration otherwise."""
+
+    def __init__(self, total: int, enabled: bool, start: int = 0, launcher: str = "single") -> None:
+        self.total, self.enabled, self.start, self.launcher = total, enabled, start, launcher
         self.progress = None
         self.task = None
 
     def __enter__(self) -> ProgressReporter:
-        if self.enabled and sys.stdout.isatty():
+        if self.enabled and wants_bar(self.launcher):
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),

@@ -162,6 +162,14 @@ class CounterDataFeed(DataFeed):
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def no_range_push(name: str) -> None:
+    """The range marks when nobody profiles: one call that does nothing (NVTX off)."""
+
+
+def no_range_pop() -> None:
+    """See `no_range_push`."""
+
+
 def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The default model's loss: mean squared error in fp32 against the target buffer."""
     return F.mse_loss(output.float(), target)
@@ -193,6 +201,11 @@ class Engine:
         #: told of every exchange with another rank (None: nobody watches); set before any capture
         self.exchange_observer: ExchangeObserver | None = None
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        #: marks a named range around every step of the program and the optimizer step, on the host (NVTX for
+        #: Nsight Systems, profiler labels: observe/profiler.py); no-ops unless `set_ranges` turned them on
+        self.range_push: Callable[[str], None] = no_range_push
+        self.range_pop: Callable[[], None] = no_range_pop
+        self._range_names = [f"stage{s} {step_str(step)}" for s, step in program]
         for s in self.order:  # a stage after a local one receives what that one hands on
             if s - 1 in self.stages:
                 self.stages[s].in_spec = self.stages[s - 1].out_spec
@@ -201,6 +214,10 @@ class Engine:
         for pos, (s, step) in enumerate(program):
             if step[0].op == "B":
                 self._last_backward[s] = pos
+
+    def set_ranges(self, push: Callable[[str], None], pop: Callable[[], None]) -> None:
+        """Mark every step with `push(name)` before and `pop()` after it (host calls: eager iterations only)."""
+        self.range_push, self.range_pop = push, pop
 
     def use_feed(self, feed: DataFeed) -> None:
         """Read the data from `feed` from the next iteration on (a feed with the same static buffers, such as the
@@ -238,17 +255,19 @@ class Engine:
         with self._autocast():
             for pos, (s, step) in enumerate(self.program):
                 stage = self.stages[s]
+                self.range_push(self._range_names[pos])
                 with use(stage.stream):
                     if step[0].op == "F":
                         self._forward(stage, step[0].mb)
-                        continue
-                    with self._autocast(enabled=False):
-                        if step[0].op == "B":
-                            if self._last_backward[s] == pos:
-                                stage.grad_sync.arm()
-                            self._backward(stage, step[0].mb)
-                        else:
-                            self._communicate(stage, step)
+                    else:
+                        with self._autocast(enabled=False):
+                            if step[0].op == "B":
+                                if self._last_backward[s] == pos:
+                                    stage.grad_sync.arm()
+                                self._backward(stage, step[0].mb)
+                            else:
+                                self._communicate(stage, step)
+                self.range_pop()
         for s in self.order:
             stage = self.stages[s]
             with use(stage.stream):
@@ -258,8 +277,10 @@ class Engine:
             self.transport.finish_iteration()
             for fn in self.before_step:
                 fn()
+            self.range_push("optimizer")
             with self.timeline.span(self._lane(self.order[0]), "optimizer", main):
                 self.optimizer.step()
+            self.range_pop()
         for stage in self.stages.values():
             stage.clear()
 

@@ -150,7 +150,7 @@ def check_program(stage: int, n_stages: int, m: int, steps: list[Step]) -> None:
 
 
 def _table(programs: list[list[Step]], pcs: list[int]) -> str:
-    width = max(len(step_str(s)) for p in programs for s in p) + 2
+    width = max(len(f"stage {len(programs) - 1}"), *(len(step_str(s)) + 1 for p in programs for s in p))
     rows = [" step | " + " | ".join(f"stage {s}".ljust(width) for s in range(len(programs)))]
     for i in range(max(len(p) for p in programs)):
         cells = []
@@ -285,6 +285,11 @@ def min_capacity(programs: list[list[Step]], limit: int = 64) -> int:
     raise ScheduleError(f"schedule needs more than {limit} slots per edge")
 
 
+LEGEND = ("legend: Fn / Bn forward / backward of microbatch n; a+b posted together;\n"
+          "        SAn / RAn send its activation to the next / receive it from the previous stage;\n"
+          "        SGn / RGn send its gradient to the previous / receive it from the next stage")
+
+
 def render(programs: list[list[Step]]) -> str:
-    """The programs as a table of steps x stages (for --print-schedule and error messages)."""
-    return _table(programs, [-1] * len(programs))
+    """The programs as a table of steps x stages with the legend of the action labels (for --print-schedule)."""
+    return _table(programs, [-1] * len(programs)) + "\n" + LEGEND

@@ -20,6 +20,9 @@ peer; exit 1), a timeout (the watchdog: exit 3), a user error raised by one rank
 changed shape, a checkpoint that cannot be written: one line, exit 2 at once, since its peers wait for it). User
 errors found by `attach` (bad fault spec, unwritable --save, a checkpoint of another run) are agreed by every rank
 and propagate to the entry point, which prints them and exits 2.
+
+Rank 0 says what the checkpoints did, one line each: `peerline: saved checkpoint of iteration N to DIR`, `peerline:
+resumed from DIR at iteration N`, and for a run resumed at or past --iters, `peerline: nothing to do: ...`.
 """
 
 from __future__ import annotations
@@ -100,7 +103,13 @@ class Failsafe(IterationHooks):
         if self.resume_dir:
             with use(self.rt.engine.main_stream):  # the copies of the loaded state onto the device
                 self._agree(self._resume, "load the checkpoint")
+            # Said once every rank has loaded (last_saved: the iteration of the checkpoint loaded, if any).
+            self._say(f"resumed from {self.resume_dir} at iteration {self.last_saved}" if self.last_saved is not None
+                      else f"no checkpoint in {self.resume_dir} yet: starting from iteration 0")
         self.current = self.resumed_from = self.rt.iteration
+        if self.resume_dir and self.rt.iteration >= self.cfg.iters:
+            self._say(f"nothing to do: the checkpoint in {self.resume_dir} is at iteration {self.rt.iteration} "
+                      f">= --iters {self.cfg.iters}")
         with use(self.rt.engine.main_stream):
             self.guard.prepare(self.rt.engine.optimizer, completed=self.rt.iteration)
         self._install()
@@ -135,7 +144,6 @@ class Failsafe(IterationHooks):
         if own and (not root.is_dir() or ckpt.latest_iteration(root) is None):
             # Resuming from our own save directory before anything was saved: a fresh start (this is what a
             # launcher restart with the same command line sees on its first attempt).
-            log.info("no checkpoint in %s yet: starting from iteration 0", root)
             return
         state = ckpt.load_checkpoint(root, self.rank, self.manifest)
         engine = self.rt.engine
@@ -152,7 +160,11 @@ class Failsafe(IterationHooks):
             raise ckpt.CheckpointError(f"checkpoint optimizer state does not fit: {exc}".splitlines()[0]) from None
         self.rt.iteration = state.iteration
         self.last_saved = state.iteration
-        log.info("resumed from %s at iteration %d", root, state.iteration)
+
+    def _say(self, line: str) -> None:
+        """One line for the user, from rank 0 (every rank does the same)."""
+        if self.rank == 0:
+            print(f"peerline: {line}", flush=True)
 
     def _install(self) -> None:
         """Plug into the runtime's explicit slots: the engine's exchange observer, the graph policy, the stage
@@ -259,6 +271,7 @@ class Failsafe(IterationHooks):
             ckpt.save_checkpoint(self.save_dir, self.rank, n, model, engine.optimizer.state_dict(),
                                  ckpt.capture_rng(self.rt.device), self.manifest, barrier=barrier)
         self.last_saved = n
+        self._say(f"saved checkpoint of iteration {n} to {self.save_dir}")
 
     # ----------------------------------------------------------------------------------------------------------
     # the run

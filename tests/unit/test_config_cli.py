@@ -19,7 +19,7 @@ from peerline.launch.cli import build_parser, config_from_args
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("distributed", "kernels", "launch", "peerline")
-CLI_ONLY = {"help", "print_schedule"}  # action flags: no part of the run's configuration
+CLI_ONLY = {"help", "print_schedule", "config", "print_config"}  # action flags: no part of the run's configuration
 # Every field set away from its default (bools flipped, a global batch that divides).
 SAMPLE = RunConfig(
     pp=2, dp=2, stages=2, schedule="gpipe", microbatches=4, global_batch=24, seq=16, hidden=32, layers=2,

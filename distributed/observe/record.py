@@ -1,0 +1,106 @@
+"""The --json record of a run: its resolved configuration, what each logged iteration measured, the final loss,
+parameter checksums and the versions (peerline, its git commit, the libraries and card), written by rank 0.
+
+`check_outputs` runs at start-up on every rank, before anything is built: a --json, --metrics-jsonl or --timeline
+file whose folder is missing or that names a folder, a --tensorboard or --profile folder that is a file, or
+tensorboard not installed, is one ConfigError line then rather than a failure after training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import peerline
+from peerline.distributed.config import ConfigError, RunConfig, flag_name
+from peerline.distributed.observe.tensorboard import require_tensorboard
+from peerline.distributed.observe.versions import versions
+from peerline.files import atomic_write
+from peerline.kernels import ops
+
+GIT_TIMEOUT_S = 10.0
+
+
+def check_outputs(cfg: RunConfig) -> None:
+    """Every output the run will write can be written (see the module docstring)."""
+    for name in ("json", "metrics_jsonl"):
+        if getattr(cfg, name):
+            check_file(flag_name(name), Path(getattr(cfg, name)))
+    if cfg.timeline:
+        for suffix in (".png", ".json"):
+            check_file("--timeline", Path(cfg.timeline + suffix))
+    for name in ("tensorboard", "profile"):
+        if getattr(cfg, name):
+            check_folder(flag_name(name), Path(getattr(cfg, name)))
+    if cfg.tensorboard:
+        require_tensorboard()
+
+
+def check_file(flag: str, path: Path) -> None:
+    """`path` can be created or overwritten: its folder exists and is writable, and it is no folder itself."""
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is a folder: give a file name")
+    folder = path.parent
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{flag} {path}: not writable")
+
+
+def check_folder(flag: str, path: Path) -> None:
+    """`path` is a folder, or can be made one: its nearest existing ancestor is a writable folder."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {existing} is not writable")
+
+
+def git_commit() -> str | None:
+    """`git rev-parse HEAD` of the checkout peerline runs from; None for an installed copy, without git, or when
+    git fails."""
+    root = Path(peerline.__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return None
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=GIT_TIMEOUT_S, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
+def resolved_config(rt: Any) -> dict[str, object]:
+    """The configuration as the run ran it: pp from the world, the device, dtype and kernels it resolved to, and
+    whether the iteration was a CUDA graph."""
+    cfg = rt.cfg.to_dict()
+    cfg.update(pp=rt.mesh.pp, device=rt.device.type, graph=rt.graph is not None,
+               dtype=rt.cfg.dtype or ("bf16" if rt.device.type == "cuda" else "fp32"),
+               kernels=ops.resolve_impl(rt.cfg.kernels, rt.device))
+    return cfg
+
+
+def build_record(rt: Any, history: list[Any], checksums: dict[str, list[float]]) -> dict[str, object]:
+    """The record of a finished run from its runtime, the stats of its logged iterations and the checksums."""
+    return {"config": resolved_config(rt), "world_size": rt.info.world_size, "launcher": rt.info.launcher,
+            "transport": rt.transport_name, "graph": rt.graph is not None,
+            "graph_loop": rt.graph_loop, "graph_loop_failed": rt.graph_loop_failed,
+            "final_loss": history[-1].loss if history else None, "iterations_done": rt.iteration,
+            "losses": [s.loss for s in history], "iterations": [s.iteration for s in history],
+            "ms_per_iter": [s.ms for s in history], "tokens_per_s": [s.tokens_per_s for s in history],
+            "peak_mem_gb": max((s.peak_mem_gb for s in history), default=0.0),
+            "peak_mem_gb_per_rank": history[-1].peak_mem_gb_per_rank if history else None,
+            "tflops": [s.tflops for s in history], "mfu": [s.mfu for s in history],
+            "ppl": [s.ppl for s in history], "layer_checksums": checksums,
+            "peerline_version": peerline.__version__, "git_commit": git_commit(), "versions": versions()}
+
+
+def write_record(path: str, record: dict[str, object]) -> None:
+    """Write `record` as indented JSON, atomically (a reader never sees half a record)."""
+    text = json.dumps(record, indent=1)
+    atomic_write(Path(path), lambda f: f.write(text.encode()))

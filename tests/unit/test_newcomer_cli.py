@@ -1,0 +1,188 @@
+"""A newcomer's first run: errors once per job, mpirun without mpi4py, the bar only on a terminal, one log format,
+GPU-only flags on the CPU, the missing GPU extras, the usage name, the schedule table and the test command as root."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from peerline.distributed import env as penv
+from peerline.distributed.config import ConfigError, RunConfig
+from peerline.distributed.observe.progress import wants_bar
+from peerline.distributed.pipeline import schedule
+from peerline.launch import messages
+from peerline.launch.cli import build_parser, program_name
+from tests.helpers import REPO
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK",
+                 "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "TORCHELASTIC_ERROR_FILE")
+
+
+@pytest.fixture
+def launch_env(monkeypatch: pytest.MonkeyPatch):
+    """A clean launcher environment, no grace sleeps; returns a setter of launcher variables."""
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    sleeps: list[float] = []
+    monkeypatch.setattr(messages.time, "sleep", sleeps.append)
+    monkeypatch.setattr(penv, "_group_started", False)
+
+    def set_env(**values: str) -> list[float]:
+        for k, v in values.items():
+            monkeypatch.setenv(k, v)
+        return sleeps
+    return set_env
+
+
+def test_mpirun_without_mpi4py_refuses_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # import mpi4py -> ImportError
+    for env in ({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}, {"PMI_SIZE": "4"}, {"PMIX_RANK": "1"}):
+        with pytest.raises(ConfigError, match=r"mpirun started \d processes but mpi4py is not installed.*"
+                                              r"pip install mpi4py \(or pip install 'peerline\[mpi\]'\)"):
+            penv.detect_launch(env)
+    assert penv.detect_launch({"OMPI_COMM_WORLD_SIZE": "1"}).launcher == "single"
+
+
+def test_rank_and_world_from_any_launcher() -> None:
+    assert penv.launch_rank_world({}) == (0, 1)
+    assert penv.launch_rank_world({"RANK": "3", "WORLD_SIZE": "4"}) == (3, 4)
+    assert penv.launch_rank_world({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}) == (1, 2)
+    assert penv.launch_rank_world({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}) == (1, 2)
+    assert penv.launch_rank_world({"PMI_RANK": "0", "PMI_SIZE": "8"}) == (0, 8)
+
+
+def test_a_job_wide_error_is_printed_by_rank_0_only(launch_env, tmp_path, capsys) -> None:
+    error_file = tmp_path / "error.json"
+    sleeps = launch_env(RANK="0", WORLD_SIZE="2", TORCHELASTIC_ERROR_FILE=str(error_file))
+    messages.report_error("--microbatches must be >= 1, got 0", ConfigError("x"))
+    assert capsys.readouterr().err == "peerline: error: --microbatches must be >= 1, got 0\n"
+    assert json.loads(error_file.read_text())["message"] == "peerline: error: --microbatches must be >= 1, got 0"
+    assert sleeps == []  # rank 0 ends the job at once
+    error_file.unlink()
+    launch_env(RANK="1")
+    messages.report_error("--microbatches must be >= 1, got 0", ConfigError("x"))
+    assert capsys.readouterr().err == "" and not error_file.exists()
+    assert sleeps == [messages.ERROR_GRACE_S]  # silent, after giving rank 0 the time to print
+
+
+def test_a_rank_s_own_error_and_errors_mid_run_print_on_that_rank(launch_env, capsys, monkeypatch) -> None:
+    launch_env(RANK="1", WORLD_SIZE="2")
+    messages.report_error("local rank 1 has no GPU", penv.RankConfigError("x"))
+    assert capsys.readouterr().err == "peerline: error: local rank 1 has no GPU\n"
+    monkeypatch.setattr(penv, "_group_started", True)
+    messages.report_error("stage 0 output changed", ConfigError("x"))
+    assert capsys.readouterr().err == "peerline: error: stage 0 output changed\n"
+
+
+def test_a_bad_flag_is_one_error_line_without_usage(launch_env, capsys) -> None:
+    for argv in (["--schedule", "zigzag"], ["--no-such-flag"], ["--iters", "many"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("peerline: error: ") and err.endswith(" (see --help)\n"), err
+        assert "usage:" not in err
+    launch_env(RANK="1", WORLD_SIZE="2")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--schedule", "zigzag"])
+    assert capsys.readouterr().err == ""  # rank 0 says it
+
+
+def test_usage_names_the_console_script(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert program_name("/venv/bin/peerline-pipeline") == "peerline-pipeline"
+    assert program_name("launch/pipeline.py") == "launch/pipeline.py"
+    assert program_name("/abs/launch/pipeline.py") == "python -m peerline.launch.pipeline"
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/peerline-pipeline", "--help"])
+    assert build_parser().format_usage().startswith("usage: peerline-pipeline ")
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("launcher,tty,term,bar", [
+    ("single", True, "xterm-256color", True), ("single", False, "xterm", False), ("single", True, "dumb", False),
+    ("single", True, "", False), ("mpi", True, "xterm", False), ("torchrun", True, "xterm", False),
+    ("slurm", True, "xterm", False)])
+def test_bar_only_on_a_terminal_of_a_process_started_alone(monkeypatch, launcher, tty, term, bar) -> None:
+    monkeypatch.setenv("TERM", term)
+    assert wants_bar(launcher, _Stream(tty)) is bar
+
+
+def test_one_log_format_rank_prefixed_only_with_several_ranks(launch_env) -> None:
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        for env, prefix in (({}, ""), ({"RANK": "1", "WORLD_SIZE": "2"}, "[rank 1] ")):
+            launch_env(**env)
+            messages.setup_logging()
+            record = logging.LogRecord("peerline.distributed.nonfinite", logging.WARNING, __file__, 1,
+                                       "skipped %d step(s)", (1,), None)
+            assert root.handlers[0].format(record) == f"{prefix}peerline: warning: skipped 1 step(s)"
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+
+
+def test_gpu_only_flags_on_the_cpu_get_one_notice_each() -> None:
+    assert messages.start_notices(RunConfig(), torch.device("cpu")) == []
+    cfg = RunConfig(p2p="copy-engine", kernels="peerline", allocator="async", staging="pinned")
+    notices = messages.start_notices(cfg, torch.device("cpu"))
+    assert len(notices) == 4 and all(n.startswith("notice: --") and "ignored on the CPU" in n for n in notices)
+    for flag in ("--p2p copy-engine", "--kernels peerline", "--allocator async", "--staging pinned"):
+        assert sum(flag in n for n in notices) == 1, (flag, notices)
+
+
+def test_missing_gpu_extras_say_which_extra_and_what_is_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(messages.importlib.util, "find_spec", lambda name: None)
+    notices = messages.start_notices(RunConfig(), torch.device("cuda", 0))
+    extra = messages.gpu_extra()
+    assert notices[0] == f"notice: CuPy not installed: torch's kernels instead of peerline's; pip install '{extra}'"
+    assert notices[1].startswith("notice: cuda-bindings not installed: NCCL handoffs") and extra in notices[1]
+    assert messages.start_notices(RunConfig(kernels="torch", p2p="nccl"), torch.device("cuda", 0)) == []
+
+
+def test_gpu_extras_pin_their_cuda_major() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for major in ("12", "13"):
+        assert f"cupy-cuda{major}x" in extras[f"cuda{major}"]
+        assert f"cuda-bindings>={major},<{int(major) + 1}" in extras[f"cuda{major}"]
+    assert "mpi4py" in extras["mpi"]
+
+
+@pytest.mark.parametrize("name,stages,m", [("gpipe", 2, 2), ("1f1b", 2, 4), ("gpipe", 1, 2), ("1f1b", 12, 12)])
+def test_schedule_table_columns_line_up_and_have_a_legend(name, stages, m) -> None:
+    text = schedule.render(schedule.build(name, stages, m))
+    rows = [ln for ln in text.splitlines() if "|" in ln]
+    bars = {tuple(i for i, c in enumerate(row) if c == "|") for row in rows}
+    assert len(bars) == 1, text  # every row, the header included, has its separators at the same columns
+    legend = text[text.index("legend:"):]
+    for label in ("Fn", "Bn", "SAn", "RAn", "SGn", "RGn", "a+b"):
+        assert label in legend
+    assert max(len(ln) for ln in legend.splitlines()) <= 100
+
+
+def test_test_command_works_as_root_and_checks_mpirun_first(tmp_path) -> None:
+    script = (REPO / "tools" / "test.sh").read_text()
+    assert script.index("\npreflight\n") < script.index("pytest -q"), "mpirun must be checked before the long tests"
+    if shutil.which("mpirun") is None or shutil.which("bash") is None:
+        pytest.skip("needs bash and mpirun")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
+    run = subprocess.run(["bash", str(REPO / "tools" / "test.sh"), "--preflight"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "mpirun and mpi4py work" in run.stdout
