@@ -74,7 +74,9 @@ class RunConfig:
     stages: int = option(1, GRID, "stages on this one device, as separate streams (single-GPU mode; default: "
                          "%(default)s)", minimum=1)
     """Stages per rank, run as separate streams of one device (single-GPU mode: --stages N)."""
-    schedule: str = option("1f1b", BATCH, "(default: %(default)s)", choices=SCHEDULES)
+    schedule: str = option("1f1b", BATCH, "pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b "
+                           "(one forward, one backward: less activation memory) (default: %(default)s)",
+                           choices=SCHEDULES)
     """Pipeline schedule: gpipe or 1f1b."""
     microbatches: int = option(4, BATCH, "microbatches per iteration and replica (default: %(default)s)",
                                short="-m", minimum=1)
@@ -88,12 +90,14 @@ class RunConfig:
     """Tokens per sequence."""
     hidden: int = option(128, MODEL, "hidden size (default: %(default)s)", minimum=1)
     """Hidden size of the default model."""
-    layers: int = option(8, MODEL, "residual MLP blocks (default: %(default)s)", minimum=1)
+    layers: int = option(8, MODEL, "blocks of the model: residual MLP blocks, GPT blocks, or passed to a user factory "
+                         "(default: %(default)s)", minimum=1)
     """Residual MLP blocks of the default model."""
     model: str | None = option(None, MODEL, "gpt (a decoder-only LM sized by --layers --hidden --heads --seq "
                                "--vocab), or a user model 'pkg.module:factory' returning an nn.Sequential or a list "
-                               "of per-layer builders; the factory gets the keyword arguments it names of vocab_size, "
-                               "hidden, seq, heads, layers, seed (default: the residual-MLP model)")
+                               "of per-layer builders; the factory gets the keyword arguments it names of vocab_size "
+                               "(or vocab), hidden, seq, heads, layers, seed, micro_batch_size (default: the "
+                               "residual-MLP model)")
     """None: the residual-MLP model; gpt: the decoder-only LM of models/gpt.py; or 'pkg.module:factory'. A factory
     may name keyword arguments (vocab_size, vocab, hidden, seq, heads, layers, seed, micro_batch_size) and gets
     their run values; it returns an nn.Sequential (every rank builds it whole) or a list of builders, callables
@@ -119,7 +123,7 @@ class RunConfig:
                             "layers of each stage; default: %(default)s)", metavar="off|full|N")
     """Activation recomputation per layer (torch.utils.checkpoint): off, full, or N = the first N layers of every
     stage (early stages of 1F1B hold the most activations in flight)."""
-    seed: int = option(0, MODEL, "(default: %(default)s)")
+    seed: int = option(0, MODEL, "seed of the weights and of the data sampling (default: %(default)s)")
     """Seed of the weights and of the synthetic data."""
     iters: int = option(5, EXECUTION, "iterations from the start of training (default: %(default)s)", minimum=1)
     """Iterations counted from the start of training (a resumed run continues up to this number)."""
@@ -162,9 +166,11 @@ class RunConfig:
     grad_sync: str = option("buckets", EXECUTION, "data-parallel gradient average (default: %(default)s)",
                             choices=GRAD_SYNCS)
     """Data-parallel gradient average: buckets (bucketed all-reduce overlapped with backward) or per-param."""
-    bucket_mb: float = option(25.0, EXECUTION, "(default: %(default)s)")
+    bucket_mb: float = option(25.0, EXECUTION, "gradient bucket size of the data-parallel all-reduce, MiB "
+                              "(default: %(default)s)")
     """Gradient bucket size for the data-parallel all-reduce, MiB."""
-    first_bucket_mb: float = option(1.0, EXECUTION, "(default: %(default)s)")
+    first_bucket_mb: float = option(1.0, EXECUTION, "size of the first bucket (the last layers), MiB, so the "
+                                    "all-reduce starts early (default: %(default)s)")
     """Size of the first (last-layer) bucket, MiB, so the all-reduce starts early."""
     nccl_max_ctas: int | None = option(16, EXECUTION, "cap on the CTAs (SMs) of the dp group's NCCL all-reduce "
                                        "kernels, 0 = NCCL's default (default: %(default)s, measured on H200; see "
@@ -184,9 +190,11 @@ class RunConfig:
     log_every: int | None = option(None, OUTPUT, "read the loss back every N iterations (default: 1, or K with "
                                    "--graph-loop K)", minimum=1)
     """Read the loss back (one host sync) every N iterations; None: once per graph launch (1, or graph_loop)."""
-    json: str | None = option(None, OUTPUT, "write config, losses, timings and versions to this file (rank 0)")
+    json: str | None = option(None, OUTPUT, "write config, losses, timings and versions to this file (rank 0)",
+                             metavar="PATH")
     """Write config, losses, timings and versions to this JSON file (rank 0)."""
-    timeline: str | None = option(None, OUTPUT, "write a timeline of the last iteration: PATH.png and PATH.json")
+    timeline: str | None = option(None, OUTPUT, "write a timeline of the last iteration: PATH.png and PATH.json",
+                                 metavar="PATH")
     """Write a timeline (PNG + Chrome trace) of the last iteration with this path stem."""
     tensorboard: str | None = option(None, OUTPUT, "write TensorBoard event files (loss, ms/iter, tokens/s, "
                                      "TFLOP/s, MFU, peak memory per logged iteration) to DIR (rank 0; needs the "

@@ -80,11 +80,12 @@ def parse(argv: list[str] | None) -> RunConfig | None:
 
 
 def print_schedule(cfg: RunConfig) -> None:
-    """The schedule of the grid this launch would train (pp from the world and --dp), printed by rank 0."""
+    """The schedule of the grid this launch would train (pp from the world and --dp), printed by rank 0. A single
+    process given --pp previews that grid's schedule without launching it."""
     from peerline.distributed.pipeline import schedule
 
     info = detect_launch()
-    pp = cfg.resolved_pp(info.world_size)
+    pp = cfg.pp if info.world_size == 1 and cfg.pp is not None else cfg.resolved_pp(info.world_size)
     n_stages = pp * cfg.stages
     table = schedule.render(schedule.build(cfg.schedule, n_stages, cfg.microbatches))
     if info.rank == 0:
