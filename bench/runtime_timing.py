@@ -119,3 +119,18 @@ def time_runtime(rt, timer: Callable[[Callable[[int], None]], Timing]) -> Timing
         rt.train(rt.iteration + n)
 
     return timer(block)
+
+
+def time_anchor(anchor: Any, n_losses: int, timer: Callable[[Callable[[int], None]], Timing]
+                ) -> tuple[list[float], Timing]:
+    """An anchor's first `n_losses` losses (each read back after its step), then timed blocks of its steps."""
+    losses = []
+    for _ in range(n_losses):
+        anchor.step()
+        losses.append(anchor.read_loss())
+
+    def block(n: int) -> None:
+        for _ in range(n):
+            anchor.step()
+
+    return losses, timer(block)

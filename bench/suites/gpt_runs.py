@@ -21,6 +21,7 @@ from peerline.bench.runtime_timing import (
     free_device,
     open_runtime,
     peak_gb_per_rank,
+    time_anchor,
     time_runtime,
 )
 from peerline.bench.suites.gpt_anchor import (
@@ -106,16 +107,7 @@ class GPTBench:
     def anchor(self, stages: StageCache, schedule: str, recipe: str) -> Measured:
         """One candidate: its first losses, then timed blocks of its iterations."""
         anchor = TorchGPTAnchor(stages, self.fill, schedule, recipe, self.pp, self.rank, self.device)
-        losses = []
-        for _ in range(LOSS_CHECK_ITERS):
-            anchor.step()
-            losses.append(anchor.read_loss())
-
-        def block(n: int) -> None:
-            for _ in range(n):
-                anchor.step()
-
-        timing = self.timer(block)
+        losses, timing = time_anchor(anchor, LOSS_CHECK_ITERS, self.timer)
         per_rank = peak_gb_per_rank(self.device)
         return Measured(f"torch {schedule} {recipe}", timing, losses, None, max(per_rank, default=0.0),
                         {"schedule": schedule, "recipe": recipe}, per_rank)

@@ -36,6 +36,7 @@ from peerline.bench.runtime_timing import (
     free_device,
     open_runtime,
     peak_gb,
+    time_anchor,
     time_runtime,
 )
 from peerline.bench.suites.torch_pipelining import PipeShape, TorchPipelineAnchor, measure_stage_ms
@@ -106,16 +107,7 @@ class PipelineBench:
     def torch_anchor(self, groups: tuple[Any, Any]) -> Measured:
         anchor = TorchPipelineAnchor(self.shape, self.schedule, self.pp, self.dp, self.rank, self.device,
                                      pp_group=groups[0], dp_group=groups[1])
-        losses = []
-        for _ in range(LOSS_CHECK_ITERS):
-            anchor.step()
-            losses.append(anchor.read_loss())
-
-        def block(n: int) -> None:
-            for _ in range(n):
-                anchor.step()
-
-        timing = self._time(block)
+        losses, timing = time_anchor(anchor, LOSS_CHECK_ITERS, self._time)
         peak = peak_gb(self.device)
         f, b = measure_stage_ms(anchor.module, self.shape, self.device, anchor.is_first, anchor.is_last,
                                 warmup=self.stage_warmup, reps=self.stage_reps)

@@ -11,7 +11,7 @@ from peerline import overrides
 
 def format_stats(stats: Any, total: int) -> str:
     """The progress line of one logged iteration: iter | loss | ppl (LMs) | ms/iter | tokens/s | TFLOP/s (known
-    model FLOPs) | MFU (known card) | peak memory (GPU: the largest of any rank's)."""
+    model FLOPs) | MFU (known card) | peak memory (GPU: the smallest and largest of the ranks' peaks)."""
     parts = [f"iter {stats.iteration}/{total}", f"loss {stats.loss:.6f}"]
     if getattr(stats, "ppl", None) is not None:
         parts.append(f"ppl {stats.ppl:.2f}")
@@ -20,8 +20,10 @@ def format_stats(stats: Any, total: int) -> str:
         parts.append(f"{stats.tflops:.3g} TFLOP/s")
     if getattr(stats, "mfu", None) is not None:
         parts.append(f"MFU {stats.mfu:.1f}%")
-    if getattr(stats, "peak_mem_gb_per_rank", None) is not None:
-        parts.append(f"peak {stats.peak_mem_gb:.2f} GiB")
+    per_rank = getattr(stats, "peak_mem_gb_per_rank", None)
+    if per_rank:
+        low, high = min(per_rank), max(per_rank)
+        parts.append(f"peak {high:.2f} GiB" if len(per_rank) == 1 else f"peak {low:.2f}-{high:.2f} GiB")
     return " | ".join(parts)
 
 
@@ -34,10 +36,13 @@ def wants_bar(launcher: str, stream: TextIO | None = None) -> bool:
 
 
 class ProgressReporter:
-    """Rich progress bar where `wants_bar`, one plain line per logged iteration otherwise."""
+    """One line per logged iteration; where `wants_bar`, also a transient bar below the lines (gone when training
+    ends, so the terminal keeps only the lines). Lines are never folded at the terminal's width."""
 
-    def __init__(self, total: int, enabled: bool, start: int = 0, launcher: str = "single") -> None:
+    def __init__(self, total: int, enabled: bool, start: int = 0, launcher: str = "single",
+                 console: Any = None) -> None:
         self.total, self.enabled, self.start, self.launcher = total, enabled, start, launcher
+        self.console = console  # a rich Console (None: rich's own, on stdout)
         self.progress = None
         self.task = None
 
@@ -46,7 +51,7 @@ class ProgressReporter:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                     TimeRemainingColumn(), TextColumn("{task.description}"))
+                                     TimeRemainingColumn(), transient=True, console=self.console)
             self.progress.start()
             self.task = self.progress.add_task("", total=self.total, completed=self.start)
         return self
@@ -55,9 +60,9 @@ class ProgressReporter:
         if not self.enabled:
             return
         if self.progress is not None:
-            self.progress.update(self.task, completed=stats.iteration,
-                                 description=f"loss {stats.loss:.5f} | {stats.ms:.1f} ms")
-            self.progress.console.print(format_stats(stats, self.total))
+            self.progress.update(self.task, completed=stats.iteration)
+            self.progress.console.print(format_stats(stats, self.total), soft_wrap=True, highlight=False,
+                                        markup=False)
         else:
             print(format_stats(stats, self.total), flush=True)
 

@@ -33,7 +33,7 @@ def reference(tmp_path_factory):
     return res
 
 
-@pytest.mark.parametrize("pp,schedule", [(2, "gpipe"), (2, "1f1b"), (4, "gpipe"), (4, "1f1b")])
+@pytest.mark.parametrize("pp,schedule", [(2, "gpipe"), (2, "1f1b"), (4, "1f1b")])
 def test_pipeline_of_structures_equals_single_process(tmp_path, reference, pp, schedule):
     proc, res = run_job(torchrun_cmd(pp), [*ARGS, "--pp", str(pp), "--schedule", schedule], tmp_path, "pp",
                         env=env())

@@ -186,7 +186,9 @@ def test_progress_line() -> None:
     gpu = SimpleNamespace(iteration=2, loss=math.log(100), ms=1.5, tokens_per_s=1e6, peak_mem_gb=3.25, ppl=100.0,
                           tflops=412.0, mfu=41.6, peak_mem_gb_per_rank=[3.0, 3.25])
     assert format_stats(gpu, 5) == ("iter 2/5 | loss 4.605170 | ppl 100.00 | 1.50 ms/iter | 1,000,000 tokens/s | "
-                                    "412 TFLOP/s | MFU 41.6% | peak 3.25 GiB")
+                                    "412 TFLOP/s | MFU 41.6% | peak 3.00-3.25 GiB")
+    one_rank = SimpleNamespace(**{**vars(gpu), "peak_mem_gb_per_rank": [3.25]})
+    assert format_stats(one_rank, 5).endswith("| MFU 41.6% | peak 3.25 GiB")
     cpu = SimpleNamespace(iteration=1, loss=0.5, ms=2.0, tokens_per_s=10.0, peak_mem_gb=0.0, ppl=None, tflops=None,
                           mfu=None, peak_mem_gb_per_rank=None)
     assert format_stats(cpu, 1) == "iter 1/1 | loss 0.500000 | 2.00 ms/iter | 10 tokens/s"

@@ -186,3 +186,25 @@ def test_test_command_works_as_root_and_checks_mpirun_first(tmp_path) -> None:
                          text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "mpirun and mpi4py work" in run.stdout
+
+
+def test_terminal_lines_are_not_folded_and_the_bar_is_transient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal each logged iteration is one unfolded line, and the bar leaves nothing behind."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from peerline.distributed.observe import progress
+
+    monkeypatch.setattr(progress, "wants_bar", lambda launcher, stream=None: True)
+    out = io.StringIO()
+    reporter = progress.ProgressReporter(total=3, enabled=True, console=Console(file=out, width=40))
+    with reporter:
+        stats = SimpleNamespace(iteration=1, loss=1.234567, ms=12.5, tokens_per_s=123456.0, peak_mem_gb=0.0,
+                                ppl=None, tflops=None, mfu=None, peak_mem_gb_per_rank=None)
+        reporter.update(stats)
+    lines = [line for line in out.getvalue().splitlines() if line.strip()]
+    assert lines == [progress.format_stats(stats, 3)]
+    assert len(lines[0]) > 40  # longer than the console, still one line
+    assert reporter.progress.live.transient
