@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,16 +55,10 @@ class GPTBench:
     def run_variants(self, variants: list[str], failures: list[str]) -> dict[str, Measured]:
         """Measure each variant (the anchor first) and record it against the anchor as soon as both exist."""
         for variant in variants:
-            self.ctx.step(f"{self.shape.name} {variant}")
-            free_device(self.device)
-            try:
-                got = self.best_anchor(failures) if variant == "torch" else self.peerline(variant == "graph")
-            except Exception as exc:  # noqa: BLE001 - the other variants still run; the suite fails at the end
-                log.exception("gpt %s %s failed", self.shape.name, variant)
-                failures.append(f"{self.shape.name} {variant}: {type(exc).__name__}: {exc}")
-                continue
-            if isinstance(got, str):
-                self.ctx.note(f"gpt {self.shape.name} {variant}: skipped: {got}")
+            measure = (lambda: self.best_anchor(failures)) if variant == "torch" else (
+                lambda graph=variant == "graph": self.peerline(graph))
+            got = self._measure(variant, measure, failures)
+            if got is None:
                 continue
             self.results[variant] = got
             self.report.variant(got, self.results.get("torch"))
@@ -137,18 +132,27 @@ class GPTBench:
             return
         half = max(1, off.extra["stage_layers"] // 2)
         for setting in (str(half), "full"):
-            self.ctx.step(f"{self.shape.name} recompute {setting}")
-            free_device(self.device)
-            try:
-                got = self.peerline(off.name == "graph", recompute=setting)
-            except Exception as exc:  # noqa: BLE001 - the other setting still runs; the suite fails at the end
-                log.exception("gpt %s recompute %s failed", self.shape.name, setting)
-                failures.append(f"{self.shape.name} recompute {setting}: {type(exc).__name__}: {exc}")
-                continue
-            if isinstance(got, str):
-                self.ctx.note(f"gpt {self.shape.name} recompute {setting}: skipped: {got}")
-                continue
-            self.report.recompute(got, off)
+            got = self._measure(f"recompute {setting}",
+                                lambda setting=setting: self.peerline(off.name == "graph", recompute=setting),
+                                failures)
+            if got is not None:
+                self.report.recompute(got, off)
+
+    def _measure(self, label: str, measure: Callable[[], Measured | str], failures: list[str]) -> Measured | None:
+        """One measurement on a freed device: a failure is logged and kept for the end of the suite (the other
+        measurements still run), a reason not to measure becomes a note; either gives None."""
+        self.ctx.step(f"{self.shape.name} {label}")
+        free_device(self.device)
+        try:
+            got = measure()
+        except Exception as exc:  # noqa: BLE001 - the other measurements still run; the suite fails at the end
+            log.exception("gpt %s %s failed", self.shape.name, label)
+            failures.append(f"{self.shape.name} {label}: {type(exc).__name__}: {exc}")
+            return None
+        if isinstance(got, str):
+            self.ctx.note(f"gpt {self.shape.name} {label}: skipped: {got}")
+            return None
+        return got
 
 
 def _most_stage_layers(rt, device: torch.device) -> int:
