@@ -134,3 +134,13 @@ def time_anchor(anchor: Any, n_losses: int, timer: Callable[[Callable[[int], Non
             anchor.step()
 
     return losses, timer(block)
+
+
+def time_captured(rt: Any, graph: bool, n_losses: int, timer: Callable[[Callable[[int], None]], Timing]
+                  ) -> tuple[list[float], Timing] | str:
+    """A runtime's first `n_losses` losses, then timed blocks of its iterations; with `graph`, the reason instead
+    when the iteration was not captured (a graph variant must not time eager iterations)."""
+    losses, not_captured = first_losses(rt, n_losses, graph)
+    if not_captured:
+        return f"the iteration was not captured into a CUDA graph: {not_captured}"
+    return losses, time_runtime(rt, timer)

@@ -18,12 +18,11 @@ from peerline.bench.benchkit import BenchContext
 from peerline.bench.runtime_timing import (
     BlockTimer,
     Measured,
-    first_losses,
     free_device,
     open_runtime,
     peak_gb_per_rank,
     time_anchor,
-    time_runtime,
+    time_captured,
 )
 from peerline.bench.suites.gpt_anchor import (
     SCHEDULES,
@@ -113,10 +112,10 @@ class GPTBench:
         cfg = self.shape.run_config(None, device=self.device.type, graph=graph, recompute=recompute,
                                     schedule="1f1b", iters=10**9, log_every=1)
         with open_runtime(cfg) as rt:
-            losses, not_captured = first_losses(rt, LOSS_CHECK_ITERS, graph)
-            if not_captured:
-                return f"the iteration was not captured into a CUDA graph: {not_captured}"
-            timing = time_runtime(rt, self.timer)
+            measured = time_captured(rt, graph, LOSS_CHECK_ITERS, self.timer)
+            if isinstance(measured, str):
+                return measured
+            losses, timing = measured
             per_rank = peak_gb_per_rank(self.device)
             extra: dict[str, Any] = {"transport": rt.transport_name, "recompute": recompute,
                                      "stage_layers": _most_stage_layers(rt, self.device)}

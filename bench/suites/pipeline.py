@@ -32,12 +32,11 @@ from peerline.bench.ideal import IdealReport
 from peerline.bench.runtime_timing import (
     BlockTimer,
     Measured,
-    first_losses,
     free_device,
     open_runtime,
     peak_gb,
     time_anchor,
-    time_runtime,
+    time_captured,
 )
 from peerline.bench.suites.torch_pipelining import PipeShape, TorchPipelineAnchor, measure_stage_ms
 from peerline.choices import SCHEDULES
@@ -128,10 +127,10 @@ class PipelineBench:
                         seed=s.seed, lr=s.lr, dtype=s.dtype, device=self.device.type, graph=graph,
                         iters=10**9, log_every=1)
         with open_runtime(cfg) as rt:
-            losses, not_captured = first_losses(rt, LOSS_CHECK_ITERS, graph)
-            if not_captured:
-                return f"the iteration was not captured into a CUDA graph: {not_captured}"
-            timing = time_runtime(rt, self._time)
+            measured = time_captured(rt, graph, LOSS_CHECK_ITERS, self._time)
+            if isinstance(measured, str):
+                return measured
+            losses, timing = measured
             peak = peak_gb(self.device)
             extra: dict[str, Any] = {"transport": rt.transport_name}
             if not graph and self.draw_timeline:
