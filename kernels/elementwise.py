@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from typing import Any
 
 import torch
 
 from peerline import overrides
 from peerline.kernels import compile as kc
-from peerline.kernels import plan
+from peerline.kernels import launch, plan
+from peerline.kernels.card_table import PEERLINE, CardTable, table_for
 from peerline.kernels.reference import bias_gelu_reference, residual_add_reference
 
 log = logging.getLogger(__name__)
@@ -81,12 +81,12 @@ def _new(shape: tuple[int, ...] | int, dtype: torch.dtype, device: torch.device,
     Never a view (its ._base is None): an autograd Function that returns a view of a tensor it created makes
     autograd forbid later in-place writes to the result ("Output 0 of ResidualAddBackward is a view ... modified
     inplace"). The misaligned case therefore points a fresh tensor at the padded buffer's storage with `set_`
-    instead of slicing it."""
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    n = math.prod(shape)
-    if head is None:
-        t = torch.empty(shape, dtype=dtype, device=device)
-    else:
+    instead of slicing it. Head 0 (aligned inputs) takes a plain allocation: the caching allocator's blocks are
+    512-byte aligned, checked once per call."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if head is not None and (head or t.data_ptr() & 15):
+        shape = tuple(t.shape)
+        n = t.numel()
         per = plan.VECTOR_BYTES // dtype.itemsize
         buf = torch.empty(n + per, dtype=dtype, device=device)
         off = plan.output_offset(buf.data_ptr(), buf.element_size(), head)
@@ -138,6 +138,7 @@ def launch_raw(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tup
 
 
 _GRID_KEYS = (*plan.GRID_KEYS, "grid_cap")
+_BUILTIN_OP_PLANS = OP_PLANS  # a replaced OP_PLANS (tests, experiments) is used as it is, without a card's plans
 
 
 @functools.cache
@@ -145,30 +146,61 @@ def _l2_bytes(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).L2_cache_size)
 
 
+@functools.cache
+def card_name(device_index: int) -> str:
+    """The device's name ("NVIDIA H100 80GB HBM3", "NVIDIA H200"), the key of kernels/card_plans.json; "" without
+    CUDA."""
+    return torch.cuda.get_device_name(device_index) if torch.cuda.is_available() else ""
+
+
+@functools.cache
+def card_table(device_index: int) -> CardTable:
+    """The card's tuned entry (card_table.table_for), read once per device."""
+    return table_for(card_name(device_index))
+
+
+_merged: dict[int, dict[str, plan.LaunchPlan]] = {}
+
+
+def op_plans(device_index: int | None = None) -> dict[str, plan.LaunchPlan]:
+    """The launch plans of a device: TUNED_PLANS, then its card's tuned plans, then PEERLINE_KERNEL_PLANS on top
+    (PEERLINE_KERNEL_PLANS=default: none). Without a device, or with OP_PLANS replaced, OP_PLANS itself."""
+    if device_index is None or OP_PLANS is not _BUILTIN_OP_PLANS or not OP_PLANS:
+        return OP_PLANS
+    merged = _merged.get(device_index)
+    if merged is None:
+        card = card_table(device_index).plans
+        merged = {**plan.parse_op_plans(TUNED_PLANS), **plan.parse_op_plans(card), **plan.parse_op_plans(_USER_PLANS)}
+        _merged[device_index] = merged
+    return merged
+
+
 def _in_l2(bytes_moved: int, device: torch.device) -> bool:
     """Whether a launch moving `bytes_moved` bytes fits this device's L2 (plan.in_l2: the ":l2" plans apply)."""
     return plan.in_l2(bytes_moved, _l2_bytes(device.index))
 
 
-def _tuning(op: int, x: str, l2: bool = False) -> dict[str, int]:
-    """TUNING if set (experiments), else the op's plan from OP_PLANS (tuned, PEERLINE_KERNEL_PLANS on top; `l2`:
-    the launch's bytes fit in L2, so an OP[:DTYPE]:l2 plan comes first), else {} (the default plan)."""
+def _tuning(op: int, x: str, l2: bool = False, device_index: int | None = None) -> dict[str, int]:
+    """TUNING if set (experiments), else the op's plan from op_plans(device_index) (tuned, the card's, then
+    PEERLINE_KERNEL_PLANS; `l2`: the launch's bytes fit in L2, so an OP[:DTYPE]:l2 plan comes first), else {} (the
+    default plan)."""
     if TUNING:
         return TUNING
-    p = plan.op_plan(OP_PLANS, _OP_NAME[op], _SHORT[x], l2) if OP_PLANS else None
+    plans = op_plans(device_index)
+    p = plan.op_plan(plans, _OP_NAME[op], _SHORT[x], l2) if plans else None
     return p.tuning() if p is not None else {}
 
 
-def _spec(op: int, x: str, *, l2: bool = False, **types: str) -> kc.KernelSpec:
+def _spec(op: int, x: str, *, l2: bool = False, device_index: int | None = None, **types: str) -> kc.KernelSpec:
     """The KernelSpec of one op with its launch-shape overrides (the grid keys blocks_per_sm, rounds and grid_cap
     are not spec fields)."""
-    shape = {k: v for k, v in _tuning(op, x, l2).items() if k not in _GRID_KEYS}
+    shape = {k: v for k, v in _tuning(op, x, l2, device_index).items() if k not in _GRID_KEYS}
     return kc.KernelSpec(op, x, **types, **shape)
 
 
 def _max_grid(op: kc.CompiledOp, l2: bool = False) -> int:
     """The persistent (resident) grid of this op's launches: blocks_per_sm and grid_cap applied."""
-    tuning = _tuning(op.spec.op, op.spec.x, l2)
+    tuning = _tuning(op.spec.op, op.spec.x, l2, op.device_index)
     grid = op.grid_cap(tuning.get("blocks_per_sm", 0))
     cap = tuning.get("grid_cap", 0)
     return min(grid, cap) if cap > 0 else grid
@@ -176,11 +208,145 @@ def _max_grid(op: kc.CompiledOp, l2: bool = False) -> int:
 
 def _rounds(op: kc.CompiledOp, l2: bool = False) -> int:
     """The plan's rounds (plan.vector_grid): 0 = the persistent grid."""
-    return _tuning(op.spec.op, op.spec.x, l2).get("rounds", 0)
+    return _tuning(op.spec.op, op.spec.x, l2, op.device_index).get("rounds", 0)
 
 
 def _scalar_grid(n: int, op: kc.CompiledOp) -> int:
     return max(1, min(-(-n // SCALAR_THREADS), op.sms * 8))
+
+
+# ---- prepared launches: everything but the pointers, decided once per (op, dtypes, size, alignment, device) ----
+
+
+class Launch:
+    """One kernel launch with its grid, block, dynamic shared memory and pre-packed arguments (pointers written
+    per call)."""
+
+    __slots__ = ("kernel", "grid", "block", "smem", "pack")
+
+    def __init__(self, raw: Any, grid: int, block: tuple[int, int], smem: int, kinds: str, values: tuple) -> None:
+        self.kernel = launch.Kernel(raw)
+        self.grid, self.block, self.smem = grid, block, smem
+        self.pack = launch.ArgPack(kinds, values)
+
+    def fire(self, stream: int) -> None:
+        launch_kernel(self, stream)
+
+
+class Prepared:
+    """A cached launch decision: the output's dtype and alignment head, the kernel launch(es), the workspace."""
+
+    __slots__ = ("out_dtype", "out_head", "main", "reduce", "part_elems")
+
+    def __init__(self, out_dtype: torch.dtype, out_head: int | None, main: Launch | None,
+                 reduce: Launch | None = None, part_elems: int = 0) -> None:
+        self.out_dtype, self.out_head, self.main, self.reduce, self.part_elems = (out_dtype, out_head, main, reduce,
+                                                                                   part_elems)
+
+
+def launch_kernel(item: Launch, stream: int) -> None:
+    """Launch one prepared kernel on a raw stream (the tests spy on this function)."""
+    launch.launch(item.kernel, item.grid, item.block, item.smem, stream, item.pack)
+
+
+# (op, dtypes, elements, hidden, 16-byte alignment class of each pointer (-1: an output allocated here), device)
+# -> Prepared. Bounded: a run's launches have a handful of shapes; experiments (TUNING set) bypass it.
+_CACHE: dict[tuple, Prepared] = {}
+MAX_CACHED = 4096
+
+
+def _cacheable() -> bool:
+    global _cache_plans
+    if TUNING:
+        return False
+    if _cache_plans is not OP_PLANS:  # plans replaced (tests, experiments): forget launches decided on the old ones
+        _CACHE.clear()
+        _cache_plans = OP_PLANS
+    return True
+
+
+_cache_plans = OP_PLANS
+
+
+def _remember(key: tuple, prepared: Prepared) -> Prepared:
+    if len(_CACHE) >= MAX_CACHED:
+        _CACHE.clear()
+    _CACHE[key] = prepared
+    return prepared
+
+
+def prepare_bias_gelu_forward(xt: torch.dtype, bt: torch.dtype, n: int, hidden: int, xa: int, ba: int, ya: int,
+                              dev: int) -> Prepared:
+    """The forward's launch: xa, ba, ya the 16-byte alignment classes (address % 16) of x, bias and a caller's
+    output (-1: allocated here with the inputs' head)."""
+    xs = xt.itemsize
+    l2 = plan.in_l2(2 * n * xs, _l2_bytes(dev))  # x read, y written
+    spec = _spec(kc.OP_BIAS_GELU_FWD, _DTYPES[xt], l2=l2, device_index=dev, bias=_DTYPES[bt])
+    addrs = [(xa, xs)] if ya < 0 else [(xa, xs), (ya, xs)]
+    head = plan.common_head(addrs, spec.e)
+    op = kc.get_op(spec, dev)
+    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op, l2), _rounds(op, l2))
+    if vp is not None:
+        bias_vec = plan.bias_vector_ok(hidden, vp.head, spec.e, ba, bt.itemsize)
+        main = Launch(op.main, vp.grid, (spec.threads, 1), spec.smem_bytes, "pppqqqii",
+                      (0, 0, 0, n, vp.head, vp.nchunks, hidden, int(bias_vec)))
+    else:
+        main = Launch(op.scalar, _scalar_grid(n, op), (SCALAR_THREADS, 1), 0, "pppqi", (0, 0, 0, n, hidden))
+    return Prepared(xt, head, main)
+
+
+def prepare_bias_gelu_backward(xt: torch.dtype, bt: torch.dtype, n: int, hidden: int, ga: int, xa: int, ba: int,
+                               oa: int, dev: int) -> Prepared:
+    """The backward's two launches (grad_x with bias partials, then the column reduction) and the partials'
+    size; ga, xa, ba, oa the alignment classes of grad, x, bias and a caller's grad_x (-1: allocated here)."""
+    xs = xt.itemsize
+    l2 = plan.in_l2(3 * n * xs, _l2_bytes(dev))  # grad and x read, grad_x written
+    spec = _spec(kc.OP_BIAS_GELU_BWD, _DTYPES[xt], l2=l2, device_index=dev, bias=_DTYPES[bt])
+    head = plan.common_head([(ga, xs), (xa, xs)], spec.e)
+    out_head = head
+    if oa >= 0 and head is not None:
+        head = plan.common_head([(ga, xs), (xa, xs), (oa, xs)], spec.e)
+    op = kc.get_op(spec, dev)
+    tile_elems = spec.tile_chunks * spec.e
+    max_grid = _max_grid(op, l2)  # the persistent grid: a plan's rounds do not apply (partials grow with the grid)
+    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, max_grid)
+    grid = plan.backward_grid(vp.ntiles, hidden, tile_elems, max_grid) if vp is not None else None
+    if vp is not None and grid is not None:
+        bias_vec = plan.bias_vector_ok(hidden, vp.head, spec.e, ba, bt.itemsize)
+        main = Launch(op.main, grid, (spec.threads, 1), spec.smem_bytes, "pppppqqii",
+                      (0, 0, 0, 0, 0, vp.head, vp.nchunks, hidden, int(bias_vec)))
+        part, rows, shift, rhead, tail = grid * tile_elems, grid * tile_elems // hidden, vp.head, vp.head, vp.tail_start
+    else:
+        threads = plan.scalar_backward_threads(n, hidden, op.sms * 2048)
+        main = Launch(op.scalar, -(-threads // SCALAR_THREADS), (SCALAR_THREADS, 1), 0, "pppppqiq",
+                      (0, 0, 0, 0, 0, n, hidden, threads))
+        part, rows, shift, rhead, tail = threads, threads // hidden, 0, 0, n
+    reduce = Launch(op.reduce, -(-hidden // 32), (32, 32), 0, "pqiqppppqqqp",
+                    (0, rows, hidden, shift, 0, 0, 0, 0, n, rhead, tail, 0))
+    return Prepared(xt, out_head, main, reduce, part)
+
+
+def prepare_residual_add(xt: torch.dtype, yt: torch.dtype, n: int, xa: int, ya: int, oa: int, dev: int) -> Prepared:
+    """x + y's launch; xa, ya, oa the alignment classes of x, y and a caller's output (-1: allocated here)."""
+    rt = torch.promote_types(xt, yt)
+    xs, ys, rs = xt.itemsize, yt.itemsize, rt.itemsize
+    l2 = plan.in_l2(n * (xs + ys + rs), _l2_bytes(dev))  # x and y read, the sum written
+    spec = _spec(kc.OP_RESIDUAL_ADD, _DTYPES[xt], l2=l2, device_index=dev, y=_DTYPES[yt], out=_DTYPES[rt])
+    head = plan.common_head([(xa, xs), (ya, ys)], spec.e)
+    out_head = head
+    if oa >= 0 and head is not None:
+        head = plan.common_head([(xa, xs), (ya, ys), (oa, rs)], spec.e)
+    op = kc.get_op(spec, dev)
+    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op, l2), _rounds(op, l2))
+    if vp is not None:
+        main = Launch(op.main, vp.grid, (spec.threads, 1), spec.smem_bytes, "pppqqq", (0, 0, 0, n, vp.head, vp.nchunks))
+    else:
+        main = Launch(op.scalar, _scalar_grid(n, op), (SCALAR_THREADS, 1), 0, "pppq", (0, 0, 0, n))
+    return Prepared(rt, out_head, main)
+
+
+def _align(t: torch.Tensor | None) -> int:
+    return -1 if t is None else t.data_ptr() & 15
 
 
 # ---- raw launches (also used by the tests and the benchmark, with `out=` to poison or reuse outputs) ----
@@ -188,30 +354,21 @@ def _scalar_grid(n: int, op: kc.CompiledOp) -> int:
 
 def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """y = gelu(x + bias) in x's dtype and shape."""
-    hidden = x.shape[-1]
     x, bias = x.contiguous(), bias.contiguous()
-    n, dev = x.numel(), x.device
-    xs = x.element_size()
-    l2 = _in_l2(2 * n * xs, dev)  # x read, y written
-    spec = _spec(kc.OP_BIAS_GELU_FWD, _DTYPES[x.dtype], l2=l2, bias=_DTYPES[bias.dtype])
-    head = plan.common_head([(x.data_ptr(), xs)], spec.e)
-    if out is None:
-        y = _new(x.shape, x.dtype, dev, head)
-    else:
-        y = _check_out(out, n, x.dtype, dev).view(x.shape)
-        head = plan.common_head([(x.data_ptr(), xs), (y.data_ptr(), xs)], spec.e)
+    n, hidden, dev = x.numel(), x.shape[-1], x.get_device()
     if n == 0:
-        return y
-    op = kc.get_op(spec, dev.index)
-    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op, l2), _rounds(op, l2))
-    if vp is not None:
-        bias_vec = plan.bias_vector_ok(hidden, vp.head, spec.e, bias.data_ptr(), bias.element_size())
-        launch_raw(op.main, (vp.grid,), (spec.threads,),
-                (_p(x), _p(y), _p(bias), _i64(n), _i64(vp.head), _i64(vp.nchunks), _i32(hidden), _i32(bias_vec)),
-                spec.smem_bytes, dev)
-    else:
-        launch_raw(op.scalar, (_scalar_grid(n, op),), (SCALAR_THREADS,),
-                (_p(x), _p(y), _p(bias), _i64(n), _i32(hidden)), 0, dev)
+        return _new(x.shape, x.dtype, x.device, None) if out is None else out.view(x.shape)
+    key = (1, x.dtype, bias.dtype, n, hidden, x.data_ptr() & 15, bias.data_ptr() & 15, _align(out), dev)
+    p = _CACHE.get(key) if _cacheable() else None
+    if p is None:
+        p = prepare_bias_gelu_forward(x.dtype, bias.dtype, n, hidden, *key[5:])
+        if not TUNING:
+            _remember(key, p)
+    y = (_new(x.shape, x.dtype, x.device, p.out_head) if out is None
+         else _check_out(out, n, x.dtype, x.device).view(x.shape))
+    v = p.main.pack.values
+    v[0].value, v[1].value, v[2].value = x.data_ptr(), y.data_ptr(), bias.data_ptr()
+    launch_kernel(p.main, launch.raw_stream(dev))
     return y
 
 
@@ -219,74 +376,53 @@ def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
                        out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_x, grad_bias): grad * gelu'(x + bias) in x's dtype, and its sum over all rows, accumulated in fp32,
     in bias's dtype. Deterministic (no atomics)."""
-    hidden = x.shape[-1]
     if grad.dtype != x.dtype:
         grad = grad.to(x.dtype)  # documented cast: autograd hands back y's (= x's) dtype in practice
     grad, x, bias = grad.contiguous(), x.contiguous(), bias.contiguous()
-    n, dev = x.numel(), x.device
-    xs = x.element_size()
-    l2 = _in_l2(3 * n * xs, dev)  # grad and x read, grad_x written
-    spec = _spec(kc.OP_BIAS_GELU_BWD, _DTYPES[x.dtype], l2=l2, bias=_DTYPES[bias.dtype])
-    head = plan.common_head([(grad.data_ptr(), xs), (x.data_ptr(), xs)], spec.e)
-    if out is None:
-        gx = _new(x.shape, x.dtype, dev, head)
-    else:
-        gx = _check_out(out, n, x.dtype, dev).view(x.shape)
-        if head is not None:
-            head = plan.common_head([(grad.data_ptr(), xs), (x.data_ptr(), xs), (gx.data_ptr(), xs)], spec.e)
-    gb = _new(hidden, bias.dtype, dev, None)
+    n, hidden, dev = x.numel(), x.shape[-1], x.get_device()
     if n == 0:
-        gb.zero_()
-        return gx, gb
-    op = kc.get_op(spec, dev.index)
-    tile_elems = spec.tile_chunks * spec.e
-    max_grid = _max_grid(op, l2)  # the persistent grid: a plan's rounds do not apply (partials grow with the grid)
-    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, max_grid)
-    grid = plan.backward_grid(vp.ntiles, hidden, tile_elems, max_grid) if vp is not None else None
-    if vp is not None and grid is not None:
-        part = _new(grid * tile_elems, torch.float32, dev, None)
-        bias_vec = plan.bias_vector_ok(hidden, vp.head, spec.e, bias.data_ptr(), bias.element_size())
-        launch_raw(op.main, (grid,), (spec.threads,),
-                (_p(grad), _p(x), _p(gx), _p(bias), _p(part), _i64(vp.head), _i64(vp.nchunks), _i32(hidden),
-                 _i32(bias_vec)), spec.smem_bytes, dev)
-        rows, shift, rhead, tail = grid * tile_elems // hidden, vp.head, vp.head, vp.tail_start
-    else:
-        threads = plan.scalar_backward_threads(n, hidden, op.sms * 2048)
-        part = _new(threads, torch.float32, dev, None)
-        launch_raw(op.scalar, (-(-threads // SCALAR_THREADS),), (SCALAR_THREADS,),
-                (_p(grad), _p(x), _p(gx), _p(bias), _p(part), _i64(n), _i32(hidden), _i64(threads)), 0, dev)
-        rows, shift, rhead, tail = threads // hidden, 0, 0, n
-    launch_raw(op.reduce, (-(-hidden // 32),), (32, 32),
-            (_p(part), _i64(rows), _i32(hidden), _i64(shift), _p(grad), _p(x), _p(gx), _p(bias), _i64(n),
-             _i64(rhead), _i64(tail), _p(gb)), 0, dev)
+        gx = _new(x.shape, x.dtype, x.device, None) if out is None else out.view(x.shape)
+        return gx, torch.zeros(hidden, dtype=bias.dtype, device=x.device)
+    key = (2, x.dtype, bias.dtype, n, hidden, grad.data_ptr() & 15, x.data_ptr() & 15, bias.data_ptr() & 15,
+           _align(out), dev)
+    p = _CACHE.get(key) if _cacheable() else None
+    if p is None:
+        p = prepare_bias_gelu_backward(x.dtype, bias.dtype, n, hidden, *key[5:])
+        if not TUNING:
+            _remember(key, p)
+    gx = (_new(x.shape, x.dtype, x.device, p.out_head) if out is None
+          else _check_out(out, n, x.dtype, x.device).view(x.shape))
+    gb = _new(hidden, bias.dtype, x.device, None)
+    part = _new(p.part_elems, torch.float32, x.device, None)
+    pg, px, pgx, pb, pp = grad.data_ptr(), x.data_ptr(), gx.data_ptr(), bias.data_ptr(), part.data_ptr()
+    v = p.main.pack.values
+    v[0].value, v[1].value, v[2].value, v[3].value, v[4].value = pg, px, pgx, pb, pp
+    r = p.reduce.pack.values
+    r[0].value, r[4].value, r[5].value, r[6].value, r[7].value, r[11].value = pp, pg, px, pgx, pb, gb.data_ptr()
+    stream = launch.raw_stream(dev)
+    launch_kernel(p.main, stream)
+    launch_kernel(p.reduce, stream)
     return gx, gb
 
 
 def residual_add_forward(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x + y (same shapes) in torch.result_type(x, y)."""
     x, y = x.contiguous(), y.contiguous()
-    n, dev = x.numel(), x.device
-    rdtype = torch.result_type(x, y)
-    rs = rdtype.itemsize
-    l2 = _in_l2(n * (x.element_size() + y.element_size() + rs), dev)  # x and y read, the sum written
-    spec = _spec(kc.OP_RESIDUAL_ADD, _DTYPES[x.dtype], l2=l2, y=_DTYPES[y.dtype], out=_DTYPES[rdtype])
-    head = plan.common_head([(x.data_ptr(), x.element_size()), (y.data_ptr(), y.element_size())], spec.e)
-    if out is None:
-        o = _new(x.shape, rdtype, dev, head)
-    else:
-        o = _check_out(out, n, rdtype, dev).view(x.shape)
-        if head is not None:
-            head = plan.common_head([(x.data_ptr(), x.element_size()), (y.data_ptr(), y.element_size()),
-                                     (o.data_ptr(), rs)], spec.e)
+    n, dev = x.numel(), x.get_device()
     if n == 0:
-        return o
-    op = kc.get_op(spec, dev.index)
-    vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op, l2), _rounds(op, l2))
-    if vp is not None:
-        launch_raw(op.main, (vp.grid,), (spec.threads,),
-                (_p(x), _p(y), _p(o), _i64(n), _i64(vp.head), _i64(vp.nchunks)), spec.smem_bytes, dev)
-    else:
-        launch_raw(op.scalar, (_scalar_grid(n, op),), (SCALAR_THREADS,), (_p(x), _p(y), _p(o), _i64(n)), 0, dev)
+        rt = torch.result_type(x, y)
+        return _new(x.shape, rt, x.device, None) if out is None else out.view(x.shape)
+    key = (3, x.dtype, y.dtype, n, x.data_ptr() & 15, y.data_ptr() & 15, _align(out), dev)
+    p = _CACHE.get(key) if _cacheable() else None
+    if p is None:
+        p = prepare_residual_add(x.dtype, y.dtype, n, *key[4:])
+        if not TUNING:
+            _remember(key, p)
+    o = (_new(x.shape, p.out_dtype, x.device, p.out_head) if out is None
+         else _check_out(out, n, p.out_dtype, x.device).view(x.shape))
+    v = p.main.pack.values
+    v[0].value, v[1].value, v[2].value = x.data_ptr(), y.data_ptr(), o.data_ptr()
+    launch_kernel(p.main, launch.raw_stream(dev))
     return o
 
 
@@ -341,3 +477,68 @@ def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         _fallback(f"residual_add with x {x.dtype}{tuple(x.shape)}, y {y.dtype}{tuple(y.shape)}")
         return residual_add_reference(x, y)
     return ResidualAdd.apply(x, y)
+
+
+# ---- --kernels auto: peerline's kernel or torch's op, per launch ----
+
+# (op, dtypes, elements, hidden, device, eager) -> True for peerline's kernel
+_CHOICES: dict[tuple, bool] = {}
+
+
+def _chosen(key: tuple, op: str, dtype: torch.dtype, nbytes: int, dev: int, eager: bool, ops: tuple[str, ...]) -> bool:
+    """Cached: peerline's kernel only where the card's table picks it for every op of `ops` (card_table.CardTable.pick:
+    torch where it is faster on this card at this size, and for eager launches below the op's threshold)."""
+    hit = _CHOICES.get(key)
+    if hit is None:
+        table = card_table(dev)
+        short = _SHORT[_DTYPES[dtype]]
+        scale = {"bias_gelu_fwd": 1.0, "bias_gelu_bwd": 1.5, "residual_add": 1.0}
+        hit = all(table.pick(o, short, int(nbytes * scale[o]), eager) == PEERLINE for o in ops)
+        if len(_CHOICES) >= MAX_CACHED:
+            _CHOICES.clear()
+        _CHOICES[key] = hit
+    return hit
+
+
+def auto_bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """bias_gelu for --kernels auto: the kernel where the card's table says it wins, torch's ops elsewhere. An eager
+    launch that turns to torch still builds the kernel a captured launch of the same size would use (compiling
+    inside a graph capture is not allowed)."""
+    if not _supported(x, bias) or x.device != bias.device or bias.dim() != 1 or x.dim() == 0:
+        return bias_gelu(x, bias)  # the checks and the fallback of the explicit path
+    eager = not torch.cuda.is_current_stream_capturing()
+    n, dev = x.numel(), x.get_device()
+    key = ("bias_gelu", x.dtype, bias.dtype, n, x.shape[-1], dev, eager)
+    if _chosen(key, "bias_gelu", x.dtype, 2 * n * x.element_size(), dev, eager, ("bias_gelu_fwd", "bias_gelu_bwd")):
+        return BiasGelu.apply(x, bias)
+    if eager and n and _chosen(key[:-1] + (False,), "bias_gelu", x.dtype, 2 * n * x.element_size(), dev, False,
+                               ("bias_gelu_fwd", "bias_gelu_bwd")):
+        _warm(key, lambda: (prepare_bias_gelu_forward(x.dtype, bias.dtype, n, x.shape[-1], 0, 0, -1, dev),
+                            prepare_bias_gelu_backward(x.dtype, bias.dtype, n, x.shape[-1], 0, 0, 0, -1, dev)))
+    return bias_gelu_reference(x, bias)
+
+
+def auto_residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """residual_add for --kernels auto (see auto_bias_gelu)."""
+    if not _supported(x, y) or x.shape != y.shape or x.device != y.device:
+        return residual_add_reference(x, y)
+    eager = not torch.cuda.is_current_stream_capturing()
+    n, dev = x.numel(), x.get_device()
+    nbytes = n * (x.element_size() + y.element_size() + torch.promote_types(x.dtype, y.dtype).itemsize)
+    key = ("residual_add", x.dtype, y.dtype, n, 0, dev, eager)
+    if _chosen(key, "residual_add", x.dtype, nbytes, dev, eager, ("residual_add",)):
+        return ResidualAdd.apply(x, y)
+    if eager and n and _chosen(key[:-1] + (False,), "residual_add", x.dtype, nbytes, dev, False, ("residual_add",)):
+        _warm(key, lambda: prepare_residual_add(x.dtype, y.dtype, n, 0, 0, -1, dev))
+    return residual_add_reference(x, y)
+
+
+_warmed: set[tuple] = set()
+
+
+def _warm(key: tuple, build: Any) -> None:
+    """Build (compile and load) the kernels of a launch once, outside any capture."""
+    if key not in _warmed:
+        _warmed.add(key)
+        build()
+

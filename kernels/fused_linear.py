@@ -32,6 +32,9 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 _epoch = 0
+# Not None while a split backward's input-gradient pass runs (defer_weight_grads): dW work is queued here as
+# (weight, dy, x) for the weight-gradient pass instead of running now.
+_deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 # None: not probed yet; True: aten::addmm.dtype_out accumulates bf16/fp16 products into fp32 in place correctly.
 _dtype_out_ok: bool | None = None
 
@@ -100,6 +103,68 @@ def probe(device: torch.device) -> bool:
     return ok
 
 
+class AutocastOff:
+    """Autocast switched off for one device type inside the region, and back to what it was after; reentrant.
+
+    The cheap form of `torch.autocast(device_type, enabled=False)` for hot paths (the engine's non-forward steps,
+    this module's backward): one query and two switches, where torch.autocast also builds and checks an object and
+    saves and restores its dtype and cache state (unchanged here: the dtype does not matter while autocast is
+    off, and the cast cache is kept; an enclosing region still clears it when it ends)."""
+
+    __slots__ = ("device_type", "_prev")
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self._prev: list[bool] = []
+
+    def __enter__(self) -> None:
+        self._prev.append(torch.is_autocast_enabled(self.device_type))
+        torch.set_autocast_enabled(self.device_type, False)
+
+    def __exit__(self, *exc: object) -> bool:
+        torch.set_autocast_enabled(self.device_type, self._prev.pop())
+        return False
+
+
+_autocast_off: dict[str, AutocastOff] = {}
+
+
+def autocast_off(device_type: str) -> AutocastOff:
+    """The `AutocastOff` region of `device_type`, one object per device type made once (for one thread's hot path:
+    its saved states form one stack)."""
+    off = _autocast_off.get(device_type)
+    if off is None:
+        off = _autocast_off[device_type] = AutocastOff(device_type)
+    return off
+
+
+class defer_weight_grads:
+    """Within the block, fused Linears queue their weight gradients into `queue` (run them with
+    `accumulate_deferred`); a backward node run again later (the weight pass re-running it for a bias) then skips
+    its dW and dx, already done or queued."""
+
+    def __init__(self) -> None:
+        self.queue: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        global _deferred
+        _deferred = self.queue
+        return self.queue
+
+    def __exit__(self, *exc: object) -> None:
+        global _deferred
+        _deferred = None
+
+
+def accumulate_deferred(queue: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """Run the weight gradients `defer_weight_grads` queued, with the weights' post-accumulate-grad hooks."""
+    with torch.autocast(queue[0][1].device.type if queue else "cpu", enabled=False):
+        for weight, dy, x in queue:
+            _accumulate_weight_grad(weight, dy, x)
+            _call_post_accumulate_hooks(weight)
+    queue.clear()
+
+
 def _call_post_accumulate_hooks(param: torch.Tensor) -> None:
     hooks = getattr(param, "_post_accumulate_grad_hooks", None)
     for hook in (hooks or {}).values():
@@ -128,8 +193,9 @@ class _LinearAccumulate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, master: tuple[torch.Tensor], w_c: torch.Tensor, bias: torch.Tensor | None,
                 b_c: torch.Tensor | None) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):
-            y = F.linear(x, w_c, b_c)  # the reference's own kernel (addmm with a bias epilogue)
+        # x, w_c and b_c are all in the compute dtype (autocast's where it is on), so autocast would cast nothing:
+        # no region to switch it off (that costs more host time than the GEMM launch on small shapes).
+        y = F.linear(x, w_c, b_c)  # the reference's own kernel (addmm with a bias epilogue)
         ctx.save_for_backward(x, w_c)
         ctx.weight = master[0]
         ctx.has_bias = bias is not None
@@ -138,21 +204,33 @@ class _LinearAccumulate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        device_type = dy.device.type
+        if torch.is_autocast_enabled(device_type):  # a backward run under autocast: use the dtypes as they are
+            with AutocastOff(device_type):
+                return _LinearAccumulate._grads(ctx, dy)
+        return _LinearAccumulate._grads(ctx, dy)
+
+    @staticmethod
+    def _grads(ctx, dy: torch.Tensor) -> tuple:
         x, w_c = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])
         dy2 = dy.reshape(-1, dy.shape[-1])
         if dy2.dtype != w_c.dtype:
             dy2 = dy2.to(w_c.dtype)
         dx = db = None
-        with torch.autocast(dy.device.type, enabled=False):
-            if ctx.needs_input_grad[0]:
-                dx = (dy2 @ w_c).view(*dy.shape[:-1], w_c.shape[1])
-            weight = ctx.weight
-            if weight.requires_grad:
+        rerun = getattr(ctx, "deferred", False)  # dx and dW were done (or queued) by the input-gradient pass
+        if ctx.needs_input_grad[0] and not rerun:
+            dx = (dy2 @ w_c).view(*dy.shape[:-1], w_c.shape[1])
+        weight = ctx.weight
+        if weight.requires_grad and not rerun:
+            if _deferred is not None:
+                _deferred.append((weight, dy2, x2))
+            else:
                 _accumulate_weight_grad(weight, dy2, x2)
                 _call_post_accumulate_hooks(weight)
-            if ctx.has_bias and ctx.needs_input_grad[3]:
-                db = dy2.sum(0, dtype=ctx.bias_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            db = dy2.sum(0, dtype=ctx.bias_dtype)
+        ctx.deferred = rerun or _deferred is not None
         return dx, None, None, db, None
 
 
@@ -182,10 +260,10 @@ def linear_accumulate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, impl: str = "torch",
            cache: CastCache | None = None) -> torch.Tensor:
-    """F.linear; with impl="peerline" (and a weight that will get a gradient) the weight's gradient is accumulated
-    in place into weight.grad by `linear_accumulate`, and its low-precision copy comes from `cache` once per
+    """F.linear; with impl="peerline" or "auto" (and a weight that will get a gradient) the weight's gradient is
+    accumulated in place into weight.grad by `linear_accumulate`, and its low-precision copy comes from `cache` once per
     iteration. ops.linear is this function."""
-    if impl == "peerline" and weight.requires_grad and torch.is_grad_enabled():
+    if impl != "torch" and weight.requires_grad and torch.is_grad_enabled():
         if cache is None:
             cache = CastCache()  # no reuse across microbatches: the caller should keep one
         return linear_accumulate(x, weight, bias, cache)
@@ -194,7 +272,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, imp
 
 class FusedLinear(nn.Linear):
     """nn.Linear (same parameters, initialisation and state_dict) whose forward uses `linear_accumulate` when
-    `impl == "peerline"`, plain F.linear (the reference) otherwise."""
+    `impl` is "peerline" or "auto", plain F.linear (the reference) otherwise."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, impl: str = "torch") -> None:
         super().__init__(in_features, out_features, bias=bias)

@@ -1,7 +1,10 @@
 """The elementwise ops of the default block, with one switch between implementations.
 
 `impl="torch"` is the reference (and the only implementation on the CPU); `impl="peerline"` uses the
-warp-specialized CUDA kernels of this package. Both have the same semantics:
+warp-specialized CUDA kernels of this package; `impl="auto"` (what --kernels auto resolves to on a GPU with CuPy)
+picks per launch: the kernel where the card's table (kernels/card_plans.json, card_table.py) says it beats torch's op
+on this card at this size, torch's op elsewhere and for small eager launches (host-bound). All have the same
+semantics:
 
   bias_gelu(x, b)     = gelu(x + b)            exact (erf) GELU, b broadcast over the last dimension
   residual_add(x, y)  = x + y                  result in torch.result_type(x, y)
@@ -31,8 +34,9 @@ log = logging.getLogger(__name__)
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
-    """'auto' -> peerline on CUDA (torch if CuPy, which compiles the kernels, is not installed), torch
-    elsewhere; the CPU always uses torch. An explicit 'peerline' without CuPy fails at the first launch."""
+    """'auto' -> 'auto' on CUDA (the per-launch choice; torch if CuPy, which compiles the kernels, is not
+    installed), torch elsewhere; the CPU always uses torch. An explicit 'peerline' without CuPy fails at the first
+    launch."""
     if impl not in KERNELS:
         raise ValueError(f"unknown kernel implementation {impl!r}; choose one of auto, {', '.join(IMPLEMENTATIONS)}")
     if device.type != "cuda":
@@ -41,24 +45,24 @@ def resolve_impl(impl: str, device: torch.device) -> str:
         if importlib.util.find_spec("cupy") is None:
             log.info("kernels=auto: CuPy is not installed, using the torch reference kernels")  # main job: notice
             return "torch"
-        return "peerline"
+        return "auto"
     return impl
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, impl: str = "torch") -> torch.Tensor:
     """gelu(x + bias) by `impl` (the peerline kernels only for CUDA tensors)."""
-    if impl == "peerline" and x.is_cuda:
+    if impl != "torch" and x.is_cuda:
         from peerline.kernels import elementwise  # lazy: needs CuPy
 
-        return elementwise.bias_gelu(x, bias)
+        return elementwise.bias_gelu(x, bias) if impl == "peerline" else elementwise.auto_bias_gelu(x, bias)
     return bias_gelu_reference(x, bias)
 
 
 def residual_add(x: torch.Tensor, y: torch.Tensor, impl: str = "torch") -> torch.Tensor:
     """x + y by `impl` (the peerline kernels only for CUDA tensors)."""
-    if impl == "peerline" and x.is_cuda:
+    if impl != "torch" and x.is_cuda:
         from peerline.kernels import elementwise  # lazy: needs CuPy
 
-        return elementwise.residual_add(x, y)
+        return elementwise.residual_add(x, y) if impl == "peerline" else elementwise.auto_residual_add(x, y)
     return residual_add_reference(x, y)
 

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 #: suite name -> module under peerline.bench.suites, in the order `all` runs them
 SUITES: dict[str, str] = {
     "kernels": "kernels",
+    "hostcost": "hostcost",
     "p2p": "p2p",
     "allreduce": "allreduce",
     "batch_streams": "batch_streams",
@@ -31,6 +32,7 @@ SUITES: dict[str, str] = {
 #: suite name -> what it measures (the `--help` list)
 DESCRIPTIONS: dict[str, str] = {
     "kernels": "fused elementwise kernels vs torch eager",
+    "hostcost": "host time per kernel launch and per engine action, eager, vs torch's (1 or 2 ranks)",
     "p2p": "copy-engine handoff vs NCCL send/recv (2 GPUs)",
     "allreduce": "bucketed all-reduce overlapped with backward vs DDP (2+ ranks)",
     "batch_streams": "multi-stream batch driver: N streams vs one (CUDA)",

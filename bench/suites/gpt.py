@@ -59,6 +59,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                            help=f"the compute configuration's {name.replace('_', ' ')} (default "
                                 f"{getattr(CONFIGS['compute'], name)})")
     group.add_argument("--gpt-variants", type=_csv, default=None, help="torch,eager,graph (default all)")
+    group.add_argument("--gpt-schedules", type=_csv, default=None,
+                       help="peerline's schedules for the eager and graph variants, e.g. 1f1b,zb-h1 (default 1f1b)")
     group.add_argument("--gpt-anchor-schedules", type=_csv, default=None,
                        help="the anchor's schedules to try: 1f1b,interleaved-1f1b,gpipe (default all that apply)")
     group.add_argument("--gpt-iters", type=int, default=None, help="iterations per timed block (default 5)")

@@ -84,9 +84,9 @@ class GPTReport:
                                    sizes=self.sizes))
         self.ctx.note(f"gpt {case} pp={self.pp}: {self.describe(m)}")
         goal = GOALS.get(self.shape.name)
-        if goal is not None and m.name == "graph" and self.ctx.device.type == "cuda":
+        if goal is not None and m.name.startswith("graph") and self.ctx.device.type == "cuda":
             self.ctx.note(f"GOAL {'MET' if rec.ratio >= goal else 'MISSED'} gpt {self.shape.name} pp={self.pp}: "
-                          f"graph {rec.ratio:.2f}x torch (goal >= {goal}x); {self.describe(m)}")
+                          f"{m.name} {rec.ratio:.2f}x torch (goal >= {goal}x); {self.describe(m)}")
 
     def recompute(self, m: Measured, off: Measured) -> None:
         """One setting of the recompute table: ms/iter against off, and (on GPUs) peak memory against off."""

@@ -53,13 +53,16 @@ class GPTBench:
 
     def run_variants(self, variants: list[str], failures: list[str]) -> dict[str, Measured]:
         """Measure each variant (the anchor first) and record it against the anchor as soon as both exist."""
-        for variant in variants:
+        schedules = getattr(self.args, "gpt_schedules", None) or ["1f1b"]
+        runs = [(v, s) for v in variants for s in ([None] if v == "torch" else schedules)]
+        for variant, schedule in runs:
+            label = variant if schedule in (None, "1f1b") else f"{variant} {schedule}"
             measure = (lambda: self.best_anchor(failures)) if variant == "torch" else (
-                lambda graph=variant == "graph": self.peerline(graph))
-            got = self._measure(variant, measure, failures)
+                lambda graph=variant == "graph", schedule=schedule: self.peerline(graph, schedule=schedule))
+            got = self._measure(label, measure, failures)
             if got is None:
                 continue
-            self.results[variant] = got
+            self.results[label] = got
             self.report.variant(got, self.results.get("torch"))
         return self.results
 
@@ -107,10 +110,10 @@ class GPTBench:
                         {"schedule": schedule, "recipe": recipe}, per_rank)
 
     # -- peerline ------------------------------------------------------------------------------------------------
-    def peerline(self, graph: bool, recompute: str = "off") -> Measured | str:
-        """peerline 1F1B on the same shape and data; why not, when the iteration was not captured."""
+    def peerline(self, graph: bool, recompute: str = "off", schedule: str = "1f1b") -> Measured | str:
+        """peerline with `schedule` on the same shape and data; why not, when the iteration was not captured."""
         cfg = self.shape.run_config(None, device=self.device.type, graph=graph, recompute=recompute,
-                                    schedule="1f1b", iters=10**9, log_every=1)
+                                    schedule=schedule, iters=10**9, log_every=1)
         with open_runtime(cfg) as rt:
             measured = time_captured(rt, graph, LOSS_CHECK_ITERS, self.timer)
             if isinstance(measured, str):
@@ -119,8 +122,9 @@ class GPTBench:
             per_rank = peak_gb_per_rank(self.device)
             extra: dict[str, Any] = {"transport": rt.transport_name, "recompute": recompute,
                                      "stage_layers": _most_stage_layers(rt, self.device)}
-        return Measured("graph" if graph else "eager", timing, losses, None, max(per_rank, default=0.0), extra,
-                        per_rank)
+        name = ("graph" if graph else "eager") + ("" if schedule == "1f1b" else f" {schedule}")
+        extra["schedule"] = schedule
+        return Measured(name, timing, losses, None, max(per_rank, default=0.0), extra, per_rank)
 
     def recompute_table(self, failures: list[str]) -> None:
         """peerline --recompute N (half the largest stage's layers) and full against off (the graph run, else the

@@ -386,14 +386,14 @@ def test_rounds_grid_beyond_resident(monkeypatch: pytest.MonkeyPatch, label: str
     p = plan.parse_plan(label)
     monkeypatch.setattr(ew, "TUNING", p.tuning())
     grids: list[tuple[int, int]] = []  # (grid, threads) of every pl_main launch
-    real_launch = ew.launch_raw
+    real_launch = ew.launch_kernel
 
-    def spy(fn: object, grid: tuple, block: tuple, args: tuple, smem: int, device: torch.device) -> None:
-        if smem > 0:  # pl_main (the scalar and reduce kernels use no dynamic shared memory)
-            grids.append((grid[0], block[0]))
-        return real_launch(fn, grid, block, args, smem, device)
+    def spy(item: ew.Launch, stream: int) -> None:
+        if item.smem > 0:  # pl_main (the scalar and reduce kernels use no dynamic shared memory)
+            grids.append((item.grid, item.block[0]))
+        return real_launch(item, stream)
 
-    monkeypatch.setattr(ew, "launch_raw", spy)
+    monkeypatch.setattr(ew, "launch_kernel", spy)
     # 33.5 M elements: 4096-16384 tiles, so ntiles / r is plan.MIN_WAVES waves of resident blocks or more (a
     # shallower grid is the persistent one)
     shape, off = (8191, 4096), 1
@@ -435,20 +435,20 @@ def test_residual_add_size_classes(monkeypatch: pytest.MonkeyPatch, dt: torch.dt
 
     name = ew._DTYPES[dt]
     short = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dt]
-    small, large = (plan.op_plan(ew.OP_PLANS, "residual_add", short, l2) for l2 in (True, False))
+    small, large = (plan.op_plan(ew.op_plans(DEV.index), "residual_add", short, l2) for l2 in (True, False))
     if small is None or large is None or small.spec_fields() == large.spec_fields():
         pytest.skip("the residual add plans in use do not split by size class")
-    mains = {l2: kc.get_op(ew._spec(kc.OP_RESIDUAL_ADD, name, l2=l2, y=name, out=name), DEV.index).main
-             for l2 in (True, False)}
+    mains = {l2: kc.get_op(ew._spec(kc.OP_RESIDUAL_ADD, name, l2=l2, device_index=DEV.index, y=name, out=name),
+                           DEV.index).main for l2 in (True, False)}
     assert mains[True] is not mains[False]
     launched: list[object] = []
-    real_launch = ew.launch_raw
+    real_launch = ew.launch_kernel
 
-    def spy(fn: object, grid: tuple, block: tuple, args: tuple, smem: int, device: torch.device) -> None:
-        launched.append(fn)
-        return real_launch(fn, grid, block, args, smem, device)
+    def spy(item: ew.Launch, stream: int) -> None:
+        launched.append(item.kernel.raw)
+        return real_launch(item, stream)
 
-    monkeypatch.setattr(ew, "launch_raw", spy)
+    monkeypatch.setattr(ew, "launch_kernel", spy)
     l2_bytes = ew._l2_bytes(DEV.index)
     moved = 3 * dt.itemsize  # bytes per element: x and y read, the sum written
     limit = int(plan.L2_FRACTION * l2_bytes) // moved  # elements at the edge of the "l2" size class

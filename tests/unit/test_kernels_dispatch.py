@@ -25,7 +25,7 @@ def test_resolve_impl(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ops.resolve_impl("auto", cpu) == "torch"
     assert ops.resolve_impl("peerline", cpu) == "torch"  # the CPU always uses torch
     assert ops.resolve_impl("torch", cpu) == "torch"
-    assert ops.resolve_impl("auto", cuda) == "peerline"
+    assert ops.resolve_impl("auto", cuda) == "auto"  # the per-launch choice (card table)
     assert ops.resolve_impl("torch", cuda) == "torch"
     assert ops.resolve_impl("peerline", cuda) == "peerline"
     with pytest.raises(ValueError, match="unknown kernel implementation"):
