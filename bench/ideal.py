@@ -3,9 +3,13 @@
 Two figures, both with free communication:
   bubble_bound_ms  (M + P - 1) x max over stages of (fwd + bwd): the textbook bound for GPipe and 1F1B, exact when
                    the stages are balanced (every stage idles (P - 1) slots of the slowest stage's work).
-  simulate_ms      the makespan of the schedule's own per-stage order of F and B with the measured per-stage
-                   times, every action starting as soon as its dependencies are done: tighter when stages are
-                   uneven (it is <= the bound for GPipe and 1F1B).
+  simulate_ms      the makespan of the schedule's own per-stage order of F and B (and W where the backward is
+                   split, B and W taking half the measured backward each) with the measured per-stage times,
+                   every action starting as soon as its dependencies are done: tighter when stages are uneven
+                   (it is <= the bound for GPipe and 1F1B), and the zero-bubble schedules' own bubble. For the
+                   schedules that place several stages per rank (interleaved, zbv) the lists hold every global
+                   stage and the resources are the ranks (`per_rank` stages each, placed as the run places them).
+  schedule_bubble  the idle share of a balanced pipeline under a schedule (from simulate_ms in unit times).
 An achieved iteration also pays the gradient all-reduce that is not overlapped, the optimizer step and the
 transfers; `IdealReport` prints the achieved time next to the bound and their ratio (1.0 = at the bound).
 """
@@ -51,16 +55,78 @@ def stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> li
         for i in range(m - warm):
             order += [("F", warm + i), ("B", i)]
         return order + [("B", i) for i in range(m - warm, m)]
+    if schedule in PLACED:
+        raise ValueError(f"{schedule} orders ranks, not stages: use rank_orders")
+    if schedule in SCHEDULES:  # the zero-bubble schedules: their compute order, B and W split
+        from peerline.distributed.pipeline import schedule as sched
+
+        program = sched.build(schedule, stages, m)[stage]
+        return [(step[0].op, step[0].mb) for step in program if step[0].op in sched.COMPUTE]
     raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
 
 
-def simulate_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: list[float]) -> float:
+PLACED = ("interleaved", "zbv")  # several stages per rank: rank orders (distributed/pipeline/rank_schedule.py)
+
+
+def rank_orders(schedule: str, stages: int, microbatches: int, per_rank: int = 2) -> list[list[tuple[str, int, int]]]:
+    """Each rank's (op, stage, mb) order of a placed schedule over `stages` global stages."""
+    from peerline.distributed.pipeline import rank_schedule
+    from peerline.distributed.pipeline.placement import Placement, placement_for
+
+    if stages % per_rank:
+        raise ValueError(f"{schedule}: {stages} stages do not fill ranks of {per_rank}")
+    placement: Placement = placement_for(schedule, stages // per_rank, per_rank)
+    if schedule == "zbv":
+        return rank_schedule.zbv_orders(placement, microbatches)
+    return [rank_schedule.interleaved_order(r, placement.pp, per_rank, microbatches) for r in range(placement.pp)]
+
+
+def _placed_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: list[float], per_rank: int) -> float:
+    """simulate_ms of a placed schedule: ranks run their orders, each action as soon as its input exists."""
+    n = len(fwd_ms)
+    orders = rank_orders(schedule, n, microbatches, per_rank)
+    split = schedule == "zbv"
+    done: dict[tuple[str, int, int], float] = {}
+    pos, free = [0] * len(orders), [0.0] * len(orders)
+    while any(p < len(o) for p, o in zip(pos, orders)):
+        moved = False
+        for r, order in enumerate(orders):
+            while pos[r] < len(order):
+                op, s, mb = order[pos[r]]
+                dep = (("F", s - 1, mb) if s else None) if op == "F" else ("B", s, mb) if op == "W" else \
+                    ("F", s, mb) if s == n - 1 else ("B", s + 1, mb)
+                if dep is not None and dep not in done:
+                    break
+                start = max(free[r], done[dep] if dep is not None else 0.0)
+                free[r] = start + (fwd_ms[s] if op == "F" else bwd_ms[s] * (0.5 if split else 1.0))
+                done[(op, s, mb)] = free[r]
+                pos[r] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"schedule {schedule} deadlocks in simulation (a bug in rank_orders)")
+    return max(free)
+
+
+def schedule_bubble(schedule: str, microbatches: int, pp: int, per_rank: int = 1) -> float:
+    """Idle share of each rank of a balanced pipeline (forward 1, backward 2 per stage's work) under `schedule`:
+    1 - work / makespan; 1f1b and gpipe give (pp - 1) / (M + pp - 1)."""
+    v = per_rank if schedule in PLACED else 1
+    n = pp * v
+    ms = simulate_ms(schedule, microbatches, [1.0 / v] * n, [2.0 / v] * n, per_rank=v)
+    return 1.0 - 3.0 * microbatches / ms
+
+
+def simulate_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: list[float],
+                per_rank: int = 2) -> float:
     """Makespan of the schedule with free communication: each stage runs its order; an action starts when the
     stage is free and its inputs exist (F after the previous stage's F, B after the next stage's B and the
-    stage's own F)."""
+    stage's own F). `per_rank`: stages per rank of the placed schedules (interleaved, zbv)."""
     _check(microbatches, fwd_ms, bwd_ms)
+    if schedule in PLACED:
+        return _placed_ms(schedule, microbatches, fwd_ms, bwd_ms, per_rank)
     p = len(fwd_ms)
     orders = [stage_order(schedule, s, p, microbatches) for s in range(p)]
+    split = any(kind == "W" for order in orders for kind, _ in order)
     done: dict[tuple[str, int, int], float] = {}
     pos, free = [0] * p, [0.0] * p
     remaining = sum(len(o) for o in orders)
@@ -71,12 +137,15 @@ def simulate_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: l
                 kind, mb = orders[s][pos[s]]
                 if kind == "F":
                     deps = [("F", mb, s - 1)] if s > 0 else []
+                elif kind == "W":
+                    deps = [("B", mb, s)]
                 else:
                     deps = [("F", mb, s)] + ([("B", mb, s + 1)] if s < p - 1 else [])
                 if any(d not in done for d in deps):
                     break
                 start = max([free[s], *(done[d] for d in deps)])
-                free[s] = start + (fwd_ms[s] if kind == "F" else bwd_ms[s])
+                # a split backward: B (input gradient) and W (weight gradients) take half the backward each
+                free[s] = start + (fwd_ms[s] if kind == "F" else bwd_ms[s] * (0.5 if split else 1.0))
                 done[(kind, mb, s)] = free[s]
                 pos[s] += 1
                 remaining -= 1

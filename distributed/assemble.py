@@ -28,11 +28,17 @@ from peerline.distributed.mesh import Mesh
 from peerline.distributed.model import build_stages, describe_split, make_loss, mlp_flops_per_token, split_by_weight
 from peerline.distributed.observe.timeline import Timeline
 from peerline.distributed.p2p.base import Links, TensorSpec, Transport
-from peerline.distributed.p2p.factory import make_transport
+from peerline.distributed.p2p.edges import describe_edges
+from peerline.distributed.p2p.factory import make_edge_transport
 from peerline.distributed.pipeline import schedule as sched
 from peerline.distributed.pipeline.boundary import BoundarySpec
-from peerline.distributed.pipeline.boundary_shapes import exchange_boundary_specs
+from peerline.distributed.pipeline.boundary_shapes import (
+    check_layer_output,
+    exchange_boundary_specs,
+    exchange_placed_specs,
+)
 from peerline.distributed.pipeline.engine import CounterDataFeed, DataFeed, Engine, GradSync, LocalStage
+from peerline.distributed.pipeline.placed import PlacedSchedule, placed_links, placed_schedule
 from peerline.distributed.pipeline.recompute import with_recompute
 from peerline.distributed.streams import RankStreams, create_rank_streams
 from peerline.kernels import ops
@@ -52,6 +58,7 @@ class Grid:
     n_stages: int
     stage_ids: list[int]
     programs: list[list[sched.Step]]
+    placed: PlacedSchedule | None = None  # several stages per rank over several ranks: the rank programs
 
 
 @dataclass
@@ -93,11 +100,11 @@ def assemble(cfg: RunConfig, info: LaunchInfo | None = None) -> RunParts:
     modules = [with_recompute(m.to(grid.device), cfg.recompute_layers) for m in work.modules]
     autocast_dtype = resolve_autocast(cfg, grid.device)
     first_in = first_input_spec(cfg)
-    in_spec, out_specs = probe_boundaries(cfg, grid, modules, work, first_in, autocast_dtype)
-    links = make_links(grid.mesh, in_spec, out_specs[-1])
-    transport, program = make_checked_transport(cfg, grid, links, streams)
+    in_specs, out_specs, links = probe_and_link(cfg, grid, modules, work, first_in, autocast_dtype)
+    transport, program = make_checked_transport(cfg, grid, links, streams, work.notices)
     stages = make_stages(cfg, grid, modules, out_specs, streams)
-    stages[0].in_spec = in_spec  # what this rank's first stage receives (the engine links its local stages)
+    for stage, in_spec in zip(stages, in_specs):  # what each stage receives (the engine links adjacent local ones)
+        stage.in_spec = in_spec
     engine = make_engine(cfg, grid, stages, program, transport, streams, first_in, out_specs[-1], autocast_dtype,
                          tokens=work.tokens)
     n_params = sum(p.numel() for stage in stages for layer in stage.module for p in layer.parameters())
@@ -120,14 +127,15 @@ def plan_grid(cfg: RunConfig, info: LaunchInfo | None) -> Grid:
     configure_allocator(cfg.allocator, cfg.pool_release_threshold)
     info = info or detect_launch()
     pp = cfg.resolved_pp(info.world_size)
-    if cfg.stages > 1 and pp > 1:
-        raise ConfigError(f"--stages {cfg.stages} (stages as streams of one device) needs pp=1, got pp={pp}")
     n_stages = pp * cfg.stages
-    programs = sched.build(cfg.schedule, n_stages, cfg.microbatches)  # validates M against the stages
+    placed = placed_schedule(cfg.schedule, pp, cfg.stages, cfg.microbatches)  # interleaved, zbv: checked here
+    # validates M against the stages
+    programs = placed.stage_programs() if placed else sched.build(cfg.schedule, n_stages, cfg.microbatches)
     device = choose_device(cfg.device, info)
-    mesh = Mesh(pp=pp, dp=cfg.dp, rank=info.rank)
-    stage_ids = [mesh.stage * cfg.stages + i for i in range(cfg.stages)]
-    return Grid(info, device, mesh, n_stages, stage_ids, programs)
+    mesh = Mesh(pp=pp, dp=cfg.dp, rank=info.rank, wrap=placed is not None and placed.placement.wraps)
+    stage_ids = placed.placement.stages_of(mesh.stage) if placed else \
+        [mesh.stage * cfg.stages + i for i in range(cfg.stages)]
+    return Grid(info, device, mesh, n_stages, stage_ids, programs, placed)
 
 
 def make_model(cfg: RunConfig, grid: Grid, kernels: str) -> Workload:
@@ -211,6 +219,25 @@ def probe_boundaries(cfg: RunConfig, grid: Grid, modules: list[nn.Sequential], w
     return in_spec, out_specs
 
 
+def probe_and_link(cfg: RunConfig, grid: Grid, modules: list[nn.Sequential], work: Workload, first_in: TensorSpec,
+                   autocast_dtype: torch.dtype | None) -> tuple[list[BoundarySpec], list[BoundarySpec], Links]:
+    """Every local stage's input and output spec (the input of the first only, unless stages are placed over
+    several ranks) and this rank's links."""
+    if grid.placed is None:
+        in_spec, out_specs = probe_boundaries(cfg, grid, modules, work, first_in, autocast_dtype)
+        return [in_spec], out_specs, make_links(grid.mesh, in_spec, out_specs[-1])
+    probes = [LayerProbe(m, work.bounds[sid][0]) for m, sid in zip(modules, grid.stage_ids)]
+    mesh = grid.mesh
+    ins, outs = exchange_placed_specs(probes, grid.stage_ids,
+                                      lambda s: mesh.rank_of(grid.placed.placement.rank_of(s), mesh.replica),
+                                      grid.n_stages, first_in, grid.device,
+                                      lambda: autocast_context(grid.device, autocast_dtype))
+    if grid.n_stages - 1 in outs and cfg.loss == "cross-entropy":
+        check_logits(outs[grid.n_stages - 1], cfg, work.vocab)
+    links = placed_links(grid.placed, mesh.stage, mesh.prev_rank, mesh.next_rank, ins, outs)
+    return [ins[s] for s in grid.stage_ids], [outs[s] for s in grid.stage_ids], links
+
+
 class LayerProbe(nn.Module):
     """A stage's layers run one by one for the start-up probe: an exception becomes one ConfigError line naming
     the layer (its index in the whole model and its class) and what it was given."""
@@ -222,7 +249,8 @@ class LayerProbe(nn.Module):
     def forward(self, x: object) -> object:
         for i, layer in enumerate(self.stage):
             try:
-                x = layer(x)
+                x, before = layer(x), x
+                check_layer_output(before, x, self.first_layer + i, layer, describe_value)
             except ConfigError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a model that does not fit its data is a user error
@@ -264,13 +292,24 @@ def make_links(mesh: Mesh, in_spec: BoundarySpec, out_spec: BoundarySpec) -> Lin
                  grad_in=out_spec.grad_message if mesh.next_rank is not None else None)
 
 
-def make_checked_transport(cfg: RunConfig, grid: Grid, links: Links, streams: RankStreams
-                           ) -> tuple[Transport, list[tuple[int, sched.Step]]]:
-    """The transport, and this rank's share of the schedule in global order, simulated against its capacity."""
+def make_checked_transport(cfg: RunConfig, grid: Grid, links: Links, streams: RankStreams,
+                           notices: list[str] | None = None) -> tuple[Transport, list[tuple[int, sched.Step]]]:
+    """The transport (one per edge: p2p/edges.py), and this rank's share of the schedule in global order,
+    simulated against its capacity. The edges' transports and hosts go to `notices` (the start-up lines)."""
     on_gpu = grid.device.type == "cuda"
-    transport = make_transport(cfg.p2p, links, grid.device, cfg.microbatches, streams=streams,
-                               capture_safe=on_gpu and cfg.graph is not False, split=cfg.p2p_split,
-                               decoupled=cfg.p2p_decoupled)
+    placed = grid.placed
+    # ring depth (copy engine): what the schedule needs plus one slot, so the next message's copy overlaps the
+    # receiver's work instead of waiting for its release; never more than the messages of an edge
+    ids = placed.ids if placed else cfg.microbatches
+    depth = min(ids, 1 + (placed.min_capacity() if placed else sched.min_capacity(grid.programs)))
+    transport, edges = make_edge_transport(cfg.p2p, links, grid.device, ids,
+                                           streams=streams, capture_safe=on_gpu and cfg.graph is not False,
+                                           split=cfg.p2p_split, decoupled=cfg.p2p_decoupled, depth=depth)
+    if notices is not None and edges:
+        notices.append(describe_edges(edges))
+    if placed is not None:
+        placed.check(transport.capacity)
+        return transport, placed.program_of(grid.mesh.stage)
     order = sched.simulate(grid.programs, transport.capacity)
     return transport, [(s, step) for s, step in order if s in grid.stage_ids]
 
@@ -298,8 +337,9 @@ def make_stages(cfg: RunConfig, grid: Grid, modules: list[nn.Module], out_specs:
     """The stages this rank holds, each on its compute stream with its gradient sync."""
     stages = []
     for i, (sid, module, spec) in enumerate(zip(grid.stage_ids, modules, out_specs)):
-        stage = LocalStage(index=sid, n_stages=grid.n_stages, module=module, stream=streams.stage_compute[i],
-                           out_spec=spec)
+        # stages placed over several ranks share one stream: a rank's message groups serve several stages
+        stream = streams.stage_compute[0 if grid.placed and grid.mesh.pp > 1 else i]
+        stage = LocalStage(index=sid, n_stages=grid.n_stages, module=module, stream=stream, out_spec=spec)
         layers = [list(layer.parameters()) for layer in module]
         stage.grad_sync = make_grad_sync(cfg, layers, grid.mesh, grid.device, streams)
         stages.append(stage)
@@ -344,7 +384,8 @@ def make_engine(cfg: RunConfig, grid: Grid, stages: list[LocalStage], program: l
     timeline = Timeline(rank=grid.info.rank, enabled=cfg.timeline is not None)
     engine = Engine(stages=stages, program=program, transport=transport, optimizer=optimizer, feed=feed,
                     microbatches=cfg.microbatches, device=grid.device, autocast_dtype=autocast_dtype,
-                    timeline=timeline, loss_fn=make_loss(cfg.loss))
+                    timeline=timeline, loss_fn=make_loss(cfg.loss),
+                    route=grid.placed.route if grid.placed is not None else None)
     tied = tied_pair([s.module for s in stages], grid.stage_ids, grid.n_stages) if cfg.tie_embeddings else []
     if tied:
         engine.before_step.append(TiedGradSum(tied, grid.mesh.embedding_group if len(tied) == 1 else None))

@@ -9,6 +9,8 @@ configuration with the same one-line `ConfigError` before anything can hang.
 from __future__ import annotations
 
 import dataclasses
+import math
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,9 +38,17 @@ GRID, BATCH, MODEL, EXECUTION, OUTPUT, FAILURES = (
     "grid", "schedule and batch", "model", "execution", "output", "failures and checkpoints")
 GROUPS = (GRID, BATCH, MODEL, EXECUTION, OUTPUT, FAILURES)
 
+MAX_INT = 2**31 - 1  # an int flag without its own maximum (sizes, counts): beyond it only overflows
+MAX_BUCKET_MB = 1024.0 * 1024  # 1 TiB
+MAX_TIMEOUT_S = 7 * 86400.0  # a week; larger values overflow the process group's timedelta
+
 
 class ConfigError(ValueError):
     """A user error: printed as one line `peerline: error: <message>`, exit code 2, on every rank."""
+
+
+class ReportedElsewhere(ConfigError):
+    """A user error another rank has and prints: this rank exits 2 without a line of its own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +56,9 @@ class Flag:
     """The command-line facts of one RunConfig field (its flag is `--<name with dashes>`).
 
     group: the `--help` group; help: argparse help (may use %(default)s); choices: allowed values; short: an
-    alias such as '-m'; metavar: the value's name in --help; minimum: checked by RunConfig (None values pass);
-    switch: a bool field given as a plain on-switch instead of --x/--no-x; env: an override (peerline/overrides.py)
+    alias such as '-m'; metavar: the value's name in --help; minimum, maximum: checked by RunConfig (None values
+    pass; an int without a maximum must fit 32 bits, a float must be finite); switch: a bool field given as a
+    plain on-switch instead of --x/--no-x; env: an override (peerline/overrides.py)
     that replaces the field's default on the command line."""
 
     group: str
@@ -56,6 +67,7 @@ class Flag:
     short: str | None = None
     metavar: str | None = None
     minimum: int | None = None
+    maximum: float | None = None
     switch: bool = False
     env: str | None = None
 
@@ -71,13 +83,17 @@ class RunConfig:
     """Pipeline stages across ranks (default: the world size divided by dp)."""
     dp: int = option(1, GRID, "data-parallel replicas (default: %(default)s)", minimum=1)
     """Data-parallel replicas of the whole pipeline."""
-    stages: int = option(1, GRID, "stages on this one device, as separate streams (single-GPU mode; default: "
-                         "%(default)s)", minimum=1)
-    """Stages per rank, run as separate streams of one device (single-GPU mode: --stages N)."""
-    schedule: str = option("1f1b", BATCH, "pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b "
-                           "(one forward, one backward: less activation memory) (default: %(default)s)",
+    stages: int = option(1, GRID, "stages per rank: on one device as separate streams (pp=1), or placed over the "
+                         "ranks by --schedule interleaved (rank r holds r, r+pp, ...) or zbv (2: r and 2pp-1-r) "
+                         "(default: %(default)s)", minimum=1)
+    """Stages per rank: streams of one device (pp=1), or placed by the interleaved / zbv schedules."""
+    schedule: str = option("1f1b", BATCH, "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b "
+                           "(one forward, one backward: less activation memory), zb-h1 (zero bubble: the "
+                           "backward split into input and weight gradients, these deferred into the bubbles), "
+                           "interleaved (1F1B over --stages V stages per rank; M a multiple of pp) or zbv (zero "
+                           "bubble, two stages per rank in a V; --stages 2) (default: %(default)s)",
                            choices=SCHEDULES)
-    """Pipeline schedule: gpipe or 1f1b."""
+    """Pipeline schedule: gpipe, 1f1b, zb-h1, interleaved or zbv."""
     microbatches: int = option(4, BATCH, "microbatches per iteration and replica (default: %(default)s)",
                                short="-m", minimum=1)
     """Microbatches per iteration and replica (M)."""
@@ -123,11 +139,12 @@ class RunConfig:
                             "layers of each stage; default: %(default)s)", metavar="off|full|N")
     """Activation recomputation per layer (torch.utils.checkpoint): off, full, or N = the first N layers of every
     stage (early stages of 1F1B hold the most activations in flight)."""
-    seed: int = option(0, MODEL, "seed of the weights and of the data sampling (default: %(default)s)")
+    seed: int = option(0, MODEL, "seed of the weights and of the data sampling (default: %(default)s)", minimum=0,
+                       maximum=2**32 - 1)
     """Seed of the weights and of the synthetic data."""
     iters: int = option(5, EXECUTION, "iterations from the start of training (default: %(default)s)", minimum=1)
     """Iterations counted from the start of training (a resumed run continues up to this number)."""
-    lr: float = option(1e-3, MODEL, "AdamW learning rate (default: %(default)s)")
+    lr: float = option(1e-3, MODEL, "AdamW learning rate (default: %(default)s)", maximum=100.0)
     """AdamW learning rate."""
     device: str = option("auto", EXECUTION, "default: $PEERLINE_DEVICE, else auto (CUDA when available)",
                          choices=DEVICES, env="PEERLINE_DEVICE")
@@ -167,10 +184,10 @@ class RunConfig:
                             choices=GRAD_SYNCS)
     """Data-parallel gradient average: buckets (bucketed all-reduce overlapped with backward) or per-param."""
     bucket_mb: float = option(25.0, EXECUTION, "gradient bucket size of the data-parallel all-reduce, MiB "
-                              "(default: %(default)s)")
+                              "(default: %(default)s)", maximum=MAX_BUCKET_MB)
     """Gradient bucket size for the data-parallel all-reduce, MiB."""
     first_bucket_mb: float = option(1.0, EXECUTION, "size of the first bucket (the last layers), MiB, so the "
-                                    "all-reduce starts early (default: %(default)s)")
+                                    "all-reduce starts early (default: %(default)s)", maximum=MAX_BUCKET_MB)
     """Size of the first (last-layer) bucket, MiB, so the all-reduce starts early."""
     nccl_max_ctas: int | None = option(16, EXECUTION, "cap on the CTAs (SMs) of the dp group's NCCL all-reduce "
                                        "kernels, 0 = NCCL's default (default: %(default)s, measured on H200; see "
@@ -185,8 +202,13 @@ class RunConfig:
     """Priority of the all-reduce stream: highest (the device's highest, so a ready bucket's all-reduce is not
     queued behind backward kernels) or normal (as DDP's NCCL stream), for comparison. Eager iterations only: a
     CUDA graph launched as torch instantiates it ignores the priorities of the streams it was captured from."""
-    timeout_s: float = option(300.0, EXECUTION, "deadline for any wait, seconds (default: %(default)s)")
-    """Deadline for any wait: process-group timeout and the per-iteration watchdog."""
+    timeout_s: float = option(300.0, EXECUTION, "deadline on progress: a rank that completes no handoff, "
+                              "collective or iteration for this many seconds ends the job naming the rank that "
+                              "stopped; also the start-up rendezvous deadline (default: %(default)s)",
+                              maximum=MAX_TIMEOUT_S)
+    """Deadline on progress: the watchdog ends a rank that completes no handoff, collective or iteration for this
+    long (a long iteration of quick handoffs is never cut); also the start-up rendezvous and the process-group
+    timeout (a little longer, so the watchdog's line comes first)."""
     log_every: int | None = option(None, OUTPUT, "read the loss back every N iterations (default: 1, or K with "
                                    "--graph-loop K)", minimum=1)
     """Read the loss back (one host sync) every N iterations; None: once per graph launch (1, or graph_loop)."""
@@ -238,7 +260,7 @@ class RunConfig:
     """Device allocator: caching (PyTorch's) or async (cudaMallocAsync pool); chosen before torch loads. None: the
     one the environment chose (PYTORCH_CUDA_ALLOC_CONF; caching unless it names cudaMallocAsync)."""
     pool_release_threshold: int | None = option(None, EXECUTION, "bytes the async pool keeps across "
-                                                "synchronizations (default: all)")
+                                                "synchronizations (default: all)", maximum=2**63 - 1)
     """Bytes the async allocator's pool keeps across synchronizations (default: all of it)."""
     save: str | None = option(None, FAILURES, "write checkpoints to DIR (checked for writing before training)",
                               metavar="DIR")
@@ -253,6 +275,17 @@ class RunConfig:
     skip_nonfinite: bool = option(False, FAILURES, "skip the optimizer step of an iteration with a NaN/inf loss "
                                   "(on every rank) instead of stopping", switch=True)
     """Skip the optimizer step of an iteration whose loss is NaN/inf (on every rank) instead of stopping."""
+    keep: int | None = option(None, FAILURES, "keep only the newest N checkpoints in --save DIR (default: all)",
+                              metavar="N", minimum=1)
+    """Checkpoints kept in the save directory: older ones are deleted after each complete save (None: all)."""
+    preempt_signals: str = option("TERM,USR1,INT", FAILURES, "signals that stop the job at the next iteration "
+                                  "boundary, every rank agreeing, after a checkpoint (with --save); exit 75 "
+                                  "(default: %(default)s; none: off)", metavar="SIGS")
+    """Signals that preempt the run (resilience/preemption.py): comma-separated names, or none."""
+    preempt_check_every: int = option(1, FAILURES, "iterations between the ranks' preemption agreements (a host "
+                                      "barrier through the c10d store; default: %(default)s)", metavar="N",
+                                      minimum=1)
+    """Iterations between the ranks' agreement rounds on a preemption signal (launch boundaries only)."""
 
     def __post_init__(self) -> None:
         _resolve_workload(self)
@@ -265,6 +298,7 @@ class RunConfig:
         _derive_batch(self)
         if self.save_every and not self.save:
             raise ConfigError("--save-every needs --save DIR")
+        _check_checkpointing(self)
 
     def resolved_pp(self, world_size: int) -> int:
         """Pipeline stages across ranks; checks pp x dp against the world size."""
@@ -315,8 +349,22 @@ def _check_flags(cfg: RunConfig) -> None:
         if flag.choices is not None and value not in flag.choices:
             raise ConfigError(f"unknown {f.name.replace('_', ' ')} {value!r}; choose one of "
                               f"{', '.join(flag.choices)}")
-        if flag.minimum is not None and value < flag.minimum:
-            raise ConfigError(f"{flag_name(f.name)} must be >= {flag.minimum}, got {value}")
+        _check_range(f.name, flag, value)
+
+
+def _check_range(name: str, flag: Flag, value: object) -> None:
+    """A number within its field's bounds; NaN and infinities fail (they pass every `<= 0` test)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{flag_name(name)} must be a finite number, got {value}")
+    if flag.minimum is not None and value < flag.minimum:
+        raise ConfigError(f"{flag_name(name)} must be >= {flag.minimum}, got {value}")
+    maximum = flag.maximum if flag.maximum is not None else (MAX_INT if isinstance(value, int) else None)
+    if maximum is not None and value > maximum:
+        shown = f"{maximum:g}" if isinstance(maximum, float) else str(maximum)
+        raise ConfigError(f"{flag_name(name)} must be <= {shown}, got {value:g}" if isinstance(value, float)
+                          else f"{flag_name(name)} must be <= {shown}, got {value}")
 
 
 def is_spec(value: str) -> bool:
@@ -401,6 +449,18 @@ def _check_numbers(cfg: RunConfig) -> None:
         raise ConfigError(f"--lr must be positive, got {cfg.lr}")
 
 
+def _check_checkpointing(cfg: RunConfig) -> None:
+    """--keep needs --save; --preempt-signals names catchable signals."""
+    if cfg.keep is not None and not cfg.save:
+        raise ConfigError("--keep needs --save DIR")
+    names = [] if cfg.preempt_signals.strip().lower() in ("", "none") else cfg.preempt_signals.split(",")
+    for name in names:
+        full = "SIG" + name.strip().upper().removeprefix("SIG")
+        if full not in signal.Signals.__members__ or full in ("SIGKILL", "SIGSTOP"):
+            raise ConfigError(f"--preempt-signals: {name.strip()!r} is not a signal that can be caught; use names "
+                              "such as TERM,USR1,INT, or none")
+
+
 def _derive_batch(cfg: RunConfig) -> None:
     """global_batch, when given, sets micro_batch_size (the config is frozen: set once, here)."""
     if cfg.global_batch is None:
@@ -412,6 +472,7 @@ def _derive_batch(cfg: RunConfig) -> None:
     object.__setattr__(cfg, "micro_batch_size", cfg.global_batch // per)
 
 
-__all__ = ["RunConfig", "ConfigError", "Flag", "GROUPS", "flags", "flag_name", "SCHEDULES", "DTYPES", "DEVICES",
+__all__ = ["RunConfig", "ConfigError", "ReportedElsewhere", "Flag", "GROUPS", "flags", "flag_name", "SCHEDULES",
+           "DTYPES", "DEVICES",
            "KERNEL_IMPLEMENTATIONS", "KERNELS", "P2P", "GRAD_SYNCS", "ALLREDUCE_PRIORITIES", "ALLOCATORS",
            "STAGINGS", "DATA_SOURCES", "TOKEN_DATA", "MODELS", "LOSSES", "RECOMPUTE", "is_spec"]

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from peerline import overrides
-from peerline.distributed.config import ConfigError
+from peerline.distributed.config import ConfigError, ReportedElsewhere
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +179,56 @@ def choose_device(requested: str, info: LaunchInfo) -> torch.device:
     return torch.device("cuda", info.local_rank)
 
 
+def attempt_store(info: LaunchInfo, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store of `tcp://MASTER_ADDR:MASTER_PORT`, its keys under a prefix of this launcher attempt.
+
+    torchrun shares its own store with the workers (with --master_port, --rdzv-endpoint and --standalone alike) and
+    keeps it across `--max-restarts` attempts: without the prefix, a restarted attempt reads the dead attempt's
+    gloo / NCCL addresses and fails in `connectFullMesh ... Connection refused`."""
+    store = _open_store(info, timeout)
+    store.set_timeout(timeout)
+    attempt = overrides.get("TORCHELASTIC_RESTART_COUNT") or "0"
+    prefixed = dist.PrefixStore(f"peerline/attempt{attempt}", store)
+    await_ranks(prefixed, info, timeout.total_seconds())
+    return prefixed
+
+
+def _open_store(info: LaunchInfo, timeout: datetime.timedelta) -> dist.Store:
+    """torch's tcp:// store, except that rank 0's server does not wait for the others (`await_ranks` does, and
+    names who is missing); a rank that cannot reach the store in time is one line naming rank 0."""
+    from torch.distributed.rendezvous import _torchelastic_use_agent_store
+
+    host = not _torchelastic_use_agent_store() and info.rank == 0  # else torchrun's agent hosts it
+    try:
+        return dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=host, timeout=timeout,
+                             wait_for_workers=False, multi_tenant=host)
+    except (RuntimeError, TimeoutError) as exc:  # DistNetworkError, DistStoreError
+        hosted = "torchrun's agent" if not host and _torchelastic_use_agent_store() else "rank 0"
+        raise RankConfigError(f"rank {info.rank} could not reach the rendezvous at {info.master_addr}:"
+                              f"{info.master_port} within {timeout.total_seconds():.0f} s: {hosted}, which hosts "
+                              f"it, is not up ({type(exc).__name__})") from None
+
+
+def await_ranks(store: dist.Store, info: LaunchInfo, timeout_s: float) -> None:
+    """Every rank checks in under `peerline/arrived/<rank>` and waits for all the others; past `timeout_s` the
+    lowest rank present prints one line naming the ranks that never came (the others exit quietly)."""
+    store.set(f"peerline/arrived/{info.rank}", "1")
+    keys = [f"peerline/arrived/{r}" for r in range(info.world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        return
+    except (RuntimeError, TimeoutError):
+        pass
+    missing = [r for r, key in enumerate(keys) if not store.check([key])]
+    if not missing:
+        return
+    present = [r for r in range(info.world_size) if r not in missing]
+    line = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {info.world_size} did not "
+            f"reach the rendezvous at {info.master_addr}:{info.master_port} within {timeout_s:.0f} s (rank "
+            f"{', '.join(map(str, present))} did); check that every rank was started and can reach that address")
+    raise (RankConfigError if info.rank == min(present) else ReportedElsewhere)(line)
+
+
 def init_distributed(info: LaunchInfo, device: torch.device, timeout_s: float) -> None:
     """Create the default process group (NCCL on GPUs, gloo on the CPU); nothing for a single process.
 
@@ -195,7 +245,7 @@ def init_distributed(info: LaunchInfo, device: torch.device, timeout_s: float) -
     if device.type == "cuda":
         torch.cuda.set_device(device)
         kwargs["device_id"] = device  # eager NCCL init, bound to our GPU
-    dist.init_process_group(backend=backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
-                            rank=info.rank, world_size=info.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s + max(5.0, 0.1 * timeout_s)), **kwargs)
+    timeout = datetime.timedelta(seconds=timeout_s + max(5.0, 0.1 * timeout_s))
+    dist.init_process_group(backend=backend, store=attempt_store(info, timeout), rank=info.rank,
+                            world_size=info.world_size, timeout=timeout, **kwargs)
     log.info("rank %d/%d up (%s, %s, device %s)", info.rank, info.world_size, info.launcher, backend, device)

@@ -2,6 +2,9 @@
 
 Layout: replicas of whole pipelines, rank = replica * pp + stage, so a pipeline's stages sit on consecutive ranks
 (consecutive GPUs of a node, the best-connected pairs) and a data-parallel group holds one stage of every replica.
+`stage` here is the rank's position in its pipeline; with several stages per rank (pipeline/placement.py) the
+position holds several global stages, and the interleaved placement adds the wrap-around edge: the last position's
+next rank is the first's (`wrap`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ class Mesh:
     pp: int
     dp: int
     rank: int
+    wrap: bool = False  # the last position hands on to the first (interleaved stages over several ranks)
     dp_group: dist.ProcessGroup | None = field(default=None, repr=False)
     # the same ranks as dp_group with the backend's default options, when dp_group has options (a CTA cap): the
     # buckets backward finishes last have nothing left to overlap with and all-reduce there at full speed
@@ -51,11 +55,15 @@ class Mesh:
 
     @property
     def prev_rank(self) -> int | None:
-        return self.rank_of(self.stage - 1, self.replica) if self.stage > 0 else None
+        if self.stage > 0 or (self.wrap and self.pp > 1):
+            return self.rank_of((self.stage - 1) % self.pp, self.replica)
+        return None
 
     @property
     def next_rank(self) -> int | None:
-        return self.rank_of(self.stage + 1, self.replica) if self.stage < self.pp - 1 else None
+        if self.stage < self.pp - 1 or (self.wrap and self.pp > 1):
+            return self.rank_of((self.stage + 1) % self.pp, self.replica)
+        return None
 
     def dp_ranks(self, stage: int) -> list[int]:
         return [self.rank_of(stage, r) for r in range(self.dp)]

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from peerline.distributed.config import ConfigError, RunConfig
+from peerline.distributed.env import RankConfigError
 from peerline.kernels import ops
 from peerline.kernels.fused_linear import FusedLinear
 
@@ -60,12 +61,34 @@ def build_default_layers(cfg: RunConfig, start: int, stop: int, kernels: str) ->
 
 
 def load_spec(spec: str, what: str) -> Callable:
-    """Import 'pkg.module:name'; one ConfigError line when it is not there."""
+    """Import 'pkg.module:name'; one ConfigError line when it is not there, does not compile, or its import
+    fails (user code: any exception, sys.exit and KeyboardInterrupt included)."""
     module_name, _, attr = spec.partition(":")
     try:
-        return getattr(importlib.import_module(module_name), attr)
+        module = importlib.import_module(module_name)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"cannot load {what} {spec!r}: {exc}") from None
+    except SyntaxError as exc:
+        raise ConfigError(f"cannot load {what} {spec!r}: SyntaxError in {exc.filename}, line {exc.lineno}: "
+                          f"{exc.msg}") from None
+    except BaseException as exc:  # noqa: BLE001 - user code at import time
+        raise ConfigError(f"cannot load {what} {spec!r}: importing {module_name!r} {user_failure(exc)}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        found = "has no" if fn is None else f"has a {type(fn).__name__}, not a callable, as"
+        raise ConfigError(f"cannot load {what} {spec!r}: module {module_name!r} {found} {attr!r}")
+    return fn
+
+
+def user_failure(exc: BaseException) -> str:
+    """How user code failed, for one line: 'called sys.exit(7)', 'was interrupted (KeyboardInterrupt)',
+    'raised ValueError: ...' (the first line of the message)."""
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r})"
+    if isinstance(exc, KeyboardInterrupt):
+        return "was interrupted (KeyboardInterrupt)"
+    text = (str(exc).strip().splitlines() or [""])[0]
+    return f"raised {type(exc).__name__}" + (f": {text}" if text else "")
 
 
 def call_with_wanted(fn: Callable, available: dict[str, object]) -> tuple[object, set[str]]:
@@ -108,8 +131,10 @@ class UserModel:
 def _call_user(spec: str, fn: Callable[[], object], what: str = "") -> object:
     try:
         return fn()
-    except Exception as exc:  # noqa: BLE001 - any failure of user code is reported as one line
-        raise ConfigError(f"{what}model factory {spec!r} failed: {type(exc).__name__}: {exc}") from None
+    except ConfigError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any failure of user code is reported as one line
+        raise ConfigError(f"{what}model factory {spec!r} {user_failure(exc)}") from None
 
 
 def run_values(cfg: RunConfig, vocab: int) -> dict[str, object]:
@@ -125,8 +150,10 @@ def load_user_model(spec: str, seed: int, values: dict[str, object] | None = Non
     torch.manual_seed(seed)
     try:
         made, taken = call_with_wanted(factory, values or {})
-    except Exception as exc:  # noqa: BLE001 - any failure of user code is reported as one line
-        raise ConfigError(f"model factory {spec!r} failed: {type(exc).__name__}: {exc}") from None
+    except ConfigError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any failure of user code (sys.exit too) is one line
+        raise ConfigError(f"model factory {spec!r} {user_failure(exc)}") from None
     if isinstance(made, nn.Sequential):
         return UserModel(spec, layers=list(made), taken=taken)
     if isinstance(made, list | tuple) and made and all(callable(b) and not isinstance(b, nn.Module) for b in made):
@@ -191,9 +218,30 @@ def build_stages(cfg: RunConfig, n_stages: int, stage_ids: list[int], kernels: s
     else:
         bounds = split_even(len(user), n_stages)
     stages = [nn.Sequential(*user.build(*bounds[s], cfg.seed)) for s in stage_ids]
+    check_trainable(cfg.model, user.layers, stages, stage_ids, bounds)
     if notices is not None:
         notices += user_model_notices(cfg, user.taken, user.layers if user.layers is not None else stages)
     return stages, bounds
+
+
+def check_trainable(spec: str, layers: list[nn.Module] | None, stages: list[nn.Sequential], stage_ids: list[int],
+                    bounds: list[tuple[int, int]]) -> None:
+    """Every stage needs parameters (the optimizer of its rank has nothing to train otherwise). A whole model is
+    checked alike on every rank; builders' layers exist only on their rank, which reports its own stage."""
+    if layers is not None:
+        if not any(p.requires_grad for layer in layers for p in layer.parameters()):
+            raise ConfigError(f"the model of {spec!r} has no trainable parameters: nothing to train")
+        empty = [s for s, (a, b) in enumerate(bounds) if not any(p.requires_grad for m in layers[a:b]
+                                                                 for p in m.parameters())]
+        where = None if not empty else empty[0]
+    else:
+        where = next((sid for sid, m in zip(stage_ids, stages) if not any(p.requires_grad for p in m.parameters())),
+                     None)
+    if where is not None:
+        a, b = bounds[where]
+        error = ConfigError if layers is not None else RankConfigError
+        raise error(f"stage {where} of {spec!r} (layers {a}-{b - 1}) has no trainable parameters: every stage needs "
+                    "some; use fewer stages or move a layer with parameters into it")
 
 
 def user_model_notices(cfg: RunConfig, taken: set[str], modules: list[nn.Module]) -> list[str]:

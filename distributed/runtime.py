@@ -60,6 +60,7 @@ class Runtime:
             if self.device.type == "cuda" else None
         self.iteration = 0  # iterations completed since the start of training (a resumed run starts later)
         self.iterations_run = 0  # iterations this process ran: a resumed run warms up again before capture
+        self.stop_reason: str | None = None  # set by a hook (every rank alike) to end training at this boundary
 
     @classmethod
     def create(cls, cfg: RunConfig, info: LaunchInfo | None = None, hooks: Sequence[HookFactory] = ()) -> Runtime:
@@ -115,7 +116,7 @@ class Runtime:
         try:
             for hook in self.hooks:
                 hook.on_train_start(self)
-            while self.iteration < target:
+            while self.iteration < target and self.stop_reason is None:
                 stats = self._launch_and_log(target)
                 if stats is None:
                     continue
@@ -131,6 +132,11 @@ class Runtime:
                 hook.on_error(self, exc)
             raise
         return losses
+
+    def request_stop(self, reason: str) -> None:
+        """End training after the current launch, as if the target were reached (`on_train_end` runs: a final
+        checkpoint is written). Every rank must ask at the same boundary (e.g. resilience/preemption.py agrees)."""
+        self.stop_reason = reason
 
     def run_iteration(self, eager: bool = False) -> None:
         """One launch of one iteration: captured first when due, then a graph replay once there is a graph, unless

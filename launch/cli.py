@@ -84,6 +84,10 @@ def _value_type(annotation: Any) -> type:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """Map parsed flags onto RunConfig (its __post_init__ raises ConfigError on bad values)."""
+    try:
+        overrides.log_level()  # the environment's one setting of the job that is no flag: checked with the flags
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     names = {f.name for f in dataclasses.fields(RunConfig)}
     return RunConfig(**{k: v for k, v in vars(args).items() if k in names})
 

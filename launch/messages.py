@@ -18,7 +18,7 @@ import time
 import torch
 
 from peerline import overrides
-from peerline.distributed.config import RunConfig
+from peerline.distributed.config import ReportedElsewhere, RunConfig
 from peerline.distributed.env import RankConfigError, group_started, launch_rank_world
 
 ERROR_GRACE_S = 2.0
@@ -44,7 +44,9 @@ def report_error(message: str, exc: BaseException | None = None) -> None:
     """Print the error line where it belongs (see the module docstring); the caller exits 2."""
     rank, world = launch_rank_world()
     job_wide = not group_started() and not isinstance(exc, RankConfigError)
-    if rank == 0 or not job_wide:
+    if isinstance(exc, ReportedElsewhere):
+        pass  # another rank prints this error
+    elif rank == 0 or not job_wide:
         line = error_line(message)
         print(line, file=sys.stderr, flush=True)
         write_error_file(line)
@@ -69,7 +71,11 @@ def setup_logging() -> None:
     rank, world = launch_rank_world()
     handler = logging.StreamHandler()
     handler.setFormatter(_Format(f"[rank {rank}] " if world > 1 else ""))
-    logging.basicConfig(level=overrides.get_str("PEERLINE_LOG", "WARNING").upper(), handlers=[handler], force=True)
+    try:
+        level = overrides.log_level()
+    except ValueError:
+        level = "WARNING"  # the command line's check (launch/cli.py) reports the bad value as one line
+    logging.basicConfig(level=level, handlers=[handler], force=True)
 
 
 # GPU-only flag values given on the CPU: what each would have done.

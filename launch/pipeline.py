@@ -28,6 +28,7 @@ try:
     from peerline.distributed.observe.record import build_record, check_outputs, write_record
     from peerline.distributed.resilience import faults
     from peerline.distributed.resilience.failsafe import Failsafe
+    from peerline.distributed.resilience.preemption import EXIT_PREEMPTED, Preemption, preempted_line
     from peerline.distributed.runtime import Runtime
     from peerline.launch.cli import build_parser, config_from_args
     from peerline.launch.messages import report_error, setup_logging, start_notices
@@ -45,13 +46,18 @@ def run(argv: list[str] | None = None) -> int:
         return 0
     faults.active()  # a bad PEERLINE_FAULT is one clear line before anything starts
     check_outputs(cfg)  # an unwritable --json / --timeline / metrics output is one line now, not after training
-    # The failsafe: watchdog, fault hooks, checkpoints at --save-every, --resume, the non-finite guard.
-    rt = Runtime.create(cfg, hooks=[Failsafe.attach])
+    # The failsafe: watchdog, fault hooks, checkpoints at --save-every, --resume, the non-finite guard. Preemption
+    # first: a signal stops every rank at one boundary, after the failsafe's final checkpoint.
+    rt = Runtime.create(cfg, hooks=[Preemption.attach, Failsafe.attach])
     try:
         history = train(rt)
-        report(rt, history)
+        if rt.stop_reason is None:
+            report(rt, history)
+        elif rt.info.rank == 0:
+            print(preempted_line(rt.stop_reason, cfg.save, rt.iteration), flush=True)
     finally:
         clean = rt.close()
+    code = 0 if rt.stop_reason is None else EXIT_PREEMPTED
     # Leave without the interpreter's teardown when it can only hurt: NCCL teardown stuck (captured communicators),
     # or any multi-rank run not under MPI, whose exit-time destruction of c10d objects raced with their own threads
     # once in CI (gloo, 4 ranks on 2 cores: "terminate called without an active exception" after the final loss).
@@ -60,8 +66,8 @@ def run(argv: list[str] | None = None) -> int:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(code)
+    return code
 
 
 def parse(argv: list[str] | None) -> RunConfig | None:
@@ -83,11 +89,13 @@ def print_schedule(cfg: RunConfig) -> None:
     """The schedule of the grid this launch would train (pp from the world and --dp), printed by rank 0. A single
     process given --pp previews that grid's schedule without launching it."""
     from peerline.distributed.pipeline import schedule
+    from peerline.distributed.pipeline.placed import placed_schedule
 
     info = detect_launch()
     pp = cfg.pp if info.world_size == 1 and cfg.pp is not None else cfg.resolved_pp(info.world_size)
     n_stages = pp * cfg.stages
-    table = schedule.render(schedule.build(cfg.schedule, n_stages, cfg.microbatches))
+    placed = placed_schedule(cfg.schedule, pp, cfg.stages, cfg.microbatches)  # several stages per rank
+    table = placed.render() if placed else schedule.render(schedule.build(cfg.schedule, n_stages, cfg.microbatches))
     if info.rank == 0:
         print(f"schedule {cfg.schedule}: {n_stages} stage(s) (pp={pp} x stages/rank={cfg.stages}), dp={cfg.dp}, "
               f"M={cfg.microbatches}\n{table}", flush=True)

@@ -6,7 +6,7 @@ A neutral module that imports nothing, so kernels/ (which must not import distri
 
 from __future__ import annotations
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zbv")
 DTYPES = ("bf16", "fp32")
 DEVICES = ("auto", "cuda", "cpu")
 KERNEL_IMPLEMENTATIONS = ("peerline", "torch")

@@ -33,7 +33,7 @@ class Override:
 OVERRIDES: tuple[Override, ...] = (
     Override("PEERLINE_DEVICE", "auto", "default of --device"),
     Override("PEERLINE_ALLOCATOR", "none", "default of --allocator (read before torch loads)"),
-    Override("PEERLINE_LOG", "WARNING", "logging level of the main job"),
+    Override("PEERLINE_LOG", "WARNING", "logging level of the main job: DEBUG, INFO, WARNING, ERROR, CRITICAL"),
     Override("PEERLINE_FAULT", "none", "faults to inject, e.g. kill:rank=1:iter=3"),
     Override("PEERLINE_KERNEL_PLANS", "none", "OP[:DTYPE][:l2]=PLAN,... over the tuned plans; 'default': none"),
     Override("PEERLINE_KERNEL_WARPS", "8", "compute warps of the elementwise kernels"),
@@ -47,6 +47,7 @@ OVERRIDES: tuple[Override, ...] = (
     Override("PEERLINE_KERNEL_LINEINFO", "0", "1: compile kernels with -lineinfo (compute-sanitizer)"),
     Override("PEERLINE_P2P_BATCH", "1", "0: one driver call per copy-engine flag operation"),
     Override("PEERLINE_P2P_SPLIT_MIN", "1048576", "bytes below which --p2p-split sends a message whole"),
+    Override("PEERLINE_HOST_ID", "host name", "this rank's host for the per-edge transport; a,a,b,b: one per rank"),
     Override("CUDA_DEVICE_MAX_CONNECTIONS", "32", "hardware queues; peerline sets 32 unless set, warns below 4"),
     Override("PYTORCH_CUDA_ALLOC_CONF", "torch's", "allocator settings; --allocator writes its backend entry"),
 )
@@ -94,6 +95,18 @@ def get_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level() -> str:
+    """PEERLINE_LOG as a logging level name (any case), WARNING when unset; ValueError naming the choices."""
+    value = get_str("PEERLINE_LOG", "WARNING").strip().upper()
+    if value not in LOG_LEVELS:
+        raise ValueError(f"environment variable PEERLINE_LOG={get('PEERLINE_LOG')!r} is not a logging level; "
+                         f"choose one of {', '.join(LOG_LEVELS)}")
+    return value
+
+
 def set_default(name: str, value: str) -> None:
     """Set a documented variable for this process and its children unless it is already set."""
     os.environ.setdefault(_known(name), value)
@@ -127,4 +140,4 @@ def describe() -> str:
 
 
 __all__ = ["Override", "OVERRIDES", "LAUNCH_VARIABLES", "TERMINAL_VARIABLES", "get", "get_str", "get_int",
-           "set_default", "assign", "environment", "describe"]
+           "log_level", "LOG_LEVELS", "set_default", "assign", "environment", "describe"]

@@ -122,3 +122,35 @@ peerline_print_grid() {  # launcher nodes ranks_per_node world args...
         "addr=${HEAD_ADDR:-?}:${PORT:-?}"
     echo "peerline-slurm: repo=$REPO python=$PYTHON args: $*"
 }
+
+# Preemption: run the job step (srun ...) in the background so this shell can take Slurm's warning signal
+# (`#SBATCH --signal=B:USR1@120`: SIGUSR1 to the batch shell 120 s before the time limit, or
+# `scancel --batch --signal=USR1 JOB`). The shell forwards it to the step's ranks (`scancel --signal=USR1`:
+# torchrun agents ignore it, see torchrun_task.sh), which stop at one iteration boundary, write their checkpoint
+# (--save DIR) and exit 75. A preempted step (the signal came, or a rank exited 75) requeues the job
+# (`#SBATCH --requeue`), which continues with --resume DIR. Sets `rc` to the step's exit code.
+peerline_run_preemptible() {  # command...
+    PEERLINE_PREEMPTED=0
+    trap 'PEERLINE_PREEMPTED=1; echo "peerline-slurm: job=${SLURM_JOB_ID:-none} got SIGUSR1: the ranks checkpoint and stop"; scancel --signal=USR1 "${SLURM_JOB_ID}"' USR1
+    "$@" &
+    local pid=$!
+    while :; do
+        wait "$pid"
+        rc=$?
+        # wait returns >128 when the trap interrupted it; the step may still be running
+        if (( rc > 128 )) && kill -0 "$pid" 2>/dev/null; then continue; fi
+        break
+    done
+    if (( rc > 128 )); then  # interrupted, and the step ended meanwhile: its own status
+        wait "$pid" 2>/dev/null
+        local again=$?
+        (( again != 127 )) && rc=$again
+    fi
+    trap - USR1
+    if [[ $PEERLINE_PREEMPTED == 1 || $rc == 75 ]]; then
+        echo "peerline-slurm: job=${SLURM_JOB_ID:-none} preempted (exit code $rc): requeued, it continues with --resume"
+        scontrol requeue "${SLURM_JOB_ID}" \
+            || echo "peerline-slurm: scontrol requeue failed: resubmit with --resume DIR" >&2
+        rc=75
+    fi
+}

@@ -2,7 +2,7 @@
 # One srun task of slurm/pipeline.sbatch or slurm/multinode.sbatch: a torchrun agent that starts GPUS ranks on
 # its node and meets the other agents through c10d rendezvous at HEAD_ADDR:PORT. Usage (from the sbatch):
 #   srun ... slurm/torchrun_task.sh launch/pipeline.py [flags...]
-# with PYTHON, AGENTS, GPUS, HEAD_ADDR, PORT exported by the batch script.
+# with PYTHON, AGENTS, GPUS, HEAD_ADDR, PORT (and MAX_RESTARTS, default 0) exported by the batch script.
 set -euo pipefail
 : "${PYTHON:?} ${AGENTS:?} ${GPUS:?} ${HEAD_ADDR:?} ${PORT:?}"
 
@@ -12,8 +12,12 @@ set -euo pipefail
 is_host=0
 [[ ${SLURM_PROCID:-0} == 0 ]] && is_host=1
 
+# Slurm's preemption warning (SIGUSR1, see peerline_run_preemptible in common.sh) is for the ranks, which
+# checkpoint and stop; torchrun would die of it. Ignored here, it stays ignored in torchrun (exec keeps it), and
+# the ranks install their own handler.
+trap '' USR1
 exec "$PYTHON" -m torch.distributed.run \
-    --nnodes="$AGENTS" --nproc_per_node="$GPUS" --max_restarts=0 \
+    --nnodes="$AGENTS" --nproc_per_node="$GPUS" --max_restarts="${MAX_RESTARTS:-0}" \
     --rdzv_backend=c10d --rdzv_endpoint="$HEAD_ADDR:$PORT" --rdzv_id="${SLURM_JOB_ID:-0}" \
     --rdzv_conf="is_host=$is_host" \
     "$@"

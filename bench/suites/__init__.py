@@ -27,6 +27,7 @@ SUITES: dict[str, str] = {
     "single": "single",
     "pipeline": "pipeline",
     "gpt": "gpt",
+    "eager": "eager",
 }
 
 #: suite name -> what it measures (the `--help` list)
@@ -40,6 +41,7 @@ DESCRIPTIONS: dict[str, str] = {
     "single": "single-GPU mode: copy/compute overlap vs serial and its bound; allocators (1 rank)",
     "pipeline": "full training iteration vs torch.distributed.pipelining + DDP",
     "gpt": "GPT LM on real text vs torch.distributed.pipelining (fastest schedule and recipe); recompute table",
+    "eager": "--no-graph vs torch eager: 1F1B vs torch.distributed.pipelining (autocast, bf16), 1 GPU vs plain torch",
 }
 
 #: suites that measure between two GPUs: run under torchrun --nproc_per_node=2 (skipped with fewer ranks)

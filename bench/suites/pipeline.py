@@ -8,6 +8,7 @@ under (a) peerline eager, (b) peerline with whole-iteration CUDA graphs, (c) tor
 Configurations (bf16 autocast, AdamW, MSE on synthetic targets):
   compute  16 blocks of h=2048, micro-batch 8x512 tokens, M=8   (GEMM-bound: headroom is the bubble and fusion)
   launch   32 blocks of h=512,  micro-batch 2x256 tokens, M=16  (host-launch-bound: graphs should win big)
+  mid      24 blocks of h=1024, micro-batch 4x512 tokens, M=12  (between the two; the eager suite's second shape)
   quick    4 blocks of h=32, micro-batch 2x8, M=4, fp32          (--quick: the CPU smoke test)
 
 Timing (benchkit.time_blocks): blocks of --pipeline-iters iterations with no host sync inside, all ranks started
@@ -28,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from peerline.bench.benchkit import BenchContext, Record, Timing
-from peerline.bench.ideal import IdealReport
+from peerline.bench.ideal import PLACED, IdealReport
 from peerline.bench.runtime_timing import (
     BlockTimer,
     Measured,
@@ -49,6 +50,7 @@ CONFIGS = {
                          dtype="bf16"),
     "launch": PipeShape("launch-bound", layers=32, hidden=512, micro_batch_size=2, seq=256, microbatches=16,
                         dtype="bf16"),
+    "mid": PipeShape("mid", layers=24, hidden=1024, micro_batch_size=4, seq=512, microbatches=12, dtype="bf16"),
     "quick": PipeShape("quick", layers=4, hidden=32, micro_batch_size=2, seq=8, microbatches=4, dtype="fp32"),
 }
 VARIANTS = ("torch", "eager", "graph")
@@ -63,8 +65,9 @@ def _csv(text: str) -> list[str]:
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--pipeline-configs", type=_csv, default=None,
-                       help="comma-separated: compute, launch, quick (default compute,launch; quick with --quick)")
-    group.add_argument("--schedules", type=_csv, default=None, help="gpipe,1f1b (default both)")
+                       help="comma-separated: compute, launch, mid, quick (default compute,launch; quick with --quick)")
+    group.add_argument("--schedules", type=_csv, default=None,
+                       help=f"any of {','.join(SCHEDULES)} (default all; interleaved and zbv with 2 stages per rank)")
     group.add_argument("--variants", type=_csv, default=None, help="torch,eager,graph (default all)")
     group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (pp = world size / dp)")
     group.add_argument("--pipeline-iters", type=int, default=None, help="iterations per timed block (default 5)")
@@ -122,7 +125,8 @@ class PipelineBench:
         except ImportError as exc:
             return f"peerline runtime not available ({exc})"
         s = self.shape
-        cfg = RunConfig(dp=self.dp, schedule=self.schedule, microbatches=s.microbatches,
+        cfg = RunConfig(dp=self.dp, schedule=self.schedule, stages=2 if self.schedule in PLACED else 1,
+                        microbatches=s.microbatches,
                         micro_batch_size=s.micro_batch_size, seq=s.seq, hidden=s.hidden, layers=s.layers,
                         seed=s.seed, lr=s.lr, dtype=s.dtype, device=self.device.type, graph=graph,
                         iters=10**9, log_every=1)
@@ -183,7 +187,9 @@ class PipelineBench:
             ctx.note(f"{s.name} {self.schedule} {m.name}: {m.ideal.describe()}")
         if name == "torch" or anchor is None:
             return
-        anchor_name = f"torch.distributed.pipelining {self.schedule}" + (" + DDP" if self.dp > 1 else "")
+        # the anchor runs torch's GPipe for gpipe and its 1F1B for every other schedule: name what ran
+        torch_schedule = "gpipe" if self.schedule == "gpipe" else "1f1b"
+        anchor_name = f"torch.distributed.pipelining {torch_schedule}" + (" + DDP" if self.dp > 1 else "")
         loss_diff = max((abs(a - b) for a, b in zip(m.losses, anchor.losses, strict=False)), default=math.nan)
         extra = {
             "ms_per_iter": m.timing.median_ms, "anchor_ms_per_iter": anchor.timing.median_ms,

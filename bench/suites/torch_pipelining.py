@@ -78,7 +78,10 @@ class TorchPipelineAnchor:
     """One rank of a pp x dp torch.distributed.pipelining run (rank = replica * pp + stage, as peerline's mesh)."""
 
     def __init__(self, shape: PipeShape, schedule: str, pp: int, dp: int, rank: int, device: torch.device,
-                 pp_group: dist.ProcessGroup | None = None, dp_group: dist.ProcessGroup | None = None) -> None:
+                 pp_group: dist.ProcessGroup | None = None, dp_group: dist.ProcessGroup | None = None,
+                 param_dtype: torch.dtype | None = None) -> None:
+        """param_dtype: parameters (and inputs) in this dtype, no autocast (the bf16-parameters recipe); None: fp32
+        parameters under the shape's autocast."""
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         if schedule not in SCHEDULES:
@@ -86,8 +89,8 @@ class TorchPipelineAnchor:
         self.shape, self.schedule_name, self.pp, self.dp, self.device = shape, schedule, pp, dp, device
         self.stage_index, self.replica = rank % pp, rank // pp
         self.is_first, self.is_last = self.stage_index == 0, self.stage_index == pp - 1
-        self.module = build_stage_module(shape, pp, self.stage_index).to(device)
-        self.autocast_dtype = torch.bfloat16 if shape.dtype == "bf16" else None
+        self.module = build_stage_module(shape, pp, self.stage_index).to(device, dtype=param_dtype)
+        self.autocast_dtype = torch.bfloat16 if shape.dtype == "bf16" and param_dtype is None else None
         submod: nn.Module = self.module
         if dp > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -106,7 +109,7 @@ class TorchPipelineAnchor:
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=shape.lr, fused=on_gpu or None)
         self.generator = torch.Generator(device=device)
         whole = (shape.microbatches * shape.micro_batch_size, shape.seq, shape.hidden)
-        self.inputs = torch.empty(whole, device=device) if self.is_first else None
+        self.inputs = torch.empty(whole, device=device, dtype=param_dtype) if self.is_first else None
         self.targets = torch.empty(whole, device=device) if self.is_last else None
         self.losses: list[torch.Tensor] = []
         self.iteration = 0

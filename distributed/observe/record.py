@@ -2,7 +2,8 @@
 parameter checksums and the versions (peerline, its git commit, the libraries and card), written by rank 0.
 
 `check_outputs` runs at start-up on every rank, before anything is built: a --json, --metrics-jsonl or --timeline
-file whose folder is missing or that names a folder, a --tensorboard or --profile folder that is a file, or
+file whose folder is missing or that names a folder, a --tensorboard, --profile or --save folder that is a file,
+any of them where no file can be written (a probe file is written and removed: /proc, a read-only mount), or
 tensorboard not installed, is one ConfigError line then rather than a failure after training.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ def check_outputs(cfg: RunConfig) -> None:
     if cfg.timeline:
         for suffix in (".png", ".json"):
             check_file("--timeline", Path(cfg.timeline + suffix))
-    for name in ("tensorboard", "profile"):
+    for name in ("tensorboard", "profile", "save"):
         if getattr(cfg, name):
             check_folder(flag_name(name), Path(getattr(cfg, name)))
     if cfg.tensorboard:
@@ -48,6 +50,7 @@ def check_file(flag: str, path: Path) -> None:
         raise ConfigError(f"{flag} {path}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise ConfigError(f"{flag} {path}: not writable")
+    probe_write(flag, path, folder)
 
 
 def check_folder(flag: str, path: Path) -> None:
@@ -59,6 +62,22 @@ def check_folder(flag: str, path: Path) -> None:
         raise ConfigError(f"{flag} {path}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path}: {existing} is not writable")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot create it: {exc.strerror or exc}") from None
+    probe_write(flag, path, path)
+
+
+def probe_write(flag: str, path: Path, folder: Path) -> None:
+    """Write and remove a file in `folder`: os.access trusts permission bits, which root ignores and which say
+    nothing of /proc or a read-only mount."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".peerline-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: not writable ({exc.strerror or exc})") from None
 
 
 def git_commit() -> str | None:

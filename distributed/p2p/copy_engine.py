@@ -153,6 +153,7 @@ class CopyEngineTransport(Transport):
     """
 
     name = "copy-engine"
+    _fork_event: torch.cuda.Event | None = None  # made at the first fork (_order), then reused
 
     def __init__(self, links: Links, device: torch.device, num_microbatches: int,
                  streams: RankStreams | None = None, *, depth: int | None = None, capture_safe: bool = False,
@@ -348,7 +349,9 @@ class CopyEngineTransport(Transport):
         keys = self._recv_keys(recvs)
         staged = []
         for kind, mb, t in sends:
-            t = t.detach().contiguous()  # on the current stream, before the p2p stream waits for it
+            if t.requires_grad:  # (what the engine sends never does: no alias made per message)
+                t = t.detach()
+            t = t.contiguous()  # on the current stream, before the p2p stream waits for it
             staged.append((kind, mb, t, self._check_send(kind, mb, t)))
         if staged and self.decoupled:
             self._send_decoupled(cur, staged)
@@ -379,7 +382,7 @@ class CopyEngineTransport(Transport):
             group = self._groups[slot % len(self._groups)]
             head = group[0]
             if head not in waited:
-                head.wait_stream(cur)  # "activation produced"
+                self._order(head, cur)  # "activation produced"
                 waited.append(head)
             parts = self._parts(ring.slot_bytes) if len(group) > 1 else [(0, ring.slot_bytes)]
             used = group[:len(parts)]
@@ -391,12 +394,12 @@ class CopyEngineTransport(Transport):
                     self._ops.batch(head.cuda_stream, arg)
                     continue
                 for lane in used[1:]:
-                    lane.wait_stream(head)  # the slot is free (and the producer done): the other part may copy
+                    self._order(lane, head)  # the slot is free (and the producer done): the other part may copy
                 for lane, (off, n) in zip(used, parts):
                     ipc.copy_peer(arg + off, peer_dev, t.data_ptr() + off, self.device.index, n,
                                   lane.cuda_stream, capture)
                 for lane in used[1:]:
-                    head.wait_stream(lane)  # FULL only once every part landed
+                    self._order(head, lane)  # FULL only once every part landed
             if t.is_cuda:  # (the CPU simulation in tests/unit passes host tensors)
                 for lane in used:
                     t.record_stream(lane)  # the caller may drop t; its memory is reused only after the copy
@@ -419,7 +422,7 @@ class CopyEngineTransport(Transport):
         free, full = self._free_lane, self._full_lane
         # Only the FREE stream waits for the producer (and so joins a capture): the copy lanes follow it through
         # E_free, which keeps one more wait off the copy streams.
-        free.wait_stream(cur)
+        self._order(free, cur)
         for kind, mb, t, (_peer, peer_dev, ring) in staged:
             slot = handoff.slot_of(mb, self.depth)
             lane = self._groups[slot % len(self._groups)][0]
@@ -441,6 +444,16 @@ class CopyEngineTransport(Transport):
                 flags_on = full
             if t.is_cuda:  # (the CPU simulation in tests/unit passes host tensors)
                 t.record_stream(lane)  # only the copy lane reads t
+
+    def _order(self, waiter: torch.cuda.Stream, producer: torch.cuda.Stream) -> None:
+        """`waiter.wait_stream(producer)` through one event reused for every such fork: torch's wait_stream makes a
+        new event per call (created at its record, destroyed when collected), a few host microseconds per message.
+        Reuse is safe because a wait binds to the record issued just before it, here and under capture."""
+        event = self._fork_event
+        if event is None:
+            event = self._fork_event = torch.cuda.Event()
+        event.record(producer)
+        waiter.wait_event(event)
 
     def release(self, kind: str, mb: int) -> None:
         key = (kind, handoff.slot_of(mb, self.depth))

@@ -31,7 +31,7 @@ from peerline.distributed.data import counter as counter_data
 from peerline.distributed.model import fill_batch
 from peerline.distributed.observe.timeline import Timeline
 from peerline.distributed.p2p.base import ACT, GRAD, TensorSpec, Transport
-from peerline.distributed.pipeline import boundary
+from peerline.distributed.pipeline import boundary, split_backward
 from peerline.distributed.pipeline.boundary import BoundarySpec
 from peerline.distributed.pipeline.schedule import Step, step_str
 from peerline.distributed.streams import use, wait_stream
@@ -69,6 +69,7 @@ class LocalStage:
     outputs: dict[int, Any] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     grads_in: dict[int, torch.Tensor | list[torch.Tensor]] = field(default_factory=dict)  # list: per float leaf
+    pending_w: dict[int, split_backward.Pending] = field(default_factory=dict)  # B done, W not yet (split)
 
     def __post_init__(self) -> None:
         if isinstance(self.out_spec, TensorSpec):
@@ -89,6 +90,7 @@ class LocalStage:
         self.outputs.clear()
         self.losses.clear()
         self.grads_in.clear()
+        self.pending_w.clear()
 
 
 @dataclass
@@ -160,6 +162,15 @@ class CounterDataFeed(DataFeed):
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Route = Callable[[str, int, int], tuple[str, int]]
+
+
+def direct_route(kind: str, boundary: int, mb: int) -> tuple[str, int]:
+    """One stage per rank: a message travels on its own kind's channel, named by its microbatch."""
+    return kind, mb
+
+
+_NO_SPAN = contextlib.nullcontext()  # reentrant and reusable: the span of every action when no timeline records
 
 
 def no_range_push(name: str) -> None:
@@ -182,8 +193,11 @@ class Engine:
     def __init__(self, *, stages: list[LocalStage], program: list[tuple[int, Step]], transport: Transport,
                  optimizer: torch.optim.Optimizer, feed: DataFeed, microbatches: int, device: torch.device,
                  autocast_dtype: torch.dtype | None, timeline: Timeline | None = None,
-                 check_shapes: bool = True, loss_fn: LossFn = mse_loss) -> None:
+                 check_shapes: bool = True, loss_fn: LossFn = mse_loss, route: Route | None = None) -> None:
         self.stages = {s.index: s for s in stages}
+        #: (kind, boundary, mb) of a message to another rank -> the transport's (channel, id); by default the kind
+        #: and the microbatch (one stage per rank); pipeline/placement.py where a rank holds several stages
+        self._route = route or direct_route
         self.order = [s.index for s in stages]
         self.program = program
         self.transport = transport
@@ -209,11 +223,24 @@ class Engine:
         for s in self.order:  # a stage after a local one receives what that one hands on
             if s - 1 in self.stages:
                 self.stages[s].in_spec = self.stages[s - 1].out_spec
-        # The step after which each stage's gradients are final: arm the gradient sync just before it.
+        # The step after which each stage's gradients are final (the last B, or the last W where the backward is
+        # split): arm the gradient sync just before it.
         self._last_backward = {}
+        self._split = {s for s, step in program if step[0].op == "W"}
         for pos, (s, step) in enumerate(program):
-            if step[0].op == "B":
+            if step[0].op in ("B", "W"):
                 self._last_backward[s] = pos
+        self._params = {s: [p for p in self.stages[s].module.parameters() if p.requires_grad] for s in self.order}
+        # Host cost per step, hoisted here: consecutive steps of one stage form a run whose compute stream is entered
+        # once (one stage per rank: once per iteration), and the non-forward steps' autocast-off region is one
+        # object made once (fused_linear.AutocastOff), not a torch.autocast built and checked per step.
+        self._runs: list[tuple[LocalStage, list[tuple[int, Step]]]] = []
+        for pos, (s, step) in enumerate(program):
+            if not self._runs or self._runs[-1][0].index != s:
+                self._runs.append((self.stages[s], []))
+            self._runs[-1][1].append((pos, step))
+        self._no_autocast = (contextlib.nullcontext() if autocast_dtype is None
+                             else fused_linear.autocast_off(device.type))
 
     def set_ranges(self, push: Callable[[str], None], pop: Callable[[], None]) -> None:
         """Mark every step with `push(name)` before and `pop()` after it (host calls: eager iterations only)."""
@@ -233,7 +260,13 @@ class Engine:
     def _autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=enabled)
+        if not enabled:
+            return self._no_autocast
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _span(self, lane: str, label: str, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+        """The timeline's span of an action, or one shared no-op context when the timeline records nothing."""
+        return self.timeline.span(lane, label, stream) if self.timeline.enabled else _NO_SPAN
 
     # -- one iteration -------------------------------------------------------------------------------------
     def iteration(self) -> None:
@@ -253,21 +286,12 @@ class Engine:
         # (the weights only change in the optimizer step, after the region). Non-forward steps run in a nested
         # disabled region, which keeps the cache.
         with self._autocast():
-            for pos, (s, step) in enumerate(self.program):
-                stage = self.stages[s]
-                self.range_push(self._range_names[pos])
+            for stage, steps in self._runs:
                 with use(stage.stream):
-                    if step[0].op == "F":
-                        self._forward(stage, step[0].mb)
-                    else:
-                        with self._autocast(enabled=False):
-                            if step[0].op == "B":
-                                if self._last_backward[s] == pos:
-                                    stage.grad_sync.arm()
-                                self._backward(stage, step[0].mb)
-                            else:
-                                self._communicate(stage, step)
-                self.range_pop()
+                    for pos, step in steps:
+                        self.range_push(self._range_names[pos])
+                        self._step(stage, pos, step)
+                        self.range_pop()
         for s in self.order:
             stage = self.stages[s]
             with use(stage.stream):
@@ -284,12 +308,29 @@ class Engine:
         for stage in self.stages.values():
             stage.clear()
 
+    def _step(self, stage: LocalStage, pos: int, step: Step) -> None:
+        """Program step `pos` of `stage`, on its stream, inside the iteration's autocast region."""
+        op = step[0].op
+        if op == "F":
+            self._forward(stage, step[0].mb)
+            return
+        with self._no_autocast:
+            if op in ("B", "W"):
+                if self._last_backward[stage.index] == pos:
+                    stage.grad_sync.arm()
+                if op == "W":
+                    self._weight(stage, step[0].mb)
+                else:
+                    self._backward(stage, step[0].mb)
+            else:
+                self._communicate(stage, step)
+
     def _lane(self, s: int) -> str:
         return "compute" if len(self.order) == 1 else f"compute{s}"
 
     def _forward(self, stage: LocalStage, mb: int) -> None:
         x = self.feed.inputs[mb] if stage.is_first else stage.inputs[mb]
-        with self.timeline.span(self._lane(stage.index), f"F{mb}", stage.stream):
+        with self._span(self._lane(stage.index), f"F{mb}", stage.stream):
             out = stage.module(x)  # inside iteration()'s autocast region
         if self.check_shapes:
             self._check_output(stage, mb, out)
@@ -307,7 +348,7 @@ class Engine:
         a captured graph are sized by them)."""
         spec = stage.out_spec
         if spec.is_tensor and isinstance(out, torch.Tensor):
-            if tuple(out.shape) == spec.shape and out.dtype == spec.dtype:
+            if out.shape == spec.shape and out.dtype == spec.dtype:  # torch.Size compares with a tuple
                 return
             raise ConfigError(f"stage {stage.index} output changed between microbatches: microbatch {mb} gave "
                               f"{tuple(out.shape)} {out.dtype}, the first gave {spec.shape} {spec.dtype}")
@@ -317,48 +358,80 @@ class Engine:
                               f"{problem} (the first gave {spec.describe()})")
 
     def _backward(self, stage: LocalStage, mb: int) -> None:
-        with self.timeline.span(self._lane(stage.index), f"B{mb}", stage.stream):
-            if stage.is_last:
+        with self._span(self._lane(stage.index), f"B{mb}", stage.stream):
+            if stage.index in self._split:
+                self._backward_input(stage, mb)
+            elif stage.is_last:
                 stage.losses.pop(mb).backward()
             elif stage.out_spec.is_tensor:
                 torch.autograd.backward(stage.outputs[mb], grad_tensors=stage.grads_in[mb])
             else:
                 boundary.backward(stage.outputs[mb], stage.grads_in[mb], stage.out_spec)
         stage.outputs.pop(mb, None)
+        if stage.index not in self._split:  # else W still reads them
+            stage.grads_in.pop(mb, None)
+            self._release(stage, mb)
+
+    def _backward_input(self, stage: LocalStage, mb: int) -> None:
+        """B of a split backward: the input gradient now, the weight gradients left for W (split_backward.py)."""
+        if stage.is_last:
+            outs, grads = [stage.losses.pop(mb)], [None]
+        elif stage.out_spec.is_tensor:
+            outs, grads = [stage.outputs[mb]], [stage.grads_in[mb]]
+        else:
+            leaves = boundary.flatten(stage.outputs[mb])
+            outs = [leaves[i] for i in stage.out_spec.float_index]
+            grads = list(stage.grads_in[mb])
+        x = None if stage.is_first else stage.inputs.get(mb)
+        inputs = [] if x is None else ([x] if isinstance(x, torch.Tensor) else boundary.flatten(x))
+        stage.pending_w[mb] = split_backward.backward_input(outs, grads, inputs, self._params[stage.index])
+
+    def _weight(self, stage: LocalStage, mb: int) -> None:
+        """W of a split backward: the weight gradients B left; then the received slots are free."""
+        with self._span(self._lane(stage.index), f"W{mb}", stage.stream):
+            split_backward.backward_weight(stage.pending_w.pop(mb), self._params[stage.index])
         stage.grads_in.pop(mb, None)
-        # The backward consumed what this stage received for mb: a remote sender may reuse those slots.
+        self._release(stage, mb)
+
+    def _release(self, stage: LocalStage, mb: int) -> None:
+        """This stage no longer reads what it received for mb: a remote sender may reuse those slots."""
         if not stage.is_first and stage.index - 1 not in self.stages:
-            self.transport.release(ACT, mb)
+            self.transport.release(*self._route(ACT, stage.index - 1, mb))
         if not stage.is_last and stage.index + 1 not in self.stages:
-            self.transport.release(GRAD, mb)
+            self.transport.release(*self._route(GRAD, stage.index, mb))
 
     def _communicate(self, stage: LocalStage, step: Step) -> None:
         sends: list[tuple[str, int, torch.Tensor]] = []
         recvs: list[tuple[str, int]] = []
+        takers: list[tuple[LocalStage, str, int]] = []  # who takes each receive
         for a in step:
+            own = stage if a.stage < 0 else self.stages[a.stage]  # a rank's group may hold several stages' actions
             kind = ACT if a.op in ("SA", "RA") else GRAD
-            peer = stage.index + (1 if a.op in ("SA", "RG") else -1)
+            forward = a.op in ("SA", "RG")
+            peer = own.index + (1 if forward else -1)
             if peer in self.stages:
                 if a.op in ("RA", "RG"):
-                    self._receive_local(stage, self.stages[peer], kind, a.mb)
+                    self._receive_local(own, self.stages[peer], kind, a.mb)
                 continue  # a local send is the producer's work already queued on its stream
+            channel, ident = self._route(kind, own.index if forward else own.index - 1, a.mb)
             if a.op == "SA":
-                sends.append((ACT, a.mb, self._act_message(stage, a.mb)))
+                sends.append((channel, ident, self._act_message(own, a.mb)))
             elif a.op == "SG":
-                sends.append((GRAD, a.mb, self._grad_message(stage, a.mb)))
+                sends.append((channel, ident, self._grad_message(own, a.mb)))
             else:
-                recvs.append((kind, a.mb))
+                recvs.append((channel, ident))
+                takers.append((own, kind, a.mb))
         if not sends and not recvs:
             return
         observer = self.exchange_observer
-        with self.timeline.span("p2p", step_str(step), stage.stream):
+        with self._span("p2p", step_str(step) if self.timeline.enabled else "", stage.stream):
             if observer is not None:
                 observer.on_exchange(sends, recvs)
             received = self.transport.exchange(sends, recvs)
             if observer is not None:
                 observer.after_exchange(sends, recvs, received)
-        for (kind, mb), tensor in zip(recvs, received):
-            self._accept(stage, kind, mb, tensor)
+        for (own, kind, mb), tensor in zip(takers, received):
+            self._accept(own, kind, mb, tensor)
 
     @staticmethod
     def _act_message(stage: LocalStage, mb: int) -> torch.Tensor:

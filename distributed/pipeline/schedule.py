@@ -1,14 +1,16 @@
 """Pipeline schedules as data, and a validator that runs them against each other without running a model.
 
 A schedule gives each stage a program: an ordered list of steps. A step is one compute action (F = forward,
-B = backward of a microbatch) or a group of communication actions posted together (SA/RA = send/receive an
-activation to/from the next/previous stage, SG/RG = send/receive a gradient to/from the previous/next stage).
+B = backward of a microbatch; with a split backward B = input gradient and W = weight gradient) or a group
+of communication actions posted together (SA/RA = send/receive an activation to/from the next/previous stage,
+SG/RG = send/receive a gradient to/from the previous/next stage).
 Written like "F3" or "SA3+RG1". Posting a send and a receive to the same neighbour as one group is what keeps
 two neighbours that send to each other in the same step from deadlocking on a rendezvous transport (NCCL).
 
 `simulate` plays all programs against each other with a transport model: rendezvous (a send completes only
 together with its receive) or a ring of K slots per edge and direction (a send waits for a free slot; the
-receiver frees it after the backward that used the message). It returns one valid global order of steps (the
+receiver frees it after the backward that used the message, or after its W where the backward is split: W still
+reads the received tensors). It returns one valid global order of steps (the
 single-device engine issues work in that order) or raises `ScheduleError` with a table of steps x stages that
 marks where each stage is stuck.
 """
@@ -18,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from peerline.distributed.config import ConfigError
+from peerline.distributed.pipeline import timed
 
-COMPUTE = ("F", "B")
+COMPUTE = ("F", "B", "W")
 COMM = ("SA", "RA", "SG", "RG")
 
 
@@ -29,11 +32,12 @@ class ScheduleError(ConfigError):
 
 @dataclass(frozen=True, slots=True, order=True)
 class Action:
-    op: str  # F, B, SA, RA, SG, RG
+    op: str  # F, B, W, SA, RA, SG, RG
     mb: int
+    stage: int = -1  # the global stage it belongs to, in a rank's program of several stages (-1: the step's)
 
     def __str__(self) -> str:
-        return f"{self.op}{self.mb}"
+        return f"{self.op}{self.mb}" if self.stage < 0 else f"{self.op}{self.mb}@{self.stage}"
 
 
 Step = tuple[Action, ...]  # one compute action, or a group of communication actions posted together
@@ -103,7 +107,42 @@ def one_f_one_b(stage: int, n_stages: int, m: int) -> list[Step]:
     return steps
 
 
-SCHEDULE_BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def with_messages(stage: int, n_stages: int, order: list[tuple[str, int]]) -> list[Step]:
+    """A stage's compute order with its messages: between two computes one group of the sends of the first
+    (SA after F, SG after B) and the receives of the second (RA before F, RG before B), posted together."""
+    first, last = stage == 0, stage == n_stages - 1
+
+    def sends(op: str, mb: int) -> list[Action]:
+        if op == "F" and not last:
+            return [Action("SA", mb)]
+        return [Action("SG", mb)] if op == "B" and not first else []
+
+    def recvs(op: str, mb: int) -> list[Action]:
+        if op == "F" and not first:
+            return [Action("RA", mb)]
+        return [Action("RG", mb)] if op == "B" and not last else []
+
+    steps: list[Step] = []
+    before: list[Action] = []
+    for op, mb in order:
+        steps += _comm(*before, *recvs(op, mb))
+        steps.append((Action(op, mb),))
+        before = sends(op, mb)
+    return steps + _comm(*before)
+
+
+def zb_h1(stage: int, n_stages: int, m: int) -> list[Step]:
+    """Zero bubble H1: 1F1B's forwards and input-gradient passes B, the weight-gradient passes W deferred into the
+    waits (timed.py: at most n_stages deferred per stage, 1F1B's activations in flight)."""
+    return with_messages(stage, n_stages, _zb_h1_orders(n_stages, m)[stage])
+
+
+def _zb_h1_orders(n_stages: int, m: int) -> list[list[tuple[str, int]]]:
+    return timed.compute_orders(n_stages, m, split=True, f_limit=lambda s: n_stages - s,
+                                w_limit=lambda s: n_stages)
+
+
+SCHEDULE_BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}
 
 
 def build(schedule: str, n_stages: int, m: int) -> list[list[Step]]:
@@ -113,13 +152,21 @@ def build(schedule: str, n_stages: int, m: int) -> list[list[Step]]:
     if schedule == "1f1b" and m < n_stages:
         raise ScheduleError(f"1f1b needs at least as many microbatches as stages: M={m} < {n_stages} stages "
                             f"(use --microbatches {n_stages} or more, or --schedule gpipe)")
+    if schedule == "zb-h1":
+        return [with_messages(s, n_stages, order) for s, order in enumerate(_zb_h1_orders(n_stages, m))]
     return [SCHEDULE_BUILDERS[schedule](s, n_stages, m) for s in range(n_stages)]
 
 
+def splits_backward(programs: list[list[Step]]) -> bool:
+    """Whether the programs run W steps (the backward split into B and W)."""
+    return any(step[0].op == "W" for p in programs for step in p)
+
+
 def check_program(stage: int, n_stages: int, m: int, steps: list[Step]) -> None:
-    """Local rules of one stage's program: every microbatch once forward, once backward, in order with its
-    messages."""
+    """Local rules of one stage's program: every microbatch once forward, once backward (and once W, after its
+    B, in a program that splits the backward), in order with its messages."""
     first, last = stage == 0, stage == n_stages - 1
+    split = any(step[0].op == "W" for step in steps)
     seen: dict[Action, int] = {}
     for i, step in enumerate(steps):
         ops = {a.op for a in step}
@@ -137,11 +184,12 @@ def check_program(stage: int, n_stages: int, m: int, steps: list[Step]) -> None:
         def at(op: str, mb: int = mb) -> int | None:
             return seen.get(Action(op, mb))
 
-        need = ["F", "B"] + ([] if first else ["RA", "SG"]) + ([] if last else ["SA", "RG"])
+        need = ["F", "B"] + (["W"] if split else []) + ([] if first else ["RA", "SG"]) + \
+            ([] if last else ["SA", "RG"])
         for op in need:
             if at(op) is None:
                 raise ScheduleError(f"stage {stage}: microbatch {mb} has no {op}")
-        order = [("F", "B")] + ([] if first else [("RA", "F"), ("B", "SG")]) + \
+        order = [("F", "B")] + ([("B", "W")] if split else []) + ([] if first else [("RA", "F"), ("B", "SG")]) + \
             ([] if last else [("F", "SA"), ("RG", "B")])
         for a, b in order:
             if at(a) >= at(b):
@@ -181,6 +229,8 @@ class _Simulation:
         self.alive: dict[tuple[int, str], int] = {}  # (receiver stage, kind) -> messages occupying a slot
         self.holding: list[set[tuple[str, int]]] = [set() for _ in range(n)]  # received, not released
         self.order: list[tuple[int, Step]] = []
+        # the step after which a stage no longer reads what it received for a microbatch: W where it splits
+        self.release_op = ["W" if any(step[0].op == "W" for step in p) else "B" for p in programs]
 
     def current(self, stage: int) -> Step | None:
         return self.programs[stage][self.pcs[stage]] if self.pcs[stage] < len(self.programs[stage]) else None
@@ -194,7 +244,7 @@ class _Simulation:
         if step is None:
             return False
         if step[0].op in COMPUTE:
-            if step[0].op == "B":  # the backward consumed what this stage received for mb: release the slots
+            if step[0].op == self.release_op[s]:  # what this stage received for mb is consumed: free its slots
                 self._release(s, step[0].mb)
             self._complete(s, step)
             return True
@@ -254,7 +304,8 @@ def simulate(programs: list[list[Step]], capacity: int | None = None) -> list[tu
 
     capacity None: rendezvous (a send completes only with its matching receive, both posted). capacity K: a send
     completes when fewer than K messages of its kind are alive on its edge; a message stays alive from its send
-    until the receiver's backward of that microbatch (the consumer releases its slot then).
+    until the receiver's backward of that microbatch, or its W where the backward is split (the consumer releases
+    its slot then).
     """
     n = len(programs)
     m = 1 + max((a.mb for p in programs for s in p for a in s), default=0)
@@ -285,7 +336,8 @@ def min_capacity(programs: list[list[Step]], limit: int = 64) -> int:
     raise ScheduleError(f"schedule needs more than {limit} slots per edge")
 
 
-LEGEND = ("legend: Fn / Bn forward / backward of microbatch n; a+b posted together;\n"
+LEGEND = ("legend: Fn / Bn forward / backward of microbatch n (Bn: input gradient where Wn follows);\n"
+          "        Wn weight gradient of microbatch n; a+b posted together;\n"
           "        SAn / RAn send its activation to the next / receive it from the previous stage;\n"
           "        SGn / RGn send its gradient to the previous / receive it from the next stage")
 

@@ -20,11 +20,13 @@ and dicts, nothing that executes. Every failure is a `CheckpointError` with one 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import random
+import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -161,17 +163,40 @@ def save_checkpoint(root: str | os.PathLike, rank: int, iteration: int, stage_st
         atomic_write(path, lambda f: torch.save(payload, f))
         digest = _sha256(path)
         atomic_write(path.with_suffix(".sha256"), lambda f: f.write(f"{digest}  {path.name}\n".encode()))
-    except OSError as exc:
-        raise CheckpointError(f"cannot write checkpoint {d}: {_oneline(exc)}") from None
+    except (OSError, RuntimeError) as exc:  # torch.save's zip writer reports a full disk as a RuntimeError
+        raise write_error(d, iteration, exc) from None
     if barrier is not None:
         barrier()
     if rank == 0:
         try:
-            atomic_write(root / LATEST, lambda f: f.write(f"{iteration}\n".encode()))
+            write_latest(root, iteration)
         except OSError as exc:
-            raise CheckpointError(f"cannot write {root / LATEST}: {_oneline(exc)}") from None
+            raise write_error(root, iteration, exc) from None
         log.info("checkpoint of iteration %d written to %s", iteration, d)
     return d
+
+
+def write_latest(root: str | os.PathLike, iteration: int) -> None:
+    """`root/latest` names `iteration` (atomically): the newest complete checkpoint."""
+    atomic_write(Path(root) / LATEST, lambda f: f.write(f"{iteration}\n".encode()))
+
+
+#: Free bytes under which a failed write is taken for a full disk (torch.save's zip writer hides the errno).
+FULL_DISK_BYTES = 1 << 20
+
+
+def write_error(folder: Path, iteration: int, exc: BaseException) -> CheckpointError:
+    """One line for a failed checkpoint write: a full disk is named as such, whatever exception reported it."""
+    full = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    if not full and not isinstance(exc, OSError):
+        probe = folder if folder.exists() else folder.parent
+        try:
+            full = shutil.disk_usage(probe).free < FULL_DISK_BYTES
+        except OSError:
+            full = False
+    if full:
+        return CheckpointError(f"no space left on {folder} while saving checkpoint {iteration}")
+    return CheckpointError(f"cannot write checkpoint {folder} of iteration {iteration}: {_oneline(exc)}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -202,8 +227,11 @@ def _resolve(root: str | os.PathLike, iteration: int | None) -> tuple[Path, int]
             pass
     if iteration is None:
         iteration = latest_iteration(path)
-        if iteration is None:
-            raise CheckpointError(f"no checkpoint in {path} (no '{LATEST}' file)")
+    if iteration is None:  # no `latest`: the newest checkpoint folder (resume verifies it: checkpoint_store.py)
+        found = sorted(int(p.name[len("iter_"):]) for p in path.glob("iter_*") if p.name[len("iter_"):].isdigit())
+        if not found:
+            raise CheckpointError(f"no checkpoint in {path}")
+        iteration = found[-1]
     return path, iteration
 
 
@@ -251,16 +279,7 @@ def load_checkpoint(root: str | os.PathLike, rank: int, expected_manifest: Mappi
     diff = compare_manifest(manifest, expected_manifest)
     if diff:
         raise CheckpointError(f"checkpoint {iteration_dir(root, iteration)} does not match this run: {diff}")
-    path = rank_file(root, iteration, rank)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint file {path} is missing")
-    digest_file = path.with_suffix(".sha256")
-    try:
-        want = digest_file.read_text().split()[0]
-    except (OSError, IndexError, UnicodeDecodeError):
-        raise CheckpointError(f"checkpoint checksum {digest_file} is missing or unreadable") from None
-    if _sha256(path) != want:
-        raise CheckpointError(f"checkpoint file {path} is corrupt or was modified (SHA-256 mismatch)")
+    path = verify_rank_file(root, iteration, rank)
     try:
         # weights_only: only tensors and plain containers are rebuilt; a pickle that names a callable is refused.
         data = torch.load(path, map_location="cpu", weights_only=True)
@@ -270,6 +289,24 @@ def load_checkpoint(root: str | os.PathLike, rank: int, expected_manifest: Mappi
     _check_payload(path, data, rank, iteration)
     return CheckpointState(iteration=iteration, model=data["model"], optimizer=data["optimizer"], rng=data["rng"],
                            manifest=manifest, extra=data.get("extra") or {})
+
+
+def verify_rank_file(root: str | os.PathLike, iteration: int, rank: int) -> Path:
+    """This rank's file of the checkpoint, present and equal to its recorded SHA-256; else one-line
+    CheckpointError."""
+    path = rank_file(root, iteration, rank)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    digest_file = path.with_suffix(".sha256")
+    try:
+        want, named = digest_file.read_text().split()[:2]
+    except (OSError, ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"checkpoint checksum {digest_file} is missing or unreadable") from None
+    if named != path.name:  # the file and its checksum moved together from another rank's name
+        raise CheckpointError(f"checkpoint checksum {digest_file} is the checksum of {named}, not of {path.name}")
+    if _sha256(path) != want:
+        raise CheckpointError(f"checkpoint file {path} is corrupt or was modified (SHA-256 mismatch)")
+    return path
 
 
 def _check_payload(path: Path, data: Any, rank: int, iteration: int) -> None:

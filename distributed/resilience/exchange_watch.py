@@ -5,16 +5,26 @@ rank it tells the watchdog what the exchange waits for. On the CPU a receive blo
 is what a timeout names. On a GPU the host only queues the wait and moves on; so after each receive an event is
 recorded on the stream that waits (external events: they become graph nodes under capture, and replays record
 them again), and at a timeout `describe_stall` names the first receive whose event has not completed: the edge and
-microbatch the device is stuck on.
+microbatch the device is stuck on. The count of those events the device has passed is the watchdog's progress
+probe: a long iteration of quick handoffs is progress, not a hang.
+
+`name_collective_waits` names the other waits of an iteration for the watchdog (the data-parallel gradient
+all-reduce, with the replicas' ranks), and `attach_heartbeat` gives the watchdog every rank's beats (heartbeat.py)
+so its line names the rank that stopped.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from peerline.distributed.p2p.base import ACT, Links
+from peerline.distributed.p2p.edges import host_of
+from peerline.distributed.resilience.heartbeat import Heartbeat
 from peerline.distributed.resilience.watchdog import Watchdog, describe_edge
 
 
@@ -47,17 +57,29 @@ class ExchangeWatch:
                     return f"{desc} (the device is stuck there)"
         return None
 
+    def passed(self) -> int:
+        """How many of this iteration's receives the device has got past (the watchdog's progress probe)."""
+        if not self._order:
+            return 0
+        with torch.cuda.device(self._device) if self._device is not None else contextlib.nullcontext():
+            return sum(1 for event, _ in self._order if event.query())
+
     # -- the engine's exchange observer ------------------------------------------------------------------------
     def on_exchange(self, sends: list[tuple[str, int, torch.Tensor]], recvs: list[tuple[str, int]]) -> None:
         """Name what the exchange about to be posted waits for."""
         self._receiving = [self._describe(kind, mb, False) for kind, mb in recvs]
         parts = self._receiving + [self._describe(kind, mb, True) for kind, mb, _t in sends]
-        if parts:
-            self.watchdog.waiting_for(", ".join(parts))
+        if parts and self.watchdog is not None:
+            peers = {self.links.peer(kind, False) for kind, _ in recvs} | {self.links.peer(kind, True)
+                                                                          for kind, _, _ in sends}
+            self.watchdog.waiting_for(", ".join(parts), ranks=sorted(p for p in peers if p is not None))
 
     def after_exchange(self, sends: list[tuple[str, int, torch.Tensor]], recvs: list[tuple[str, int]],
                        received: list[torch.Tensor]) -> None:
-        """Record an arrival event after each receive on a GPU (what `describe_stall` queries)."""
+        """The exchange is done on the host (progress); on a GPU, record an arrival event after each receive (what
+        `describe_stall` queries)."""
+        if self.watchdog is not None:
+            self.watchdog.progress()
         if not received or not received[0].is_cuda:
             return
         if self._stale:
@@ -78,3 +100,43 @@ class ExchangeWatch:
         there = here - 1 if (kind == ACT) != sending else here + 1
         peer = self.links.peer(kind, sending) if self.links is not None else "?"
         return describe_edge(kind, mb, peer, here, there, sending=sending)
+
+
+def name_collective_waits(engine: Any, watchdog: Watchdog, mesh: Any) -> None:
+    """Name the gradient all-reduce's host wait for the watchdog (the replicas' ranks), and count its end as
+    progress: each local stage's grad sync `finish` is wrapped (on a GPU it only orders streams: no host wait)."""
+    if mesh.dp == 1:
+        return
+    for stage in engine.stages.values():
+        sync = stage.grad_sync
+        replicas = [r for r in mesh.dp_ranks(mesh.stage) if r != mesh.rank]
+        desc = (f"the gradient all-reduce of stage {stage.index} with "
+                f"{', '.join(f'rank {r} (replica {r // mesh.pp})' for r in replicas)}")
+        sync.finish = _named(sync.finish, watchdog, desc, replicas)
+
+
+def _named(wait: Callable[[], None], watchdog: Watchdog, desc: str, ranks: list[int]) -> Callable[[], None]:
+    def finish() -> None:
+        watchdog.waiting_for(desc, ranks=ranks)
+        wait()
+        watchdog.progress()
+    return finish
+
+
+def attach_heartbeat(watchdog: Watchdog, mesh: Any, device: torch.device) -> None:
+    """Publish this rank's beats through the process group's store and let the watchdog read everyone's (nothing
+    for one process); on a GPU the beats carry the peak device memory, and device progress is probed."""
+    if not dist.is_initialized() or mesh.world_size == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    watchdog.heartbeat = Heartbeat(store, mesh.rank, mesh.world_size, lambda r: describe_rank(r, mesh.pp))
+    if device.type == "cuda":
+        watchdog.memory = lambda: torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def describe_rank(rank: int, pp: int) -> str:
+    """'rank 3 (stage 1)', with the replica when there are several: 'rank 3 (stage 1, replica 1)', and its host
+    when the job spans several: 'rank 3 (stage 1, replica 1, on node2)'."""
+    host = host_of(rank)
+    return (f"rank {rank} (stage {rank % pp}" + (f", replica {rank // pp}" if rank >= pp else "")
+            + (f", on {host})" if host else ")"))

@@ -31,18 +31,19 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from peerline.distributed.config import ConfigError
+from peerline.distributed.config import ConfigError, ReportedElsewhere
 from peerline.distributed.hooks import IterationHooks, IterationStats
 from peerline.distributed.resilience import checkpoint as ckpt
+from peerline.distributed.resilience import checkpoint_store as ckpt_store
 from peerline.distributed.resilience import faults as faults_mod
-from peerline.distributed.resilience.exchange_watch import ExchangeWatch
+from peerline.distributed.resilience.exchange_watch import ExchangeWatch, attach_heartbeat, name_collective_waits
 from peerline.distributed.resilience.nonfinite import NonFiniteGuard, NonFiniteLossError, check_finite
+from peerline.distributed.resilience.oom import is_oom, oom_line, peaks_by_rank
 from peerline.distributed.resilience.watchdog import Watchdog
 from peerline.distributed.streams import use
 
@@ -70,6 +71,7 @@ class Failsafe(IterationHooks):
         self.stage = self.stage_ids[0] if len(self.stage_ids) == 1 else None
         self.holds_last = any(s.is_last for s in engine.stages.values())
         self._peers = _describe_peers(rt.mesh)
+        self._peer_ranks = _peer_ranks(rt.mesh)
         self.manifest = ckpt.build_manifest(self.cfg, self.world)
         # Resolved values, not the flags' defaults: pp=None means world/dp, dtype=None depends on the device.
         self.manifest["grid"]["pp"] = rt.mesh.pp
@@ -98,8 +100,13 @@ class Failsafe(IterationHooks):
 
     def setup(self) -> None:
         """Check --save, load --resume (every rank agreeing), plug in, start the watchdog."""
-        if self.save_dir:
-            self._agree(lambda: ckpt.check_writable(self.save_dir), "write its checkpoint directory")
+        try:  # every rank checks alike: rank 0 prints the line
+            faults_mod.check_targets(self.faults.faults, self.world, self.rt.mesh.pp * self.cfg.stages)
+        except ConfigError as exc:
+            raise exc if self.rank == 0 else ReportedElsewhere(str(exc)) from None
+        if self.save_dir:  # writable, locked, no leftovers; a fresh run refuses a folder of checkpoints
+            self._agree(lambda: ckpt_store.prepare_save_dir(self.save_dir, self.rank, bool(self.resume_dir)),
+                        "write its checkpoint directory")
         if self.resume_dir:
             with use(self.rt.engine.main_stream):  # the copies of the loaded state onto the device
                 self._agree(self._resume, "load the checkpoint")
@@ -139,13 +146,11 @@ class Failsafe(IterationHooks):
             raise ConfigError(f"rank {', '.join(map(str, failed))} could not {what} (see its error)")
 
     def _resume(self) -> None:
-        root = Path(self.resume_dir)
-        own = self.save_dir is not None and root.resolve() == Path(self.save_dir).resolve()
-        if own and (not root.is_dir() or ckpt.latest_iteration(root) is None):
-            # Resuming from our own save directory before anything was saved: a fresh start (this is what a
-            # launcher restart with the same command line sees on its first attempt).
+        # The newest checkpoint that verifies on every rank (checkpoint_store.py); None: a fresh start, resuming
+        # from our own still empty save directory (what a launcher restart's first attempt sees).
+        state = ckpt_store.resume(self.resume_dir, self.save_dir, self.rank, self.world, self.manifest, self._say)
+        if state is None:
             return
-        state = ckpt.load_checkpoint(root, self.rank, self.manifest)
         engine = self.rt.engine
         for sid in self.stage_ids:
             prefix = f"s{sid}."
@@ -158,6 +163,7 @@ class Failsafe(IterationHooks):
             engine.optimizer.load_state_dict(state.optimizer)
         except (ValueError, KeyError, RuntimeError) as exc:
             raise ckpt.CheckpointError(f"checkpoint optimizer state does not fit: {exc}".splitlines()[0]) from None
+        ckpt_store.use_run_lr(engine.optimizer, self.cfg.lr, self._say)
         self.rt.iteration = state.iteration
         self.last_saved = state.iteration
 
@@ -174,8 +180,13 @@ class Failsafe(IterationHooks):
         self._installed = True
         engine = self.rt.engine
         engine.exchange_observer = self.watch
-        # At a timeout, the receive the device is stuck on (edge and microbatch) refines the line.
+        # At a timeout, the receive the device is stuck on (edge and microbatch) refines the line; the receives
+        # the device passes are progress; every rank's beats name the rank that stopped.
         self.watchdog.set_probe(self.watch.describe_stall)
+        if self.rt.device.type == "cuda":
+            self.watchdog.set_progress_probe(self.watch.passed)
+        name_collective_waits(engine, self.watchdog, self.rt.mesh)
+        attach_heartbeat(self.watchdog, self.rt.mesh, self.rt.device)
         if self.faults.needs_eager():
             # The NaN hook decides per iteration on the host; a graph replay would not run it.
             self.rt.graphs.disable("CUDA graph off: PEERLINE_FAULT injects NaN, which needs eager iterations")
@@ -204,21 +215,23 @@ class Failsafe(IterationHooks):
         self.current = n
         self.watchdog.iteration_started(n)
         self.watch.new_iteration()
+        if self.faults:  # before the wait below: a rank hung here waits for nobody
+            self.faults.before_iteration(self.rank, self.stage, n)
         # A GPU rank can block inside the iteration (a full launch queue behind a stream waiting on a peer): name
         # the peers from the start, so that timeout too points at the rank that was lost.
-        self.watchdog.waiting_for(f"iteration {n} to finish ({self._peers})")
+        self.watchdog.waiting_for(f"iteration {n} to finish ({self._peers})", ranks=self._peer_ranks)
         with use(self.rt.engine.main_stream):
             # Set, not only counted on the device: graph capture may run the step's hooks more than once.
             self.guard.count.fill_(n - 1)
-        if self.faults:
-            self.faults.before_iteration(self.rank, self.stage, n)
 
     def after_iteration(self, n: int) -> None:
         """Iteration `n` has been issued (on a GPU it may still be running)."""
         self.watchdog.iteration_done()
         # On a GPU the host has only issued the iteration; what it waits for next is the device, which waits on
         # the peers: name them, so a timeout there still points at the rank that was lost.
-        self.watchdog.waiting_for(f"the device to finish iteration {n} ({self._peers})")
+        # On the CPU the next wait is the loss read, an all-reduce over every rank (on logged iterations).
+        self.watchdog.waiting_for(f"the device to finish iteration {n} ({self._peers}), or the loss all-reduce "
+                                  "with every rank", ranks=[r for r in range(self.world) if r != self.rank])
         if self.save_dir and self.save_every and n % self.save_every == 0:
             self.save(n)
 
@@ -262,7 +275,8 @@ class Failsafe(IterationHooks):
         if dist.is_initialized() and self.world > 1:
             def barrier() -> None:
                 # Writing is exempt from the deadline, waiting for the other ranks is not.
-                self.watchdog.waiting_for(f"the other ranks to finish writing the checkpoint of iteration {n}")
+                self.watchdog.waiting_for(f"the other ranks to finish writing the checkpoint of iteration {n}",
+                                          ranks=[r for r in range(self.world) if r != self.rank])
                 self.watchdog.arm()
                 dist.barrier()
         with self.watchdog.suspended(), use(engine.main_stream):
@@ -270,6 +284,8 @@ class Failsafe(IterationHooks):
                 torch.cuda.synchronize(self.rt.device)
             ckpt.save_checkpoint(self.save_dir, self.rank, n, model, engine.optimizer.state_dict(),
                                  ckpt.capture_rng(self.rt.device), self.manifest, barrier=barrier)
+            if self.rank == 0:
+                ckpt_store.prune(self.save_dir, self.cfg.keep)  # --keep N: the newest N stay
         self.last_saved = n
         self._say(f"saved checkpoint of iteration {n} to {self.save_dir}")
 
@@ -317,6 +333,10 @@ class Failsafe(IterationHooks):
                 # that could not be written): the others are waiting for it, so a clean shutdown could hang. One
                 # line, exit 2, now; the others end by their own error or deadline.
                 self.watchdog.fatal(str(exc), 2)
+            elif is_oom(exc):  # one line: the rank, what it allocated, every rank's peak, the flags that help
+                during = f"iteration {self.current} ({self.watchdog.description()})"
+                peaks = peaks_by_rank(self.watchdog, self.rank, self.rt.device)
+                self.watchdog.fatal(oom_line(exc, self.watchdog.who, during, peaks, self.cfg), 1)
             elif isinstance(exc, Exception):  # a communication failure: one line naming the wait, exit 1
                 self.watchdog.fail(exc)
         finally:
@@ -326,6 +346,14 @@ class Failsafe(IterationHooks):
         """Stop the watchdog (training is over)."""
         self._finished = True
         self.watchdog.stop()
+        if self.save_dir and self.rank == 0:
+            ckpt_store.release_lock(self.save_dir)
+
+
+def _peer_ranks(mesh: Any) -> list[int]:
+    """The ranks this rank's iteration waits on: its pipeline neighbours and its replicas."""
+    near = [r for r in (mesh.prev_rank, mesh.next_rank) if r is not None]
+    return sorted(set(near) | {r for r in mesh.dp_ranks(mesh.stage) if r != mesh.rank})
 
 
 def _describe_peers(mesh: Any) -> str:

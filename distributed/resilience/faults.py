@@ -15,10 +15,12 @@ of a kill (default 9); `attempt=` the launcher restart count at which it fires (
 attempt).
 
 A bad specification raises `FaultSpecError` (a ConfigError) with one line naming the bad part; the entry point
-prints it and exits 2. The engine calls `before_iteration(rank, stage, it)` at each iteration boundary and
-passes each stage output of the forward through `poison_output(stage, it, tensor)`; with no faults both cost
-one attribute lookup. A NaN fault changes what an iteration computes, so a run with one must not replay a CUDA
-graph captured before the fault's iteration: `active().needs_eager()` tells the runtime.
+prints it and exits 2. So does a fault aimed at a rank the job does not have (`active()` checks the launcher's
+world size) or at a stage it does not have (`check_targets`, once the grid is known). The engine calls
+`before_iteration(rank, stage, it)` at each iteration boundary and passes each stage output of the forward through
+`poison_output(stage, it, tensor)`; with no faults both cost one attribute lookup. A NaN fault changes what an
+iteration computes, so a run with one must not replay a CUDA graph captured before the fault's iteration:
+`active().needs_eager()` tells the runtime.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 
 from peerline import overrides
 from peerline.distributed.config import ConfigError
+from peerline.distributed.env import launch_rank_world
 
 log = logging.getLogger(__name__)
 
@@ -199,11 +202,26 @@ _ACTIVE: Faults | None = None
 
 
 def active() -> Faults:
-    """The faults of this process, parsed from PEERLINE_FAULT on first use (FaultSpecError if malformed)."""
+    """The faults of this process, parsed from PEERLINE_FAULT on first use (FaultSpecError if malformed or aimed at
+    a rank beyond the launcher's world size)."""
     global _ACTIVE
     if _ACTIVE is None:
-        _ACTIVE = Faults.from_env()
+        faults = Faults.from_env()
+        check_targets(faults.faults, launch_rank_world()[1])
+        _ACTIVE = faults
     return _ACTIVE
+
+
+def check_targets(faults: list[Fault], world_size: int, n_stages: int | None = None) -> None:
+    """Each fault's rank (and stage, when the grid is known) exists in this job: a fault that can never fire is a
+    mistake in the test, not a run without faults."""
+    for f in faults:
+        if f.rank is not None and f.rank >= world_size:
+            raise FaultSpecError(f"{ENV}: {f.kind} aims at rank {f.rank}, but the job has {world_size} rank(s) "
+                                 f"(0..{world_size - 1})")
+        if f.stage is not None and n_stages is not None and f.stage >= n_stages:
+            raise FaultSpecError(f"{ENV}: {f.kind} aims at stage {f.stage}, but the pipeline has {n_stages} "
+                                 f"stage(s) (0..{n_stages - 1})")
 
 
 def reset(faults: Faults | None = None) -> None:

@@ -7,22 +7,28 @@ such a rank. So one daemon thread per rank watches the iterations:
 
   wd = Watchdog(rank, stage, timeout_s).start()
   for it in ...:
-      wd.waiting_for("act mb 3 from rank 0 (edge stage 0->1)")   # cheap: one attribute store, no lock
-      ...
-      wd.iteration_done()                                         # restarts the deadline
+      wd.waiting_for("act mb 3 from rank 0 (edge stage 0->1)", ranks=(0,))   # cheap: attribute stores, no lock
+      ...                                                                     # the handoff completes:
+      wd.progress()                                                           # restarts the deadline
+      wd.iteration_done()                                                     # restarts it too
 
-If no iteration finishes within `timeout_s` of the previous one (or of `arm()`), the thread writes ONE line
+The deadline is on progress, not on whole iterations: if no handoff, collective or iteration completes within
+`timeout_s` of the last one (or of `arm()`), however long the iteration, the thread writes ONE line
 
-  peerline: error: rank R (stage S) timed out after T s waiting for <desc>
+  peerline: error: rank R (stage S) timed out after T s waiting for <desc>; <who stopped>
 
 to stderr and ends the process with `os._exit(3)` (a hard exit: the main thread may be stuck inside a C call).
-The description names the peer rank, so the line of a survivor names the rank that was lost. The other ranks time
-out the same way, or torch.distributed's own timeout (set to the same deadline) raises: `fail(exc)` turns such an
-exception into the same kind of line and exit.
+The description names what this rank waits for; `<who stopped>` comes from every rank's progress in the store
+(heartbeat.py: the thread publishes this rank's each poll), so with dp > 1 a rank waiting in the all-reduce names
+the rank that hung, not the replica it waits with. On a GPU the host does not see handoffs complete: a progress
+probe (the count of arrival events the device has passed) counts as progress too. The other ranks time out the same
+way, or torch.distributed's own timeout (a little longer) raises: `fail(exc)` turns such an exception into the same
+kind of line and exit.
 
 Work that legitimately takes longer than an iteration (kernel compilation, CUDA-graph capture, a checkpoint save)
 runs inside `with wd.suspended():`. `install_signal_handlers()` also turns the SIGTERM a launcher sends when
-another rank failed (torchrun, mpirun, srun) into one line, even while the main thread is blocked in C code.
+another rank failed (torchrun, mpirun, srun), and SIGHUP and SIGINT, into one line, even while the main thread is
+blocked in C code; the line says whether any rank had stopped.
 """
 
 from __future__ import annotations
@@ -37,12 +43,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
+
+from peerline.distributed.resilience.heartbeat import Beat
 
 log = logging.getLogger(__name__)
 
 EXIT_TIMEOUT = 3  # the watchdog's deadline passed
 EXIT_FAILED = 1  # a communication error or other exception ended the rank
 EXIT_SIGNAL = 128 + signal.SIGTERM  # the launcher ended the rank (as a shell reports SIGTERM)
+LINGER_S = 3.0  # how long a failing rank 0 keeps the rendezvous store up for the others' diagnosis
 
 
 class Watchdog:
@@ -66,6 +76,15 @@ class Watchdog:
         self._armed_at: float | None = None
         self._suspend_depth = 0
         self._probe: Callable[[], str | None] | None = None
+        self._waiting_on: tuple[int, ...] | None = None  # the ranks the current wait is on; None: in no wait
+        self._last_progress = clock()
+        self._progress_probe: Callable[[], int] | None = None
+        self._probed_progress: int | None = None
+        self.heartbeat: Any | None = None  # heartbeat.Heartbeat: publishes this rank's beats, names who stopped
+        self.memory: Callable[[], float | None] | None = None  # this rank's peak device memory, GiB
+        self._publishing: threading.Thread | None = None
+        self.verdict: str | None = None  # another rank's diagnosis, cached from the store (heartbeat.py)
+        self._store_failed = False
         self._fired = threading.Lock()  # taken once: the first failure reported wins, later ones stay silent
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -73,6 +92,9 @@ class Watchdog:
         self._wake_w: int | None = None
         self._old_wakeup = -1
         self._old_handlers: dict[int, object] = {}
+        #: Consulted first for each signal the thread reads: True means it was handled elsewhere (a preemption
+        #: request, resilience/preemption.py), so the watchdog neither reports it nor ends the process.
+        self.signal_filter: Callable[[int], bool] | None = None
 
     # ----------------------------------------------------------------------------------------------------------
     # what the engine calls
@@ -83,6 +105,7 @@ class Watchdog:
             self._thread = threading.Thread(target=self._run, name=f"peerline-watchdog-r{self.rank}", daemon=True)
             self._thread.start()
         self.arm()
+        self._publish()  # the first beat now: a rank that dies at once has still said where it was
         return self
 
     def arm(self) -> None:
@@ -93,19 +116,35 @@ class Watchdog:
         """Stop watching until the next `arm()` or `iteration_done()`."""
         self._armed_at = None
 
-    def waiting_for(self, desc: str) -> None:
-        """Say what this rank is about to wait for, e.g. 'grad mb 3 from rank 1 (edge stage 1->0)'."""
+    def waiting_for(self, desc: str, ranks: tuple[int, ...] | list[int] | None = None) -> None:
+        """Say what this rank is about to wait for, e.g. 'grad mb 3 from rank 1 (edge stage 1->0)', and on which
+        ranks (published in the beats: who waits for whom names the rank that stopped)."""
         self._desc = desc
+        self._waiting_on = tuple(ranks) if ranks is not None else ()  # (): in a wait, on ranks not known
+
+    def progress(self) -> None:
+        """A handoff or collective completed: the deadline restarts, and this rank is in no wait."""
+        self._last_progress = self._clock()
+        self._waiting_on = None
+        if self._armed_at is not None and self._suspend_depth == 0:
+            self._armed_at = self._last_progress
+
+    def set_progress_probe(self, probe: Callable[[], int] | None) -> None:
+        """A counter of device-side progress (arrival events passed) the thread polls: a change is progress."""
+        self._progress_probe = probe
 
     def iteration_started(self, iteration: int) -> None:
         """Name the iteration now running (used when no finer description was given)."""
         self._iteration = iteration
         self._desc = ""
+        self._waiting_on = None
 
     def iteration_done(self) -> None:
         """One iteration finished: the deadline restarts."""
         self._iteration += 1
         self._desc = ""
+        self._waiting_on = None
+        self._last_progress = self._clock()
         if self._suspend_depth == 0:
             self.arm()
 
@@ -152,13 +191,40 @@ class Watchdog:
             what = f"{type(exc).__name__}: {_oneline(exc)}"
         else:
             what = exc
-        self.fatal(f"{self.who} failed while waiting for {self.description()}: {what}", code)
+        desc = self.description()
+        self.fatal(f"{self.who} failed while waiting for {desc}: {what}{self._who_stopped()}", code)
+
+    def _who_stopped(self) -> str:
+        """'; rank 1 (stage 1) stopped responding: ...' from every rank's beats, or '' (no store, or no answer in
+        a few seconds: the store's host may be the rank that died)."""
+        idle = self._clock() - self._last_progress
+        if self._waiting_on is None and self._desc == "" and idle >= min(self.timeout_s, 60.0):  # known here
+            return (f"; this rank stopped in iteration {self._iteration}: no progress for {idle:.0f} s, waiting for "
+                    "no other rank")
+        if self.heartbeat is None:
+            return ""
+        wait_s = min(2.0, 2.5 * self._poll_s + 0.2)
+
+        def ask() -> str | None:
+            try:
+                return self.heartbeat.diagnose(wait_s, min(self.timeout_s / 2, 30.0), self._publish, self._poll_s)
+            except Exception:  # noqa: BLE001 - the store's host is gone: the cached verdict, if any, answers
+                self._store_failed = True
+                return None
+
+        found = run_bounded(ask, wait_s + 3.0, fallback=None)
+        if found:
+            run_bounded(lambda: self.heartbeat.publish_verdict(found), 1.0)
+        else:
+            found = self.verdict or ("the rendezvous store does not answer (the rank or launcher that hosts it "
+                                     "stopped)" if self._store_failed else None)
+        return f"; {found}" if found else ""
 
     def fatal_quiet(self, code: int) -> None:
         """End the process like `fatal`, printing nothing (another rank reports the shared error)."""
         if not self._fired.acquire(blocking=False):
             return
-        _run_bounded(_flush_std_streams, 2.0)
+        run_bounded(_flush_std_streams, 2.0)
         self._stop.set()
         self._exit_fn(code)
 
@@ -169,22 +235,26 @@ class Watchdog:
             if self._exit_fn is os._exit and threading.current_thread() is not self._thread:
                 time.sleep(60)
             return
+        self._publish(end=message)
         line = f"peerline: error: {message}\n".encode(errors="replace")
         # Flush on a helper thread with a bound: a main thread stuck writing to a full pipe holds the stream's
         # lock, and the exit must not wait for it.
-        _run_bounded(_flush_std_streams, 2.0)
+        run_bounded(_flush_std_streams, 2.0)
         try:
             # os.write, not print/logging: the main thread may hold the locks of sys.stderr or of a log handler.
             os.write(self._err_fd, line)
         except OSError:
             pass
+        if self.heartbeat is not None and self.rank == 0 and self._exit_fn is os._exit:
+            time.sleep(LINGER_S)  # rank 0 may host the store: the others are still reading it to name who stopped
         self._stop.set()
         self._exit_fn(code)
 
     # ----------------------------------------------------------------------------------------------------------
     # signals
 
-    def install_signal_handlers(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+    def install_signal_handlers(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+                                ) -> None:
         """Report the signals a launcher sends when another rank failed as one line and exit 128+SIGTERM.
 
         The Python-level handler only runs when the main thread returns to the interpreter, which a rank blocked
@@ -211,8 +281,14 @@ class Watchdog:
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        self.fatal(f"{self.who} stopped by {name} (the launcher ends the job when a rank fails) while waiting for "
-                   f"{self.description()}", EXIT_SIGNAL)
+        desc = self.description()
+        stopped = self._who_stopped()
+        failed = bool(stopped) or self.heartbeat is None  # without beats, the launcher's usual reason
+        why = {signal.SIGHUP: "the terminal or launcher hung up", signal.SIGINT: "interrupted"}.get(
+            signum, "the launcher ends the job when a rank fails" if failed else "sent by the launcher or a user")
+        if not failed:
+            stopped = "; no rank had stopped"
+        self.fatal(f"{self.who} stopped by {name} ({why}) while waiting for {desc}{stopped}", 128 + signum)
 
     # ----------------------------------------------------------------------------------------------------------
     # the thread
@@ -226,27 +302,67 @@ class Watchdog:
                         data = os.read(self._wake_r, 64)
                     except BlockingIOError:
                         data = b""
-                    if data:
-                        self._on_signal(data[0])
+                    unhandled = [sig for sig in data if not (self.signal_filter and self.signal_filter(sig))]
+                    if unhandled:
+                        self._on_signal(unhandled[0])
                         return
             elif self._stop.wait(self._poll_s):
                 return
+            self._poll_progress()
+            self._publish()
             armed_at = self._armed_at
             if armed_at is not None and self._clock() - armed_at > self.timeout_s:
                 self._on_timeout()
                 return
 
+    def _poll_progress(self) -> None:
+        """Device-side progress (a GPU's arrival events) restarts the deadline like the host's."""
+        if self._progress_probe is None:
+            return
+        count = run_bounded(self._progress_probe, min(1.0, self.timeout_s / 4))
+        if count is not None and count != self._probed_progress:
+            if self._probed_progress is not None:
+                self.progress()
+            self._probed_progress = count
+
+    def _publish(self, end: str | None = None) -> None:
+        """This rank's beat (heartbeat.py), bounded: a dead store host must not stall the thread."""
+        if self.heartbeat is None or (self._publishing is not None and self._publishing.is_alive()):
+            return  # the last beat is still on its way (a slow store): skip this one
+        peak = None
+        if self.memory is not None:
+            try:
+                peak = self.memory()
+            except Exception:  # noqa: BLE001 - a beat without memory figures is still a beat
+                peak = None
+        beat = Beat(self.heartbeat.next_seq(), self._iteration, self._waiting_on, self.description(),
+                    self._clock() - self._last_progress, end, peak)
+        self._publishing = threading.Thread(target=self._send, args=(beat,), daemon=True)
+        self._publishing.start()
+        self._publishing.join(2.0)
+
+    def _send(self, beat: Beat) -> None:
+        try:
+            self.heartbeat.publish(beat)
+            if self.verdict is None:
+                self.verdict = self.heartbeat.read_verdict()
+        except Exception as exc:  # noqa: BLE001 - a store that went away: the diagnosis says so
+            self._store_failed = True
+            log.debug("heartbeat not published: %s", exc)
+
     def _on_timeout(self) -> None:
         desc = self.description()
-        probed = _run_bounded(self._probe, min(5.0, self.timeout_s)) if self._probe else None
+        probed = run_bounded(self._probe, min(5.0, self.timeout_s)) if self._probe else None
         if probed:
             desc = probed
-        self.fatal(f"{self.who} timed out after {self.timeout_s:g} s waiting for {desc}", self.exit_code)
+        self.fatal(f"{self.who} timed out after {self.timeout_s:g} s waiting for {desc}{self._who_stopped()}",
+                   self.exit_code)
 
 
-def _run_bounded(fn: Callable[[], str | None], limit_s: float) -> str | None:
-    """Call `fn` on a helper thread; give up after `limit_s` (a probe of a wedged device may block too)."""
-    box: list[str | None] = []
+def run_bounded(fn: Callable[[], Any], limit_s: float, fallback: Any = None) -> Any:
+    """Call `fn` on a helper thread; give up after `limit_s` (a probe of a wedged device may block too) and
+    return `fallback`."""
+    box: list[Any] = []
 
     def target() -> None:
         try:
@@ -257,7 +373,7 @@ def _run_bounded(fn: Callable[[], str | None], limit_s: float) -> str | None:
     t = threading.Thread(target=target, daemon=True)
     t.start()
     t.join(limit_s)
-    return box[0] if box else None
+    return box[0] if box else fallback
 
 
 def _flush_std_streams() -> None:

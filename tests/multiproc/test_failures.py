@@ -74,7 +74,8 @@ def test_killed_rank_every_rank_exits_nonzero_naming_the_lost_rank(tmp_path):
     assert r0.rc != 0
     assert len(r0.errors()) == 1, r0.err
     line = r0.errors()[0]
-    assert line.startswith("peerline: error: rank 0 (stage 0) ") and "rank 1" in line, line
+    assert line.startswith("peerline: error: rank 0 (stage 0) ") and "; rank 1 (stage 1) " in line, line
+    assert "stopped responding: its process died or froze" in line, line
     assert "Traceback" not in r0.err
 
 
@@ -83,9 +84,11 @@ def test_hung_rank_is_ended_by_its_watchdog(tmp_path):
                   limit_s=STARTUP_S + 6 + 15)
     r0, r1 = ranks
     assert r1.rc == 3, r1.err
-    assert r1.errors() == ["peerline: error: rank 1 (stage 1) timed out after 6 s waiting for iteration 2 to "
-                           "finish (peers: rank 0 (stage 0))"], r1.err
-    assert r0.rc != 0 and len(r0.errors()) == 1 and "rank 1" in r0.errors()[0], r0.err
+    assert len(r1.errors()) == 1 and r1.errors()[0].startswith(
+        "peerline: error: rank 1 (stage 1) timed out after 6 s waiting for iteration 2 to finish; this rank stopped "
+        "in iteration 2"), r1.err
+    assert r0.rc != 0 and len(r0.errors()) == 1, r0.err
+    assert "; rank 1 (stage 1) stopped" in r0.errors()[0], r0.err
     assert "Traceback" not in r0.err + r1.err
 
 
@@ -121,8 +124,10 @@ def test_unwritable_save_dir_is_one_line_exit_2(tmp_path):
     ranks = spawn(2, ["--iters", "3", "--save", "blocker/ck"], tmp_path)
     for r in ranks:
         assert r.rc == 2, r.err
-        assert len(r.errors()) == 1 and "blocker/ck is not writable" in r.errors()[0], r.err
         assert "Traceback" not in r.err
+    # Checked before training: one line for the job (rank 0's), naming the blocking file.
+    lines = [line for r in ranks for line in r.errors()]
+    assert len(lines) == 1 and "blocker" in lines[0], lines
     assert (tmp_path / "blocker").read_text() == "a file, not a directory"
 
 
@@ -170,3 +175,29 @@ def test_mpirun_killed_rank_ends_the_job(tmp_path):
     errors = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("peerline: error:")]
     assert len(errors) <= 1, errors  # the survivor reports (or mpirun ended it first); never a flood
 
+
+
+@pytest.mark.parametrize("fault", ["hang:rank=1:iter=3", "kill:rank=1:iter=3"])
+def test_dp2_names_the_rank_that_stopped_not_a_replica(tmp_path, fault):
+    """pp=2 x dp=2: rank 3 waits for rank 1 in the gradient all-reduce and rank 2 for rank 3; every survivor's one
+    line names rank 1 (from every rank's beats in the store), never the neighbour it waits for."""
+    ranks = spawn(4, ["--dp", "2", "--iters", "6", "--timeout-s", "6"], tmp_path, fault=fault,
+                  limit_s=STARTUP_S + 6 + 40)
+    survivors = [r for i, r in enumerate(ranks) if i != 1]
+    for i, r in zip((0, 2, 3), survivors):
+        assert r.rc != 0 and len(r.errors()) == 1, (i, r.err)
+        assert "; rank 1 (stage 1) " in r.errors()[0] and "Traceback" not in r.err, (i, r.err)
+    assert "the gradient all-reduce of stage 1 with rank 1 (replica 0)" in ranks[3].errors()[0], ranks[3].err
+
+
+def test_a_long_iteration_of_quick_handoffs_is_not_a_hang(tmp_path):
+    """The deadline is on progress: with M=600 an iteration takes longer than --timeout-s 2, but every handoff is
+    quick, so the run finishes with the losses of a single-process run."""
+    args = ["-m", "600", "--micro-batch-size", "1", "--iters", "1"]
+    ranks = spawn(2, [*args, "--timeout-s", "2", "--json", "long.json"], tmp_path, limit_s=STARTUP_S + 120)
+    assert all(r.rc == 0 for r in ranks), ranks[0].err + ranks[1].err
+    got = json.loads((tmp_path / "long.json").read_text())
+    assert got["ms_per_iter"][0] > 2000, f"the iteration took {got['ms_per_iter'][0]:.0f} ms: raise M"
+    (one,) = spawn(1, [*args, "--json", "one.json"], tmp_path, limit_s=STARTUP_S + 120)
+    assert one.rc == 0, one.err
+    assert losses(tmp_path / "long.json") == pytest.approx(losses(tmp_path / "one.json"), rel=1e-5)

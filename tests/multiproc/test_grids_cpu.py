@@ -27,3 +27,39 @@ def test_grid_equals_single_process(tmp_path, nproc, pp, dp, m):
     assert res["world_size"] == nproc
     assert_same_run(res, ref)
     assert {k.split("/")[0] for k in res["layer_checksums"]} == {f"r{r}" for r in range(dp)}
+
+
+@pytest.mark.parametrize("nproc,pp,dp,m", [(4, 2, 2, 3), (4, 4, 1, 5)])
+def test_zero_bubble_grid_equals_single_process(tmp_path, nproc, pp, dp, m):
+    """ZB-H1 (B and W split, W deferred, the all-reduce after the last W) with M not a multiple of pp."""
+    args = [a if a != "1f1b" else "zb-h1" for a in GRID_ARGS]
+    proc, ref = run_job([sys.executable], [*args, "-m", str(m * dp)], tmp_path, "ref")
+    assert proc.returncode == 0, proc.stderr
+    proc, res = run_job(torchrun_cmd(nproc), [*args, "-m", str(m), "--pp", str(pp), "--dp", str(dp)], tmp_path,
+                        f"zb{pp}x{dp}", timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_run(res, ref)
+    assert {k.split("/")[0] for k in res["layer_checksums"]} == {f"r{r}" for r in range(dp)}
+
+
+@pytest.mark.parametrize("schedule,nproc,pp,dp,m", [("interleaved", 2, 2, 1, 4), ("zbv", 4, 2, 2, 3),
+                                                    ("zbv", 4, 4, 1, 5), ("interleaved", 4, 4, 1, 4)])
+def test_placed_schedules_equal_single_process(tmp_path, schedule, nproc, pp, dp, m):
+    """Two stages per rank (interleaved: rank r holds r and r+pp, the wrap-around edge last -> first rank; zbv:
+    r and 2pp-1-r, the first rank feeding and scoring) against one process running the same 2pp stages' layers."""
+    args = [a if a != "1f1b" else schedule for a in GRID_ARGS]
+    proc, ref = run_job([sys.executable], [*GRID_ARGS, "-m", str(m * dp)], tmp_path, "ref")
+    assert proc.returncode == 0, proc.stderr
+    proc, res = run_job(torchrun_cmd(nproc), [*args, "-m", str(m), "--pp", str(pp), "--dp", str(dp), "--stages",
+                                               "2"], tmp_path, f"{schedule}{pp}x{dp}", timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_run(res, ref)
+    assert {k.split("/")[0] for k in res["layer_checksums"]} == {f"r{r}" for r in range(dp)}
+
+
+def test_interleaved_m_not_a_multiple_of_pp_is_one_error_line(tmp_path):
+    args = [a if a != "1f1b" else "interleaved" for a in GRID_ARGS]
+    proc, _ = run_job(torchrun_cmd(2), [*args, "-m", "3", "--pp", "2", "--stages", "2"], tmp_path, "bad")
+    assert proc.returncode != 0
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("peerline: error:")]
+    assert len(lines) == 1 and "M=3 is not a multiple of pp=2" in lines[0], proc.stderr[-2000:]

@@ -25,7 +25,7 @@ def reference(tmp_path_factory):
     return refs
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_pp2_equals_single_process(tmp_path, reference, schedule):
     proc, res = run_job(torchrun_cmd(2), [*TINY, "-m", "4", "--pp", "2", "--schedule", schedule], tmp_path, "pp2")
     assert proc.returncode == 0, proc.stderr

@@ -166,6 +166,12 @@ def test_file_of_other_rank_or_iteration_is_refused(tmp_path):
     for ext in (".pt", ".sha256"):
         (d / f"rank00001{ext}").unlink()
         os.link(d / f"rank00000{ext}", d / f"rank00001{ext}")
+    with pytest.raises(ckpt.CheckpointError, match=r"rank00001\.sha256 is the checksum of rank00000\.pt"):
+        ckpt.load_checkpoint(tmp_path, 1, MANIFEST)
+    # the checksum rewritten to match: the payload itself names its rank
+    digest = (d / "rank00000.sha256").read_text().split()[0]
+    (d / "rank00001.sha256").unlink()
+    (d / "rank00001.sha256").write_text(f"{digest}  rank00001.pt\n")
     with pytest.raises(ckpt.CheckpointError, match="holds rank 0 iteration 3, expected rank 1 iteration 3"):
         ckpt.load_checkpoint(tmp_path, 1, MANIFEST)
 
@@ -189,7 +195,7 @@ def test_crash_mid_save_keeps_previous_latest(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", exploding_save)
-    with pytest.raises(ckpt.CheckpointError, match="No space left on device"):
+    with pytest.raises(ckpt.CheckpointError, match=r"^no space left on \S*iter_000004 while saving checkpoint 4$"):
         _save(tmp_path, iteration=4)
     monkeypatch.undo()
     assert ckpt.latest_iteration(tmp_path) == 2

@@ -217,3 +217,36 @@ def test_overrides_table_shows_the_code_defaults() -> None:
     assert shown["PEERLINE_KERNEL_GELU"] == str(kc.GELU_FAST)
     assert shown["CUDA_DEVICE_MAX_CONNECTIONS"] == str(streams.HARDWARE_QUEUES)
     assert shown["PEERLINE_DEVICE"] == RunConfig().device
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lr", "nan"], "--lr must be a finite number, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number, got inf"),
+    (["--timeout-s", "nan"], "--timeout-s must be a finite number, got nan"),
+    (["--timeout-s", "1e300"], "--timeout-s must be <= 604800, got 1e+300"),
+    (["--bucket-mb", "nan"], "--bucket-mb must be a finite number, got nan"),
+    (["--first-bucket-mb", "inf"], "--first-bucket-mb must be a finite number, got inf"),
+    (["--seed", str(10**30)], f"--seed must be <= 4294967295, got {10**30}"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--hidden", str(10**12)], f"--hidden must be <= 2147483647, got {10**12}"),
+    (["--global-batch", "-8"], "--global-batch must be >= 1, got -8"),
+    (["--global-batch", "0"], "--global-batch must be >= 1, got 0"),
+    (["--lr", "-1"], "--lr must be positive"),
+])
+def test_numbers_out_of_range_or_not_finite_are_one_line(argv, message):
+    """NaN passes every `<= 0` test: every numeric flag is checked for finiteness and its range at parse time."""
+    from peerline.launch.cli import build_parser, config_from_args
+
+    with pytest.raises(ConfigError) as info:
+        config_from_args(build_parser().parse_args(argv))
+    assert str(info.value) == message or str(info.value).startswith(message)
+
+
+def test_bogus_log_level_is_one_line(monkeypatch):
+    from peerline.launch.cli import build_parser, config_from_args
+
+    monkeypatch.setenv("PEERLINE_LOG", "BOGUS")
+    with pytest.raises(ConfigError, match="PEERLINE_LOG='BOGUS' is not a logging level; choose one of DEBUG"):
+        config_from_args(build_parser().parse_args([]))
+    monkeypatch.setenv("PEERLINE_LOG", "info")
+    config_from_args(build_parser().parse_args([]))

@@ -88,7 +88,7 @@ def test_kill_ends_the_process_with_its_code():
             "faults.before_iteration(1, 1, 3)\n"
             "print('survived')\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
-                       env={**_env(), "PEERLINE_FAULT": "kill:rank=1:iter=3"})
+                       env={**_env(), "PEERLINE_FAULT": "kill:rank=1:iter=3", "RANK": "1", "WORLD_SIZE": "2"})
     assert p.returncode == 9 and "survived" not in p.stdout
     assert "peerline: fault injected: rank 1 (stage 1) killed before iteration 3 (exit 9)" in p.stderr
 
@@ -168,3 +168,14 @@ def test_guard_without_skip_only_records():
     _train_step(model, opt, guard, poison=True)
     assert guard.first_nonfinite() == 2 and guard.skipped_steps() == 0
     assert torch.isnan(model.weight).all(), "without --skip-nonfinite the step is not held back"
+
+
+def test_a_fault_aimed_at_a_missing_rank_or_stage_is_refused():
+    from peerline.distributed.resilience.faults import check_targets
+
+    faults = parse_faults("hang:rank=3:iter=2;nan:stage=2:iter=1")
+    check_targets(faults, world_size=4, n_stages=3)
+    with pytest.raises(FaultSpecError, match=r"hang aims at rank 3, but the job has 2 rank\(s\) \(0..1\)"):
+        check_targets(faults, world_size=2)
+    with pytest.raises(FaultSpecError, match=r"nan aims at stage 2, but the pipeline has 2 stage\(s\)"):
+        check_targets(faults, world_size=4, n_stages=2)

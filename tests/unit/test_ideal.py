@@ -15,7 +15,7 @@ def test_bound_is_m_plus_p_minus_one_slowest_slots():
     assert ideal.bubble_bound_ms(1, [3.0], [4.0]) == pytest.approx(7.0)
 
 
-@pytest.mark.parametrize("schedule", ideal.SCHEDULES)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("m,p", [(1, 1), (4, 2), (8, 4), (3, 5)])
 def test_balanced_simulation_reaches_the_bound(schedule, m, p):
     # With equal stages and free transfers, GPipe and 1F1B both take exactly (M + P - 1)(f + b).
@@ -23,7 +23,7 @@ def test_balanced_simulation_reaches_the_bound(schedule, m, p):
     assert ideal.simulate_ms(schedule, m, [f] * p, [b] * p) == pytest.approx((m + p - 1) * (f + b))
 
 
-@pytest.mark.parametrize("schedule", ideal.SCHEDULES)
+@pytest.mark.parametrize("schedule", [s for s in ideal.SCHEDULES if s not in ideal.PLACED])
 def test_uneven_stages_simulate_below_the_bound(schedule):
     fwd, bwd = [1.0, 3.0, 1.0], [2.0, 6.0, 2.0]
     sim = ideal.simulate_ms(schedule, 6, fwd, bwd)
@@ -38,12 +38,34 @@ def test_hand_computed_gpipe_two_stages():
     assert ideal.simulate_ms("gpipe", 2, [1.0, 2.0], [2.0, 4.0]) == pytest.approx(15.0)
 
 
+@pytest.mark.parametrize("m,p", [(4, 2), (8, 4), (6, 3)])
+def test_zero_bubble_h1_takes_a_third_of_the_bubble(m, p):
+    """B and W half the backward each (f = 1, b = 2): (P - 1)(f + b/2 - b/2) idle instead of (P - 1)(f + b)."""
+    assert ideal.simulate_ms("zb-h1", m, [1.0] * p, [2.0] * p) == pytest.approx(3 * m + (p - 1))
+
+
 def test_stage_orders_hold_every_action_once():
-    for schedule in ideal.SCHEDULES:
+    for schedule in [s for s in ideal.SCHEDULES if s not in ideal.PLACED]:
+        split = schedule == "zb-h1"
         for s in range(4):
             order = ideal.stage_order(schedule, s, 4, 6)
-            assert sorted(order) == sorted([("F", i) for i in range(6)] + [("B", i) for i in range(6)])
+            want = [(op, i) for op in ("FBW" if split else "FB") for i in range(6)]
+            assert sorted(order) == sorted(want)
     assert ideal.stage_order("1f1b", 0, 2, 3) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+
+
+@pytest.mark.parametrize("schedule", ideal.PLACED)
+def test_placed_schedules_hold_every_action_once_and_beat_1f1b(schedule):
+    """Interleaved and ZB-V over 2 ranks of 2 stages: every (op, stage, mb) once on the stage's rank; with the
+    stages' work halved (two per rank) they idle less than 1F1B, and the slowest rank's work bounds them below."""
+    orders = ideal.rank_orders(schedule, 4, 4)
+    ops = "FBW" if schedule == "zbv" else "FB"
+    want = sorted((op, s, mb) for op in ops for s in range(4) for mb in range(4))
+    assert sorted(c for order in orders for c in order) == want
+    assert ideal.schedule_bubble(schedule, 8, 2, 2) < ideal.schedule_bubble("1f1b", 8, 2)
+    assert ideal.schedule_bubble("1f1b", 8, 2) == pytest.approx(ideal.bubble_fraction(8, 2))
+    fwd, bwd = [0.5, 1.5, 0.5, 0.5], [1.0, 3.0, 1.0, 1.0]
+    assert ideal.simulate_ms(schedule, 4, fwd, bwd) >= 4 * (fwd[1] + bwd[1] + fwd[2] + bwd[2]) - 1e-9
 
 
 def test_bad_input_is_one_clear_error():

@@ -1,11 +1,12 @@
-"""Schedules as data: built for GPipe and 1F1B, validated without running a model."""
+"""Schedules as data: built for GPipe, 1F1B and ZB-H1, validated without running a model."""
 
 import pytest
 
 from peerline.distributed.pipeline import schedule as S
+from peerline.distributed.pipeline import timed
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("stages", range(1, 9))
 @pytest.mark.parametrize("extra", [0, 1, 5])
 def test_every_schedule_runs_to_the_end_on_rendezvous_and_rings(name, stages, extra):
@@ -83,3 +84,72 @@ def test_parse_and_render_round_trip():
     assert "stage 0" in S.render([steps])
     with pytest.raises(S.ScheduleError):
         S.parse_program("X0")
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13])
+def test_zb_h1_runs_any_m_and_splits_every_backward(stages, m):
+    programs = S.build("zb-h1", stages, m)
+    S.simulate(programs, None)
+    S.simulate(programs, S.min_capacity(programs))
+    assert S.splits_backward(programs)
+    for p in programs:
+        ops = [step[0] for step in p if step[0].op in S.COMPUTE]
+        assert sorted(str(a) for a in ops) == sorted(f"{op}{mb}" for op in "FBW" for mb in range(m))
+
+
+@pytest.mark.parametrize("stages,m", [(2, 4), (4, 8), (4, 6), (8, 16)])
+def test_zb_h1_reaches_its_bubble_bound(stages, m):
+    """Unit F, B, W: 1F1B takes 3m + 3(p-1), ZB-H1 3m + (p-1) (F + B - W)."""
+    orders = [[(step[0].op, step[0].mb) for step in p if step[0].op in S.COMPUTE]
+              for p in S.build("zb-h1", stages, m)]
+    assert timed.makespan(orders) == 3 * m + (stages - 1)
+    one_f = [[(step[0].op, step[0].mb) for step in p if step[0].op in S.COMPUTE] for p in S.build("1f1b", stages, m)]
+    assert timed.makespan(one_f, split=False) == 3 * m + 3 * (stages - 1)
+
+
+def test_w_before_its_b_is_rejected():
+    good = S.build("zb-h1", 2, 2)
+    text = " ".join(S.step_str(st) for st in good[1])
+    bad = text.replace("B0", "X").replace("W0", "B0").replace("X", "W0")
+    with pytest.raises(S.ScheduleError, match="B0 .* must come before W0"):
+        S.simulate([good[0], S.parse_program(bad)])
+
+
+def test_missing_w_is_rejected():
+    good = S.build("zb-h1", 2, 3)
+    bad = [step for step in good[0] if step != (S.Action("W", 1),)]
+    with pytest.raises(S.ScheduleError, match="microbatch 1 has no W"):
+        S.simulate([bad, good[1]])
+
+
+def test_zb_h1_missing_send_is_reported_with_its_table():
+    good = S.build("zb-h1", 2, 3)
+    stage0 = [tuple(a for a in step if a != S.Action("SA", 2)) for step in good[0]]
+    stage0 = [step for step in stage0 if step]
+    with pytest.raises(S.ScheduleError, match="microbatch 2 has no SA"):
+        S.simulate([stage0, good[1]])
+    # the stage program alone passes when the receive is dropped too: then the other stage waits -> the table
+    stage1 = [tuple(a for a in step if a != S.Action("RA", 2)) for step in good[1]]
+    with pytest.raises(S.ScheduleError) as err:
+        S.check_program(1, 2, 3, [step for step in stage1 if step])
+    assert "no RA" in str(err.value)
+    starved = [step for step in good[1]]
+    starved.insert(0, (S.Action("RA", 2),))
+    starved = [step for i, step in enumerate(starved) if not (i > 0 and step == (S.Action("RA", 2),))]
+    with pytest.raises(S.ScheduleError, match="deadlocks") as err:
+        S.simulate([good[0], starved], None)
+    assert "stage 1" in str(err.value) and ">" in str(err.value)
+
+
+def test_w_holds_its_slots_until_it_runs():
+    """A split stage frees what it received only after W: ZB-H1 needs deeper rings than 1F1B."""
+    assert S.min_capacity(S.build("zb-h1", 4, 8)) > S.min_capacity(S.build("1f1b", 4, 8))
+    programs = S.build("zb-h1", 2, 4)
+    with pytest.raises(S.ScheduleError, match="slot"):
+        S.simulate(programs, S.min_capacity(programs) - 1)
+
+
+def test_render_shows_b_and_w():
+    table = S.render(S.build("zb-h1", 2, 2))
+    assert "W0" in table and "B0" in table and "weight gradient" in table

@@ -1,0 +1,269 @@
+"""Benchmark suite `eager`: peerline without CUDA graphs (--no-graph) against torch eager on the same model, data
+and schedule: what a user gets when the iteration cannot be captured.
+
+    torchrun --nproc_per_node=2 launch/bench.py eager [--eager-configs launch,mid] [--eager-variants ...]
+        [--eager-single | --no-eager-single]
+
+Pipeline part, pp = world size, 1F1B, per configuration (the pipeline suite's CONFIGS: launch = 32 blocks h=512,
+micro-batch 2x256, M=16; mid = 24 blocks h=1024, 4x512, M=12):
+  torch             torch.distributed.pipelining Schedule1F1B, fp32 parameters + bf16 autocast (peerline's recipe)
+  torch-bf16        the same schedule with bf16 parameters and inputs, no autocast
+  peerline          peerline --no-graph, defaults (--kernels auto, the copy engine where it works)
+  peerline-torch-kernels   --no-graph --kernels torch         (diagnostic: what peerline's kernels are worth)
+  peerline-nccl     --no-graph --p2p nccl                     (diagnostic: the transport)
+Every peerline variant is recorded against both torch variants (goals: >= 1.0x torch with autocast, >= 1/1.3x
+torch with bf16 parameters).
+
+One-GPU part (--eager-single, on by default): a fresh process on rank 0's GPU (the other ranks wait) trains the
+whole model as one stage: plain torch eager (per microbatch forward + loss + backward under autocast, then AdamW)
+against peerline --stages 1 --no-graph (goal: >= 1.0x). The model is built from the same seeds; the first losses
+of each are noted.
+
+Timing: benchkit.time_blocks (blocks of iterations without host syncs, the slowest rank, median over --reps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from peerline.bench.benchkit import BenchContext, Record
+from peerline.bench.runtime_timing import BlockTimer, free_device, open_runtime, time_anchor, time_captured
+from peerline.bench.suites.pipeline import CONFIGS
+from peerline.bench.suites.torch_pipelining import PipeShape, TorchPipelineAnchor, build_stage_module, fill
+
+log = logging.getLogger(__name__)
+
+SUITE = "eager"
+#: variant -> RunConfig overrides of the peerline variants (all --no-graph)
+PEERLINE_VARIANTS = {"peerline": {}, "peerline-torch-kernels": {"kernels": "torch"}, "peerline-nccl": {"p2p": "nccl"}}
+TORCH_VARIANTS = ("torch", "torch-bf16")
+VARIANTS = (*TORCH_VARIANTS, *PEERLINE_VARIANTS)
+#: goals against each torch variant (the eager targets: the same recipe, and within 1.3x of bf16 parameters)
+GOALS = {"torch": 1.0, "torch-bf16": 1 / 1.3}
+LOSS_CHECK_ITERS = 2
+
+
+def _csv(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--eager-configs", type=_csv, default=None,
+                       help="comma-separated configurations of the pipeline suite (default launch,mid; quick with "
+                            "--quick)")
+    group.add_argument("--eager-variants", type=_csv, default=None,
+                       help=f"comma-separated, of {', '.join(VARIANTS)} (default all)")
+    group.add_argument("--eager-single", action=argparse.BooleanOptionalAction, default=True,
+                       help="also the one-GPU part: plain torch eager vs peerline --stages 1 --no-graph")
+    group.add_argument("--eager-iters", type=int, default=None, help="iterations per timed block (default 5)")
+
+
+def skip_reason(args: argparse.Namespace, ctx: BenchContext) -> str | None:
+    if ctx.device.type != "cuda" and not ctx.quick:
+        return "needs CUDA (or --quick for the CPU smoke test)"
+    return None
+
+
+def _torch_variant(name: str, shape: PipeShape, ctx: BenchContext, timer: BlockTimer) -> tuple[list[float], Any]:
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    param_dtype = torch.bfloat16 if name == "torch-bf16" and ctx.device.type == "cuda" else None
+    anchor = TorchPipelineAnchor(shape, "1f1b", pp, 1, rank, ctx.device, param_dtype=param_dtype)
+    return time_anchor(anchor, LOSS_CHECK_ITERS, timer)
+
+
+def _peerline_variant(name: str, shape: PipeShape, ctx: BenchContext, timer: BlockTimer, **extra: Any
+                      ) -> tuple[list[float], Any] | str:
+    from peerline.distributed.config import RunConfig
+
+    cfg = RunConfig(schedule="1f1b", microbatches=shape.microbatches, micro_batch_size=shape.micro_batch_size,
+                    seq=shape.seq, hidden=shape.hidden, layers=shape.layers, seed=shape.seed, lr=shape.lr,
+                    dtype=shape.dtype, device=ctx.device.type, graph=False, iters=10**9, log_every=1,
+                    **{**PEERLINE_VARIANTS.get(name, {}), **extra})
+    with open_runtime(cfg) as rt:
+        got = time_captured(rt, False, LOSS_CHECK_ITERS, timer)
+        if not isinstance(got, str):
+            ctx.note(f"eager {shape.name} {name}: transport {rt.transport_name}")
+        return got
+
+
+def _report(ctx: BenchContext, shape: PipeShape, results: dict[str, tuple[list[float], Any]], name: str,
+            world: int) -> None:
+    """Record peerline variant `name` against every torch variant measured."""
+    losses, timing = results[name]
+    for anchor_name in TORCH_VARIANTS:
+        if anchor_name not in results:
+            continue
+        a_losses, a_timing = results[anchor_name]
+        rec = ctx.record(Record(SUITE, f"{shape.name} pp={world} 1f1b {name} vs {anchor_name}", "ms/iter",
+                                timing.median_ms, a_timing.median_ms,
+                                f"torch.distributed.pipelining 1f1b ({_recipe(anchor_name)})",
+                                higher_is_better=False, sizes={**shape.sizes(), "pp": world},
+                                extra={"losses": losses, "anchor_losses": a_losses, "spread": timing.spread,
+                                       "anchor_spread": a_timing.spread}))
+        if name == "peerline" and ctx.device.type == "cuda":
+            goal = GOALS[anchor_name]
+            ctx.note(f"GOAL {'MET' if rec.ratio >= goal else 'MISSED'} eager {shape.name}: peerline --no-graph "
+                     f"{rec.ratio:.2f}x torch {_recipe(anchor_name)} (goal >= {goal:.2f}x)")
+
+
+def _recipe(anchor_name: str) -> str:
+    return "bf16 parameters" if anchor_name == "torch-bf16" else "fp32 parameters + autocast"
+
+
+def _pipeline_part(args: argparse.Namespace, ctx: BenchContext, configs: list[str], variants: list[str]) -> list[str]:
+    """Every configuration x variant on pp = world; returns the failures (the other variants still run)."""
+    world = dist.get_world_size()
+    timer = BlockTimer.from_args(args, ctx.quick, ctx.device, getattr(args, "eager_iters", None))
+    failures = []
+    for key in configs:
+        shape = CONFIGS[key]
+        results: dict[str, tuple[list[float], Any]] = {}
+        for name in variants:
+            ctx.step(f"eager {shape.name} {name}")
+            free_device(ctx.device)
+            try:
+                got = (_torch_variant(name, shape, ctx, timer) if name in TORCH_VARIANTS
+                       else _peerline_variant(name, shape, ctx, timer))
+            except Exception as exc:  # noqa: BLE001 - recorded as a failure; the suite fails at the end
+                log.exception("eager %s %s failed", shape.name, name)
+                failures.append(f"{shape.name} {name}: {type(exc).__name__}: {exc}")
+                continue
+            if isinstance(got, str):
+                ctx.note(f"eager {shape.name} {name}: skipped: {got}")
+                continue
+            results[name] = got
+            ctx.note(f"eager {shape.name} pp={world} {name}: {got[1].median_ms:.2f} ms/iter (spread "
+                     f"{got[1].spread:.2f}), first losses {', '.join(f'{v:.6g}' for v in got[0])}")
+            if name in PEERLINE_VARIANTS:
+                _report(ctx, shape, results, name, world)
+    return failures
+
+
+class PlainTorch:
+    """The whole model in plain torch eager on one device: per microbatch forward, loss / M and backward under
+    autocast (fp32 parameters), then fused AdamW; the data of peerline's feed (same seeds)."""
+
+    def __init__(self, shape: PipeShape, device: torch.device) -> None:
+        self.shape, self.device = shape, device
+        self.module = build_stage_module(shape, 1, 0).to(device)
+        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=shape.lr, fused=device.type == "cuda" or None)
+        size = (shape.micro_batch_size, shape.seq, shape.hidden)
+        self.inputs = [torch.empty(size, device=device) for _ in range(shape.microbatches)]
+        self.targets = [torch.empty(size, device=device) for _ in range(shape.microbatches)]
+        self.generator = torch.Generator(device=device)
+        self.dtype = torch.bfloat16 if shape.dtype == "bf16" else None
+        self.iteration, self.loss = 0, torch.zeros((), device=device)
+
+    def step(self) -> None:
+        for mb, (x, y) in enumerate(zip(self.inputs, self.targets)):
+            fill(x, self.shape, self.iteration, mb, 0, self.generator)
+            fill(y, self.shape, self.iteration, mb, 1, self.generator)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss = torch.zeros((), device=self.device)
+        for x, y in zip(self.inputs, self.targets):
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
+                out = self.module(x)
+            loss = F.mse_loss(out.float(), y) / self.shape.microbatches
+            loss.backward()
+            self.loss += loss.detach()
+        self.optimizer.step()
+        self.iteration += 1
+
+    def read_loss(self) -> float:
+        return float(self.loss)
+
+
+def single_child(config: str, quick: bool, out_path: str, iters: int | None = None) -> None:
+    """The one-GPU part, in a process of its own (one rank, this process's first visible device): plain torch
+    eager, then peerline --stages 1 --no-graph; writes their ms/iter and first losses to `out_path` (JSON)."""
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    shape = CONFIGS[config]
+    ctx = BenchContext(out_dir=Path(out_path).parent, device=device, quick=quick)
+    timer = BlockTimer.from_args(argparse.Namespace(), quick, device, iters)
+    plain_losses, plain = time_anchor(PlainTorch(shape, device), LOSS_CHECK_ITERS, timer)
+    free_device(device)
+    got = _peerline_variant("peerline", shape, ctx, timer, stages=1)
+    out: dict[str, Any] = {"config": config, "plain_ms": plain.median_ms, "plain_losses": plain_losses,
+                           "plain_spread": plain.spread}
+    if isinstance(got, str):
+        out["peerline_skipped"] = got
+    else:
+        out.update(peerline_ms=got[1].median_ms, peerline_losses=got[0], peerline_spread=got[1].spread)
+    Path(out_path).write_text(json.dumps(out))
+
+
+def _single_part(args: argparse.Namespace, ctx: BenchContext, configs: list[str]) -> None:
+    """Rank 0 runs `single_child` per configuration in a fresh process on its GPU; every rank waits for it."""
+    for key in configs:
+        ctx.step(f"eager {CONFIGS[key].name}: one GPU, plain torch vs peerline (fresh process)")
+        if dist.get_rank() == 0:
+            _run_single_child(args, ctx, key)
+        dist.barrier()
+
+
+def _run_single_child(args: argparse.Namespace, ctx: BenchContext, key: str) -> None:
+    path = Path(ctx.out_dir) / f"eager_single_{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    code = (f"from peerline.bench.suites.eager import single_child\n"
+            f"single_child({key!r}, {bool(ctx.quick)!r}, {str(path)!r}, {getattr(args, 'eager_iters', None)!r})\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                               "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
+    if ctx.device.type == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = _visible_device(ctx.device)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
+    if proc.returncode != 0 or not path.exists():
+        ctx.note(f"eager one-GPU {key} failed (rc {proc.returncode}): {proc.stderr.strip()[-800:]}")
+        return
+    r = json.loads(path.read_text())
+    if "peerline_ms" not in r:
+        ctx.note(f"eager one-GPU {key}: peerline skipped: {r.get('peerline_skipped')}")
+        return
+    shape = CONFIGS[key]
+    rec = ctx.record(Record(SUITE, f"{shape.name} 1 GPU peerline --stages 1 --no-graph vs plain torch", "ms/iter",
+                            r["peerline_ms"], r["plain_ms"], "plain torch eager, fp32 parameters + autocast",
+                            higher_is_better=False, sizes=shape.sizes(), extra=r))
+    ctx.note(f"eager one-GPU {shape.name}: peerline {r['peerline_ms']:.2f} ms/iter (losses "
+             f"{', '.join(f'{v:.6g}' for v in r['peerline_losses'])}), plain torch {r['plain_ms']:.2f} ms/iter "
+             f"(losses {', '.join(f'{v:.6g}' for v in r['plain_losses'])})")
+    if ctx.device.type == "cuda":
+        ctx.note(f"GOAL {'MET' if rec.ratio >= 1.0 else 'MISSED'} eager one-GPU {shape.name}: peerline "
+                 f"{rec.ratio:.2f}x plain torch (goal >= 1.00x)")
+
+
+def _visible_device(device: torch.device) -> str:
+    """This rank's GPU as the child's only visible device (a CUDA_VISIBLE_DEVICES list is respected)."""
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    index = device.index or 0
+    return visible[index] if index < len(visible) else str(index)
+
+
+def run(args: argparse.Namespace, ctx: BenchContext) -> None:
+    """The pipeline part on pp = world, then the one-GPU part; see the module docstring."""
+    configs = getattr(args, "eager_configs", None) or (["quick"] if ctx.quick else ["launch", "mid"])
+    variants = getattr(args, "eager_variants", None) or list(VARIANTS)
+    for bad, allowed, what in ((configs, CONFIGS, "configuration"), (variants, VARIANTS, "variant")):
+        unknown = [v for v in bad if v not in allowed]
+        if unknown:
+            raise ValueError(f"eager: unknown {what} {unknown[0]!r}; choose from {', '.join(allowed)}")
+    variants = sorted(set(variants), key=VARIANTS.index)  # the torch anchors first
+    failures = _pipeline_part(args, ctx, configs, variants) if dist.get_world_size() > 1 else []
+    if dist.get_world_size() == 1:
+        ctx.note("eager: one rank: the pipeline part needs torchrun --nproc_per_node=2; the one-GPU part only")
+    if getattr(args, "eager_single", True):
+        free_device(ctx.device)  # the child shares rank 0's GPU
+        _single_part(args, ctx, configs)
+    if failures:
+        raise RuntimeError(f"{len(failures)} eager variant(s) failed: " + " | ".join(failures))

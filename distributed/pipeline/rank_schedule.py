@@ -1,0 +1,193 @@
+"""Schedules of several stages per rank, as each rank's program: interleaved 1F1B and ZB-V.
+
+A rank program is a list of (stage, step): a compute step of one of its stages, or a group of communication
+actions posted together, each action naming its stage (`Action.stage`). Between two computes of a rank one group
+holds the sends of the first and the receives of the second, whichever stages they belong to: the pattern that
+keeps two ranks that send to each other from deadlocking on a rendezvous transport (Megatron posts the same
+pairs together). Messages between two stages of one rank stay in the program (the engine hands them over by a
+stream wait) and cost nothing.
+
+  interleaved  Megatron's virtual pipeline: rank r holds stages r, r+pp, ...; forwards go chunk by chunk over
+               groups of pp microbatches (so M must be a multiple of pp), backwards the same in reverse chunk
+               order; (pp - r - 1) * 2 + (V - 1) * pp warm-up forwards, then one forward / one backward.
+  zbv          the V placement (placement.py) with the backward split into B and W (split_backward.py), its
+               order found by list scheduling in unit time (`zbv_orders`): a ready B first, then a ready F while
+               the rank holds fewer than 2pp microbatches' activations (1F1B's memory), the deferred Ws in the gaps.
+"""
+
+from __future__ import annotations
+
+from peerline.distributed.pipeline.placement import LOOP, V_SHAPE, Placement
+from peerline.distributed.pipeline.schedule import Action, ScheduleError, Step
+
+Compute = tuple[str, int, int]  # (op, stage, mb)
+RankProgram = list[tuple[int, Step]]
+RANK_SCHEDULES = ("interleaved", "zbv")
+
+
+def interleaved_order(rank: int, pp: int, v: int, m: int) -> list[Compute]:
+    """Megatron's interleaved 1F1B order of one rank's computes."""
+    if m % pp:
+        raise ScheduleError(f"interleaved needs the microbatches in groups of pp: M={m} is not a multiple of "
+                            f"pp={pp} (use --microbatches {(m // pp + 1) * pp})")
+    total = m * v
+
+    def virtual(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k // pp) % v
+        return (chunk if forward else v - 1 - chunk) * pp + rank, (k // (pp * v)) * pp + k % pp
+
+    warmup = total if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+    order: list[Compute] = [("F", *virtual(k, True)) for k in range(warmup)]
+    for i in range(total - warmup):
+        order += [("F", *virtual(warmup + i, True)), ("B", *virtual(i, False))]
+    return order + [("B", *virtual(k, False)) for k in range(total - warmup, total)]
+
+
+def _ready(op: str, s: int, mb: int, n: int, done: dict[Compute, int], t: int) -> bool:
+    if op == "F":
+        dep = None if s == 0 else ("F", s - 1, mb)
+    elif op == "B":
+        dep = ("F", s, mb) if s == n - 1 else ("B", s + 1, mb)
+    else:
+        dep = ("B", s, mb)
+    return dep is None or done.get(dep, t + 1) <= t
+
+
+def _pick(stages: list[int], nxt: dict, pending_w: list, n: int, m: int, done: dict, t: int,
+          f_limit: int) -> Compute | None:
+    """What a free rank starts at t: a ready B (oldest microbatch, the later stage first), a ready F under the
+    activation limit (the later stage first: a microbatch's forward finishes before the next starts), a W."""
+    if len(pending_w) >= f_limit:
+        return ("W", *pending_w[0])
+    bs = [("B", s, nxt[("B", s)]) for s in stages if nxt[("B", s)] < nxt[("F", s)]]
+    bs = [c for c in bs if _ready(*c, n, done, t)]
+    if bs:
+        return min(bs, key=lambda c: (c[2], -c[1]))
+    in_flight = sum(nxt[("F", s)] - nxt[("B", s)] for s in stages)
+    fs = [("F", s, nxt[("F", s)]) for s in stages if nxt[("F", s)] < m]
+    fs = [c for c in fs if _ready(*c, n, done, t)]
+    if fs and in_flight < f_limit:
+        return min(fs, key=lambda c: (c[2], -c[1]))
+    return ("W", *pending_w[0]) if pending_w else None
+
+
+def zbv_orders(placement: Placement, m: int) -> list[list[Compute]]:
+    """Every rank's (op, stage, mb) order for ZB-V, played in unit time steps (F, B and W one unit each)."""
+    n, pp = placement.n_stages, placement.pp
+    ranks = [placement.stages_of(r) for r in range(pp)]
+    nxt = {(op, s): 0 for s in range(n) for op in ("F", "B")}
+    pending: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+    orders: list[list[Compute]] = [[] for _ in range(pp)]
+    done: dict[Compute, int] = {}
+    busy, t = [0] * pp, 0
+    while len(done) < 3 * n * m:
+        for r in range(pp):
+            if busy[r] > t:
+                continue
+            c = _pick(ranks[r], nxt, pending[r], n, m, done, t, 2 * pp)
+            if c is None:
+                continue
+            op, s, mb = c
+            busy[r], done[c] = t + 1, t + 1
+            orders[r].append(c)
+            if op == "W":
+                pending[r].remove((s, mb))
+            else:
+                nxt[(op, s)] += 1
+                if op == "B":
+                    pending[r].append((s, mb))
+        t += 1
+        if t > 8 * n * m + 16:  # cannot happen with the rules above; a guard against a wrong change
+            raise RuntimeError("zbv list scheduling made no progress")
+    return orders
+
+
+def compute_times(orders: list[list[Compute]], n_stages: int) -> dict[Compute, tuple[int, int]]:
+    """(start, end) of every compute when each rank runs its order as soon as the inputs exist, in unit time (F,
+    B and W one unit each; an unsplit B two)."""
+    split = any(op == "W" for order in orders for op, _, _ in order)
+    times: dict[Compute, tuple[int, int]] = {}
+    pcs, free = [0] * len(orders), [0] * len(orders)
+    while any(pc < len(o) for pc, o in zip(pcs, orders)):
+        moved = False
+        for r, order in enumerate(orders):
+            while pcs[r] < len(order):
+                op, s, mb = order[pcs[r]]
+                dep = (None if s == 0 else ("F", s - 1, mb)) if op == "F" else \
+                    ("B", s, mb) if op == "W" else ("F", s, mb) if s == n_stages - 1 else ("B", s + 1, mb)
+                if dep is not None and dep not in times:
+                    break
+                start = max(free[r], times[dep][1] if dep is not None else 0)
+                free[r] = start + (2 if op == "B" and not split else 1)
+                times[(op, s, mb)] = (start, free[r])
+                pcs[r] += 1
+                moved = True
+        if not moved:
+            raise ScheduleError("the ranks' compute orders wait on each other (a bug in the builder)")
+    return times
+
+
+def _messages(op: str, s: int, mb: int, n_stages: int) -> tuple[Action | None, Action | None]:
+    """(the send after compute (op, s, mb), the matching receive on the consumer) or (None, None)."""
+    if op == "F" and s < n_stages - 1:
+        return Action("SA", mb, s), Action("RA", mb, s + 1)
+    if op == "B" and s > 0:
+        return Action("SG", mb, s), Action("RG", mb, s - 1)
+    return None, None
+
+
+def with_rank_messages(orders: list[list[Compute]], placement: Placement) -> list[RankProgram]:
+    """Every rank's compute order with its messages. A message between ranks is posted at both ends in one group
+    at the moment its producer finishes (in the unit-time play of `compute_times`): at every such moment each
+    rank posts one group, so on a rendezvous transport every group finds its partners posting theirs (ranks
+    meet moment by moment, never waiting on each other in a cycle). A message inside a rank is taken (RA / RG:
+    a stream wait) just before its consumer."""
+    n = placement.n_stages
+    times = compute_times(orders, n)
+    events: list[list[tuple[tuple[int, int], int, Step]]] = [[] for _ in orders]  # ((time, 0 group | 1 compute),
+    groups: list[dict[int, list[Action]]] = [{} for _ in orders]
+    for r, order in enumerate(orders):
+        for c in order:
+            start, end = times[c]
+            op, s, mb = c
+            send, recv = _messages(op, s, mb, n)
+            if send is not None:
+                consumer = recv.stage
+                groups[r].setdefault(end, []).append(send)
+                if placement.remote(s, consumer):
+                    groups[placement.rank_of(consumer)].setdefault(end, []).append(recv)
+            need = _messages("F", s - 1, mb, n)[1] if op == "F" and s > 0 else \
+                _messages("B", s + 1, mb, n)[1] if op == "B" and s < n - 1 else None
+            local = need is not None and not placement.remote(s, s - 1 if op == "F" else s + 1)
+            if local:
+                events[r].append(((start, 1), s, (need,)))
+            events[r].append(((start, 2), s, (Action(op, mb, s),)))
+    for r, by_time in enumerate(groups):
+        for t, actions in by_time.items():
+            events[r].append(((t, 0), actions[0].stage, tuple(actions)))
+    return [[(s, step) for _, s, step in sorted(ev, key=lambda e: e[0])] for ev in events]
+
+
+def build_ranks(schedule: str, placement: Placement, m: int) -> list[RankProgram]:
+    """Every pipeline position's program for `schedule` (interleaved or zbv) on `placement`."""
+    if schedule == "interleaved" and placement.shape == LOOP:
+        orders = [interleaved_order(r, placement.pp, placement.per_rank, m) for r in range(placement.pp)]
+    elif schedule == "zbv" and placement.shape == V_SHAPE:
+        orders = zbv_orders(placement, m)
+    else:
+        raise ScheduleError(f"schedule {schedule!r} does not run on a {placement.shape} placement")
+    return with_rank_messages(orders, placement)
+
+
+def stage_programs(rank_programs: list[RankProgram], n_stages: int) -> list[list[Step]]:
+    """Each stage's own steps (its actions of every rank step, without the stage tag): for check_program and the
+    per-stage view."""
+    programs: list[list[Step]] = [[] for _ in range(n_stages)]
+    for program in rank_programs:
+        for stage, step in program:
+            by_stage: dict[int, list[Action]] = {}
+            for a in step:
+                by_stage.setdefault(a.stage if a.stage >= 0 else stage, []).append(Action(a.op, a.mb))
+            for s, actions in by_stage.items():
+                programs[s].append(tuple(actions))
+    return programs

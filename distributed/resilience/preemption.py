@@ -1,0 +1,176 @@
+"""Preemption: a signal asks the job to stop at the next iteration boundary, every rank agreeing, after a checkpoint.
+
+A scheduler warns a job before it ends it (Slurm `--signal=USR1@120`, a SIGTERM before the kill, Ctrl-C through
+torchrun). The signals of `--preempt-signals` (default TERM,USR1,INT) do not end a rank; they set a flag. The ranks
+agree on it at launch boundaries (a graph replays whole iterations, so nothing is checked inside one):
+
+    round n:  store.add("peerline/preempt/<n>", 1 + world * flagged)      every rank, once per launch
+              the rank whose add completes the round publishes the total; everyone waits for it
+              total > world: some rank was signalled -> every rank stops after iteration n
+
+The round goes through the process group's c10d store: no device work and no host synchronization of the device,
+only a host barrier per launch (`--preempt-check-every N` spaces the rounds). When every rank agrees, the runtime
+ends the loop (`Runtime.request_stop`), the failsafe writes its final checkpoint (with --save), and the main job
+prints one line and exits `EXIT_PREEMPTED`.
+
+The watchdog thread reads every signal (the main thread may be blocked in C code); its `signal_filter` hands the
+preemption signals here. A rank that does not reach a boundary within `GRACE_S` of its signal (blocked on a peer
+that died: the launcher's SIGTERM then means "a rank failed") is reported by the watchdog as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from peerline.distributed.config import ConfigError
+from peerline.distributed.hooks import IterationHooks
+
+log = logging.getLogger(__name__)
+
+#: The exit code of a preempted job (EX_TEMPFAIL of sysexits.h: "try again later"): every rank exits with it after
+#: the checkpoint is written; slurm/*.sbatch requeue the job on it.
+EXIT_PREEMPTED = 75
+#: Seconds a signalled rank may take to reach an iteration boundary before the watchdog reports it as stopped.
+GRACE_S = 20.0
+PREFIX = "peerline/preempt"
+
+
+def parse_signals(text: str) -> tuple[signal.Signals, ...]:
+    """'TERM,USR1' -> (SIGTERM, SIGUSR1); '' or 'none' -> (). A bad name is a one-line ConfigError."""
+    if text.strip().lower() in ("", "none"):
+        return ()
+    found = []
+    for name in text.split(","):
+        name = name.strip().upper()
+        full = name if name.startswith("SIG") else f"SIG{name}"
+        try:
+            sig = signal.Signals[full]
+        except KeyError:
+            raise ConfigError(f"--preempt-signals: unknown signal {name!r}; use names such as TERM,USR1,INT") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(f"--preempt-signals: {full} cannot be caught")
+        found.append(sig)
+    return tuple(dict.fromkeys(found))
+
+
+class Preemption(IterationHooks):
+    """The hook: notes the signals, runs the agreement rounds at launch boundaries, asks the runtime to stop."""
+
+    def __init__(self, rt: Any, signals: tuple[signal.Signals, ...], every: int = 1,
+                 store: Any | None = None) -> None:
+        self.rt = rt
+        self.rank, self.world = rt.info.rank, rt.info.world_size
+        self.signals = signals
+        self.every = every
+        multi = dist.is_initialized() and self.world > 1
+        self.store = store if store is not None else (dist.distributed_c10d._get_default_store() if multi else None)
+        self.signalled: str | None = None  # the name of the first signal this rank received
+        self.reason: str | None = None  # set once every rank agreed to stop
+        self._checked = 0  # the last iteration a round ran after
+        self._timer: threading.Timer | None = None
+        self._old: dict[int, Any] = {}
+        self._watchdog: Any | None = None  # the failsafe's, found at the start of training
+
+    @classmethod
+    def attach(cls, rt: Any) -> Preemption:
+        """A `Runtime.create` hook factory, listed before the failsafe's (so its final checkpoint is written before the
+        signals are given back): reads --preempt-signals and --preempt-check-every from rt.cfg."""
+        hook = cls(rt, parse_signals(rt.cfg.preempt_signals), rt.cfg.preempt_check_every)
+        hook.install()
+        return hook
+
+    # -- signals -------------------------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Handle the signals (main thread) with a Python handler, for when the main thread runs Python."""
+        for sig in self.signals:
+            self._old[sig] = signal.signal(sig, lambda signum, _frame: self.note(signum))
+
+    def on_train_start(self, rt: Any) -> None:
+        """The watchdog (made by a later hook, the failsafe) reads the signals while the main thread is blocked in C
+        code: its filter hands the preemption signals to `note`."""
+        self._watchdog = next((h.watchdog for h in rt.hooks if hasattr(h, "watchdog")), None)
+        if self._watchdog is not None and self.signals:
+            self._watchdog.signal_filter = self.note
+
+    def note(self, signum: int) -> bool:
+        """A signal arrived (any thread): a preemption signal sets the flag; returns whether it was one."""
+        if signum not in self.signals:
+            return False
+        if self.signalled is None:
+            self.signalled = signal.Signals(signum).name
+            log.info("%s received: stopping at the next iteration boundary", self.signalled)
+            if self._watchdog is not None:
+                self._timer = threading.Timer(GRACE_S, self._not_at_boundary)
+                self._timer.daemon = True
+                self._timer.start()
+        return True
+
+    def _not_at_boundary(self) -> None:
+        """The signal came GRACE_S ago and this rank never reached a boundary: it is stuck (a peer failed)."""
+        wd = self._watchdog
+        wd.fatal(f"{wd.who} stopped by {self.signalled} (preemption) without reaching an iteration boundary in "
+                 f"{GRACE_S:g} s, while waiting for {wd.description()}", 128 + signal.SIGTERM)
+
+    def uninstall(self) -> None:
+        """Give the signals back (training is over: a later signal ends the process as usual)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        if threading.current_thread() is threading.main_thread():
+            for sig, old in self._old.items():
+                signal.signal(sig, old)
+        self._old = {}
+
+    # -- the rounds ------------------------------------------------------------------------------------------
+    def after_launch(self, rt: Any, last_iteration: int) -> None:
+        if self.reason is not None or last_iteration // self.every == self._checked // self.every:
+            return
+        self._checked = last_iteration
+        if self._timer is not None:
+            self._timer.cancel()  # at a boundary: from here the watchdog's deadline covers the round
+        if self.agree(last_iteration):
+            rt.request_stop(self.reason)
+
+    def agree(self, n: int) -> bool:
+        """One round after iteration `n` (every rank): True when any rank was signalled; sets `reason`."""
+        flagged = self.signalled is not None
+        if self.store is None:
+            stop = flagged
+            who = f"{self.signalled} on rank {self.rank}" if flagged else ""
+        else:
+            key = f"{PREFIX}/{n}"
+            if flagged:
+                self.store.set(f"{key}/who", f"{self.signalled} on rank {self.rank}")
+            total = self.store.add(key, 1 + self.world * int(flagged))
+            if total % self.world == 0:  # the last arrival: arrivals are 1..world, flags add multiples of world
+                self.store.set(f"{key}/total", str(total))
+            self.store.wait([f"{key}/total"])
+            stop = int(self.store.get(f"{key}/total")) > self.world
+            who = self.store.get(f"{key}/who").decode() if stop else ""
+            if self.rank == 0 and self._previous is not None:
+                for suffix in ("", "/total", "/who"):
+                    self.store.delete_key(f"{PREFIX}/{self._previous}{suffix}")
+            self._previous = n
+        if stop:
+            self.reason = f"preempted by {who} after iteration {n}"
+        return stop
+
+    _previous: int | None = None  # the previous round, whose keys rank 0 deletes once everyone is past it
+
+    def on_train_end(self, rt: Any) -> None:
+        self.uninstall()
+
+    def on_error(self, rt: Any, exc: BaseException) -> None:
+        self.uninstall()
+
+
+def preempted_line(reason: str, save_dir: str | None, saved: int | None) -> str:
+    """The one line a preempted job ends with (rank 0), saying what was saved and how to continue."""
+    if not save_dir:
+        return f"peerline: {reason}: nothing saved (no --save DIR); exit {EXIT_PREEMPTED}"
+    return (f"peerline: {reason}: checkpoint of iteration {saved} in {save_dir}; continue with --resume {save_dir}; "
+            f"exit {EXIT_PREEMPTED}")

@@ -1,0 +1,113 @@
+"""The zero-bubble schedule (ZB-H1: backward split into B and W, W deferred) on GPUs against one GPU, fp32.
+
+Reference: one GPU running the same stages as streams (`--stages N`, eager) with the same schedule: per stage the
+same kernels on the same shapes and the weight gradients accumulated in the same order, so pp=N over the copy
+engine or NCCL, graph or eager, must match it bitwise. A second check against the plain 1F1B run on one GPU
+(1e-5, the pipeline tests' bound) shows the split itself changes nothing but rounding order.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.gpu.compare import Expect, assert_matches
+from tests.gpu.jobs import Run
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+TINY = ("--hidden", "256", "--layers", "8", "--seq", "64", "--micro-batch-size", "2", "--iters", "5",
+        "--warmup-iters", "2", "--dtype", "fp32")
+M = {2: "4", 4: "5"}  # pp=4 with M=5: not a multiple of pp
+SCHEDULES = ["zb-h1"]
+
+
+def _ref(schedule: str, pp: int) -> Run:
+    return Run(f"sched_ref_{schedule}_s{pp}", (*TINY, "--schedule", schedule, "--stages", str(pp), "-m", M[pp],
+                                               "--no-graph"))
+
+
+def _one_f_one_b(pp: int) -> Run:
+    return Run(f"sched_ref_1f1b_m{M[pp]}", (*TINY, "--schedule", "1f1b", "-m", M[pp], "--no-graph"))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_one_gpu_stages_match_1f1b(pipeline_runs, schedule: str, pp: int) -> None:
+    got, ref = pipeline_runs.results(_ref(schedule, pp), _one_f_one_b(pp))
+    assert_matches(got, ref, Expect(1e-5, graph=False))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_one_gpu_graph_matches_eager(pipeline_runs, schedule: str, pp: int) -> None:
+    r = Run(f"sched_{schedule}_s{pp}_graph", (*TINY, "--schedule", schedule, "--stages", str(pp), "-m", M[pp],
+                                              "--graph"))
+    got, ref = pipeline_runs.results(r, _ref(schedule, pp))
+    assert_matches(got, ref, Expect(0.0, graph=True))
+
+
+def _multi(schedule: str, pp: int, p2p: str, graph: str) -> tuple[Run, Expect]:
+    flag = graph.replace("--", "_").replace("-", "_")
+    r = Run(f"sched_{schedule}_pp{pp}_{p2p}{flag}", (*TINY, "--schedule", schedule, "--pp", str(pp), "-m", M[pp],
+                                                     "--p2p", p2p, graph), nproc=pp)
+    return r, Expect(0.0, world=pp, graph=graph == "--graph", transport=p2p)
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("graph", ["--graph", "--no-graph"])
+@pytest.mark.parametrize("p2p", ["copy-engine", "nccl"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_matches_one_gpu_bitwise(pipeline_runs, schedule: str, p2p: str, graph: str) -> None:
+    r, want = _multi(schedule, 2, p2p, graph)
+    got, ref = pipeline_runs.results(r, _ref(schedule, 2))
+    assert_matches(got, ref, want)
+
+
+@pytest.mark.gpu4
+@pytest.mark.parametrize("graph", ["--graph", "--no-graph"])
+@pytest.mark.parametrize("p2p", ["copy-engine", "nccl"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp4_matches_one_gpu_bitwise(pipeline_runs, schedule: str, p2p: str, graph: str) -> None:
+    r, want = _multi(schedule, 4, p2p, graph)
+    got, ref = pipeline_runs.results(r, _ref(schedule, 4))
+    assert_matches(got, ref, want)
+
+
+# Several stages per rank: interleaved (rank r holds r and r+pp, the wrap-around edge) and zbv (r and 2pp-1-r),
+# against one GPU running the same 2pp stages as streams with the schedule of the same per-stage work: 1f1b for
+# interleaved (one whole backward per microbatch, in microbatch order), zb-h1 for zbv (B and W split, each stage's
+# W in microbatch order). Same kernels, shapes and accumulation order per stage: bitwise in fp32.
+PLACED_REF = {"interleaved": "1f1b", "zbv": "zb-h1"}
+PLACED_M = {("interleaved", 2): "4", ("zbv", 2): "3", ("zbv", 4): "5"}  # zbv: M not a multiple of pp
+
+
+def _placed_ref(schedule: str, pp: int) -> Run:
+    m = PLACED_M[(schedule, pp)]
+    return Run(f"sched_ref_{PLACED_REF[schedule]}_s{2 * pp}_m{m}",
+               (*TINY, "--schedule", PLACED_REF[schedule], "--stages", str(2 * pp), "-m", m, "--no-graph"))
+
+
+def _placed(schedule: str, pp: int, p2p: str, graph: str) -> tuple[Run, Expect]:
+    flag = graph.replace("--", "_").replace("-", "_")
+    r = Run(f"sched_{schedule}_pp{pp}_{p2p}{flag}", (*TINY, "--schedule", schedule, "--pp", str(pp), "--stages",
+                                                     "2", "-m", PLACED_M[(schedule, pp)], "--p2p", p2p, graph),
+            nproc=pp)
+    return r, Expect(0.0, world=pp, graph=graph == "--graph", transport=p2p)
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("graph", ["--graph", "--no-graph"])
+@pytest.mark.parametrize("p2p", ["copy-engine", "nccl"])
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_placed_pp2_matches_one_gpu_bitwise(pipeline_runs, schedule: str, p2p: str, graph: str) -> None:
+    r, want = _placed(schedule, 2, p2p, graph)
+    got, ref = pipeline_runs.results(r, _placed_ref(schedule, 2))
+    assert_matches(got, ref, want)
+
+
+@pytest.mark.gpu4
+@pytest.mark.parametrize("p2p,graph", [("copy-engine", "--graph"), ("nccl", "--no-graph")])
+def test_zbv_pp4_matches_one_gpu_bitwise(pipeline_runs, p2p: str, graph: str) -> None:
+    r, want = _placed("zbv", 4, p2p, graph)
+    got, ref = pipeline_runs.results(r, _placed_ref("zbv", 4))
+    assert_matches(got, ref, want)

@@ -1,0 +1,53 @@
+"""Model factories that break the contract in one way each, for the reliability suite (tests/reliability)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn as nn
+
+
+def interrupted():
+    raise KeyboardInterrupt
+
+
+def exits():
+    sys.exit(7)
+
+
+def no_parameters():
+    return nn.Sequential(nn.ReLU(), nn.ReLU(), nn.ReLU(), nn.ReLU())
+
+
+def wrong_width(hidden):
+    return nn.Sequential(nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden + 3, hidden),
+                         nn.Linear(hidden, hidden))
+
+
+class _Pair(nn.Module):
+    def forward(self, x):
+        return (x, x)
+
+
+class _ToInt(nn.Module):
+    def forward(self, x):
+        return x.long()
+
+
+class _ToComplex(nn.Module):
+    def forward(self, x):
+        return torch.complex(x, x)
+
+
+def tuple_output(hidden):
+    return nn.Sequential(nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), _Pair(), nn.Linear(hidden, hidden))
+
+
+def int64_output(hidden):
+    return nn.Sequential(nn.Linear(hidden, hidden), _ToInt(), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden))
+
+
+def complex_output(hidden):
+    return nn.Sequential(nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden),
+                         _ToComplex())

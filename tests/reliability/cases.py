@@ -1,0 +1,162 @@
+"""The reliability suite's table: each bad input under torchrun and mpirun, each fault on pp=2 and pp=2 x dp=2.
+
+A case is a command line and what a clean outcome looks like; `classify` sorts what happened into one of
+clean / traceback / hang / misnamed / data lost (see OUTCOMES). Checkpoint attacks join the table from
+tests/reliability/checkpoint_cases.py when that module exists (its `cases(workdir)` returns more `Case`s).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.helpers import PIPELINE, cpu_env, mpirun_cmd, torchrun_cmd
+
+OUTCOMES = ("clean", "traceback", "hang", "misnamed", "data lost")
+TINY = ["--hidden", "8", "--layers", "4", "--seq", "4", "--micro-batch-size", "2", "-m", "2", "--iters", "3",
+        "--device", "cpu"]
+STARTUP_S = 90  # torch imports of every rank on a loaded 2-core machine, the rendezvous
+
+#: (name, arguments, environment): each must end the job with one `peerline: error:` line, no traceback.
+BAD_INPUTS: list[tuple[str, list[str], dict[str, str]]] = [
+    ("lr nan", ["--lr", "nan"], {}),
+    ("lr inf", ["--lr", "inf"], {}),
+    ("timeout nan", ["--timeout-s", "nan"], {}),
+    ("timeout inf", ["--timeout-s", "inf"], {}),
+    ("timeout 1e300", ["--timeout-s", "1e300"], {}),
+    ("bucket nan", ["--bucket-mb", "nan"], {}),
+    ("first bucket inf dp=2", ["--first-bucket-mb", "inf", "--dp", "2"], {}),
+    ("seed 10**30", ["--seed", str(10**30)], {}),
+    ("hidden 10**12", ["--hidden", str(10**12)], {}),
+    ("seq 10**9", ["--seq", str(10**9)], {}),
+    ("micro-batch-size 10**9", ["--micro-batch-size", str(10**9)], {}),
+    ("global batch -8", ["--global-batch", "-8"], {}),
+    ("global batch 0", ["--global-batch", "0"], {}),
+    ("unknown flag", ["--no-such-flag"], {}),
+    ("not a number", ["--layers", "many"], {}),
+    ("PEERLINE_LOG=BOGUS", [], {"PEERLINE_LOG": "BOGUS"}),
+    ("fault at a missing rank", [], {"PEERLINE_FAULT": "kill:rank=5:iter=2"}),
+    ("model :f", ["--model", ":f"], {}),
+    ("model .rel:f", ["--model", ".rel:f"], {}),
+    ("model syntax error", ["--model", "syntax_error:make"], {}),
+    ("model raises on import", ["--model", "raises_on_import:make"], {}),
+    ("factory KeyboardInterrupt", ["--model", "bad_models:interrupted"], {}),
+    ("factory sys.exit(7)", ["--model", "bad_models:exits"], {}),
+    ("model without parameters", ["--model", "bad_models:no_parameters"], {}),
+    ("wrong width", ["--model", "bad_models:wrong_width"], {}),
+    ("tuple output", ["--model", "bad_models:tuple_output"], {}),
+    ("int64 output", ["--model", "bad_models:int64_output"], {}),
+    ("complex output", ["--model", "bad_models:complex_output"], {}),
+]
+
+#: (name, PEERLINE_FAULT, the rank that stops): every rank out within the deadline, every line naming that rank.
+FAULTS = [("kill", "kill:rank=1:iter=2", 1), ("hang", "hang:rank=1:iter=2", 1)]
+GRIDS = [("pp=2", 2, []), ("pp=2 x dp=2", 4, ["--dp", "2"])]
+FAULT_TIMEOUT_S = 8
+
+
+@dataclass
+class Case:
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    limit_s: float
+    check: Callable[[Result], str]  # the outcome of a finished run (a hang is found by the runner)
+    workdir: Path | None = None
+
+
+@dataclass
+class Result:
+    rc: int | None
+    out: str
+    seconds: float
+    errors: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, rc: int | None, out: str, seconds: float) -> Result:
+        return cls(rc, out, seconds, [ln for ln in out.splitlines() if ln.startswith("peerline: error:")])
+
+
+def write_models(workdir: Path) -> None:
+    """The bad models: bad_models.py, and two modules that cannot be imported (written here: a file with a
+    syntax error would break the linter)."""
+    (workdir / "bad_models.py").write_text((Path(__file__).parent / "bad_models.py").read_text())
+    (workdir / "syntax_error.py").write_text("def make(:\n    pass\n")
+    (workdir / "raises_on_import.py").write_text("raise RuntimeError('no model here')\n")
+
+
+def worker_traceback(out: str) -> bool:
+    """A Python traceback from a rank. torchrun's own ChildFailedError traceback, which it prints for every
+    failed job whatever the workers said, is not one."""
+    blocks = out.split("Traceback (most recent call last)")[1:]
+    return any("ChildFailedError" not in block.split("\n\n")[0] for block in blocks)
+
+
+def one_clean_line(r: Result) -> str:
+    if worker_traceback(r.out):
+        return "traceback"
+    if r.rc == 0 or len(r.errors) != 1:
+        return "misnamed"  # no line, or one per rank, or a job that did not fail
+    return "clean"
+
+
+def names_rank(rank: int) -> Callable[[Result], str]:
+    def check(r: Result) -> str:
+        if worker_traceback(r.out):
+            return "traceback"
+        who = f"rank {rank} (stage 1"
+        if r.rc == 0 or not r.errors or any(who not in line for line in r.errors):
+            return "misnamed"
+        return "clean"
+    return check
+
+
+def launcher(kind: str, n: int) -> list[str]:
+    return torchrun_cmd(n) if kind == "torchrun" else mpirun_cmd(n)
+
+
+def all_cases(workdir: Path) -> list[Case]:
+    cases = []
+    env_models = {"PYTHONPATH": f"{workdir}:{Path(__file__).resolve().parents[2]}"}
+    for kind in ("torchrun", "mpirun"):
+        for name, args, env in BAD_INPUTS:
+            cases.append(Case(f"{kind}: {name}", [*launcher(kind, 2), PIPELINE, *TINY, *args],
+                              cpu_env(**env_models, **env), STARTUP_S, one_clean_line))
+    for grid, n, args in GRIDS:
+        for name, fault, rank in FAULTS:
+            limit = STARTUP_S + FAULT_TIMEOUT_S + 40
+            cases.append(Case(f"torchrun {grid}: {name} rank {rank}", [
+                *torchrun_cmd(n), PIPELINE, *TINY, "--iters", "6", "--timeout-s", str(FAULT_TIMEOUT_S), *args],
+                cpu_env(PEERLINE_FAULT=fault), limit, names_rank(rank)))
+    extra = Path(__file__).parent / "checkpoint_cases.py"
+    if extra.exists():
+        spec = importlib.util.spec_from_file_location("checkpoint_cases", extra)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        cases += module.cases(workdir)
+    return cases
+
+
+def run_case(case: Case, workdir: Path) -> tuple[str, Result]:
+    """Run one case to its outcome; past its limit the job is killed and the outcome is a hang."""
+    cwd = case.workdir or workdir
+    t0 = time.monotonic()
+    p = subprocess.Popen(case.cmd, cwd=cwd, env=case.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=case.limit_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        return "hang", Result.of(None, out, time.monotonic() - t0)
+    result = Result.of(p.returncode, out, time.monotonic() - t0)
+    return case.check(result), result
+
+
+__all__ = ["Case", "Result", "OUTCOMES", "all_cases", "run_case", "write_models"]

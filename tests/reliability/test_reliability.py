@@ -1,0 +1,29 @@
+"""The reliability suite: the table of tests/reliability/cases.py run concurrently, each outcome classified
+(clean / traceback / hang / misnamed / data lost); prints the counts and asserts every case clean."""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.reliability.cases import OUTCOMES, all_cases, run_case, write_models
+
+pytestmark = pytest.mark.timeout(900)
+
+WORKERS = 4  # jobs at once: most of a case is waiting (imports, rendezvous, deadlines), not computing
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
+def test_every_case_ends_cleanly(tmp_path):
+    write_models(tmp_path)
+    cases = all_cases(tmp_path)
+    with ThreadPoolExecutor(WORKERS) as pool:
+        outcomes = list(pool.map(lambda c: run_case(c, tmp_path), cases))
+    counts = {k: sum(1 for o, _ in outcomes if o == k) for k in OUTCOMES}
+    print(f"\nreliability: tried {len(cases)} / " + " / ".join(f"{k} {v}" for k, v in counts.items()))
+    bad = [(c.name, o, r.errors[:3] or r.out[-600:]) for c, (o, r) in zip(cases, outcomes) if o != "clean"]
+    for name, outcome, detail in bad:
+        print(f"  {outcome}: {name}: {detail}")
+    assert not bad, f"{len(bad)} of {len(cases)} cases not clean: {[b[:2] for b in bad]}"

@@ -1,0 +1,61 @@
+"""Naming the rank that stopped from every rank's beats (distributed/resilience/heartbeat.py), on a real store."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+
+from peerline.distributed.resilience.heartbeat import Beat, Heartbeat, name_stopped
+
+
+def name(r: int) -> str:
+    return f"rank {r} (stage {r % 2})"
+
+
+def beat(seq: int, on: tuple[int, ...] | None, idle: float = 0.0, it: int = 3, end: str | None = None) -> Beat:
+    return Beat(seq, it, on, "something" if on else "", idle, end)
+
+
+def test_a_rank_whose_beat_stopped_is_named_first():
+    before = {0: beat(1, (1,)), 1: beat(5, None), 2: beat(1, (3,)), 3: beat(1, (1,))}
+    after = {0: beat(2, (1,)), 1: beat(5, None), 2: beat(2, (3,)), 3: beat(2, (1,))}
+    got = name_stopped(before, after, 2, 5.0, name)
+    assert got.startswith("rank 1 (stage 1) (last seen in iteration 3, in no wait) stopped responding"), got
+
+
+def test_a_live_rank_in_no_wait_that_made_no_progress_is_named_not_the_replica_waited_for():
+    """pp=2 x dp=2: rank 3 waits for rank 1 in the all-reduce, rank 2 for rank 3; rank 1 hangs outside any wait."""
+    before = {0: beat(1, (1,), 6), 1: beat(1, None, 7), 2: beat(1, (3,), 6), 3: beat(1, (1,), 6)}
+    after = {r: Beat(b.seq + 1, b.iteration, b.waiting_on, b.desc, b.idle_s + 1, b.end) for r, b in before.items()}
+    got = name_stopped(before, after, 2, 5.0, name)
+    assert got == "rank 1 (stage 1) stopped in iteration 3: no progress for 8 s, waiting for no other rank"
+
+
+def test_the_chain_of_waits_leads_to_the_rank_that_waits_for_nobody():
+    before = {0: beat(1, (1,)), 1: beat(1, None, 1.0), 2: beat(1, (3,)), 3: beat(1, (1,))}
+    after = {r: Beat(b.seq + 1, b.iteration, b.waiting_on, b.desc, b.idle_s, b.end) for r, b in before.items()}
+    assert name_stopped(before, after, 2, 5.0, name) == ("rank 1 (stage 1) stopped in iteration 3, waiting for no "
+                                                         "other rank")
+    cycle = {0: beat(2, (1,)), 1: beat(2, (0,)), 2: beat(2, (0,)), 3: beat(2, (2,))}
+    assert name_stopped(cycle, {r: beat(3, b.waiting_on) for r, b in cycle.items()}, 3, 5.0, name) == (
+        "rank 3 (stage 1), rank 2 (stage 0), rank 0 (stage 0) and rank 1 (stage 1) wait for each other")
+
+
+def test_a_rank_that_reported_and_exited_is_not_frozen():
+    before = {0: beat(1, (1,)), 1: beat(4, None, 9.0, end="timed out")}
+    after = {0: beat(2, (1,)), 1: beat(4, None, 9.0, end="timed out")}
+    assert "stopped responding" not in (name_stopped(before, after, 0, 5.0, name) or "")
+
+
+def test_beats_round_trip_through_a_store():
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=5))
+    hb = [Heartbeat(store, r, 2, name) for r in range(2)]
+    hb[0].publish(Beat(hb[0].next_seq(), 2, (1,), "grad mb 0 from rank 1", 0.5, None, 1.5))
+    beats = hb[1].read_all()
+    assert beats[1] is None and beats[0].waiting_on == (1,) and beats[0].peak_gib == 1.5
+    assert hb[1].peaks() == {0: 1.5}
+    hb[1].publish_verdict("rank 1 (stage 1) stopped")
+    hb[0].publish_verdict("a later diagnosis")
+    assert hb[0].read_verdict() == "rank 1 (stage 1) stopped"

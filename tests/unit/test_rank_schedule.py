@@ -1,0 +1,129 @@
+"""Schedules of several stages per rank (interleaved 1F1B, ZB-V) as rank programs, and their validator."""
+
+import pytest
+
+from peerline.distributed.config import ConfigError
+from peerline.distributed.p2p.base import ACT, GRAD
+from peerline.distributed.pipeline import rank_schedule as R
+from peerline.distributed.pipeline import rank_sim
+from peerline.distributed.pipeline import schedule as S
+from peerline.distributed.pipeline.placed import placed_schedule
+from peerline.distributed.pipeline.placement import LOOP, V_SHAPE, Placement, message_keys, placement_for
+
+pytestmark = pytest.mark.timeout(60)
+
+CASES = [("interleaved", LOOP, pp, v, m) for pp, v, m in [(1, 2, 3), (2, 2, 2), (2, 2, 6), (2, 3, 4), (3, 2, 6),
+                                                           (4, 2, 8)]] + \
+        [("zbv", V_SHAPE, pp, 2, m) for pp, m in [(1, 3), (2, 1), (2, 3), (2, 8), (3, 5), (4, 4), (4, 9)]]
+
+
+def test_placements():
+    loop, v = Placement(4, 2, LOOP), Placement(4, 2, V_SHAPE)
+    assert [loop.stages_of(r) for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [v.stages_of(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert loop.wraps and not v.wraps and not Placement(1, 3, LOOP).wraps
+    # the V's second leg travels to the previous rank: its activations take the GRAD channel
+    assert v.channel(ACT, 1) == ACT and v.channel(ACT, 5) == GRAD and v.channel(GRAD, 5) == ACT
+    assert loop.channel(ACT, 3) == ACT  # the wrap-around edge, last rank -> first
+    with pytest.raises(ConfigError, match="--stages 2"):
+        placement_for("zbv", 2, 3)
+    with pytest.raises(ConfigError, match="interleaved or zbv"):
+        placement_for("1f1b", 2, 2)
+    assert placement_for("1f1b", 1, 4) is None  # stages as streams of one device
+
+
+@pytest.mark.parametrize("schedule,shape,pp,v,m", CASES)
+def test_rank_programs_run_on_rendezvous_and_rings(schedule, shape, pp, v, m):
+    placement = Placement(pp, v, shape)
+    programs = R.build_ranks(schedule, placement, m)
+    rank_sim.simulate_ranks(programs, placement, m, None)
+    k = rank_sim.min_rank_capacity(programs, placement, m)
+    rank_sim.simulate_ranks(programs, placement, m, k)
+    if k > 1:
+        with pytest.raises(S.ScheduleError, match="deadlocks"):
+            rank_sim.simulate_ranks(programs, placement, m, k - 1)
+    ops = "FBW" if schedule == "zbv" else "FB"
+    for r, program in enumerate(programs):  # every compute of the rank's stages once, none of another rank's
+        computes = sorted((a.op, a.stage, a.mb) for _, step in program for a in step if a.op in S.COMPUTE)
+        assert computes == sorted((op, s, mb) for op in ops for s in placement.stages_of(r) for mb in range(m))
+    # message ids: each (sender, channel) numbers its messages 0, 1, ... in send order
+    keys = message_keys(programs, placement)
+    for (kind, boundary, _mb), (channel, _ident) in keys.items():
+        assert channel == placement.channel(kind, boundary)
+
+
+def test_ring_depth_does_not_grow_with_m():
+    """The rings hold what is in flight, not a slot per microbatch."""
+    for schedule, shape, pp, v in [("interleaved", LOOP, 2, 2), ("zbv", V_SHAPE, 2, 2)]:
+        placement = Placement(pp, v, shape)
+        depths = {rank_sim.min_rank_capacity(R.build_ranks(schedule, placement, m), placement, m) for m in (8, 16)}
+        assert len(depths) == 1 and depths.pop() < 16  # a channel carries 2M (zbv) or up to VM messages
+
+
+def test_interleaved_needs_m_in_groups_of_pp():
+    with pytest.raises(S.ScheduleError, match="M=3 is not a multiple of pp=2"):
+        placed_schedule("interleaved", 2, 2, 3)
+    assert placed_schedule("zbv", 2, 2, 3) is not None  # zbv takes any M
+
+
+def test_zbv_fills_the_bubble():
+    """Unit-time makespan of ZB-V near the work (6M per rank); interleaved below 1F1B's (M + pp - 1) x 3 x 2."""
+    for pp, m in [(2, 8), (4, 8)]:
+        times = R.compute_times(R.zbv_orders(Placement(pp, 2, V_SHAPE), m), 2 * pp)
+        assert max(e for _, e in times.values()) <= 6 * m + 3
+        orders = [R.interleaved_order(r, pp, 2, m) for r in range(pp)]
+        assert max(e for _, e in R.compute_times(orders, 2 * pp).values()) < 6 * (m + pp - 1)
+
+
+def _drop(programs, rank, action):
+    out = []
+    for s, step in programs[rank]:
+        step = tuple(a for a in step if a != action)
+        if step:
+            out.append((s, step))
+    return [out if r == rank else p for r, p in enumerate(programs)]
+
+
+@pytest.mark.parametrize("schedule,shape", [("interleaved", LOOP), ("zbv", V_SHAPE)])
+def test_broken_variants_are_rejected(schedule, shape):
+    placement = Placement(2, 2, shape)
+    programs = R.build_ranks(schedule, placement, 4)
+    # a missing send (rank 0's stage 0 never hands microbatch 1 on)
+    with pytest.raises(S.ScheduleError, match="stage 0: microbatch 1 has no SA"):
+        rank_sim.simulate_ranks(_drop(programs, 0, S.Action("SA", 1, 0)), placement, 4)
+    # the send kept but the receive dropped on the other rank: a table of steps x ranks shows who waits
+    broken = _drop(programs, 1, S.Action("RA", 1, 1))
+    with pytest.raises(S.ScheduleError, match="stage 1: microbatch 1 has no RA"):
+        rank_sim.simulate_ranks(broken, placement, 4)
+    # a forward moved behind its own backward
+    order = [(s, step) for s, step in programs[1]]
+    f = next(i for i, (_, st) in enumerate(order) if st == (S.Action("F", 0, 1),))
+    b = next(i for i, (_, st) in enumerate(order) if st == (S.Action("B", 0, 1),))
+    order[f], order[b] = order[b], order[f]
+    with pytest.raises(S.ScheduleError, match="must come before"):
+        rank_sim.simulate_ranks([programs[0], order], placement, 4)
+    if schedule == "zbv":  # a W before its B
+        order = list(programs[0])
+        w = next(i for i, (_, st) in enumerate(order) if st[0].op == "W")
+        bw = next(i for i, (_, st) in enumerate(order) if st[0].op == "B" and st[0].mb == order[w][1][0].mb
+                  and st[0].stage == order[w][1][0].stage)
+        order.insert(bw, order.pop(w))
+        with pytest.raises(S.ScheduleError, match="must come before"):
+            rank_sim.simulate_ranks([order, programs[1]], placement, 4)
+
+
+def test_waiting_ranks_are_shown_in_a_table():
+    """Two ranks whose groups no longer meet deadlock on rendezvous; the table marks where each waits."""
+    placement = Placement(2, 2, LOOP)
+    programs = R.build_ranks("interleaved", placement, 2)
+    rank0 = list(programs[0])
+    i = next(i for i, (_, st) in enumerate(rank0) if S.Action("SA", 0, 0) in st)
+    rank0.insert(len(rank0) - 1, rank0.pop(i))  # the first send posted at the end: rank 1 waits for it
+    with pytest.raises(S.ScheduleError, match="deadlocks") as err:
+        rank_sim.simulate_ranks([rank0, programs[1]], placement, 2)
+    assert "rank 0" in str(err.value) and ">" in str(err.value)
+
+
+def test_print_schedule_table():
+    text = placed_schedule("zbv", 2, 2, 2).render()
+    assert "rank 0" in text and "rank 1" in text and "W0@3" in text and "legend" in text
