@@ -39,6 +39,8 @@ if [ "${TESTS:-}" != none ]; then
   timeout -k 15 "${LIMIT:-540}" python3 -m pytest ${TESTS:-tests/gpu} -m "$MARKERS" -p no:cacheprovider -rfEs \
     --durations=20 --junitxml="$OUT/gpu-tests.xml" "$@" > "$W/pytest.log" 2>&1
   rc=$?
+  # A test cut by LIMIT leaves its ranks holding GPU memory; end them before anything else runs on these GPUs.
+  pkill -9 -f "launch/pipeline.py|launch/bench.py|tests/gpu/workers" 2>/dev/null
   { echo "gpu_checks: $NGPU GPU(s); pytest -m \"$MARKERS\" $*: exit status $rc in $((SECONDS - t0)) s"
     [ "$rc" -eq 124 ] && echo "pytest ran past LIMIT=${LIMIT:-540} s (w/pytest.log in logs.tgz)"
     if grep -q "short test summary info" "$W/pytest.log"; then sed -n '/short test summary info/,$p' "$W/pytest.log"

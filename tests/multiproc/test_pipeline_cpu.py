@@ -66,7 +66,7 @@ def test_single_process_stages_as_streams_equal_one_stage(tmp_path, reference):
     (["--schedule", "1f1b", "-m", "1"], "1f1b needs at least as many microbatches as stages"),
     (["--global-batch", "7"], "not divisible"),
     (["--model", "torch.nn:Identity"], "returned Identity, not an nn.Sequential"),
-    (["--model", "torch.nn:Linear"], "model factory 'torch.nn:Linear' failed: TypeError"),
+    (["--model", "torch.nn:Linear"], "model factory 'torch.nn:Linear' raised TypeError"),
 ])
 def test_bad_input_fails_on_every_rank_with_one_line(tmp_path, args, message):
     proc, _ = run_job(torchrun_cmd(2), [*TINY, *args], tmp_path, "bad", timeout=120)
