@@ -26,7 +26,7 @@ try:
     from peerline.distributed.hooks import IterationStats
     from peerline.distributed.observe.progress import ProgressReporter
     from peerline.distributed.observe.record import build_record, check_outputs, write_record
-    from peerline.distributed.resilience import faults
+    from peerline.distributed.resilience import checkpoint_store, faults
     from peerline.distributed.resilience.failsafe import Failsafe
     from peerline.distributed.resilience.preemption import EXIT_PREEMPTED, Preemption, preempted_line
     from peerline.distributed.runtime import Runtime
@@ -46,6 +46,7 @@ def run(argv: list[str] | None = None) -> int:
         return 0
     faults.active()  # a bad PEERLINE_FAULT is one clear line before anything starts
     check_outputs(cfg)  # an unwritable --json / --timeline / metrics output is one line now, not after training
+    checkpoint_store.precheck(cfg.save, cfg.resume)  # a --save folder this run must not write: one line, now
     # The failsafe: watchdog, fault hooks, checkpoints at --save-every, --resume, the non-finite guard. Preemption
     # first: a signal stops every rank at one boundary, after the failsafe's final checkpoint.
     rt = Runtime.create(cfg, hooks=[Preemption.attach, Failsafe.attach])

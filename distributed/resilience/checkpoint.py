@@ -6,7 +6,8 @@ Layout of a checkpoint directory DIR:
                                   written by rank 0
   DIR/iter_000003/rank00000.pt    one file per rank: its stage weights, optimizer state, RNG states, iteration
   DIR/iter_000003/rank00000.sha256  the SHA-256 of that file (a tampered file is refused before it is unpickled)
-  DIR/latest                      the iteration of the newest complete checkpoint, written last
+  DIR/latest                      the iteration of the newest complete checkpoint, written last (a hint: resume
+                                  finds the newest checkpoint that verifies without it, checkpoint_store.py)
 
 Every file is written to a temporary name in the same directory, flushed, fsynced and renamed over its final name
 (`os.replace` is atomic within one file system), and the directory is fsynced so the rename itself survives a
@@ -15,7 +16,8 @@ half-way through a save leaves `latest` pointing at the previous complete checkp
 
 The iteration stored is the number of iterations completed; a resumed run continues with that iteration index.
 Loading uses `torch.load(..., weights_only=True)`: a checkpoint can hold tensors, numbers, strings, lists, tuples
-and dicts, nothing that executes. Every failure is a `CheckpointError` with one line that names the file or field.
+and dicts, nothing that executes. Every failure is a `CheckpointError` with one line that names the file or field;
+a full disk is named as such ("no space left on DIR while saving checkpoint N"), whichever exception reported it.
 """
 
 from __future__ import annotations

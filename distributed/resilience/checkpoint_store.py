@@ -260,3 +260,29 @@ def use_run_lr(optimizer: Any, lr: float, say: Callable[[str], None]) -> None:
                 group["lr"].fill_(lr)
             else:
                 group["lr"] = lr
+
+
+def precheck(save_dir: str | None, resume_dir: str | None) -> None:
+    """Before any process group exists (every rank alike, so the job prints one line): the refusals a listing of
+    the folders decides. A fresh run into a folder of checkpoints; an older checkpoint named while newer ones sit
+    in --save; a --save folder locked by a live job. The collective checks (verification) come later."""
+    if save_dir is None or not Path(save_dir).is_dir():
+        return
+    save = Path(save_dir)
+    held = iterations(save)
+    if resume_dir is None and held:
+        raise CheckpointError(f"--save {save} holds checkpoints already (iteration "
+                              f"{', '.join(map(str, sorted(held)))}): continue them with --resume {save}, or save "
+                              "into another directory")
+    named = Path(resume_dir) if resume_dir else None
+    if named is not None and _ITER.match(named.name) and (named / ckpt.MANIFEST).exists():
+        guard_newer(save, int(_ITER.match(named.name).group(1)), set())
+    lock = save / LOCK
+    try:
+        holder = json.loads(lock.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(holder, dict) and not _stale(holder):
+        raise CheckpointError(f"--save {save} is in use by another job (pid {holder.get('pid')} on "
+                              f"{holder.get('host')}): two jobs saving into one directory would mix their "
+                              f"checkpoints; if that job is gone, delete {lock}")

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import _torchelastic_use_agent_store
 
 from peerline.distributed.p2p.base import ACT, Links
 from peerline.distributed.p2p.edges import host_of
@@ -123,13 +124,15 @@ def _named(wait: Callable[[], None], watchdog: Watchdog, desc: str, ranks: list[
     return finish
 
 
-def attach_heartbeat(watchdog: Watchdog, mesh: Any, device: torch.device) -> None:
+def attach_heartbeat(watchdog: Watchdog, mesh: Any, device: torch.device, info: Any = None) -> None:
     """Publish this rank's beats through the process group's store and let the watchdog read everyone's (nothing
-    for one process); on a GPU the beats carry the peak device memory, and device progress is probed."""
+    for one process); on a GPU the beats carry the peak device memory, and device progress is probed. `info`
+    (the launcher's `LaunchInfo`) says where the store is, for the line of a rank that cannot reach it."""
     if not dist.is_initialized() or mesh.world_size == 1:
         return
     store = dist.distributed_c10d._get_default_store()
-    watchdog.heartbeat = Heartbeat(store, mesh.rank, mesh.world_size, lambda r: describe_rank(r, mesh.pp))
+    watchdog.heartbeat = Heartbeat(store, mesh.rank, mesh.world_size, lambda r: describe_rank(r, mesh.pp),
+                                   host=host_of, store_at=describe_store(info, mesh.pp))
     if device.type == "cuda":
         watchdog.memory = lambda: torch.cuda.max_memory_allocated(device) / 2**30
 
@@ -140,3 +143,12 @@ def describe_rank(rank: int, pp: int) -> str:
     host = host_of(rank)
     return (f"rank {rank} (stage {rank % pp}" + (f", replica {rank // pp}" if rank >= pp else "")
             + (f", on {host})" if host else ")"))
+
+
+def describe_store(info: Any, pp: int) -> str:
+    """'at 10.0.0.1:29500, hosted by rank 0 (stage 0, on node1)' (or by torchrun's agent there): where the
+    rendezvous store is (env.py opens it) and which process keeps it up."""
+    if info is None or not getattr(info, "master_addr", None):
+        return ""
+    by = "torchrun's agent there" if _torchelastic_use_agent_store() else describe_rank(0, pp)
+    return f"at {info.master_addr}:{info.master_port}, hosted by {by}"

@@ -186,7 +186,7 @@ class Failsafe(IterationHooks):
         if self.rt.device.type == "cuda":
             self.watchdog.set_progress_probe(self.watch.passed)
         name_collective_waits(engine, self.watchdog, self.rt.mesh)
-        attach_heartbeat(self.watchdog, self.rt.mesh, self.rt.device)
+        attach_heartbeat(self.watchdog, self.rt.mesh, self.rt.device, getattr(self.rt, "info", None))
         if self.faults.needs_eager():
             # The NaN hook decides per iteration on the host; a graph replay would not run it.
             self.rt.graphs.disable("CUDA graph off: PEERLINE_FAULT injects NaN, which needs eager iterations")

@@ -4,6 +4,8 @@ Grammar: faults separated by ';', each `kind:key=value:key=value`:
 
   kill:rank=1:iter=3          rank 1 ends with os._exit(9) just before iteration 3 (no cleanup, like a crash)
   hang:rank=1:iter=3          rank 1 stops before iteration 3 and never continues (the watchdog must end it)
+  stop:rank=0:iter=3          rank 0 freezes whole (SIGSTOP) before iteration 3: its watchdog, its beats and, on
+                              the rank hosting it, the rendezvous store stop too (a lost node, as the others see it)
   delay:rank=0:iter=2:s=1.5   rank 0 sleeps 1.5 s before iteration 2 (a slow rank, not a failure)
   nan:stage=1:iter=2          stage 1 outputs NaN in every microbatch of iteration 2
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -41,7 +44,7 @@ from peerline.distributed.env import launch_rank_world
 log = logging.getLogger(__name__)
 
 ENV = "PEERLINE_FAULT"
-KINDS = ("kill", "hang", "delay", "nan")
+KINDS = ("kill", "hang", "stop", "delay", "nan")
 EXIT_KILLED = 9
 
 
@@ -68,6 +71,7 @@ class Fault:
 
 
 _ALLOWED = {"kill": {"rank", "stage", "iter", "code", "attempt"}, "hang": {"rank", "stage", "iter", "attempt"},
+            "stop": {"rank", "stage", "iter", "attempt"},
             "delay": {"rank", "stage", "iter", "s", "attempt"}, "nan": {"rank", "stage", "iter", "attempt"}}
 
 
@@ -162,7 +166,7 @@ class Faults:
         return bool(self._nan)
 
     def before_iteration(self, rank: int, stage: int | None, it: int) -> None:
-        """Fire kill / hang / delay faults due before iteration number `it` (from 1) on this rank."""
+        """Fire kill / hang / stop / delay faults due before iteration number `it` (from 1) on this rank."""
         for f in self._boundary:
             if not f.matches(rank, stage, it, self.attempt):
                 continue
@@ -177,6 +181,9 @@ class Faults:
                 _say(f"peerline: fault injected: {where} hangs before iteration {it}")
                 while True:
                     time.sleep(3600)
+            elif f.kind == "stop":
+                _say(f"peerline: fault injected: {where} stops (SIGSTOP) before iteration {it}")
+                os.kill(os.getpid(), signal.SIGSTOP)
 
     def poison_output(self, stage: int, it: int, tensor: torch.Tensor, rank: int | None = None) -> torch.Tensor:
         """`tensor`, or a NaN-filled result of it when a nan fault targets this stage at iteration `it`.

@@ -1,31 +1,38 @@
-"""Every rank's progress in the rendezvous store, so a failure names the rank that actually stopped.
+"""Every rank's progress in the rendezvous store, so a failure names the rank (and node) that actually stopped.
 
 A rank's own view of a failure is what it waits for: a peer's activation, the gradient all-reduce of its replicas,
 the loss read. With dp > 1 that peer is often only another waiter (a rank in the all-reduce waits for its replica,
-which waits for the rank that hung). So each rank's watchdog thread publishes a beat to the c10d store every poll:
+which waits for the rank that hung). So each rank's beat thread (`Heartbeat.start`), every watchdog poll, publishes
+this rank's beat to the c10d store
 
     peerline/beat/<rank> = {"seq": n, "it": iteration, "on": [ranks it waits for] or null, "desc": what,
                             "idle": seconds since its last progress, "end": why it is exiting, or null,
                             "peak": peak device memory GiB or null}
 
-and at a timeout, a communication error or a launcher's signal, `diagnose()` reads every rank's beat twice, a few
-polls apart, and names who stopped (`name_stopped`, pure):
+and reads every rank's back into a local table, kept with the local time of each read. Only that thread touches
+the store: its calls have no bound (a TCPStore client blocks for as long as a frozen or cut-off host keeps the
+connection open), so nothing that must end waits for it longer than it chooses. At a failure, `explain()` answers
+from the cached table, without the store (`name_stopped`, pure, compares the newest table with one a window older):
 
-  1. ranks whose beat did not advance (or never came): their process died or froze;
+  1. ranks whose beat did not advance (or never came): their process died or froze, or their node was lost
+     (all the ranks of one host: the host is named);
   2. else ranks in no wait that made no progress: they stopped on their own (a hang in user code, a stuck kernel);
   3. else following "waits for" from this rank to a rank that waits for nobody, or around a cycle.
 
-The first rank that names who stopped also writes that sentence to `peerline/verdict`; every watchdog thread
-reads it with its beat and keeps it, so a rank that fails later, after the store's host (rank 0, under mpirun or
-plain launches) has exited, still names the right rank. Store operations run on the watchdog's thread with a
-bound: a store whose host died must not block the line.
+When the table is stale (the store has not answered for a few polls: its host stopped, or this rank's node lost
+its network), the answer says so, names the store's host, and says when and where each rank was last seen
+(`name_unreachable`). The first rank that names who stopped also writes that sentence to `peerline/verdict`; every
+beat thread reads it and keeps it, so a rank that fails later, after the store's host has exited, still names the
+right rank.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +41,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "peerline/beat"
 VERDICT = "peerline/verdict"  # the first diagnosis of the job: ranks cache it, so it outlives the store's host
+Table = dict[int, "Beat | None"]  # every rank's last beat (None: never published)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +69,29 @@ class Beat:
 
 
 class Heartbeat:
-    """Publishes one rank's beats and reads everyone's; `name(r)` says 'rank r (stage s)'."""
+    """Publishes one rank's beats and caches everyone's; `name(r)` says 'rank r (stage s)', `host(r)` the node of
+    rank r when the job spans several (else None), `store_at` where the store is and who hosts it."""
 
-    def __init__(self, store: Any, rank: int, world: int, name: Callable[[int], str]) -> None:
-        self.store, self.rank, self.world, self.name = store, rank, world, name
+    def __init__(self, store: Any, rank: int, world: int, name: Callable[[int], str],
+                 host: Callable[[int], str | None] = lambda _r: None, store_at: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.rank, self.world, self.name, self.host = store, rank, world, name, host
+        self.store_at, self.clock = store_at, clock
         self.seq = 0
+        self.verdict: str | None = None  # the job's first diagnosis, read from the store and kept
+        self.ok_at: float | None = None  # local time of the last complete read of every rank's beat
+        self.history: deque[tuple[float, Table]] = deque()  # (local time, table), oldest first
+        self.seen: dict[int, tuple[int, float]] = {}  # rank -> (its beat's seq, local time that seq first came)
+        self.keep_s = 60.0  # how far back the history goes
+        self._pending_verdict: str | None = None
+        self._rounds = 0
+        self._busy = False  # a round is under way (its beat was made before the latest wake-up)
+        self._done = threading.Condition()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
+    # -- the store (only the beat thread calls these in a run; tests call them directly) ------------------------
     def publish(self, beat: Beat) -> None:
         self.store.set(f"{PREFIX}/{self.rank}", beat.to_json())
 
@@ -81,42 +106,117 @@ class Heartbeat:
         self.seq += 1
         return self.seq
 
-    def read_all(self) -> dict[int, Beat | None]:
+    def read_all(self) -> Table:
         """Every rank's last beat (None: never published)."""
-        beats: dict[int, Beat | None] = {}
-        for r in range(self.world):
-            key = f"{PREFIX}/{r}"
-            beats[r] = Beat.from_json(self.store.get(key).decode()) if self.store.check([key]) else None
-        return beats
+        keys = [f"{PREFIX}/{r}" for r in range(self.world)]
+        if self.store.check(keys):  # the usual case: one round trip for all of them
+            try:
+                return {r: Beat.from_json(v.decode()) for r, v in enumerate(self.store.multi_get(keys))}
+            except (AttributeError, NotImplementedError):
+                pass
+        return {r: Beat.from_json(self.store.get(k).decode()) if self.store.check([k]) else None
+                for r, k in enumerate(keys)}
 
-    def diagnose(self, wait_s: float, stall_s: float, tick: Callable[[], None], tick_s: float) -> str | None:
-        """Who stopped, read from two rounds of beats `wait_s` apart (raises if the store is unreachable); `tick`
-        publishes this rank's beat meanwhile every `tick_s`, so ranks diagnosing at once do not see each other
-        as frozen."""
-        before = self.read_all()
-        end = time.monotonic() + wait_s
-        while time.monotonic() < end:
-            tick()
-            time.sleep(min(tick_s, max(0.0, end - time.monotonic())))
-        after = self.read_all()
-        return name_stopped(before, after, self.rank, stall_s, self.name)
+    # -- the beat thread ---------------------------------------------------------------------------------------
+    def start(self, make_beat: Callable[[], Beat], period_s: float) -> None:
+        """Publish `make_beat()` and read every rank's beat every `period_s`, on a daemon thread."""
+        def loop() -> None:
+            while not self._stop.is_set():
+                self.round(make_beat())
+                self._wake.wait(period_s)
+                self._wake.clear()
+
+        if self._thread is None:
+            self._thread = threading.Thread(target=loop, name=f"peerline-beat-r{self.rank}", daemon=True)
+            self._thread.start()
+
+    def round(self, beat: Beat) -> None:
+        """One beat: publish this rank's (and a pending verdict), read the verdict and every rank's into the
+        table. A store error leaves the table as it was (stale: `explain` says the store does not answer)."""
+        self._busy = True
+        try:
+            self.publish(beat)
+            if self._pending_verdict is not None:
+                self.publish_verdict(self._pending_verdict)
+                self._pending_verdict = None
+            if self.verdict is None:
+                self.verdict = self.read_verdict()
+            table = self.read_all()
+        except Exception as exc:  # noqa: BLE001 - a store that went away: the table goes stale, explain() says so
+            log.debug("heartbeat round failed: %s", exc)
+            table = None
+        with self._done:
+            if table is not None:
+                self._remember(self.clock(), table)
+            self._busy = False
+            self._rounds += 1
+            self._done.notify_all()
+
+    def beat_now(self, wait_s: float) -> bool:
+        """Wake the beat thread for a round now; True when one ended within `wait_s` (never longer)."""
+        if self._thread is None:
+            return False
+        with self._done:
+            target = self._rounds + (2 if self._busy else 1)  # a round under way carries an older beat
+            self._wake.set()
+            return self._done.wait_for(lambda: self._rounds >= target, timeout=max(0.0, wait_s))
+
+    def post_verdict(self, text: str) -> None:
+        """Have the beat thread write the job's verdict (if none is there yet) at its next round."""
+        self._pending_verdict = text
+
+    def stop(self, wait_s: float = 1.0) -> None:
+        """End the beat thread (normal shutdown); a thread stuck in the store is left behind (a daemon)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(wait_s)
+
+    def _remember(self, now: float, table: Table) -> None:
+        self.ok_at = now
+        self.history.append((now, table))
+        while len(self.history) > 2 and self.history[1][0] < now - self.keep_s:
+            self.history.popleft()
+        for r, b in table.items():
+            if b is not None and (r not in self.seen or self.seen[r][0] != b.seq):
+                self.seen[r] = (b.seq, now)
+
+    # -- the failure's sentence, from the cache ----------------------------------------------------------------
+    def explain(self, window_s: float, stale_s: float, stall_s: float, gone_only: bool = False) -> str | None:
+        """Who stopped, from the cached tables (no store access): the newest against one `window_s` older; when
+        the newest is older than `stale_s`, that the store does not answer and who was last seen where.
+        `gone_only`: only ranks whose beat stopped (rule 1) or an unreachable store, else None."""
+        with self._done:
+            if not self.history:
+                return None
+            newest_at, after = self.history[-1]
+            before = next((t for at, t in reversed(self.history) if at <= newest_at - window_s), {})
+            ok_at = self.ok_at
+        now = self.clock()
+        if ok_at is not None and now - ok_at > stale_s:
+            lost = name_stopped(before, after, self.rank, float("inf"), self.name, self.host, gone_only=True)
+            return name_unreachable(after, self.seen, self.rank, now, now - ok_at, self.name, self.host,
+                                    self.store_at, lost)
+        return name_stopped(before, after, self.rank, stall_s, self.name, self.host, gone_only)
 
     def peaks(self) -> dict[int, float]:
-        """Every rank's last published peak device memory, GiB (ranks that published none are left out)."""
-        return {r: b.peak_gib for r, b in self.read_all().items() if b is not None and b.peak_gib is not None}
+        """Every rank's last published peak device memory, GiB, from the cached table (ranks without one left
+        out)."""
+        table = self.history[-1][1] if self.history else {}
+        return {r: b.peak_gib for r, b in table.items() if b is not None and b.peak_gib is not None}
 
 
-def name_stopped(before: dict[int, Beat | None], after: dict[int, Beat | None], me: int, stall_s: float,
-                 name: Callable[[int], str]) -> str | None:
+def name_stopped(before: Table, after: Table, me: int, stall_s: float, name: Callable[[int], str],
+                 host: Callable[[int], str | None] = lambda _r: None, gone_only: bool = False) -> str | None:
     """The sentence naming the rank(s) that stopped, or None when the beats show nobody (see the module
     docstring for the order of the rules)."""
     others = [r for r in after if r != me]
     gone = [r for r in others if after[r] is None or (before.get(r) is not None and after[r].end is None
                                                       and after[r].seq == before[r].seq)]
     if gone:
-        seen = [f"{name(r)} (last seen in iteration {after[r].iteration}, {_state(after[r])})" if after[r] else
-                f"{name(r)} (never published its progress)" for r in gone]
-        return f"{_join(seen)} stopped responding: its process died or froze"
+        return _name_gone(gone, after, me, name, host)
+    if gone_only:
+        return None
     stuck = [r for r, b in after.items() if b is not None and b.end is None and b.waiting_on is None
              and b.idle_s >= stall_s]
     if stuck:
@@ -127,7 +227,43 @@ def name_stopped(before: dict[int, Beat | None], after: dict[int, Beat | None], 
     return _follow(after, me, name)
 
 
-def _follow(after: dict[int, Beat | None], me: int, name: Callable[[int], str]) -> str | None:
+def _name_gone(gone: list[int], after: Table, me: int, name: Callable[[int], str],
+               host: Callable[[int], str | None]) -> str:
+    """'rank 2 (...) and rank 3 (...) stopped responding ...', led by the node when every rank of a node other
+    than this rank's is among them."""
+    seen = [f"{name(r)} (last seen in iteration {after[r].iteration}, {_state(after[r])})" if after[r] else
+            f"{name(r)} (never published its progress)" for r in gone]
+    hosts = {r: host(r) for r in after}
+    lost = sorted({hosts[r] for r in gone if hosts[r] and hosts[r] != hosts.get(me)
+                   and all(x in gone for x in after if hosts[x] == hosts[r])})
+    if lost:
+        return (f"{_join(lost)} lost: {_join(seen)}, every rank on it, stopped responding: the node, its network "
+                "or its processes stopped")
+    return f"{_join(seen)} stopped responding: its process died or froze"
+
+
+def name_unreachable(after: Table, seen: dict[int, tuple[int, float]], me: int, now: float, silent_s: float,
+                     name: Callable[[int], str], host: Callable[[int], str | None], store_at: str,
+                     lost: str | None) -> str:
+    """The store has not answered for `silent_s`: say so, who hosts it, and where and when each rank was last
+    seen (ranks on one host, in one iteration, seen within a second of each other, grouped)."""
+    groups: dict[tuple[str | None, int, int], list[int]] = {}
+    for r, b in sorted(after.items()):
+        if r == me or b is None:
+            continue
+        ago = int(round(now - seen[r][1])) if r in seen else -1
+        groups.setdefault((host(r), b.iteration, ago), []).append(r)
+    parts = [f"{'rank' if len(rs) == 1 else 'ranks'} {', '.join(map(str, rs))}" + (f" on {h}" if h else "")
+             + f" {ago} s ago in iteration {it}" for (h, it, ago), rs in groups.items()]
+    mine = host(me)
+    where = f" {store_at}" if store_at else ""
+    text = (f"the rendezvous store{where} has not answered for {silent_s:.0f} s: it stopped, or the network "
+            f"between it and this rank{f' (on {mine})' if mine else ''} is cut; last seen: "
+            f"{'; '.join(parts) or 'no other rank'}")
+    return f"{lost}; {text}" if lost else text
+
+
+def _follow(after: Table, me: int, name: Callable[[int], str]) -> str | None:
     """Follow 'waits for' from `me`: to a rank in no wait (it stopped), or around a cycle."""
     path, r = [me], me
     while True:

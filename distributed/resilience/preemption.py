@@ -127,7 +127,8 @@ class Preemption(IterationHooks):
 
     # -- the rounds ------------------------------------------------------------------------------------------
     def after_launch(self, rt: Any, last_iteration: int) -> None:
-        if self.reason is not None or last_iteration // self.every == self._checked // self.every:
+        """A round when the launch crossed a multiple of --preempt-check-every (none with --preempt-signals none)."""
+        if not self.signals or self.reason is not None or last_iteration // self.every == self._checked // self.every:
             return
         self._checked = last_iteration
         if self._timer is not None:

@@ -19,9 +19,13 @@ The deadline is on progress, not on whole iterations: if no handoff, collective 
 
 to stderr and ends the process with `os._exit(3)` (a hard exit: the main thread may be stuck inside a C call).
 The description names what this rank waits for; `<who stopped>` comes from every rank's progress in the store
-(heartbeat.py: the thread publishes this rank's each poll), so with dp > 1 a rank waiting in the all-reduce names
-the rank that hung, not the replica it waits with. On a GPU the host does not see handoffs complete: a progress
-probe (the count of arrival events the device has passed) counts as progress too. The other ranks time out the same
+(heartbeat.py: a beat thread publishes this rank's each poll and caches everyone's), so with dp > 1 a rank waiting
+in the all-reduce names the rank that hung, not the replica it waits with, and a lost node is named with its ranks.
+Only the beat thread touches the store, whose calls have no bound (a cut-off or frozen host leaves them blocked):
+the report waits for it at most a few seconds, so the hard exit comes within `EXIT_MARGIN_S` of the deadline
+whatever the store does; a rank that cannot reach the store says so, and where each rank was last seen. On a GPU
+the host does not see handoffs complete: a progress probe (the count of arrival events the device has passed)
+counts as progress too. The other ranks time out the same
 way, or torch.distributed's own timeout (a little longer) raises: `fail(exc)` turns such an exception into the same
 kind of line and exit.
 
@@ -53,6 +57,9 @@ EXIT_TIMEOUT = 3  # the watchdog's deadline passed
 EXIT_FAILED = 1  # a communication error or other exception ended the rank
 EXIT_SIGNAL = 128 + signal.SIGTERM  # the launcher ended the rank (as a shell reports SIGTERM)
 LINGER_S = 3.0  # how long a failing rank 0 keeps the rendezvous store up for the others' diagnosis
+#: Seconds from the deadline passing (or a failure's start) to the hard exit, at most: naming who stopped, the last
+#: beat, flushing, rank 0's linger. The deadline itself is noticed within one poll (at most 1 s).
+EXIT_MARGIN_S = 5.0
 
 
 class Watchdog:
@@ -82,9 +89,8 @@ class Watchdog:
         self._probed_progress: int | None = None
         self.heartbeat: Any | None = None  # heartbeat.Heartbeat: publishes this rank's beats, names who stopped
         self.memory: Callable[[], float | None] | None = None  # this rank's peak device memory, GiB
-        self._publishing: threading.Thread | None = None
-        self.verdict: str | None = None  # another rank's diagnosis, cached from the store (heartbeat.py)
-        self._store_failed = False
+        self._end: str | None = None  # the failure's line, published with the last beat
+        self._failing_at: float | None = None  # when the first failure report began (its exit is bounded from it)
         self._fired = threading.Lock()  # taken once: the first failure reported wins, later ones stay silent
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -105,7 +111,8 @@ class Watchdog:
             self._thread = threading.Thread(target=self._run, name=f"peerline-watchdog-r{self.rank}", daemon=True)
             self._thread.start()
         self.arm()
-        self._publish()  # the first beat now: a rank that dies at once has still said where it was
+        if self.heartbeat is not None:  # the first beat now: a rank that dies at once has still said where it was
+            self.heartbeat.start(self._beat, self._poll_s)
         return self
 
     def arm(self) -> None:
@@ -171,6 +178,8 @@ class Watchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self._thread = None
+        if self.heartbeat is not None:
+            self.heartbeat.stop(1.0)
         self._restore_signal_handlers()
 
     # ----------------------------------------------------------------------------------------------------------
@@ -187,6 +196,7 @@ class Watchdog:
         """Report an exception of the main thread (e.g. gloo's 'Connection closed by peer', a process-group
         timeout) as one line naming what this rank was waiting for, and exit. Never returns (unless exit_fn is
         replaced)."""
+        self._failing()
         if isinstance(exc, BaseException):
             what = f"{type(exc).__name__}: {_oneline(exc)}"
         else:
@@ -194,37 +204,53 @@ class Watchdog:
         desc = self.description()
         self.fatal(f"{self.who} failed while waiting for {desc}: {what}{self._who_stopped()}", code)
 
+    @property
+    def verdict(self) -> str | None:
+        """The job's first diagnosis, as the beat thread last read it from the store (None: none yet)."""
+        return self.heartbeat.verdict if self.heartbeat is not None else None
+
+    def _failing(self) -> float:
+        """The time by which this failure's report must be done (set by the first failure)."""
+        if self._failing_at is None:
+            self._failing_at = self._clock()
+        return self._failing_at + EXIT_MARGIN_S
+
+    def _left(self, cap: float) -> float:
+        """Seconds this failure's report may still spend on one step, at most `cap`."""
+        return max(0.0, min(cap, self._failing() - self._clock()))
+
     def _who_stopped(self) -> str:
-        """'; rank 1 (stage 1) stopped responding: ...' from every rank's beats, or '' (no store, or no answer in
-        a few seconds: the store's host may be the rank that died)."""
+        """'; rank 1 (stage 1) stopped responding: ...' from every rank's cached beats (one fresh beat round if it
+        comes within 2 s), or '; the rendezvous store ... has not answered ...', or '' when nothing is known."""
         idle = self._clock() - self._last_progress
         if self._waiting_on is None and self._desc == "" and idle >= min(self.timeout_s, 60.0):  # known here
             return (f"; this rank stopped in iteration {self._iteration}: no progress for {idle:.0f} s, waiting for "
                     "no other rank")
-        if self.heartbeat is None:
+        hb = self.heartbeat
+        if hb is None:
             return ""
-        wait_s = min(2.0, 2.5 * self._poll_s + 0.2)
-
-        def ask() -> str | None:
-            try:
-                return self.heartbeat.diagnose(wait_s, min(self.timeout_s / 2, 30.0), self._publish, self._poll_s)
-            except Exception:  # noqa: BLE001 - the store's host is gone: the cached verdict, if any, answers
-                self._store_failed = True
-                return None
-
-        found = run_bounded(ask, wait_s + 3.0, fallback=None)
-        if found:
-            run_bounded(lambda: self.heartbeat.publish_verdict(found), 1.0)
-        else:
-            found = self.verdict or ("the rendezvous store does not answer (the rank or launcher that hosts it "
-                                     "stopped)" if self._store_failed else None)
+        window_s = max(2.2 * self._poll_s, 2.0)  # a rank whose beat did not advance in this long stopped
+        stale_s, stall_s = max(3 * self._poll_s, 2.0), min(self.timeout_s / 2, 30.0)
+        # A failure right after a peer died (its connection reset) comes before its beat is a window old: take
+        # fresh tables until a rank is seen gone or a window has passed, within the report's budget.
+        settle = min(self._failing() - EXIT_MARGIN_S + window_s + 0.5 * self._poll_s, self._failing() - 1.5)
+        hb.beat_now(self._left(2.0))  # a fresh table (and this rank's beat) if the store answers at once
+        found = hb.explain(window_s, stale_s, stall_s, gone_only=True)
+        while found is None and self._clock() < settle:
+            hb.beat_now(max(0.0, min(self._poll_s, settle - self._clock())))
+            found = hb.explain(window_s, stale_s, stall_s, gone_only=True)
+        found = found or hb.explain(window_s, stale_s, stall_s)
+        if found and "rendezvous store" not in found:
+            hb.post_verdict(found)  # written by the beat thread: for ranks failing later, after the store's host
+        elif hb.verdict:
+            found = hb.verdict if not found else f"{hb.verdict}; {found}"
         return f"; {found}" if found else ""
 
     def fatal_quiet(self, code: int) -> None:
         """End the process like `fatal`, printing nothing (another rank reports the shared error)."""
         if not self._fired.acquire(blocking=False):
             return
-        run_bounded(_flush_std_streams, 2.0)
+        run_bounded(_flush_std_streams, 1.0)
         self._stop.set()
         self._exit_fn(code)
 
@@ -235,18 +261,22 @@ class Watchdog:
             if self._exit_fn is os._exit and threading.current_thread() is not self._thread:
                 time.sleep(60)
             return
-        self._publish(end=message)
+        until = self._failing()
+        self._end = message
+        if self.heartbeat is not None:  # the last beat says why this rank exits (others: not a frozen rank)
+            self.heartbeat.beat_now(self._left(0.5))
         line = f"peerline: error: {message}\n".encode(errors="replace")
         # Flush on a helper thread with a bound: a main thread stuck writing to a full pipe holds the stream's
         # lock, and the exit must not wait for it.
-        run_bounded(_flush_std_streams, 2.0)
+        run_bounded(_flush_std_streams, self._left(0.5))
         try:
             # os.write, not print/logging: the main thread may hold the locks of sys.stderr or of a log handler.
             os.write(self._err_fd, line)
         except OSError:
             pass
         if self.heartbeat is not None and self.rank == 0 and self._exit_fn is os._exit:
-            time.sleep(LINGER_S)  # rank 0 may host the store: the others are still reading it to name who stopped
+            # Rank 0 may host the store: the others are still reading it to name who stopped.
+            time.sleep(max(0.0, min(LINGER_S, until - self._clock())))
         self._stop.set()
         self._exit_fn(code)
 
@@ -280,6 +310,7 @@ class Watchdog:
         self._old_handlers = {}
 
     def _on_signal(self, signum: int) -> None:
+        self._failing()
         name = signal.Signals(signum).name
         desc = self.description()
         stopped = self._who_stopped()
@@ -309,7 +340,6 @@ class Watchdog:
             elif self._stop.wait(self._poll_s):
                 return
             self._poll_progress()
-            self._publish()
             armed_at = self._armed_at
             if armed_at is not None and self._clock() - armed_at > self.timeout_s:
                 self._on_timeout()
@@ -325,34 +355,21 @@ class Watchdog:
                 self.progress()
             self._probed_progress = count
 
-    def _publish(self, end: str | None = None) -> None:
-        """This rank's beat (heartbeat.py), bounded: a dead store host must not stall the thread."""
-        if self.heartbeat is None or (self._publishing is not None and self._publishing.is_alive()):
-            return  # the last beat is still on its way (a slow store): skip this one
+    def _beat(self) -> Beat:
+        """This rank's beat now (called by the beat thread, heartbeat.py, every poll)."""
         peak = None
         if self.memory is not None:
             try:
                 peak = self.memory()
             except Exception:  # noqa: BLE001 - a beat without memory figures is still a beat
                 peak = None
-        beat = Beat(self.heartbeat.next_seq(), self._iteration, self._waiting_on, self.description(),
-                    self._clock() - self._last_progress, end, peak)
-        self._publishing = threading.Thread(target=self._send, args=(beat,), daemon=True)
-        self._publishing.start()
-        self._publishing.join(2.0)
-
-    def _send(self, beat: Beat) -> None:
-        try:
-            self.heartbeat.publish(beat)
-            if self.verdict is None:
-                self.verdict = self.heartbeat.read_verdict()
-        except Exception as exc:  # noqa: BLE001 - a store that went away: the diagnosis says so
-            self._store_failed = True
-            log.debug("heartbeat not published: %s", exc)
+        return Beat(self.heartbeat.next_seq(), self._iteration, self._waiting_on, self.description(),
+                    self._clock() - self._last_progress, self._end, peak)
 
     def _on_timeout(self) -> None:
+        self._failing()
         desc = self.description()
-        probed = run_bounded(self._probe, min(5.0, self.timeout_s)) if self._probe else None
+        probed = run_bounded(self._probe, self._left(1.0)) if self._probe else None
         if probed:
             desc = probed
         self.fatal(f"{self.who} timed out after {self.timeout_s:g} s waiting for {desc}{self._who_stopped()}",

@@ -8,6 +8,8 @@ stderr can be checked (torchrun and mpirun would end the survivors themselves); 
     in the resumed part changes nothing
   - a killed rank: every rank exits non-zero within the deadline; the survivor's one line names the lost rank
   - a hung rank: its watchdog ends it (exit 3) with one line; the peer's line names it
+  - a frozen rank (SIGSTOP, as a lost node looks to the others), also the one hosting the rendezvous store: every
+    other rank exits within the deadline and a bounded margin, naming it (or the store's host it cannot reach)
   - NaN: every rank stops with the iteration number (exit 1); --skip-nonfinite skips that step on every rank
   - a checkpoint of another grid or model, an unwritable --save: one line, exit 2, on every rank
 """
@@ -17,14 +19,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from peerline.distributed.resilience.watchdog import EXIT_MARGIN_S
 from tests.helpers import cpu_env, mpirun_cmd, torchrun_cmd
-from tests.multiproc.failures_util import ENTRY, STARTUP_S, losses
+from tests.multiproc.failures_util import ENTRY, STARTUP_S, Rank, _free_port, losses
 from tests.multiproc.failures_util import spawn as _spawn
 
 pytestmark = pytest.mark.timeout(240)
@@ -201,3 +206,72 @@ def test_a_long_iteration_of_quick_handoffs_is_not_a_hang(tmp_path):
     (one,) = spawn(1, [*args, "--json", "one.json"], tmp_path, limit_s=STARTUP_S + 120)
     assert one.rc == 0, one.err
     assert losses(tmp_path / "long.json") == pytest.approx(losses(tmp_path / "one.json"), rel=1e-5)
+
+
+def _frozen(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
+def spawn_with_a_frozen_rank(n: int, args: list[str], tmp: Path, fault: str, frozen: int,
+                             limit_s: float) -> list[Rank]:
+    """Like `spawn`, with rank `frozen` stopping itself (a `stop` fault): each other rank's `seconds` counts from
+    the moment it froze to its exit; the frozen rank is killed once the others are out (or at `limit_s`)."""
+    port = str(_free_port())
+    procs, files = [], []
+    for r in range(n):
+        env = dict(cpu_env(PEERLINE_FAULT=fault), RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
+                   LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        out, err = open(tmp / f"r{r}.out", "w+"), open(tmp / f"r{r}.err", "w+")  # noqa: SIM115 - closed below
+        files.append((out, err))
+        procs.append(subprocess.Popen([sys.executable, ENTRY, *MODEL, *args], cwd=tmp, env=env, stdout=out,
+                                      stderr=err, text=True))
+    t0, froze_at, ended = time.monotonic(), None, {}
+    try:
+        while time.monotonic() - t0 < limit_s and len(ended) < n - 1:
+            if froze_at is None and _frozen(procs[frozen].pid):
+                froze_at = time.monotonic()
+            ended.update({r: time.monotonic() for r, p in enumerate(procs)
+                          if r != frozen and r not in ended and p.poll() is not None})
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait()
+    assert froze_at is not None, f"rank {frozen} never froze: {(tmp / f'r{frozen}.err').read_text()}"
+    ranks = []
+    for r, (p, (out, err)) in enumerate(zip(procs, files, strict=True)):
+        out.seek(0)
+        err.seek(0)
+        ranks.append(Rank(p.returncode, out.read(), err.read(), ended.get(r, float("inf")) - froze_at))
+        out.close()
+        err.close()
+    return ranks
+
+
+@pytest.mark.parametrize("frozen", [3, 0])
+def test_a_frozen_rank_ends_every_other_rank_within_the_deadline_naming_it(tmp_path, frozen):
+    """pp=2 x dp=2, rank 3 or rank 0 frozen whole by SIGSTOP before iteration 3: its watchdog and beats stop with
+    it, and rank 0 hosts the rendezvous store, so then every store call of the others blocks for good. Every
+    other rank exits within --timeout-s + the watchdog's margin (+ 3 s for a loaded machine) of the freeze, its one
+    line naming the frozen rank: from the beats (rank 3), or as the store's host that does not answer (rank 0)."""
+    deadline_s = 6
+    ranks = spawn_with_a_frozen_rank(4, ["--dp", "2", "--iters", "100", "--timeout-s", str(deadline_s)], tmp_path,
+                                     f"stop:rank={frozen}:iter=3", frozen, limit_s=STARTUP_S + 60)
+    assert f"rank {frozen} (stage {frozen % 2}) stops (SIGSTOP) before iteration 3" in ranks[frozen].err
+    for i, r in enumerate(ranks):
+        if i == frozen:
+            continue
+        assert r.rc not in (0, None) and len(r.errors()) == 1 and "Traceback" not in r.err, (i, r.err)
+        assert r.seconds <= deadline_s + 1.0 + EXIT_MARGIN_S + 3.0, (i, r.seconds, r.err)
+        line = r.errors()[0]
+        if frozen == 3:
+            assert "; rank 3 (stage 1, replica 1) (last seen in iteration " in line, line
+            assert "stopped responding" in line, line
+        else:
+            assert "the rendezvous store at 127.0.0.1:" in line and ", hosted by rank 0 (stage 0) has not answered "\
+                "for " in line, line
+            assert "last seen: " in line, line

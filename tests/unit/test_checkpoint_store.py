@@ -203,3 +203,19 @@ def test_a_changed_lr_is_said_and_used(tmp_path):
     store.use_run_lr(opt, 3e-3, said.append)
     assert said == ["notice: --lr 0.003 differs from the checkpoint's 0.01: using --lr 0.003"]
     assert [g["lr"] for g in opt.param_groups] == [3e-3]
+
+
+def test_precheck_refuses_before_any_process_group(tmp_path, monkeypatch):
+    """The refusals a listing decides run before the process group (every rank alike: one line per job)."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    store.precheck(str(tmp_path / "none"), None)  # nothing there yet: fine
+    for it in (2, 4):
+        _save(tmp_path, it)
+    with pytest.raises(ckpt.CheckpointError, match=r"holds checkpoints already \(iteration 2, 4\)"):
+        store.precheck(str(tmp_path), None)
+    with pytest.raises(ckpt.CheckpointError, match="newer than iteration 2"):
+        store.precheck(str(tmp_path), str(tmp_path / "iter_000002"))
+    store.precheck(str(tmp_path), str(tmp_path))
+    (tmp_path / store.LOCK).write_text(json.dumps({"pid": os.getppid(), "host": __import__("socket").gethostname()}))
+    with pytest.raises(ckpt.CheckpointError, match="in use by another job"):
+        store.precheck(str(tmp_path), str(tmp_path))

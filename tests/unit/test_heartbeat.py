@@ -1,8 +1,11 @@
-"""Naming the rank that stopped from every rank's beats (distributed/resilience/heartbeat.py), on a real store."""
+"""Naming the rank that stopped from every rank's beats (distributed/resilience/heartbeat.py), on a real store, and
+from the cached table when the store is cut off (its calls block: the beat thread alone waits for them)."""
 
 from __future__ import annotations
 
 import datetime
+import threading
+import time
 
 import torch.distributed as dist
 
@@ -55,7 +58,64 @@ def test_beats_round_trip_through_a_store():
     hb[0].publish(Beat(hb[0].next_seq(), 2, (1,), "grad mb 0 from rank 1", 0.5, None, 1.5))
     beats = hb[1].read_all()
     assert beats[1] is None and beats[0].waiting_on == (1,) and beats[0].peak_gib == 1.5
+    assert hb[1].peaks() == {}  # from the cached table: none read yet
+    hb[1].round(Beat(hb[1].next_seq(), 2, None, "", 0.1))
     assert hb[1].peaks() == {0: 1.5}
     hb[1].publish_verdict("rank 1 (stage 1) stopped")
     hb[0].publish_verdict("a later diagnosis")
     assert hb[0].read_verdict() == "rank 1 (stage 1) stopped"
+
+
+def test_every_rank_of_a_lost_node_is_named_with_the_node():
+    hosts = {0: "node1", 1: "node1", 2: "node2", 3: "node2"}
+    before = {r: beat(5, (r + 1,) if r < 3 else None) for r in range(4)}
+    after = {**before, 0: beat(6, (1,)), 1: beat(6, (2,))}
+    got = name_stopped(before, after, 0, 5.0, lambda r: f"rank {r} (stage {r}, on {hosts[r]})", hosts.get)
+    assert got.startswith("node2 lost: rank 2 (stage 2, on node2) (last seen in iteration 3, waiting for "), got
+    assert "rank 3 (stage 3, on node2) (last seen in iteration 3, in no wait), every rank on it, stopped " in got
+    # one rank of a node that still has live ones: that rank only, not its node
+    after[3] = beat(6, None)
+    got = name_stopped(before, after, 0, 5.0, lambda r: f"rank {r}", hosts.get)
+    assert got.startswith("rank 2 (last seen") and "node2" not in got, got
+
+
+class CutStore:
+    """A store whose calls block while `cut` is set, as a TCPStore's do when its host's network is gone."""
+
+    def __init__(self) -> None:
+        self.inner = dist.HashStore()
+        self.inner.set_timeout(datetime.timedelta(seconds=5))
+        self.open = threading.Event()
+        self.open.set()
+
+    def __getattr__(self, op: str):
+        def call(*args):
+            self.open.wait()
+            return getattr(self.inner, op)(*args)
+        return call
+
+
+def test_a_cut_off_store_leaves_the_cached_table_and_says_where_each_rank_was_last_seen():
+    store = CutStore()
+    hosts = {0: "node1", 1: "node1", 2: "node2", 3: "node2"}
+    others = [Heartbeat(store, r, 4, str) for r in (0, 1, 3)]
+    for it, hb in enumerate(others):
+        hb.publish(Beat(hb.next_seq(), 7 + it, None, "", 0.0))
+    me = Heartbeat(store, 2, 4, lambda r: f"rank {r}", hosts.get, store_at="at 10.0.0.1:29500, hosted by rank 0")
+    me.start(lambda: Beat(me.next_seq(), 9, (1, 3), "the loss all-reduce", 0.0), period_s=0.05)
+    try:
+        assert me.beat_now(2.0) and me.peaks() == {}
+        # the store answers: the others' beats do not advance here, but none is older than the window yet
+        assert me.explain(5.0, stale_s=0.5, stall_s=5.0) == "rank 1 stopped in iteration 8, waiting for no other rank"
+        store.open.clear()  # the link is cut: every store call of the beat thread now blocks
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        assert not me.beat_now(0.3) and time.monotonic() - t0 < 0.6  # bounded, whatever the store does
+        time.sleep(0.6)
+        got = me.explain(0.2, stale_s=0.5, stall_s=5.0)
+        assert got.startswith("the rendezvous store at 10.0.0.1:29500, hosted by rank 0 has not answered for "), got
+        assert "or the network between it and this rank (on node2) is cut; last seen: " in got, got
+        assert "rank 0 on node1 " in got and " ago in iteration 7" in got and "rank 3 on node2 " in got, got
+    finally:
+        store.open.set()
+        me.stop()

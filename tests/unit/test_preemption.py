@@ -1,0 +1,107 @@
+"""Preemption (resilience/preemption.py) without processes: the signal names, the agreement rounds of two ranks
+through one store (threads), the cadence, the grace that reports a rank stuck away from any boundary."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from peerline.distributed.config import ConfigError, RunConfig
+from peerline.distributed.resilience import preemption
+from peerline.distributed.resilience.preemption import Preemption, parse_signals, preempted_line
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _rt(rank: int, world: int) -> SimpleNamespace:
+    rt = SimpleNamespace(info=SimpleNamespace(rank=rank, world_size=world), hooks=[], stop_reason=None)
+    rt.request_stop = lambda reason: setattr(rt, "stop_reason", reason)
+    return rt
+
+
+def test_signal_names():
+    assert parse_signals("TERM,usr1,SIGINT") == (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    assert parse_signals("none") == () and parse_signals("") == ()
+    with pytest.raises(ConfigError, match="unknown signal 'FOO'"):
+        parse_signals("TERM,FOO")
+    with pytest.raises(ConfigError, match="cannot be caught"):
+        parse_signals("KILL")
+    with pytest.raises(ConfigError, match="'BAR' is not a signal"):
+        RunConfig(preempt_signals="USR1,BAR")
+
+
+@pytest.mark.parametrize("flagged", [[], [1], [0, 1]])
+def test_two_ranks_agree_through_the_store(flagged):
+    store = dist.HashStore()
+    hooks = [Preemption(_rt(r, 2), (signal.SIGUSR1,), store=store) for r in range(2)]
+    for r in flagged:
+        assert hooks[r].note(signal.SIGUSR1)
+    assert not hooks[0].note(signal.SIGHUP)  # not a preemption signal: left to the watchdog
+    results: dict[int, bool] = {}
+
+    def rank(r: int) -> None:
+        for n in (1, 2):  # two rounds: keys of the first are deleted after the second
+            results[(r, n)] = hooks[r].agree(n)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == {(r, n): bool(flagged) for r in range(2) for n in (1, 2)}
+    if flagged:
+        who = f"SIGUSR1 on rank {flagged[0]}" if len(flagged) == 1 else "SIGUSR1 on rank "
+        assert all(h.reason.startswith(f"preempted by {who}") for h in hooks)
+        assert hooks[0].reason == hooks[1].reason  # one story on every rank
+
+
+def test_cadence_and_the_runtime_stop():
+    rt = _rt(0, 1)
+    hook = Preemption(rt, (signal.SIGUSR1,), every=3)
+    hook.note(signal.SIGUSR1)
+    hook.after_launch(rt, 1)
+    hook.after_launch(rt, 2)
+    assert rt.stop_reason is None  # rounds only every 3 iterations (a launch of K crossing a multiple counts)
+    hook.after_launch(rt, 4)
+    assert rt.stop_reason == "preempted by SIGUSR1 on rank 0 after iteration 4"
+
+
+def test_python_handler_sets_the_flag_and_is_given_back():
+    rt = _rt(0, 1)
+    before = signal.getsignal(signal.SIGUSR1)
+    hook = Preemption(rt, (signal.SIGUSR1,))
+    hook.install()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert hook.signalled == "SIGUSR1"
+    hook.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_a_rank_that_never_reaches_a_boundary_is_reported(monkeypatch):
+    monkeypatch.setattr(preemption, "GRACE_S", 0.2)
+    fatal = threading.Event()
+    seen: list[tuple[str, int]] = []
+    wd = SimpleNamespace(who="rank 1 (stage 1)", description=lambda: "act mb 0 from rank 0",
+                         fatal=lambda msg, code: (seen.append((msg, code)), fatal.set()))
+    rt = _rt(1, 1)
+    rt.hooks = [SimpleNamespace(watchdog=wd)]
+    hook = Preemption(rt, (signal.SIGTERM,))
+    hook.on_train_start(rt)
+    assert wd.signal_filter == hook.note
+    hook.note(signal.SIGTERM)
+    assert fatal.wait(5)
+    assert seen == [("rank 1 (stage 1) stopped by SIGTERM (preemption) without reaching an iteration boundary in "
+                     "0.2 s, while waiting for act mb 0 from rank 0", 128 + signal.SIGTERM)]
+
+
+def test_lines():
+    assert preempted_line("preempted by SIGUSR1 on rank 1 after iteration 7", "ck", 7) == (
+        "peerline: preempted by SIGUSR1 on rank 1 after iteration 7: checkpoint of iteration 7 in ck; continue "
+        "with --resume ck; exit 75")
+    assert preempted_line("preempted by SIGTERM on rank 0 after iteration 3", None, None).endswith(
+        ": nothing saved (no --save DIR); exit 75")
