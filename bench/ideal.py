@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from peerline.choices import SCHEDULES
 from peerline.distributed.observe.timeline import Span
 from peerline.distributed.observe.timeline_check import compute_kind, default_placement, local_stage
+from peerline.distributed.pipeline.timed import dependency
 
 
 def _check(microbatches: int, fwd_ms: list[float], bwd_ms: list[float]) -> None:
@@ -93,8 +94,7 @@ def _placed_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: li
         for r, order in enumerate(orders):
             while pos[r] < len(order):
                 op, s, mb = order[pos[r]]
-                dep = (("F", s - 1, mb) if s else None) if op == "F" else ("B", s, mb) if op == "W" else \
-                    ("F", s, mb) if s == n - 1 else ("B", s + 1, mb)
+                dep = dependency(op, s, mb, n)
                 if dep is not None and dep not in done:
                     break
                 start = max(free[r], done[dep] if dep is not None else 0.0)

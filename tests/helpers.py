@@ -76,3 +76,11 @@ def assert_same_run(result: dict, reference: dict, rtol: float = 1e-5) -> None:
     assert {k.split("/")[1] for k in result["layer_checksums"]} == ref_layers
     worst, where = worst_difference(result, reference)
     assert worst <= rtol, (worst, where, result["losses"], reference["losses"])
+
+
+def uninterrupted_run(tmp: Path, args: list[str], nproc: int = 2) -> dict:
+    """The --json record of `args` run once under torchrun on the CPU, start to end (a resume test's reference)."""
+    p = subprocess.run([*torchrun_cmd(nproc), PIPELINE, *args, "--json", "ref.json"], cwd=tmp, env=cpu_env(),
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return json.loads((tmp / "ref.json").read_text())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from peerline.distributed.pipeline.placement import LOOP, V_SHAPE, Placement
 from peerline.distributed.pipeline.schedule import Action, ScheduleError, Step
+from peerline.distributed.pipeline.timed import dependency, is_ready
 
 Compute = tuple[str, int, int]  # (op, stage, mb)
 RankProgram = list[tuple[int, Step]]
@@ -43,16 +44,6 @@ def interleaved_order(rank: int, pp: int, v: int, m: int) -> list[Compute]:
     return order + [("B", *virtual(k, False)) for k in range(total - warmup, total)]
 
 
-def _ready(op: str, s: int, mb: int, n: int, done: dict[Compute, int], t: int) -> bool:
-    if op == "F":
-        dep = None if s == 0 else ("F", s - 1, mb)
-    elif op == "B":
-        dep = ("F", s, mb) if s == n - 1 else ("B", s + 1, mb)
-    else:
-        dep = ("B", s, mb)
-    return dep is None or done.get(dep, t + 1) <= t
-
-
 def _pick(stages: list[int], nxt: dict, pending_w: list, n: int, m: int, done: dict, t: int,
           f_limit: int) -> Compute | None:
     """What a free rank starts at t: a ready B (oldest microbatch, the later stage first), a ready F under the
@@ -60,12 +51,12 @@ def _pick(stages: list[int], nxt: dict, pending_w: list, n: int, m: int, done: d
     if len(pending_w) >= f_limit:
         return ("W", *pending_w[0])
     bs = [("B", s, nxt[("B", s)]) for s in stages if nxt[("B", s)] < nxt[("F", s)]]
-    bs = [c for c in bs if _ready(*c, n, done, t)]
+    bs = [c for c in bs if is_ready(*c, n, done, t)]
     if bs:
         return min(bs, key=lambda c: (c[2], -c[1]))
     in_flight = sum(nxt[("F", s)] - nxt[("B", s)] for s in stages)
     fs = [("F", s, nxt[("F", s)]) for s in stages if nxt[("F", s)] < m]
-    fs = [c for c in fs if _ready(*c, n, done, t)]
+    fs = [c for c in fs if is_ready(*c, n, done, t)]
     if fs and in_flight < f_limit:
         return min(fs, key=lambda c: (c[2], -c[1]))
     return ("W", *pending_w[0]) if pending_w else None
@@ -113,8 +104,7 @@ def compute_times(orders: list[list[Compute]], n_stages: int) -> dict[Compute, t
         for r, order in enumerate(orders):
             while pcs[r] < len(order):
                 op, s, mb = order[pcs[r]]
-                dep = (None if s == 0 else ("F", s - 1, mb)) if op == "F" else \
-                    ("B", s, mb) if op == "W" else ("F", s, mb) if s == n_stages - 1 else ("B", s + 1, mb)
+                dep = dependency(op, s, mb, n_stages)
                 if dep is not None and dep not in times:
                     break
                 start = max(free[r], times[dep][1] if dep is not None else 0)

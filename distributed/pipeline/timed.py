@@ -15,14 +15,19 @@ from collections.abc import Callable
 COSTS = {"F": 1, "B": 1, "W": 1}
 
 
-def _ready(op: str, s: int, mb: int, n_stages: int, done: dict[tuple[str, int, int], int], t: int) -> bool:
-    """Whether (op, s, mb)'s dependency finished by time t."""
+def dependency(op: str, s: int, mb: int, n_stages: int) -> tuple[str, int, int] | None:
+    """The compute whose output (op, s, mb) consumes: the previous stage's F, the next stage's B (the last stage's
+    own F), the same B for a W; None for the first stage's F."""
     if op == "F":
-        dep = None if s == 0 else ("F", s - 1, mb)
-    elif op == "B":
-        dep = ("F", s, mb) if s == n_stages - 1 else ("B", s + 1, mb)
-    else:
-        dep = ("B", s, mb)
+        return None if s == 0 else ("F", s - 1, mb)
+    if op == "B":
+        return ("F", s, mb) if s == n_stages - 1 else ("B", s + 1, mb)
+    return ("B", s, mb)
+
+
+def is_ready(op: str, s: int, mb: int, n_stages: int, done: dict[tuple[str, int, int], int], t: int) -> bool:
+    """Whether (op, s, mb)'s dependency finished by time t."""
+    dep = dependency(op, s, mb, n_stages)
     return dep is None or done.get(dep, t + 1) <= t
 
 
@@ -40,9 +45,9 @@ def _pick(s: int, st: _Stage, m: int, n_stages: int, done: dict, t: int, split: 
     """The action stage s starts at time t, or None (nothing ready)."""
     if split and st.pending_w and len(st.pending_w) >= w_limit:
         return "W", st.pending_w[0]
-    if st.next_b < st.next_f and _ready("B", s, st.next_b, n_stages, done, t):
+    if st.next_b < st.next_f and is_ready("B", s, st.next_b, n_stages, done, t):
         return "B", st.next_b
-    if st.next_f < m and st.next_f - st.next_b < f_limit and _ready("F", s, st.next_f, n_stages, done, t):
+    if st.next_f < m and st.next_f - st.next_b < f_limit and is_ready("F", s, st.next_f, n_stages, done, t):
         return "F", st.next_f
     if split and st.pending_w:
         return "W", st.pending_w[0]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from peerline.distributed.resilience.preemption import EXIT_PREEMPTED
-from tests.helpers import PIPELINE, cpu_env, torchrun_cmd
+from tests.helpers import PIPELINE, cpu_env, torchrun_cmd, uninterrupted_run
 from tests.multiproc.failures_util import _free_port
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -58,11 +58,7 @@ def _finish(procs: list[subprocess.Popen], limit_s: float = 120) -> list[tuple[i
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     """The uninterrupted 6-iteration run."""
-    tmp = tmp_path_factory.mktemp("reference")
-    p = subprocess.run([*torchrun_cmd(2), PIPELINE, *MODEL, "--json", "ref.json"], cwd=tmp, env=cpu_env(),
-                       capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return json.loads((tmp / "ref.json").read_text())
+    return uninterrupted_run(tmp_path_factory.mktemp("reference"), MODEL)
 
 
 def _resume_matches(tmp: Path, reference: dict) -> None:

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers import PIPELINE, cpu_env, torchrun_cmd
+from tests.helpers import PIPELINE, cpu_env, torchrun_cmd, uninterrupted_run
 from tests.multiproc.failures_util import _free_port
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
@@ -24,11 +24,7 @@ MODEL = ["--hidden", "16", "--layers", "2", "--seq", "8", "--micro-batch-size", 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("reference")
-    p = subprocess.run([*torchrun_cmd(2), PIPELINE, *MODEL, "--json", "ref.json"], cwd=tmp, env=cpu_env(),
-                       capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return json.loads((tmp / "ref.json").read_text())
+    return uninterrupted_run(tmp_path_factory.mktemp("reference"), MODEL)
 
 
 @pytest.mark.parametrize("form", ["master_port", "rdzv_endpoint"])
