@@ -22,6 +22,7 @@ from peerline.distributed.cudagraph.policy import GraphPolicy
 from peerline.distributed.data.token_feed import SYNTHETIC_VOCAB, TokenData, make_token_feed, token_data
 from peerline.distributed.env import LaunchInfo, choose_device, detect_launch, init_distributed
 from peerline.distributed.grad_sync.per_param import PerParameterAllReduce
+from peerline.distributed.grad_sync.sharded_adamw import full_param_names, make_adamw
 from peerline.distributed.grad_sync.tied import TiedGradSum, tied_pair
 from peerline.distributed.hooks import IterationHooks, TimelineWriter
 from peerline.distributed.mesh import Mesh
@@ -105,14 +106,17 @@ def assemble(cfg: RunConfig, info: LaunchInfo | None = None) -> RunParts:
     stages = make_stages(cfg, grid, modules, out_specs, streams)
     for stage, in_spec in zip(stages, in_specs):  # what each stage receives (the engine links adjacent local ones)
         stage.in_spec = in_spec
+    layer_offsets = {sid: work.bounds[sid][0] for sid in grid.stage_ids}
+    if cfg.shard_optimizer and grid.mesh.dp == 1:
+        work.notices.append("--shard-optimizer: dp=1 has no replicas to shard over; the optimizer is unsharded")
     engine = make_engine(cfg, grid, stages, program, transport, streams, first_in, out_specs[-1], autocast_dtype,
-                         tokens=work.tokens)
+                         tokens=work.tokens, layer_offsets=layer_offsets)
     n_params = sum(p.numel() for stage in stages for layer in stage.module for p in layer.parameters())
     split = describe_split(work.bounds)
     log.info("%s; %s; %.2f M parameters here; transport %s", grid.mesh.describe(), split, n_params / 1e6,
              transport.describe())
     return RunParts(cfg=cfg, grid=grid, engine=engine, streams=streams, links=links, split=split,
-                    layer_offsets={sid: work.bounds[sid][0] for sid in grid.stage_ids},
+                    layer_offsets=layer_offsets,
                     graphs=make_graph_policy(cfg, grid), hooks=make_hooks(cfg), notices=work.notices,
                     flops_per_token=work.flops_per_token)
 
@@ -320,14 +324,16 @@ def make_grad_sync(cfg: RunConfig, params: list[list[nn.Parameter]], mesh: Mesh,
     if cfg.grad_sync == "buckets":
         try:
             from peerline.distributed.grad_sync.buckets import GradBuckets
+            from peerline.distributed.grad_sync.sharded import ShardedGradBuckets
         except ImportError:
             log.warning("bucketed all-reduce unavailable; averaging gradients per parameter")
         else:
             dp = mesh.dp > 1
-            return GradBuckets(params, group=mesh.dp_group if dp else None, device=device,
-                               stream=streams.allreduce, bucket_mb=cfg.bucket_mb,
-                               first_bucket_mb=cfg.first_bucket_mb,
-                               tail_group=mesh.dp_tail_group if dp else None)
+            kind = ShardedGradBuckets if cfg.shard_optimizer and dp else GradBuckets  # ZeRO-1: grad_sync/sharded.py
+            return kind(params, group=mesh.dp_group if dp else None, device=device,
+                        stream=streams.allreduce, bucket_mb=cfg.bucket_mb,
+                        first_bucket_mb=cfg.first_bucket_mb,
+                        tail_group=mesh.dp_tail_group if dp else None)
     flat = [p for layer in params for p in layer]
     return PerParameterAllReduce(flat, mesh.dp_group, mesh.dp)
 
@@ -369,13 +375,16 @@ def make_feed(cfg: RunConfig, grid: Grid, first_in: TensorSpec, last_out: Tensor
 
 def make_engine(cfg: RunConfig, grid: Grid, stages: list[LocalStage], program: list[tuple[int, sched.Step]],
                 transport: Transport, streams: RankStreams, first_in: TensorSpec, last_out: TensorSpec,
-                autocast_dtype: torch.dtype | None, tokens: TokenData | None = None) -> Engine:
+                autocast_dtype: torch.dtype | None, tokens: TokenData | None = None,
+                layer_offsets: dict[int, int] | None = None) -> Engine:
     """The engine with its optimizer (fused, capturable AdamW on a GPU), its data feed (through pinned host
     staging with --staging pinned), its loss (--loss), the tied weights' gradient sum before the optimizer step
-    (--tie-embeddings) and its timeline (recording only with --timeline)."""
+    (--tie-embeddings) and its timeline (recording only with --timeline). With --shard-optimizer over dp > 1 the
+    optimizer is grad_sync/sharded_adamw.py's ShardedAdamW (parameters named by `layer_offsets`)."""
     on_gpu = grid.device.type == "cuda"
     params = [p for stage in stages for layer in stage.module for p in layer.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, fused=on_gpu or None, capturable=on_gpu)
+    names = full_param_names({s.index: s.module for s in stages}, layer_offsets or {s.index: 0 for s in stages})
+    optimizer = make_adamw(params, [s.grad_sync for s in stages], names, lr=cfg.lr, on_gpu=on_gpu)
     feed = make_feed(cfg, grid, first_in, last_out, tokens)
     if cfg.staging == "pinned":
         from peerline.distributed.memory.staging import pinned_feed

@@ -189,6 +189,14 @@ class RunConfig:
     first_bucket_mb: float = option(1.0, EXECUTION, "size of the first bucket (the last layers), MiB, so the "
                                     "all-reduce starts early (default: %(default)s)", maximum=MAX_BUCKET_MB)
     """Size of the first (last-layer) bucket, MiB, so the all-reduce starts early."""
+    shard_optimizer: bool = option(False, EXECUTION, "ZeRO-1 over the dp group: gradients reduce-scattered, AdamW "
+                                   "state and update on each rank's shard only, parameters all-gathered after the "
+                                   "step (optimizer memory / dp; a notice and no effect with dp=1)", switch=True)
+    """ZeRO-1 (grad_sync/sharded.py): each bucket's gradient is reduce-scattered over the dp group instead of
+    all-reduced, AdamW keeps fp32 state for and updates only this rank's shard of every bucket, and the updated
+    shards are all-gathered into the parameters after the step; all of it inside the captured graph. Optimizer
+    memory per rank falls by about dp. Needs --grad-sync buckets and fp32 parameters, not --tie-embeddings;
+    with dp=1 it does nothing (a notice says so)."""
     nccl_max_ctas: int | None = option(16, EXECUTION, "cap on the CTAs (SMs) of the dp group's NCCL all-reduce "
                                        "kernels, 0 = NCCL's default (default: %(default)s, measured on H200; see "
                                        "docs/benchmarks)")
@@ -268,9 +276,9 @@ class RunConfig:
     save_every: int = option(0, FAILURES, "checkpoint every N iterations (default: only at the end)", metavar="N",
                              minimum=0)
     """Checkpoint every N iterations; 0: only at the end (needs save)."""
-    resume: str | None = option(None, FAILURES, "continue from the newest checkpoint in DIR (grid, schedule and "
-                                "model must match); the run still ends at --iters, counted from the start of "
-                                "training", metavar="DIR")
+    resume: str | None = option(None, FAILURES, "continue from the newest checkpoint in DIR (on any grid: pp, dp "
+                                "and schedule may differ; the model's shape must match); the run still ends at "
+                                "--iters, counted from the start of training", metavar="DIR")
     """Directory whose newest checkpoint the run continues from."""
     skip_nonfinite: bool = option(False, FAILURES, "skip the optimizer step of an iteration with a NaN/inf loss "
                                   "(on every rank) instead of stopping", switch=True)
@@ -299,6 +307,7 @@ class RunConfig:
         if self.save_every and not self.save:
             raise ConfigError("--save-every needs --save DIR")
         _check_checkpointing(self)
+        _check_sharding(self)
 
     def resolved_pp(self, world_size: int) -> int:
         """Pipeline stages across ranks; checks pp x dp against the world size."""
@@ -459,6 +468,15 @@ def _check_checkpointing(cfg: RunConfig) -> None:
         if full not in signal.Signals.__members__ or full in ("SIGKILL", "SIGSTOP"):
             raise ConfigError(f"--preempt-signals: {name.strip()!r} is not a signal that can be caught; use names "
                               "such as TERM,USR1,INT, or none")
+
+
+def _check_sharding(cfg: RunConfig) -> None:
+    """--shard-optimizer shards the bucketed gradients; the tied weights' sum needs whole gradients."""
+    if cfg.shard_optimizer and cfg.grad_sync != "buckets":
+        raise ConfigError(f"--shard-optimizer needs --grad-sync buckets, got --grad-sync {cfg.grad_sync}")
+    if cfg.shard_optimizer and cfg.tie_embeddings:
+        raise ConfigError("--shard-optimizer does not support --tie-embeddings yet (the tied gradients are summed "
+                          "after the gradient sync, which leaves only a shard of them)")
 
 
 def _derive_batch(cfg: RunConfig) -> None:

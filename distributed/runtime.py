@@ -29,6 +29,7 @@ from peerline.distributed.assemble import RunParts, assemble
 from peerline.distributed.config import RunConfig
 from peerline.distributed.cudagraph.capture import IterationGraph
 from peerline.distributed.env import LaunchInfo
+from peerline.distributed.grad_sync.sharded_adamw import optimizer_state_bytes
 from peerline.distributed.hooks import IterationHooks, IterationStats
 from peerline.distributed.streams import use
 from peerline.models.flops import peak_bf16_tflops
@@ -262,6 +263,17 @@ class Runtime:
             for d in everyone:
                 mine.update(d)
         return mine
+
+
+    def optimizer_state_bytes_per_rank(self) -> list[int]:
+        """Every rank's optimizer state in bytes (AdamW's moments and steps; about 1/dp with --shard-optimizer),
+        by rank (collective: a small all-gather of Python objects)."""
+        mine = optimizer_state_bytes(self.engine.optimizer)
+        if not (dist.is_initialized() and self.info.world_size > 1):
+            return [mine]
+        everyone: list[int | None] = [None] * self.info.world_size
+        dist.all_gather_object(everyone, mine)
+        return [int(v or 0) for v in everyone]
 
 
 class _Stopwatch:

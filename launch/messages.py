@@ -3,8 +3,10 @@
 An error is one `peerline: error: <message>` line on stderr, exit code 2. Before any process group exists every
 rank checks the same input and fails alike, so rank 0 alone prints it; the other ranks wait a short grace (torchrun
 and mpirun end them as soon as rank 0 exits) and exit silently. A rank's own error (its GPU) and any error after
-the process group exists are printed by each rank that has it. Under torchrun the printing rank also writes the
-line to its TORCHELASTIC_ERROR_FILE, so torchrun's failure summary shows it instead of a pointer to the docs.
+the process group exists are printed by each rank that has it, unless the ranks agreed on it first (the failsafe's
+start-up checks: the lowest failing rank prints, the others raise `ReportedElsewhere` and exit silently). Under
+torchrun the printing rank also writes the line to its TORCHELASTIC_ERROR_FILE, so torchrun's failure summary shows
+it instead of a pointer to the docs.
 """
 
 from __future__ import annotations

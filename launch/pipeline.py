@@ -127,10 +127,11 @@ def report(rt: Runtime, history: list[IterationStats]) -> None:
     every rank). A run that had nothing left to train (resumed at --iters) has no final loss to print."""
     cfg = rt.cfg
     checksums = rt.layer_checksums() if cfg.json else {}
+    optimizer_bytes = rt.optimizer_state_bytes_per_rank() if cfg.json else None
     if rt.info.rank != 0:
         return
     if cfg.json:
-        write_record(cfg.json, build_record(rt, history, checksums))
+        write_record(cfg.json, {**build_record(rt, history, checksums), "optimizer_state_bytes": optimizer_bytes})
     if history:
         print(f"peerline: final loss={history[-1].loss:.9g} iterations={rt.iteration}", flush=True)
 

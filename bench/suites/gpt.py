@@ -12,7 +12,7 @@ Configurations (cross-entropy on the default corpus's tokens, AdamW, peerline 1F
   launch   32 blocks, hidden 256, 4 heads, seq 256, micro-batch 2, M=16, bf16   (host-launch-bound)
   quick    2 blocks, hidden 32, 2 heads, seq 16, micro-batch 2, M=4, fp32       (--quick: the CPU smoke test)
 
-The anchor tries every schedule (1F1B, Interleaved1F1B where it applies, GPipe) under every precision recipe
+The anchor tries every torch schedule that applies (bench/suites/torch_schedules.py) under every precision recipe
 (bf16 parameters; fp32 parameters + bf16 autocast; fp32 alone for fp32 shapes); the fastest is the anchor, and each
 record's extra names it and lists every candidate's time. Records: tokens/s (extra: ms/iter, achieved TFLOP/s per
 GPU and MFU from models/flops.py, peak memory of every rank, the first losses of both), and MFU % where the card's
@@ -62,7 +62,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--gpt-schedules", type=_csv, default=None,
                        help="peerline's schedules for the eager and graph variants, e.g. 1f1b,zb-h1 (default 1f1b)")
     group.add_argument("--gpt-anchor-schedules", type=_csv, default=None,
-                       help="the anchor's schedules to try: 1f1b,interleaved-1f1b,gpipe (default all that apply)")
+                       help="the anchor's torch schedules to try: 1f1b,gpipe,interleaved-1f1b,interleaved-zb,zbv,"
+                            "dualpipev (default all that apply)")
     group.add_argument("--gpt-iters", type=int, default=None, help="iterations per timed block (default 5)")
     group.add_argument("--gpt-recompute", action="store_true",
                        help="also the recompute table: peerline --recompute off / N (half a stage's layers) / full "

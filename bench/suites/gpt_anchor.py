@@ -3,18 +3,18 @@ one precision recipe. This is what a user would otherwise run.
 
 Same model: peerline's own model assembly (distributed/assemble.py make_model: models/gpt.py build_gpt_layers
 split by compute, here with torch kernels), so the anchor's layers, weights and stage split are peerline's;
-Interleaved1F1B splits the same layers into twice the stages, rank r holding stages r and r + pp. Same data:
+the schedules of two stages per rank split the same layers into twice the stages. Same data:
 peerline's text feed (distributed/data/token_feed.py token_data: the same token file, sampler and seed; microbatch
 m of iteration i is global microbatch m), staged through pinned host memory. Same loss: peerline's
 cross_entropy_loss (distributed/model.py: fp32 logits, mean over the microbatch's tokens); torch's schedules
 divide the summed microbatch gradients by M, which is peerline's mean over microbatches. AdamW (fused on GPU).
 
-Precision recipes (RECIPES): bf16-params (the modules cast to bf16: parameters, activations, optimizer state; what
-torch users run for speed), autocast (fp32 parameters, bf16 autocast: peerline's numerics), fp32 (fp32 shapes).
+The schedules, their stage placement, the precision recipes and the search for the fastest are shared with the
+pipeline suite (bench/suites/torch_schedules.py); the embedding and the head count as layers of the split.
 
 API used (written against torch 2.13; the same in 2.11, the GPU machines' torch): PipelineStage(submodule,
-stage_index, num_stages, device), ScheduleGPipe / Schedule1F1B(stage, n_microbatches, loss_fn=),
-ScheduleInterleaved1F1B([stages], ...), schedule.step(*args, target=, losses=).
+stage_index, num_stages, device), Schedule*(stage or [stages], n_microbatches, loss_fn=),
+schedule.step(*args, target=, losses=).
 """
 
 from __future__ import annotations
@@ -30,11 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from peerline.bench.suites.torch_schedules import build_schedule, param_dtype, stage_ids
 from peerline.distributed.model import cross_entropy_loss
-
-#: anchor schedule name -> torch.distributed.pipelining class
-SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B", "gpipe": "ScheduleGPipe"}
-RECIPES = ("bf16-params", "autocast", "fp32")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,22 +63,6 @@ class GPTShape:
                          layers=self.layers, hidden=self.hidden, seq=self.seq,
                          micro_batch_size=self.micro_batch_size, microbatches=self.microbatches, seed=self.seed,
                          lr=self.lr, dtype=self.dtype, **overrides)
-
-
-def recipes_for(shape: GPTShape) -> list[str]:
-    """The precision recipes the anchor tries for a shape: both bf16 recipes, or fp32 alone."""
-    return ["bf16-params", "autocast"] if shape.dtype == "bf16" else ["fp32"]
-
-
-def interleaved_applies(shape: GPTShape, pp: int) -> str | None:
-    """Why Interleaved1F1B cannot run this shape on pp ranks, or None when it can."""
-    if pp < 2:
-        return "needs 2 or more pipeline ranks"
-    if shape.layers + 2 < 2 * pp:
-        return f"{shape.layers + 2} layers are too few for {2 * pp} virtual stages"
-    if shape.microbatches % pp:
-        return f"M={shape.microbatches} is not a multiple of pp={pp}"
-    return None
 
 
 class StageCache:
@@ -142,15 +123,13 @@ class TorchGPTAnchor:
         from torch.distributed import pipelining
 
         shape = stages.shape
-        virtual = 2 if schedule == "interleaved-1f1b" else 1
-        n_stages, stage_ids = pp * virtual, [rank + v * pp for v in range(virtual)]
-        dtype = torch.bfloat16 if recipe == "bf16-params" else torch.float32
-        self.modules = [m.to(device=device, dtype=dtype) for m in stages.modules(n_stages, stage_ids)]
+        ids = stage_ids(schedule, rank, pp)
+        n_stages = pp * len(ids)
+        self.modules = [m.to(device=device, dtype=param_dtype(recipe)) for m in stages.modules(n_stages, ids)]
         self.device, self.recipe, self.iteration = device, recipe, 0
-        self.is_first, self.is_last = 0 in stage_ids, n_stages - 1 in stage_ids
-        pipe = [pipelining.PipelineStage(m, sid, n_stages, device) for m, sid in zip(self.modules, stage_ids)]
-        cls = getattr(pipelining, SCHEDULES[schedule])
-        self.schedule = cls(pipe if virtual > 1 else pipe[0], shape.microbatches, loss_fn=cross_entropy_loss)
+        self.is_first, self.is_last = 0 in ids, n_stages - 1 in ids
+        pipe = [pipelining.PipelineStage(m, sid, n_stages, device) for m, sid in zip(self.modules, ids, strict=True)]
+        self.schedule = build_schedule(schedule, pipe, shape.microbatches, cross_entropy_loss)
         params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=shape.lr, fused=device.type == "cuda" or None)
         self.batches = TokenBatches(fill, shape, device, self.is_first, self.is_last)

@@ -24,16 +24,9 @@ from peerline.bench.runtime_timing import (
     time_anchor,
     time_captured,
 )
-from peerline.bench.suites.gpt_anchor import (
-    SCHEDULES,
-    GPTShape,
-    StageCache,
-    TorchGPTAnchor,
-    interleaved_applies,
-    recipes_for,
-    token_source,
-)
+from peerline.bench.suites.gpt_anchor import GPTShape, StageCache, TorchGPTAnchor, token_source
 from peerline.bench.suites.gpt_report import GPTReport
+from peerline.bench.suites.torch_schedules import candidates, fastest, recipes_for
 
 log = logging.getLogger(__name__)
 
@@ -68,36 +61,19 @@ class GPTBench:
 
     # -- the anchor ----------------------------------------------------------------------------------------------
     def candidates(self) -> list[tuple[str, str]]:
-        """(schedule, recipe) pairs the anchor tries, in order; a schedule that does not apply is noted."""
-        schedules = getattr(self.args, "gpt_anchor_schedules", None) or list(SCHEDULES)
-        unknown = [s for s in schedules if s not in SCHEDULES]
-        if unknown:
-            raise ValueError(f"gpt: unknown anchor schedule {unknown[0]!r}; choose from {', '.join(SCHEDULES)}")
-        why = interleaved_applies(self.shape, self.pp)
-        if why and "interleaved-1f1b" in schedules:
-            schedules = [s for s in schedules if s != "interleaved-1f1b"]
-            self.ctx.note(f"gpt {self.shape.name}: torch Interleaved1F1B not tried: {why}")
-        return [(s, r) for s in schedules for r in recipes_for(self.shape)]
+        """(schedule, recipe) pairs the anchor tries (torch_schedules.py), in order; one that does not apply is
+        noted. The embedding and the head are layers of the split too."""
+        s = self.shape
+        return candidates(getattr(self.args, "gpt_anchor_schedules", None), recipes_for(s.dtype), self.pp,
+                          s.layers + 2, s.microbatches, 1, self.ctx.note, what=f"gpt {s.name}")
 
     def best_anchor(self, failures: list[str]) -> Measured | str:
         """Every candidate measured; the fastest, its extra naming it and listing every candidate."""
         stages = StageCache(self.shape)
-        measured: dict[str, Measured] = {}
-        for schedule, recipe in self.candidates():
-            self.ctx.step(f"{self.shape.name} torch {schedule} {recipe}")
-            free_device(self.device)
-            try:
-                measured[f"{schedule} {recipe}"] = self.anchor(stages, schedule, recipe)
-            except Exception as exc:  # noqa: BLE001 - one candidate failing leaves the others
-                log.exception("gpt %s torch %s %s failed", self.shape.name, schedule, recipe)
-                failures.append(f"{self.shape.name} torch {schedule} {recipe}: {type(exc).__name__}: {exc}")
-            free_device(self.device)
-        if not measured:
+        measured, best = fastest(self.ctx, f"{self.shape.name} torch", self.candidates(),
+                                 lambda schedule, recipe: self.anchor(stages, schedule, recipe), failures)
+        if best is None:
             return "no anchor candidate ran"
-        best = min(measured.values(), key=lambda m: m.timing.median_ms)
-        best.extra["candidates"] = {name: {"ms_per_iter": m.timing.median_ms, "losses": m.losses,
-                                           "peak_mem_gb_per_rank": m.peak_gb_per_rank}
-                                    for name, m in measured.items()}
         self.report.candidates(measured, best)
         return best
 

@@ -1,9 +1,17 @@
-"""Benchmark suite `pipeline`: one full training iteration of the same model, data, microbatching and schedule
-under (a) peerline eager, (b) peerline with whole-iteration CUDA graphs, (c) torch.distributed.pipelining
-(+ DDP on the replicas): iterations/s, tokens/s, their ratios, and each one's distance to the ideal time.
+"""Benchmark suite `pipeline`: one full training iteration of the same model, data and microbatching under
+(a) peerline eager and (b) peerline with whole-iteration CUDA graphs, each schedule, against (c)
+torch.distributed.pipelining (+ DDP on the replicas) at its best: iterations/s, tokens/s, their ratios, and each
+one's distance to the ideal time.
 
     torchrun --nproc_per_node=2 launch/bench.py pipeline [--pipeline-configs compute,launch] [--schedules 1f1b]
         [--variants torch,eager,graph] [--dp 1] [--pipeline-iters 5] [--pipeline-timeline]
+        [--pipeline-anchor-schedules 1f1b,zbv] [--pipeline-anchor-recipes bf16-params]
+
+The anchor, measured once per configuration, is torch's fastest (schedule, precision recipe): every torch schedule
+that applies (1F1B, GPipe, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; with dp > 1 those of
+one stage per rank) under bf16 parameters and under fp32 parameters + bf16 autocast (fp32 shapes: fp32), shared
+with the gpt suite (bench/suites/torch_schedules.py). Every peerline (schedule, variant) is recorded against it,
+and `<configuration> best` records peerline's fastest against it, each naming what won.
 
 Configurations (bf16 autocast, AdamW, MSE on synthetic targets):
   compute  16 blocks of h=2048, micro-batch 8x512 tokens, M=8   (GEMM-bound: headroom is the bubble and fusion)
@@ -39,7 +47,16 @@ from peerline.bench.runtime_timing import (
     time_anchor,
     time_captured,
 )
-from peerline.bench.suites.torch_pipelining import PipeShape, TorchPipelineAnchor, measure_stage_ms
+from peerline.bench.suites.torch_pipelining import PipeShape, TorchPipelineAnchor, build_stage_module, measure_stage_ms
+from peerline.bench.suites.torch_schedules import (
+    RECIPES,
+    TORCH_SCHEDULES,
+    candidates,
+    describe_candidates,
+    fastest,
+    param_dtype,
+    recipes_for,
+)
 from peerline.choices import SCHEDULES
 
 log = logging.getLogger(__name__)
@@ -54,7 +71,7 @@ CONFIGS = {
     "quick": PipeShape("quick", layers=4, hidden=32, micro_batch_size=2, seq=8, microbatches=4, dtype="fp32"),
 }
 VARIANTS = ("torch", "eager", "graph")
-#: goals: peerline graph vs torch 1F1B, tokens/s
+#: goals: peerline's fastest (schedule, variant) vs torch's fastest (schedule, recipe), tokens/s, on a GPU
 GOALS = {"compute-bound": 1.08, "launch-bound": 3.0}
 LOSS_CHECK_ITERS = 2
 
@@ -73,6 +90,12 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--pipeline-iters", type=int, default=None, help="iterations per timed block (default 5)")
     group.add_argument("--pipeline-timeline", action="store_true",
                        help="also draw one peerline eager iteration per configuration (PNG + Chrome trace)")
+    group.add_argument("--pipeline-anchor-schedules", type=_csv, default=None,
+                       help=f"the anchor's torch schedules to try: {','.join(TORCH_SCHEDULES)} (default all that "
+                            "apply)")
+    group.add_argument("--pipeline-anchor-recipes", type=_csv, default=None,
+                       help=f"the anchor's precision recipes to try: {','.join(RECIPES[:2])} for bf16 shapes "
+                            "(default both), fp32 for fp32 shapes")
 
 
 def _ideal(schedule: str, shape: PipeShape, pp: int, mine: tuple[int, int, float, float], achieved_ms: float
@@ -86,8 +109,68 @@ def _ideal(schedule: str, shape: PipeShape, pp: int, mine: tuple[int, int, float
     return IdealReport(schedule, shape.microbatches, fwd, bwd, achieved_ms)
 
 
+def _anchor_name(anchor: Measured, dp: int) -> str:
+    return (f"torch.distributed.pipelining {anchor.extra['schedule']} {anchor.extra['recipe']}"
+            + (" + DDP" if dp > 1 else ""))
+
+
+class TorchAnchor:
+    """The anchor of one configuration on this grid: torch.distributed.pipelining's fastest (schedule, recipe)."""
+
+    def __init__(self, args: argparse.Namespace, ctx: BenchContext, shape: PipeShape, pp: int, dp: int,
+                 groups: tuple[Any, Any]) -> None:
+        self.args, self.ctx, self.shape, self.pp, self.dp, self.groups = args, ctx, shape, pp, dp, groups
+        self.device, self.rank = ctx.device, dist.get_rank()
+        self._time = BlockTimer.from_args(args, ctx.quick, self.device, getattr(args, "pipeline_iters", None))
+        self.stage_warmup, self.stage_reps = (1, 2) if ctx.quick else (3, 10)
+
+    def candidates(self) -> list[tuple[str, str]]:
+        """(schedule, recipe) pairs to try: --pipeline-anchor-schedules x --pipeline-anchor-recipes, those that
+        apply to the shape (the others noted)."""
+        s, what = self.shape, f"pipeline {self.shape.name}"
+        fits = recipes_for(s.dtype)
+        recipes = getattr(self.args, "pipeline_anchor_recipes", None) or fits
+        unknown = [r for r in recipes if r not in RECIPES]
+        if unknown:
+            raise ValueError(f"{what}: unknown precision recipe {unknown[0]!r}; choose from {', '.join(RECIPES)}")
+        for r in [r for r in recipes if r not in fits]:
+            self.ctx.note(f"{what}: recipe {r} does not apply to a {s.dtype} shape; not tried")
+        return candidates(getattr(self.args, "pipeline_anchor_schedules", None), [r for r in recipes if r in fits],
+                          self.pp, s.layers, s.microbatches, self.dp, self.ctx.note, what=what)
+
+    def measure(self, failures: list[str]) -> Measured | str:
+        """Every candidate timed; the fastest, with its ideal time when it holds one stage per rank."""
+        s = self.shape
+        measured, best = fastest(self.ctx, f"{s.name} torch", self.candidates(), self._one, failures)
+        if best is None:
+            return "no anchor candidate ran"
+        self.ctx.note(f"pipeline {s.name} pp={self.pp} dp={self.dp}: torch.distributed.pipelining candidates "
+                      f"(ms/iter): {describe_candidates(measured, best)}")
+        best.ideal = self._ideal(best)
+        return best
+
+    def _one(self, schedule: str, recipe: str) -> Measured:
+        dtype = param_dtype(recipe) if recipe == "bf16-params" else None
+        anchor = TorchPipelineAnchor(self.shape, schedule, self.pp, self.dp, self.rank, self.device,
+                                     pp_group=self.groups[0], dp_group=self.groups[1], param_dtype=dtype)
+        losses, timing = time_anchor(anchor, LOSS_CHECK_ITERS, self._time)
+        return Measured(f"torch {schedule} {recipe}", timing, losses, None, peak_gb(self.device))
+
+    def _ideal(self, best: Measured) -> IdealReport | None:
+        """The winner's ideal time from its stages' forward and backward measured alone (one stage per rank)."""
+        schedule = best.extra["schedule"]
+        if TORCH_SCHEDULES[schedule].per_rank != 1 or schedule not in SCHEDULES:
+            return None
+        stage = self.rank % self.pp
+        dtype = param_dtype(best.extra["recipe"]) if best.extra["recipe"] == "bf16-params" else None
+        module = build_stage_module(self.shape, self.pp, stage).to(self.device, dtype=dtype)
+        f, b = measure_stage_ms(module, self.shape, self.device, stage == 0, stage == self.pp - 1,
+                                warmup=self.stage_warmup, reps=self.stage_reps)
+        return _ideal(schedule, self.shape, self.pp, (stage, self.rank // self.pp, f, b), best.timing.median_ms)
+
+
 class PipelineBench:
-    """Runs every variant of one (configuration, schedule) on this rank."""
+    """Runs the peerline variants of one (configuration, schedule) on this rank."""
 
     def __init__(self, args: argparse.Namespace, ctx: BenchContext, shape: PipeShape, schedule: str, dp: int
                  ) -> None:
@@ -104,18 +187,6 @@ class PipelineBench:
     def tokens(self) -> int:
         s = self.shape
         return s.microbatches * s.micro_batch_size * s.seq * self.dp
-
-    # -- (c) the anchor ----------------------------------------------------------------------------------------
-    def torch_anchor(self, groups: tuple[Any, Any]) -> Measured:
-        anchor = TorchPipelineAnchor(self.shape, self.schedule, self.pp, self.dp, self.rank, self.device,
-                                     pp_group=groups[0], dp_group=groups[1])
-        losses, timing = time_anchor(anchor, LOSS_CHECK_ITERS, self._time)
-        peak = peak_gb(self.device)
-        f, b = measure_stage_ms(anchor.module, self.shape, self.device, anchor.is_first, anchor.is_last,
-                                warmup=self.stage_warmup, reps=self.stage_reps)
-        ideal = _ideal(self.schedule, self.shape, self.pp, (anchor.stage_index, anchor.replica, f, b),
-                       timing.median_ms)
-        return Measured("torch", timing, losses, ideal, peak)
 
     # -- (a), (b) peerline -------------------------------------------------------------------------------------
     def peerline(self, graph: bool) -> Measured | str:
@@ -187,9 +258,6 @@ class PipelineBench:
             ctx.note(f"{s.name} {self.schedule} {m.name}: {m.ideal.describe()}")
         if name == "torch" or anchor is None:
             return
-        # the anchor runs torch's GPipe for gpipe and its 1F1B for every other schedule: name what ran
-        torch_schedule = "gpipe" if self.schedule == "gpipe" else "1f1b"
-        anchor_name = f"torch.distributed.pipelining {torch_schedule}" + (" + DDP" if self.dp > 1 else "")
         loss_diff = max((abs(a - b) for a, b in zip(m.losses, anchor.losses, strict=False)), default=math.nan)
         extra = {
             "ms_per_iter": m.timing.median_ms, "anchor_ms_per_iter": anchor.timing.median_ms,
@@ -198,15 +266,12 @@ class PipelineBench:
             "peak_gb": m.peak_gb, "anchor_peak_gb": anchor.peak_gb,
             "losses": m.losses, "anchor_losses": anchor.losses, "max_loss_diff": loss_diff,
             "ideal": m.ideal.as_dict() if m.ideal else None,
-            "anchor_ideal": anchor.ideal.as_dict() if anchor.ideal else None, **m.extra,
+            "anchor_ideal": anchor.ideal.as_dict() if anchor.ideal else None,
+            "anchor_schedule": anchor.extra["schedule"], "anchor_recipe": anchor.extra["recipe"], **m.extra,
         }
-        rec = ctx.record(Record(SUITE, f"{s.name} {self.schedule} {name}", "tokens/s",
-                                m.tokens_per_s(self.tokens), anchor.tokens_per_s(self.tokens), anchor_name,
-                                sizes=self._sizes, extra=extra))
-        goal = GOALS.get(s.name)
-        if goal is not None and name == "graph" and self.device.type == "cuda":
-            ctx.note(f"GOAL {'MET' if rec.ratio >= goal else 'MISSED'} pipeline {s.name} {self.schedule}: "
-                     f"graph {rec.ratio:.2f}x torch (goal >= {goal}x)")
+        ctx.record(Record(SUITE, f"{s.name} {self.schedule} {name}", "tokens/s", m.tokens_per_s(self.tokens),
+                          anchor.tokens_per_s(self.tokens), _anchor_name(anchor, self.dp), sizes=self._sizes,
+                          extra=extra))
 
     def report_ideal(self, results: dict[str, Measured]) -> None:
         """The fastest peerline variant against its bubble-aware bound."""
@@ -263,32 +328,79 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     ctx.facts.setdefault("pipeline_grid", f"pp={pp} x dp={dp}")
     failures: list[str] = []
     for key in configs:
-        shape = CONFIGS[key]
-        for schedule in schedules:
-            bench = PipelineBench(args, ctx, shape, schedule, dp)
-            results: dict[str, Measured] = {}
-            for variant in variants:
-                ctx.step(f"{shape.name} {schedule} {variant}")
-                free_device(ctx.device)
-                try:
-                    if variant == "torch":
-                        got: Measured | str = bench.torch_anchor(groups)
-                    else:
-                        got = bench.peerline(graph=variant == "graph")
-                except Exception as exc:  # noqa: BLE001 - the other variants still run; the suite fails at the end
-                    log.exception("pipeline %s %s %s failed", shape.name, schedule, variant)
-                    failures.append(f"{shape.name} {schedule} {variant}: {type(exc).__name__}: {exc}")
-                    continue
-                if isinstance(got, str):
-                    ctx.note(f"pipeline {shape.name} {schedule} {variant}: skipped: {got}")
-                    continue
-                results[variant] = got
-                bench.report_variant(variant, results)
-                if ctx.is_writer:
-                    log.info("pipeline %s %s %s: %.3f ms/iter (spread %.2f), %.0f tokens/s, losses %s",
-                             shape.name, schedule, variant, got.timing.median_ms, got.timing.spread,
-                             got.tokens_per_s(bench.tokens), ", ".join(f"{v:.6g}" for v in got.losses))
-            bench.report_ideal(results)
-            free_device(ctx.device)
+        run_configuration(args, ctx, CONFIGS[key], schedules, variants, dp, groups, failures)
     if failures:
         raise RuntimeError(f"{len(failures)} pipeline variant(s) failed: " + " | ".join(failures))
+
+
+def run_configuration(args: argparse.Namespace, ctx: BenchContext, shape: PipeShape, schedules: list[str],
+                      variants: list[str], dp: int, groups: tuple[Any, Any], failures: list[str]) -> None:
+    """The anchor once (torch's fastest), then every peerline (schedule, variant) against it, then peerline's
+    fastest against it."""
+    pp = dist.get_world_size() // dp
+    anchor: Measured | None = None
+    if "torch" in variants:
+        got = _attempt(ctx, f"{shape.name} torch", lambda: TorchAnchor(args, ctx, shape, pp, dp, groups).measure(
+            failures), failures)
+        anchor = got if isinstance(got, Measured) else None
+        if anchor is not None and anchor.ideal is not None:
+            ctx.note(f"{shape.name} torch {anchor.extra['schedule']} {anchor.extra['recipe']}: "
+                     f"{anchor.ideal.describe()}")
+    fastest_peerline: dict[str, Measured] = {}
+    for schedule in schedules:
+        bench = PipelineBench(args, ctx, shape, schedule, dp)
+        results: dict[str, Measured] = {"torch": anchor} if anchor is not None else {}
+        for variant in (v for v in variants if v != "torch"):
+            got = _attempt(ctx, f"{shape.name} {schedule} {variant}",
+                           lambda graph=variant == "graph", bench=bench: bench.peerline(graph), failures)
+            if not isinstance(got, Measured):
+                continue
+            results[variant] = fastest_peerline[f"{schedule} {variant}"] = got
+            bench.report_variant(variant, results)
+            if ctx.is_writer:
+                log.info("pipeline %s %s %s: %.3f ms/iter (spread %.2f), %.0f tokens/s, losses %s",
+                         shape.name, schedule, variant, got.timing.median_ms, got.timing.spread,
+                         got.tokens_per_s(bench.tokens), ", ".join(f"{v:.6g}" for v in got.losses))
+        bench.report_ideal(results)
+        free_device(ctx.device)
+    report_best(ctx, shape, pp, dp, anchor, fastest_peerline)
+
+
+def _attempt(ctx: BenchContext, label: str, measure: Any, failures: list[str]) -> Measured | None:
+    """One measurement on a freed device: a failure is logged and kept for the end of the suite (the others still
+    run), a reason not to measure becomes a note; either gives None."""
+    ctx.step(label)
+    free_device(ctx.device)
+    try:
+        got = measure()
+    except Exception as exc:  # noqa: BLE001 - the other variants still run; the suite fails at the end
+        log.exception("pipeline %s failed", label)
+        failures.append(f"{label}: {type(exc).__name__}: {exc}")
+        return None
+    if isinstance(got, str):
+        ctx.note(f"pipeline {label}: skipped: {got}")
+        return None
+    return got
+
+
+def report_best(ctx: BenchContext, shape: PipeShape, pp: int, dp: int, anchor: Measured | None,
+                peerline: dict[str, Measured]) -> None:
+    """`<configuration> best`: peerline's fastest (schedule, variant) against torch's fastest (schedule, recipe),
+    each named; on a GPU, the goal line."""
+    if anchor is None or not peerline:
+        return
+    label, best = min(peerline.items(), key=lambda kv: kv[1].timing.median_ms)
+    tokens = shape.microbatches * shape.micro_batch_size * shape.seq * dp
+    extra = {"peerline_best": label, "ms_per_iter": best.timing.median_ms,
+             "anchor_ms_per_iter": anchor.timing.median_ms, "anchor_schedule": anchor.extra["schedule"],
+             "anchor_recipe": anchor.extra["recipe"],
+             "peerline_candidates": {k: m.timing.median_ms for k, m in peerline.items()},
+             "anchor_candidates": anchor.extra.get("candidates", {})}
+    rec = ctx.record(Record(SUITE, f"{shape.name} best", "tokens/s", best.tokens_per_s(tokens),
+                            anchor.tokens_per_s(tokens), _anchor_name(anchor, dp),
+                            sizes={**shape.sizes(), "pp": pp, "dp": dp, "schedule": label.split()[0],
+                                   "tokens_per_iter": tokens}, extra=extra))
+    goal = GOALS.get(shape.name)
+    if goal is not None and ctx.device.type == "cuda":
+        ctx.note(f"GOAL {'MET' if rec.ratio >= goal else 'MISSED'} pipeline {shape.name} best: peerline {label} "
+                 f"{rec.ratio:.2f}x torch {anchor.extra['schedule']} {anchor.extra['recipe']} (goal >= {goal}x)")

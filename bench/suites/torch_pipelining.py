@@ -1,6 +1,7 @@
-"""The anchor of the pipeline suite: the same model, data, microbatching and schedule under
-torch.distributed.pipelining (PipelineStage + ScheduleGPipe / Schedule1F1B), with DistributedDataParallel over the
-replicas when dp > 1. This is what a user would otherwise run.
+"""The anchor of the pipeline suite: the same model, data and microbatching under torch.distributed.pipelining
+(PipelineStage + one of its schedules, bench/suites/torch_schedules.py), with DistributedDataParallel over the
+replicas when dp > 1 (schedules of one stage per rank). This is what a user would otherwise run; the suite tries
+every schedule and precision recipe and keeps the fastest.
 
 Same model: peerline's default block stack (distributed/model.py, torch kernels), built layer by layer from the
 same seeds and split into the same contiguous stages, so the anchor's weights equal peerline's. Same data:
@@ -9,7 +10,7 @@ autocast on GPU (fp32 on CPU), MSE loss in fp32, AdamW (fused on GPU). torch's s
 microbatch gradients by M (scale_grads), which is peerline's mean over microbatches.
 
 API used (checked on torch 2.11 and 2.13): PipelineStage(submodule, stage_index, num_stages, device, group=),
-ScheduleGPipe / Schedule1F1B(stage, n_microbatches, loss_fn=), schedule.step(*args, target=, losses=).
+Schedule*(stage or [stages], n_microbatches, loss_fn=), schedule.step(*args, target=, losses=).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from peerline.choices import SCHEDULES
+from peerline.bench.suites.torch_schedules import TORCH_SCHEDULES, build_schedule, stage_ids
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +62,15 @@ def _run_config(shape: PipeShape, **overrides):
 
 def build_stage_module(shape: PipeShape, n_stages: int, stage: int) -> nn.Sequential:
     """The layers of `stage`, exactly as peerline builds them (torch kernels)."""
+    return build_stage_modules(shape, n_stages, [stage])[0]
+
+
+def build_stage_modules(shape: PipeShape, n_stages: int, stages: list[int]) -> list[nn.Sequential]:
+    """The layers of each of `stages` (of `n_stages`), exactly as peerline builds them (torch kernels)."""
     from peerline.distributed.model import build_stages
 
-    modules, _ = build_stages(_run_config(shape), n_stages, [stage], "torch")
-    return modules[0]
+    modules, _ = build_stages(_run_config(shape), n_stages, list(stages), "torch")
+    return list(modules)
 
 
 def fill(out: torch.Tensor, shape: PipeShape, iteration: int, global_mb: int, stream: int,
@@ -75,21 +81,27 @@ def fill(out: torch.Tensor, shape: PipeShape, iteration: int, global_mb: int, st
 
 
 class TorchPipelineAnchor:
-    """One rank of a pp x dp torch.distributed.pipelining run (rank = replica * pp + stage, as peerline's mesh)."""
+    """One rank of a pp x dp torch.distributed.pipelining run (rank = replica * pp + pipeline rank, as peerline's
+    mesh); `schedule` is a torch schedule (torch_schedules.TORCH_SCHEDULES), placing one or two stages per rank."""
 
     def __init__(self, shape: PipeShape, schedule: str, pp: int, dp: int, rank: int, device: torch.device,
                  pp_group: dist.ProcessGroup | None = None, dp_group: dist.ProcessGroup | None = None,
                  param_dtype: torch.dtype | None = None) -> None:
         """param_dtype: parameters (and inputs) in this dtype, no autocast (the bf16-parameters recipe); None: fp32
         parameters under the shape's autocast."""
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import PipelineStage
 
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; choose gpipe or 1f1b")
+        if schedule not in TORCH_SCHEDULES:
+            raise ValueError(f"unknown torch schedule {schedule!r}; choose from {', '.join(TORCH_SCHEDULES)}")
         self.shape, self.schedule_name, self.pp, self.dp, self.device = shape, schedule, pp, dp, device
-        self.stage_index, self.replica = rank % pp, rank // pp
-        self.is_first, self.is_last = self.stage_index == 0, self.stage_index == pp - 1
-        self.module = build_stage_module(shape, pp, self.stage_index).to(device, dtype=param_dtype)
+        self.stage_index, self.replica = rank % pp, rank // pp  # the pipeline rank (its first stage, if several)
+        ids = stage_ids(schedule, self.stage_index, pp)
+        n_stages = pp * len(ids)
+        if len(ids) > 1 and dp > 1:
+            raise ValueError(f"torch {schedule} with dp > 1: DDP over several stages per rank is not set up here")
+        self.is_first, self.is_last = 0 in ids, n_stages - 1 in ids
+        self.modules = [m.to(device, dtype=param_dtype) for m in build_stage_modules(shape, n_stages, ids)]
+        self.module = self.modules[0]
         self.autocast_dtype = torch.bfloat16 if shape.dtype == "bf16" and param_dtype is None else None
         submod: nn.Module = self.module
         if dp > 1:
@@ -102,11 +114,12 @@ class TorchPipelineAnchor:
             # move its inputs there, meta tensors of torch's shape inference included (which cannot be copied).
             submod = DDP(self.module, process_group=dp_group, bucket_cap_mb=25, gradient_as_bucket_view=True)
         self.submod = submod
-        self.stage = PipelineStage(submod, self.stage_index, pp, device, group=pp_group)
-        cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        self.schedule = cls(self.stage, shape.microbatches, loss_fn=self._loss)
+        pipe = [PipelineStage(m, sid, n_stages, device, group=pp_group)
+                for m, sid in zip([submod, *self.modules[1:]], ids, strict=True)]
+        self.schedule = build_schedule(schedule, pipe, shape.microbatches, self._loss)
         on_gpu = device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=shape.lr, fused=on_gpu or None)
+        params = [p for m in self.modules for p in m.parameters()]
+        self.optimizer = torch.optim.AdamW(params, lr=shape.lr, fused=on_gpu or None)
         self.generator = torch.Generator(device=device)
         whole = (shape.microbatches * shape.micro_batch_size, shape.seq, shape.hidden)
         self.inputs = torch.empty(whole, device=device, dtype=param_dtype) if self.is_first else None

@@ -299,9 +299,9 @@ class GradBuckets:
             if self.stream is not None:
                 current.wait_event(self._done[-1])
         else:
-            for work, flat in zip(self._works, self._slices, strict=True):
+            for work, result in self._works:
                 work.wait()
-                flat.div_(self.dp)
+                result.div_(self.dp)
         self._timers.mark("opt_start", current)
         self._timers.end()
         self._armed = False
@@ -382,11 +382,9 @@ class GradBuckets:
             self._next += 1
 
     def _launch(self, index: int) -> None:
-        flat = self._slices[index]
         if not self.on_cuda:
             self._timers.launched(index)
-            self._works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.bucket_groups[index],
-                                               async_op=True))
+            self._works.append(self._collective(index, dist.ReduceOp.SUM, async_op=True))
             return
         op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
         # Without an all-reduce stream the collective runs in order on the current stream (no overlap).
@@ -396,11 +394,17 @@ class GradBuckets:
         with torch.cuda.stream(stream):
             self._timers.bucket_start(index, stream)
             # async_op=False: NCCL enqueues on the current (all-reduce) stream; no Work, no host wait.
-            dist.all_reduce(flat, op=op, group=self.bucket_groups[index])
+            _, result = self._collective(index, op, async_op=False)
             if not self._use_avg:
-                flat.div_(self.dp)
+                result.div_(self.dp)
             self._timers.bucket_end(index, stream)
             self._done[index].record(stream)
+
+    def _collective(self, index: int, op: Any, async_op: bool) -> tuple[Any, torch.Tensor]:
+        """Bucket `index`'s collective on its group: the all-reduce in place here (grad_sync/sharded.py
+        reduce-scatters instead). Returns (Work or None, the tensor that holds the reduced sum or average)."""
+        flat = self._slices[index]
+        return dist.all_reduce(flat, op=op, group=self.bucket_groups[index], async_op=async_op), flat
 
 
 class _Timers:

@@ -1,23 +1,27 @@
-"""Checkpoints: save and resume a pipeline run, atomically, as data (never code).
+"""Checkpoints: save and resume a pipeline run, atomically, as data (never code), on any grid.
 
 Layout of a checkpoint directory DIR:
 
-  DIR/iter_000003/manifest.json   what the run was (grid, schedule, microbatches, model config, world size),
-                                  written by rank 0
-  DIR/iter_000003/rank00000.pt    one file per rank: its stage weights, optimizer state, RNG states, iteration
-  DIR/iter_000003/rank00000.sha256  the SHA-256 of that file (a tampered file is refused before it is unpickled)
-  DIR/latest                      the iteration of the newest complete checkpoint, written last (a hint: resume
-                                  finds the newest checkpoint that verifies without it, checkpoint_store.py)
+  DIR/iter_000003/manifest.json     what the run was (grid, model shape, data, config), the iteration, and the
+                                    SHA-256 of every other file of the folder; written by rank 0, last
+  DIR/iter_000003/.metadata         torch.distributed.checkpoint (DCP) metadata: which tensor is in which file
+  DIR/iter_000003/__<r>_<n>.distcp  the tensors rank r wrote (dcp_io.py), under the whole model's names with
+                                    global layer indices (checkpoint_names.py), so any grid loads any grid's
+  DIR/latest                        the iteration of the newest complete checkpoint (a hint: resume finds the
+                                    newest checkpoint that verifies without it, checkpoint_store.py)
 
-Every file is written to a temporary name in the same directory, flushed, fsynced and renamed over its final name
-(`os.replace` is atomic within one file system), and the directory is fsynced so the rename itself survives a
-crash. `latest` is written only after every rank has finished (the caller passes a barrier), so a job killed
-half-way through a save leaves `latest` pointing at the previous complete checkpoint.
+Atomic: every rank writes into `DIR/.iter_000003.tmp` (DCP's writer fsyncs each file), every rank hashes its own
+files, rank 0 writes the manifest with all the hashes, fsyncs the folder and renames it to `iter_000003` (atomic
+within one file system), fsyncs DIR, then writes `latest`. A job killed half-way through a save leaves a `.tmp`
+folder (removed by the next run, checkpoint_store.py) and the previous checkpoints as they were.
 
-The iteration stored is the number of iterations completed; a resumed run continues with that iteration index.
-Loading uses `torch.load(..., weights_only=True)`: a checkpoint can hold tensors, numbers, strings, lists, tuples
-and dicts, nothing that executes. Every failure is a `CheckpointError` with one line that names the file or field;
-a full disk is named as such ("no space left on DIR while saving checkpoint N"), whichever exception reported it.
+Checked on load: the manifest is JSON; every file of the folder must be listed in it with its SHA-256 (each rank
+checks its share of the files, `.metadata` every rank, before it is read); DCP's `.metadata` pickle is read by a
+restricted unpickler that resolves only DCP's metadata classes (dcp_io.py) and the tensors by torch.load with
+weights_only=True: a checkpoint holds tensors and JSON, nothing that executes. Only what cannot be resharded is
+refused (the model's shape: its kind, layer count, widths; a tensor this run's model has not or shapes
+differently). Every failure is a `CheckpointError` with one line that names the file, field or tensor; a full disk
+is named as such ("no space left on DIR while saving checkpoint N"), whichever exception reported it.
 """
 
 from __future__ import annotations
@@ -26,12 +30,13 @@ import errno
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +44,14 @@ import numpy as np
 import torch
 
 from peerline.distributed.config import ConfigError
+from peerline.distributed.resilience import dcp_io
+from peerline.distributed.resilience.checkpoint_names import MODEL
 from peerline.files import atomic_write
 
 log = logging.getLogger(__name__)
 
-FORMAT = "peerline-checkpoint-1"
+FORMAT = "peerline-checkpoint-2"
+OLD_FORMATS = ("peerline-checkpoint-1",)
 LATEST = "latest"
 MANIFEST = "manifest.json"
 
@@ -53,25 +61,28 @@ class CheckpointError(ConfigError):
     every bad input)."""
 
 
+class ForeignCheckpoint(CheckpointError):
+    """A checkpoint this run must refuse rather than skip (another model, an older format)."""
+
+
 def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
     """Directory of the checkpoint taken after `iteration` completed iterations."""
     return Path(root) / f"iter_{iteration:06d}"
 
 
-def rank_file(root: str | os.PathLike, iteration: int, rank: int) -> Path:
-    return iteration_dir(root, iteration) / f"rank{rank:05d}.pt"
+def temp_dir(root: str | os.PathLike, iteration: int) -> Path:
+    """Where the checkpoint of `iteration` is written before its rename (the same name on every rank)."""
+    return Path(root) / f".iter_{iteration:06d}.tmp"
 
 
 @dataclass
 class CheckpointState:
-    """What one rank gets back from `load_checkpoint`."""
+    """What `load_checkpoint` gives back: the loaded tensors by checkpoint key, the manifest, the iteration."""
 
     iteration: int
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any] | None
-    rng: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
     manifest: dict[str, Any]
-    extra: dict[str, Any] = field(default_factory=dict)
+    folder: Path
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -109,73 +120,106 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def capture_rng(device: torch.device | None = None) -> dict[str, Any]:
-    """RNG states of torch (CPU and this rank's CUDA device), Python `random` and NumPy, as checkpointable data."""
-    np_state = np.random.get_state()
-    state: dict[str, Any] = {
+def capture_rng(device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """RNG states of torch (CPU and this rank's CUDA device), Python `random` and NumPy, as tensors (a DCP
+    checkpoint stores tensors only; `restore_rng` decodes them)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    assert name == "MT19937"
+    state = {
         "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        # weights_only loading refuses NumPy arrays: the key table travels as a tensor.
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        "python": torch.tensor([version, *internal], dtype=torch.int64),
+        "python_gauss": torch.tensor([math.nan if gauss is None else gauss], dtype=torch.float64),
+        "numpy": torch.tensor([*keys.astype(np.int64), pos, has_gauss], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([cached], dtype=torch.float64),
     }
     if device is not None and device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def restore_rng(state: Mapping[str, Any], device: torch.device | None = None) -> None:
+def restore_rng(state: Mapping[str, torch.Tensor], device: torch.device | None = None) -> None:
     """Inverse of `capture_rng`."""
     try:
-        torch.set_rng_state(state["torch"])
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(state["torch"].to(torch.uint8))
+        py = [int(v) for v in state["python"].tolist()]
+        gauss = float(state["python_gauss"][0])
+        random.setstate((py[0], tuple(py[1:]), None if math.isnan(gauss) else gauss))
+        np_state = state["numpy"].tolist()
+        keys = np.array(np_state[:-2], dtype=np.uint32)
+        np.random.set_state(("MT19937", keys, int(np_state[-2]), int(np_state[-1]), float(state["numpy_gauss"][0])))
         if device is not None and device.type == "cuda" and "cuda" in state:
-            torch.cuda.set_rng_state(state["cuda"], device)
-    except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            torch.cuda.set_rng_state(state["cuda"].to(torch.uint8), device)
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as exc:
         raise CheckpointError(f"checkpoint RNG state is malformed: {_oneline(exc)}") from None
 
 
-def save_checkpoint(root: str | os.PathLike, rank: int, iteration: int, stage_state: Mapping[str, torch.Tensor],
-                    optimizer_state: Mapping[str, Any] | None, rng: Mapping[str, Any], manifest: Mapping[str, Any],
-                    *, barrier: Callable[[], None] | None = None, extra: Mapping[str, Any] | None = None) -> Path:
-    """Write this rank's part of the checkpoint after `iteration` completed iterations; return its directory.
+RNG_KINDS = ("torch", "python", "python_gauss", "numpy", "numpy_gauss", "cuda")
 
-    Every rank calls this with the same `iteration`. `barrier` (e.g. `torch.distributed.barrier`) is called
-    once every rank's file is durable; rank 0 then writes `latest`. Without a barrier (one process) rank 0
-    writes `latest` at once. `manifest` must be JSON-serialisable; rank 0 writes it.
-    """
-    root = Path(root)
-    d = iteration_dir(root, iteration)
-    payload = {
-        "format": FORMAT,
-        "rank": rank,
-        "iteration": iteration,
-        "model": {k: v.detach() for k, v in stage_state.items()},
-        "optimizer": optimizer_state,
-        "rng": dict(rng),
-        "extra": dict(extra or {}),
-    }
+
+def rng_keys(rank: int) -> dict[str, str]:
+    """Checkpoint key of each RNG state of `rank` (rank r of the grid that saved; another grid has other ranks)."""
+    return {kind: f"rng.{rank}.{kind}" for kind in RNG_KINDS}
+
+
+def save_checkpoint(root: str | os.PathLike, rank: int, iteration: int, state: Mapping[str, torch.Tensor],
+                    manifest: Mapping[str, Any], *, barrier: Callable[[], None] | None = None,
+                    gather: Callable[[Any], list[Any]] | None = None) -> Path:
+    """Write this rank's tensors (`state`, by checkpoint key) into the checkpoint of `iteration`; return its
+    directory. Collective: every rank calls it with the same iteration; `gather` (every rank's object, e.g.
+    dist.all_gather_object) and `barrier` (e.g. dist.barrier, called once the checkpoint is complete) are the
+    job's, none for one process.
+    `manifest` must be JSON-serialisable; rank 0 writes it."""
+    root, barrier = Path(root), barrier or (lambda: None)
+    gather = gather or (lambda obj: [obj])
+    tmp, final = temp_dir(root, iteration), iteration_dir(root, iteration)
     try:
         if rank == 0:
-            text = json.dumps({"format": FORMAT, "iteration": iteration, **manifest}, indent=2, sort_keys=True)
-            atomic_write(d / MANIFEST, lambda f: f.write(text.encode()))
-        path = rank_file(root, iteration, rank)
-        atomic_write(path, lambda f: torch.save(payload, f))
-        digest = _sha256(path)
-        atomic_write(path.with_suffix(".sha256"), lambda f: f.write(f"{digest}  {path.name}\n".encode()))
-    except (OSError, RuntimeError) as exc:  # torch.save's zip writer reports a full disk as a RuntimeError
-        raise write_error(d, iteration, exc) from None
-    if barrier is not None:
-        barrier()
+            shutil.rmtree(tmp, ignore_errors=True)  # an interrupted save of the same iteration
+            tmp.mkdir(parents=True)
+        gather(None)  # nobody writes before rank 0 has cleared the folder (not `barrier`: that one is timed)
+        dcp_io.save({k: v.detach() for k, v in state.items()}, tmp)
+        digests = {p.name: _sha256(p) for p in sorted(tmp.glob(f"__{rank}_*"))}
+    except (OSError, RuntimeError, ValueError, dcp_io.CheckpointException) as exc:
+        raise write_error(final, iteration, exc) from None
+    everyone = gather(digests)
     if rank == 0:
         try:
+            files = {name: digest for part in everyone for name, digest in part.items()}
+            files[dcp_io.METADATA] = _sha256(tmp / dcp_io.METADATA)
+            text = json.dumps({"format": FORMAT, "iteration": iteration, **manifest, "files": files}, indent=2,
+                              sort_keys=True, default=str)
+            atomic_write(tmp / MANIFEST, lambda f: f.write(text.encode()))
+            _publish(tmp, final)
             write_latest(root, iteration)
         except OSError as exc:
-            raise write_error(root, iteration, exc) from None
-        log.info("checkpoint of iteration %d written to %s", iteration, d)
-    return d
+            raise write_error(final, iteration, exc) from None
+        log.info("checkpoint of iteration %d written to %s", iteration, final)
+    barrier()  # every rank returns once the checkpoint is complete
+    return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the written folder to its final name, durably (the folder and its parent fsynced). A folder of the
+    same iteration already there (saved again on purpose) is replaced only once the new one is complete."""
+    _fsync_dir(tmp)
+    aside = None
+    if final.exists():
+        aside = final.with_name(f".{final.name}.old.tmp")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_latest(root: str | os.PathLike, iteration: int) -> None:
@@ -238,6 +282,8 @@ def _resolve(root: str | os.PathLike, iteration: int | None) -> tuple[Path, int]
 
 
 def read_manifest(root: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:
+    """The manifest of a checkpoint (JSON); a missing or unreadable one is a CheckpointError, one of another
+    format a ForeignCheckpoint."""
     root, iteration = _resolve(root, iteration)
     p = iteration_dir(root, iteration) / MANIFEST
     try:
@@ -246,9 +292,85 @@ def read_manifest(root: str | os.PathLike, iteration: int | None = None) -> dict
         raise CheckpointError(f"checkpoint manifest {p} is missing") from None
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"checkpoint manifest {p} is unreadable: {_oneline(exc)}") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
+    if isinstance(data, dict) and data.get("format") in OLD_FORMATS:
+        raise ForeignCheckpoint(f"checkpoint {p.parent} is in the {data['format']} format of an older peerline, "
+                                f"which this version does not read: resume it with that version")
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("files"), dict):
         raise CheckpointError(f"{p} is not a {FORMAT} manifest")
     return data
+
+
+def verify_files(root: str | os.PathLike, iteration: int, rank: int = 0, world: int = 1) -> dict[str, Any]:
+    """Check this rank's share of the checkpoint's files (file i of the sorted list when i % world == rank, and
+    `.metadata` on every rank) against the manifest's SHA-256, and that no file is unlisted; return the
+    manifest. Else one-line CheckpointError."""
+    manifest = read_manifest(root, iteration)
+    folder = iteration_dir(root, iteration)
+    files: dict[str, str] = manifest["files"]
+    for p in sorted(folder.iterdir()):
+        if p.name != MANIFEST and p.is_file() and p.name not in files:
+            raise CheckpointError(f"checkpoint file {p} has no checksum in the manifest")
+    names = sorted(files)
+    mine = [n for i, n in enumerate(names) if i % world == rank or n == dcp_io.METADATA]
+    for name in mine:
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} is missing")
+        if _sha256(path) != files[name]:
+            raise CheckpointError(f"checkpoint file {path} is corrupt or was modified (SHA-256 mismatch)")
+    return manifest
+
+
+def stored_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a checkpoint folder with its shape, from DCP's metadata (restricted unpickler)."""
+    try:
+        return dcp_io.tensor_shapes(dcp_io.read_metadata(folder))
+    except Exception as exc:  # noqa: BLE001 - any failure of the unpickler means the same thing to the user
+        raise CheckpointError(f"checkpoint metadata {folder / dcp_io.METADATA} is unreadable: "
+                              f"{type(exc).__name__}: {_oneline(exc)}") from None
+
+
+def check_template(shapes: Mapping[str, tuple[int, ...]], template: Mapping[str, torch.Tensor]) -> str | None:
+    """The first tensor this rank would load that the checkpoint lacks or shapes differently; None when all fit."""
+    for key, tensor in template.items():
+        if key not in shapes:
+            return f"{key} is absent in the checkpoint"
+        if tuple(shapes[key]) != tuple(tensor.shape):
+            return f"{key} is {list(shapes[key])} in the checkpoint, {list(tensor.shape)} in this run"
+    return None
+
+
+def load_checkpoint(root: str | os.PathLike, expected_manifest: Mapping[str, Any],
+                    template: Callable[[dict[str, tuple[int, ...]]], dict[str, torch.Tensor]],
+                    iteration: int | None = None, *, rank: int = 0, world: int = 1,
+                    gather: Callable[[Any], list[Any]] | None = None) -> CheckpointState:
+    """Load the newest (or the given) checkpoint into the tensors `template(stored shapes)` returns (filled in
+    place), after checking it belongs to this run (collective: every rank calls it; `gather` as in save).
+
+    Raises CheckpointError (one line, on every rank alike) for: no checkpoint, a manifest that differs from
+    `expected_manifest` (names the field and both values), a missing or tampered file, a tensor some rank's model
+    lacks or shapes otherwise, a model tensor of the checkpoint no rank's model has."""
+    root, iteration = _resolve(root, iteration)
+    folder = iteration_dir(root, iteration)
+    manifest = verify_files(root, iteration, rank, world)
+    diff = compare_manifest(manifest, expected_manifest)
+    if diff:
+        raise ForeignCheckpoint(f"checkpoint {folder} does not match this run: {diff}")
+    shapes = stored_shapes(folder)
+    tensors = template(shapes)
+    problem = check_template(shapes, tensors)
+    everyone = (gather or (lambda obj: [obj]))((problem, [k for k in tensors if k.startswith(MODEL)]))
+    problems = [p for p, _ in everyone if p]
+    covered = {k for _, keys in everyone for k in keys}
+    extra = sorted(k for k in shapes if k.startswith(MODEL) and k not in covered)
+    if problems or extra:
+        why = problems[0] if problems else f"{extra[0]} is in the checkpoint, not in this run's model"
+        raise ForeignCheckpoint(f"checkpoint {folder} does not fit this model: {why}")
+    try:
+        dcp_io.load(tensors, folder)
+    except (Exception, dcp_io.CheckpointException) as exc:  # noqa: BLE001 - any reader failure, one line
+        raise CheckpointError(f"checkpoint {folder} cannot be read: {type(exc).__name__}: {_oneline(exc)}") from None
+    return CheckpointState(iteration=iteration, tensors=tensors, manifest=manifest, folder=folder)
 
 
 def compare_manifest(saved: Mapping[str, Any], expected: Mapping[str, Any], prefix: str = "") -> str | None:
@@ -270,76 +392,6 @@ def compare_manifest(saved: Mapping[str, Any], expected: Mapping[str, Any], pref
     return None
 
 
-def load_checkpoint(root: str | os.PathLike, rank: int, expected_manifest: Mapping[str, Any],
-                    iteration: int | None = None) -> CheckpointState:
-    """Load this rank's part of the newest (or the given) checkpoint, after checking it belongs to this run.
-
-    Raises CheckpointError (one line) for: no checkpoint, a manifest that differs from `expected_manifest`
-    (names the field and both values), a missing, truncated or tampered rank file."""
-    root, iteration = _resolve(root, iteration)
-    manifest = read_manifest(root, iteration)
-    diff = compare_manifest(manifest, expected_manifest)
-    if diff:
-        raise CheckpointError(f"checkpoint {iteration_dir(root, iteration)} does not match this run: {diff}")
-    path = verify_rank_file(root, iteration, rank)
-    try:
-        # weights_only: only tensors and plain containers are rebuilt; a pickle that names a callable is refused.
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any failure of the unpickler means the same thing to the user
-        raise CheckpointError(f"checkpoint file {path} is truncated or not a peerline checkpoint: "
-                              f"{type(exc).__name__}: {_oneline(exc)}") from None
-    _check_payload(path, data, rank, iteration)
-    return CheckpointState(iteration=iteration, model=data["model"], optimizer=data["optimizer"], rng=data["rng"],
-                           manifest=manifest, extra=data.get("extra") or {})
-
-
-def verify_rank_file(root: str | os.PathLike, iteration: int, rank: int) -> Path:
-    """This rank's file of the checkpoint, present and equal to its recorded SHA-256; else one-line
-    CheckpointError."""
-    path = rank_file(root, iteration, rank)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint file {path} is missing")
-    digest_file = path.with_suffix(".sha256")
-    try:
-        want, named = digest_file.read_text().split()[:2]
-    except (OSError, ValueError, UnicodeDecodeError):
-        raise CheckpointError(f"checkpoint checksum {digest_file} is missing or unreadable") from None
-    if named != path.name:  # the file and its checksum moved together from another rank's name
-        raise CheckpointError(f"checkpoint checksum {digest_file} is the checksum of {named}, not of {path.name}")
-    if _sha256(path) != want:
-        raise CheckpointError(f"checkpoint file {path} is corrupt or was modified (SHA-256 mismatch)")
-    return path
-
-
-def _check_payload(path: Path, data: Any, rank: int, iteration: int) -> None:
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint file {path} is not a {FORMAT} file")
-    for key, kind in (("model", dict), ("rng", dict)):
-        if not isinstance(data.get(key), kind):
-            raise CheckpointError(f"checkpoint file {path} has no valid '{key}' entry")
-    if data.get("rank") != rank or data.get("iteration") != iteration:
-        raise CheckpointError(f"checkpoint file {path} holds rank {data.get('rank')} iteration "
-                              f"{data.get('iteration')}, expected rank {rank} iteration {iteration}")
-
-
-def apply_checkpoint(state: CheckpointState, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                     device: torch.device | None = None) -> int:
-    """Load weights, optimizer state and RNG states into this rank's objects; return the iteration to continue
-    from. A state dict that does not fit the stage (other shapes or names) is a one-line CheckpointError."""
-    try:
-        module.load_state_dict(state.model, strict=True)
-    except RuntimeError as exc:
-        raise CheckpointError(f"checkpoint weights do not fit this stage: {_oneline(exc)}") from None
-    if optimizer is not None:
-        if state.optimizer is None:
-            raise CheckpointError("checkpoint holds no optimizer state")
-        try:
-            optimizer.load_state_dict(state.optimizer)
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise CheckpointError(f"checkpoint optimizer state does not fit: {_oneline(exc)}") from None
-    restore_rng(state.rng, device)
-    return state.iteration
-
 
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -358,22 +410,48 @@ def _show(v: Any) -> str:
     return json.dumps(v, sort_keys=True, default=str)
 
 
-#: RunConfig fields that decide what a checkpoint holds or what the resumed losses are; fields left out (iters,
-#: device, kernels, p2p, graph, json, timeline, timeout_s, log_every) may change between save and resume.
-GRID_FIELDS = ("pp", "dp", "stages")
-MODEL_FIELDS = ("model", "layers", "hidden", "seq", "micro_batch_size", "dtype", "seed")
+
+#: RunConfig fields that fix the model's shape (a checkpoint of another shape cannot be resharded: refused);
+#: everything else (grid, schedule, microbatches, dtype, kernels, ...) may change between save and resume.
+SHAPE_FIELDS = ("model", "layers", "hidden")
+#: RunConfig fields that decide which batches an iteration reads (a change is said on resume, not refused).
+DATA_FIELDS = ("seed", "micro_batch_size", "seq", "token_data")
 
 
-def build_manifest(cfg: Any, world_size: int) -> dict[str, Any]:
-    """The manifest of a run from its RunConfig (any object with the fields above; absent ones are skipped).
-    Grid first, so a resume on another grid is reported as a grid mismatch rather than a consequence of it."""
+def build_manifest(cfg: Any, world_size: int, pp: int | None = None) -> dict[str, Any]:
+    """The manifest of a run from its RunConfig (any object with the fields above; absent ones are skipped):
+    `model` is what a resume compares; `grid`, `data` and `config` are what the run was (`pp`: the resolved one)."""
     def pick(names: tuple[str, ...]) -> dict[str, Any]:
         return {n: getattr(cfg, n) for n in names if hasattr(cfg, n)}
 
+    model = pick(SHAPE_FIELDS)
+    if getattr(cfg, "model", None) == "gpt":
+        model["heads"] = cfg.heads
+    pp = pp if pp is not None else getattr(cfg, "pp", None)
+    dp, micro = getattr(cfg, "dp", 1), getattr(cfg, "microbatches", 1)
+    config = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
     return {
-        "grid": pick(GRID_FIELDS),
+        "grid": {"pp": pp, "dp": dp, "stages": getattr(cfg, "stages", 1)},
         "world_size": world_size,
         "schedule": getattr(cfg, "schedule", None),
-        "microbatches": getattr(cfg, "microbatches", None),
-        "model": pick(MODEL_FIELDS),
+        "model": model,
+        "data": {**pick(DATA_FIELDS), "global_microbatches": dp * micro},
+        "config": json.loads(json.dumps(config, default=str)),
     }
+
+
+def expected_of(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """What a resume requires of a checkpoint's manifest: the model's shape."""
+    return {"model": dict(manifest["model"])}
+
+
+def data_notice(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
+    """A notice when the checkpoint's run read its batches otherwise than this one will (another seed, global
+    batch or data): the resumed run is then not the run an uninterrupted one would have been."""
+    before, now = saved.get("data") or {}, current.get("data") or {}
+    changed = [k for k in sorted(now) if k in before and _normal(before[k]) != _normal(now[k])]
+    if not changed:
+        return None
+    parts = ", ".join(f"{k} {_show(before[k])} -> {_show(now[k])}" for k in changed)
+    return f"notice: the data differs from the checkpoint's run ({parts}): the iterations after the resume read " \
+           "other batches than that run would have"

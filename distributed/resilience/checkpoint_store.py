@@ -3,7 +3,8 @@
   prepare_save_dir(D, rank, resuming)   every rank: D writable; rank 0: the lock, leftover temporary files removed;
                                         a fresh run refuses a D that holds checkpoints already
   choose(D, rank, world, manifest, ...) every rank, collectively: the newest checkpoint whose files verify on every
-                                        rank (manifest, rank file, SHA-256), what was skipped and why
+                                        rank (manifest, each rank's share of the files' SHA-256), what was
+                                        skipped and why
   prune(D, keep)                        rank 0 after a complete save: only the newest `keep` checkpoints stay
 
 Resume never trusts `D/latest` alone: it lists D's `iter_NNNNNN` folders, newest first, and takes the first one
@@ -49,18 +50,21 @@ def iterations(root: str | os.PathLike) -> list[int]:
     return sorted(found, reverse=True)
 
 
-def verify(root: Path, iteration: int, rank: int, expected: Mapping[str, Any]) -> tuple[str, str] | None:
-    """None when this rank's part of the checkpoint is sound; else (kind, reason): kind 'mismatch' (another run's
-    checkpoint: refused) or 'bad' (incomplete or corrupt: skipped)."""
+def verify(root: Path, iteration: int, rank: int, expected: Mapping[str, Any], world: int = 1
+           ) -> tuple[str, str] | None:
+    """None when this rank's share of the checkpoint's files is sound; else (kind, reason): kind 'mismatch'
+    (another model's checkpoint, an older format: refused) or 'bad' (incomplete or corrupt: skipped)."""
     try:
         manifest = ckpt.read_manifest(root, iteration)
+    except ckpt.ForeignCheckpoint as exc:
+        return "mismatch", str(exc)
     except CheckpointError as exc:
         return "bad", str(exc)
     diff = ckpt.compare_manifest(manifest, expected)
     if diff:
         return "mismatch", f"checkpoint {ckpt.iteration_dir(root, iteration)} does not match this run: {diff}"
     try:
-        ckpt.verify_rank_file(root, iteration, rank)
+        ckpt.verify_files(root, iteration, rank, world)
     except CheckpointError as exc:
         return "bad", str(exc)
     return None
@@ -87,7 +91,7 @@ def choose(root: str | os.PathLike, rank: int, world: int, expected: Mapping[str
     which it skipped and why. A checkpoint of another configuration raises (on every rank alike)."""
     root = Path(root)
     candidates = iterations(root)
-    mine = {it: verify(root, it, rank, expected) for it in candidates}
+    mine = {it: verify(root, it, rank, expected, world) for it in candidates}
     everyone = _gather(mine, world)
     skipped: list[int] = []
     for it in candidates:
@@ -95,7 +99,7 @@ def choose(root: str | os.PathLike, rank: int, world: int, expected: Mapping[str
         problems = [(r, p) for r, p in problems if p is not None]
         mismatch = [p for _, p in problems if p[0] == "mismatch"]
         if mismatch:
-            raise CheckpointError(mismatch[0][1])
+            raise ckpt.ForeignCheckpoint(mismatch[0][1])
         if not problems:
             return it, skipped
         r, (_, reason) = problems[0]
@@ -207,7 +211,10 @@ def release_lock(root: str | os.PathLike) -> None:
 
 
 def remove_leftovers(root: Path) -> None:
-    """Temporary files of saves that were interrupted (atomic writes leave `.<name>.<random>.tmp` when killed)."""
+    """Temporary files and folders of saves that were interrupted (atomic writes leave `.<name>.<random>.tmp`
+    when killed, a checkpoint save its `.iter_NNNNNN.tmp` folder)."""
+    for folder in root.glob(".iter_*.tmp"):
+        shutil.rmtree(folder, ignore_errors=True)
     for folder in [root, *(ckpt.iteration_dir(root, it) for it in iterations(root))]:
         for tmp in folder.glob(".*.tmp"):  # not the writability probes: other ranks write theirs meanwhile
             tmp.unlink(missing_ok=True)
@@ -228,12 +235,15 @@ def prune(root: str | os.PathLike, keep: int | None) -> list[int]:
 
 
 def resume(resume_dir: str | os.PathLike, save_dir: str | os.PathLike | None, rank: int, world: int,
-           expected: Mapping[str, Any], say: Callable[[str], None]) -> ckpt.CheckpointState | None:
-    """This rank's state of the checkpoint to continue from (collective); None for a fresh start, which only
-    resuming from the run's own, still empty --save directory is (a launcher's first attempt)."""
+           expected: Mapping[str, Any], say: Callable[[str], None],
+           template: Callable[[dict[str, tuple[int, ...]]], dict[str, Any]]) -> ckpt.CheckpointState | None:
+    """The checkpoint to continue from, loaded into `template(stored shapes)`'s tensors (collective); None for a
+    fresh start, which only resuming from the run's own, still empty --save directory is (a launcher's first
+    attempt)."""
     path = Path(resume_dir)
+    gather = lambda obj: _gather(obj, world)  # noqa: E731 - the same collective for every load
     if path.name.startswith("iter_") and (path / ckpt.MANIFEST).exists():  # one checkpoint named explicitly
-        state = ckpt.load_checkpoint(path, rank, expected)
+        state = ckpt.load_checkpoint(path, expected, template, rank=rank, world=world, gather=gather)
         if save_dir is not None:
             guard_newer(save_dir, state.iteration, set())
         return state
@@ -243,23 +253,11 @@ def resume(resume_dir: str | os.PathLike, save_dir: str | os.PathLike | None, ra
     chosen, skipped = choose(path, rank, world, expected, say)
     if chosen is None and not (own and not iterations(path)):
         raise CheckpointError(f"no checkpoint in {path} verifies" if skipped else f"no checkpoint in {path}")
-    state = ckpt.load_checkpoint(path, rank, expected, iteration=chosen) if chosen is not None else None
+    state = None if chosen is None else ckpt.load_checkpoint(path, expected, template, chosen, rank=rank,
+                                                             world=world, gather=gather)
     if save_dir is not None:
         guard_newer(save_dir, chosen or 0, set(skipped) if own else set())
     return state
-
-
-def use_run_lr(optimizer: Any, lr: float, say: Callable[[str], None]) -> None:
-    """The loaded optimizer state carries the saved learning rate; the command line's --lr wins, said once."""
-    saved = sorted({float(g["lr"]) for g in optimizer.param_groups})
-    if saved != [lr]:
-        say(f"notice: --lr {lr:g} differs from the checkpoint's {', '.join(f'{v:g}' for v in saved)}: "
-            f"using --lr {lr:g}")
-        for group in optimizer.param_groups:
-            if hasattr(group["lr"], "fill_"):
-                group["lr"].fill_(lr)
-            else:
-                group["lr"] = lr
 
 
 def precheck(save_dir: str | None, resume_dir: str | None) -> None:

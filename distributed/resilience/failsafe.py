@@ -19,7 +19,8 @@ every rank exits 1 together), a communication error (`watchdog.fail`: names what
 peer; exit 1), a timeout (the watchdog: exit 3), a user error raised by one rank mid-run (a stage output that
 changed shape, a checkpoint that cannot be written: one line, exit 2 at once, since its peers wait for it). User
 errors found by `attach` (bad fault spec, unwritable --save, a checkpoint of another run) are agreed by every rank
-and propagate to the entry point, which prints them and exits 2.
+and propagate to the entry point, which exits 2; the lowest failing rank alone prints the line (the others raise
+`ReportedElsewhere`), so an error every rank has alike is one line per job.
 
 Rank 0 says what the checkpoints did, one line each: `peerline: saved checkpoint of iteration N to DIR`, `peerline:
 resumed from DIR at iteration N`, and for a run resumed at or past --iters, `peerline: nothing to do: ...`.
@@ -44,6 +45,7 @@ from peerline.distributed.resilience import faults as faults_mod
 from peerline.distributed.resilience.exchange_watch import ExchangeWatch, attach_heartbeat, name_collective_waits
 from peerline.distributed.resilience.nonfinite import NonFiniteGuard, NonFiniteLossError, check_finite
 from peerline.distributed.resilience.oom import is_oom, oom_line, peaks_by_rank
+from peerline.distributed.resilience.run_state import RunState
 from peerline.distributed.resilience.watchdog import Watchdog
 from peerline.distributed.streams import use
 
@@ -72,10 +74,8 @@ class Failsafe(IterationHooks):
         self.holds_last = any(s.is_last for s in engine.stages.values())
         self._peers = _describe_peers(rt.mesh)
         self._peer_ranks = _peer_ranks(rt.mesh)
-        self.manifest = ckpt.build_manifest(self.cfg, self.world)
-        # Resolved values, not the flags' defaults: pp=None means world/dp, dtype=None depends on the device.
-        self.manifest["grid"]["pp"] = rt.mesh.pp
-        self.manifest["model"]["dtype"] = self.cfg.dtype or ("bf16" if rt.device.type == "cuda" else "fp32")
+        self.manifest = ckpt.build_manifest(self.cfg, self.world, pp=rt.mesh.pp)  # the resolved pp
+        self.state = RunState(rt)  # what this rank saves and loads, by the whole model's names
         self.watchdog = Watchdog(self.rank, self.stage, timeout_s or self.cfg.timeout_s)
         self.guard = NonFiniteGuard(rt.device, skip=self.skip)
         self.watch = ExchangeWatch(rt.links, self.watchdog, min(self.stage_ids), max(self.stage_ids))
@@ -125,8 +125,9 @@ class Failsafe(IterationHooks):
         self.watchdog.start()
 
     def _agree(self, action: Callable[[], Any], what: str) -> None:
-        """Run `action` on every rank; if it failed anywhere, every rank raises (its own error, or one naming the
-        ranks that failed), so nobody goes on to wait for a rank that has given up."""
+        """Run `action` on every rank; if it failed anywhere, every rank raises, so nobody goes on to wait for a
+        rank that has given up. One line per job: the lowest failing rank raises its error (with the other
+        failing ranks' differing messages), every other rank `ReportedElsewhere`."""
         error: ConfigError | None = None
         try:
             action()
@@ -134,37 +135,28 @@ class Failsafe(IterationHooks):
             error = exc
         if dist.is_initialized() and self.world > 1:
             with use(self.rt.engine.main_stream):  # never the legacy default stream
-                mine = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.rt.device)
-                flags = [torch.empty_like(mine) for _ in range(self.world)]
-                dist.all_gather(flags, mine)
-                failed = [r for r, f in enumerate(flags) if int(f) != 0]
+                messages: list[str | None] = [None] * self.world
+                dist.all_gather_object(messages, None if error is None else str(error))
         else:
-            failed = [self.rank] if error else []
-        if error is not None:
+            messages = [None if error is None else str(error)]
+        failed = [r for r, m in enumerate(messages) if m is not None]
+        if not failed:
+            return
+        if self.rank != failed[0]:
+            raise ReportedElsewhere(f"rank {failed[0]} could not {what}: {messages[failed[0]]}")
+        others = [f"rank {r}: {messages[r]}" for r in failed[1:] if messages[r] != messages[failed[0]]]
+        if not others:
             raise error
-        if failed:
-            raise ConfigError(f"rank {', '.join(map(str, failed))} could not {what} (see its error)")
+        raise type(error)(f"{error}; also {'; '.join(others)}") from None
 
     def _resume(self) -> None:
         # The newest checkpoint that verifies on every rank (checkpoint_store.py); None: a fresh start, resuming
         # from our own still empty save directory (what a launcher restart's first attempt sees).
-        state = ckpt_store.resume(self.resume_dir, self.save_dir, self.rank, self.world, self.manifest, self._say)
+        state = ckpt_store.resume(self.resume_dir, self.save_dir, self.rank, self.world,
+                                  ckpt.expected_of(self.manifest), self._say, self.state.template)
         if state is None:
             return
-        engine = self.rt.engine
-        for sid in self.stage_ids:
-            prefix = f"s{sid}."
-            part = {k[len(prefix):]: v for k, v in state.model.items() if k.startswith(prefix)}
-            ckpt.apply_checkpoint(ckpt.CheckpointState(state.iteration, part, None, state.rng, state.manifest),
-                                  engine.stages[sid].module, None, self.rt.device)
-        if state.optimizer is None:
-            raise ckpt.CheckpointError("checkpoint holds no optimizer state")
-        try:
-            engine.optimizer.load_state_dict(state.optimizer)
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise ckpt.CheckpointError(f"checkpoint optimizer state does not fit: {exc}".splitlines()[0]) from None
-        ckpt_store.use_run_lr(engine.optimizer, self.cfg.lr, self._say)
-        self.rt.iteration = state.iteration
+        self.rt.iteration = self.state.apply(state, self.cfg.lr, self.manifest, self._say)
         self.last_saved = state.iteration
 
     def _say(self, line: str) -> None:
@@ -270,8 +262,7 @@ class Failsafe(IterationHooks):
         """Checkpoint after iteration `n` (every rank, collectively)."""
         self._finite_so_far()  # never write a checkpoint of NaN weights
         engine = self.rt.engine
-        model = {f"s{sid}.{k}": v for sid in self.stage_ids for k, v in engine.stages[sid].module.state_dict().items()}
-        barrier = None
+        barrier = gather = None
         if dist.is_initialized() and self.world > 1:
             def barrier() -> None:
                 # Writing is exempt from the deadline, waiting for the other ranks is not.
@@ -279,11 +270,16 @@ class Failsafe(IterationHooks):
                                           ranks=[r for r in range(self.world) if r != self.rank])
                 self.watchdog.arm()
                 dist.barrier()
+
+            def gather(obj: object) -> list:
+                everyone: list = [None] * self.world
+                dist.all_gather_object(everyone, obj)
+                return everyone
         with self.watchdog.suspended(), use(engine.main_stream):
             if self.rt.device.type == "cuda":
                 torch.cuda.synchronize(self.rt.device)
-            ckpt.save_checkpoint(self.save_dir, self.rank, n, model, engine.optimizer.state_dict(),
-                                 ckpt.capture_rng(self.rt.device), self.manifest, barrier=barrier)
+            ckpt.save_checkpoint(self.save_dir, self.rank, n, self.state.tensors(), self.manifest, barrier=barrier,
+                                 gather=gather)
             if self.rank == 0:
                 ckpt_store.prune(self.save_dir, self.cfg.keep)  # --keep N: the newest N stay
         self.last_saved = n

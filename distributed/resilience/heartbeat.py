@@ -2,8 +2,9 @@
 
 A rank's own view of a failure is what it waits for: a peer's activation, the gradient all-reduce of its replicas,
 the loss read. With dp > 1 that peer is often only another waiter (a rank in the all-reduce waits for its replica,
-which waits for the rank that hung). So each rank's beat thread (`Heartbeat.start`), every watchdog poll, publishes
-this rank's beat to the c10d store
+which waits for the rank that hung). So each rank's beat thread (`Heartbeat.start`), every watchdog poll and soon
+after each new iteration (`nudge`: a rank that dies is last seen in the iteration it was in), publishes this rank's
+beat to the c10d store
 
     peerline/beat/<rank> = {"seq": n, "it": iteration, "on": [ranks it waits for] or null, "desc": what,
                             "idle": seconds since its last progress, "end": why it is exiting, or null,
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 PREFIX = "peerline/beat"
 VERDICT = "peerline/verdict"  # the first diagnosis of the job: ranks cache it, so it outlives the store's host
 Table = dict[int, "Beat | None"]  # every rank's last beat (None: never published)
+#: A nudged beat (a new iteration) goes out at most this fraction of the period after the previous one: a few
+#: small writes a second per rank, while only the periodic rounds read every rank's beat.
+NUDGE_GAP = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +90,8 @@ class Heartbeat:
         self._pending_verdict: str | None = None
         self._rounds = 0
         self._busy = False  # a round is under way (its beat was made before the latest wake-up)
+        self._round_wanted = False  # beat_now asked for a full round
+        self._nudged = False  # this rank's state changed since its last beat
         self._done = threading.Condition()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -119,16 +125,43 @@ class Heartbeat:
 
     # -- the beat thread ---------------------------------------------------------------------------------------
     def start(self, make_beat: Callable[[], Beat], period_s: float) -> None:
-        """Publish `make_beat()` and read every rank's beat every `period_s`, on a daemon thread."""
-        def loop() -> None:
-            while not self._stop.is_set():
-                self.round(make_beat())
-                self._wake.wait(period_s)
-                self._wake.clear()
-
+        """Publish `make_beat()` and read every rank's beat every `period_s`, on a daemon thread; between rounds,
+        publish (without reading) after each `nudge()`, at most every `period_s * NUDGE_GAP`."""
         if self._thread is None:
-            self._thread = threading.Thread(target=loop, name=f"peerline-beat-r{self.rank}", daemon=True)
+            self._thread = threading.Thread(target=self._loop, args=(make_beat, period_s),
+                                            name=f"peerline-beat-r{self.rank}", daemon=True)
             self._thread.start()
+
+    def _loop(self, make_beat: Callable[[], Beat], period_s: float) -> None:
+        gap = period_s * NUDGE_GAP
+        due, published = self.clock(), float("-inf")  # the next full round; the last beat published
+        while not self._stop.is_set():
+            self._wake.clear()  # before the flags are read: a wake-up after this is never lost
+            if self._round_wanted or self.clock() >= due:
+                self._round_wanted = self._nudged = False  # before the beat is made: a later nudge stays
+                self.round(make_beat())
+                published = self.clock()
+                due = published + period_s
+            elif self._nudged and self.clock() >= published + gap:
+                self._nudged = False
+                self._publish_quietly(make_beat())
+                published = self.clock()
+            until = min(due, published + gap) if self._nudged else due
+            self._wake.wait(max(0.0, until - self.clock()))
+
+    def nudge(self) -> None:
+        """This rank's state changed (a new iteration): publish it soon, so a rank that dies between rounds is
+        last seen where it was, not a period earlier. Called every iteration: the thread is woken once per nudged
+        beat, not once per call."""
+        if not self._nudged:
+            self._nudged = True
+            self._wake.set()
+
+    def _publish_quietly(self, beat: Beat) -> None:
+        try:
+            self.publish(beat)
+        except Exception as exc:  # noqa: BLE001 - the next full round says what the store does
+            log.debug("heartbeat publish failed: %s", exc)
 
     def round(self, beat: Beat) -> None:
         """One beat: publish this rank's (and a pending verdict), read the verdict and every rank's into the
@@ -158,6 +191,7 @@ class Heartbeat:
             return False
         with self._done:
             target = self._rounds + (2 if self._busy else 1)  # a round under way carries an older beat
+            self._round_wanted = True
             self._wake.set()
             return self._done.wait_for(lambda: self._rounds >= target, timeout=max(0.0, wait_s))
 

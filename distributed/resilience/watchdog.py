@@ -141,10 +141,13 @@ class Watchdog:
         self._progress_probe = probe
 
     def iteration_started(self, iteration: int) -> None:
-        """Name the iteration now running (used when no finer description was given)."""
+        """Name the iteration now running (used when no finer description was given); the beat thread publishes
+        it soon, not at its next round only."""
         self._iteration = iteration
         self._desc = ""
         self._waiting_on = None
+        if self.heartbeat is not None:
+            self.heartbeat.nudge()
 
     def iteration_done(self) -> None:
         """One iteration finished: the deadline restarts."""

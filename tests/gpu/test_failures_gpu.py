@@ -85,26 +85,47 @@ def test_guard_skips_the_step_inside_a_cuda_graph():
 
 @needs_cuda
 def test_checkpoint_of_cuda_state_round_trips(tmp_path):
+    """DCP checkpoint of CUDA weights, fused capturable AdamW state (step on the device) and the CUDA RNG, loaded
+    by name into another model on the device."""
+    from peerline.distributed.resilience import checkpoint_names as names
+    from peerline.distributed.resilience import checkpoint_store as store
+
     dev = torch.device("cuda")
-    model = torch.nn.Linear(32, 32, device=dev)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32, device=dev))
     opt = torch.optim.AdamW(model.parameters(), fused=True, capturable=True)
     model(torch.randn(4, 32, device=dev)).sum().backward()
     opt.step()
     torch.cuda.manual_seed(3)
     rng = ckpt.capture_rng(dev)
     want = torch.rand(5, device=dev)
-    manifest = {"grid": {"pp": 1}}
-    ckpt.save_checkpoint(tmp_path, 0, 1, model.state_dict(), opt.state_dict(), rng, manifest)
-    other = torch.nn.Linear(32, 32, device=dev)
+    stages = [(model, 0)]
+    state = {names.MODEL + k: v for k, v in names.stage_modules(stages).items()}
+    state.update(names.flatten_optimizer(names.optimizer_state(opt, names.param_names(stages))))
+    state.update({f"rng.0.{k}": v for k, v in rng.items()})
+    manifest = {"model": {"layers": 1}}
+    ckpt.save_checkpoint(tmp_path, 0, 1, state, manifest)
+    other = torch.nn.Sequential(torch.nn.Linear(32, 32, device=dev))
     other_opt = torch.optim.AdamW(other.parameters(), fused=True, capturable=True)
-    other(torch.randn(4, 32, device=dev)).sum().backward()
-    other_opt.step()
+    dst = [(other, 0)]
+    pn = names.param_names(dst)
+
+    def template(shapes):
+        found = {names.MODEL + k: v for k, v in names.stage_modules(dst).items()}
+        found.update(names.flatten_optimizer(names.optimizer_template(((n, p) for p, n in pn.items()), shapes)))
+        found.update({f"rng.0.{k}": torch.empty_like(v, device="cpu") for k, v in rng.items()})
+        return found
     torch.cuda.manual_seed(99)
-    state = ckpt.load_checkpoint(tmp_path, 0, manifest)
-    ckpt.apply_checkpoint(state, other, other_opt, dev)
-    assert torch.equal(other.weight, model.weight) and other.weight.device.type == "cuda"
-    st = other_opt.state[other.weight]
-    assert torch.equal(st["exp_avg"], opt.state[model.weight]["exp_avg"]) and st["step"].device.type == "cuda"
+    loaded = store.resume(tmp_path, None, 0, 1, manifest, print, template)
+    full = {}
+    for k, v in loaded.tensors.items():
+        if k.startswith(names.OPTIM):
+            name, entry = k[len(names.OPTIM):].rsplit(".", 1)
+            full.setdefault(name, {})[entry] = v
+    names.load_optimizer_state(other_opt, pn, full)
+    ckpt.restore_rng({k[len("rng.0."):]: v for k, v in loaded.tensors.items() if k.startswith("rng.0.")}, dev)
+    assert torch.equal(other[0].weight, model[0].weight) and other[0].weight.device.type == "cuda"
+    st = other_opt.state[other[0].weight]
+    assert torch.equal(st["exp_avg"], opt.state[model[0].weight]["exp_avg"]) and st["step"].device.type == "cuda"
     assert torch.equal(torch.rand(5, device=dev), want), "CUDA RNG state not restored"
 
 

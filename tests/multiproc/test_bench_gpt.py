@@ -1,7 +1,8 @@
 """CPU smoke test of launch/bench.py's gpt suite (gloo, torchrun with 2 ranks: pp=2): a tiny fp32 GPT on the
 default corpus, peerline eager against every torch.distributed.pipelining candidate, and the recompute table.
-The records must validate with finite ratios, and every anchor candidate (1F1B, Interleaved1F1B, GPipe) must
-compute peerline's losses from the same weights and tokens: the two only share the model builder and the text
+The records must validate with finite ratios, and every anchor candidate (each torch schedule: 1F1B, GPipe,
+Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; bench/suites/torch_schedules.py) must compute
+peerline's losses from the same weights and tokens: the two only share the model builder and the text
 feed, so equal losses check the anchor's wiring (split, data, loss scaling). Recomputation must not change them."""
 
 import json
@@ -9,6 +10,7 @@ import math
 
 import pytest
 
+from peerline.bench.suites.torch_schedules import TORCH_SCHEDULES
 from tests.multiproc.test_bench_pipeline import run_bench
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -37,8 +39,8 @@ def test_gpt_suite_two_ranks_with_recompute_table(tmp_path):
     assert eager["metric"] == "tokens/s" and eager["anchor_name"].startswith("torch.distributed.pipelining")
     ex = eager["extra"]
     assert ex["tflops"] > 0 and ex["mfu"] is None  # no card peak on the CPU
-    assert ex["anchor_schedule"] in ("1f1b", "interleaved-1f1b", "gpipe") and ex["anchor_recipe"] == "fp32"
-    assert set(ex["anchor_candidates"]) == {"1f1b fp32", "interleaved-1f1b fp32", "gpipe fp32"}
+    assert ex["anchor_schedule"] in TORCH_SCHEDULES and ex["anchor_recipe"] == "fp32"
+    assert set(ex["anchor_candidates"]) == {f"{s} fp32" for s in TORCH_SCHEDULES}  # 2 + 2 layers, M=4: all apply
     assert math.log(256) < ex["losses"][0] < 1.5 * math.log(eager["sizes"]["vocab"]), ex["losses"]
     for name, cand in ex["anchor_candidates"].items():
         assert close(cand["losses"], ex["losses"], 1e-5), (name, cand["losses"], ex["losses"])

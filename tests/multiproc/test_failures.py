@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(runs):
     ck = runs / "ck"
     assert (ck / "latest").read_text().strip() == "3"
     assert sorted(p.name for p in (ck / "iter_000003").iterdir()) == [
-        "manifest.json", "rank00000.pt", "rank00000.sha256", "rank00001.pt", "rank00001.sha256"]
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json"]
     # Resume to 6; rank 0 is slowed down by 1.5 s before iteration 5, well under the 30 s deadline.
     resumed = spawn(2, ["--iters", "6", "--resume", "ck", "--timeout-s", "30", "--json", "resumed.json"], runs,
                     fault="delay:rank=0:iter=5:s=1.5")
@@ -72,8 +73,11 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(runs):
 
 
 def test_killed_rank_every_rank_exits_nonzero_naming_the_lost_rank(tmp_path):
-    ranks = spawn(2, ["--iters", "6", "--timeout-s", "20"], tmp_path, fault="kill:rank=1:iter=3",
-                  limit_s=STARTUP_S + 20 + 15)
+    """Rank 1 spends 0.3 s at the start of iteration 2 (longer than its beats' minimum gap, far shorter than their
+    period), then dies before iteration 3: the line names it, last seen in iteration 2 or 3 (its beat follows the
+    iterations), not where its previous periodic beat left it."""
+    ranks = spawn(2, ["--iters", "6", "--timeout-s", "20"], tmp_path,
+                  fault="delay:rank=1:iter=2:s=0.3;kill:rank=1:iter=3", limit_s=STARTUP_S + 20 + 15)
     r0, r1 = ranks
     assert r1.rc == 9 and "killed before iteration 3" in r1.err
     assert r0.rc != 0
@@ -81,6 +85,7 @@ def test_killed_rank_every_rank_exits_nonzero_naming_the_lost_rank(tmp_path):
     line = r0.errors()[0]
     assert line.startswith("peerline: error: rank 0 (stage 0) ") and "; rank 1 (stage 1) " in line, line
     assert "stopped responding: its process died or froze" in line, line
+    assert re.search(r"; rank 1 \(stage 1\) \(last seen in iteration [23], ", line), line
     assert "Traceback" not in r0.err
 
 

@@ -38,21 +38,29 @@ def _flip(f: Path) -> None:
 
 
 def _swap_ranks(d: Path) -> None:
-    for ext in (".pt", ".sha256"):
-        a, b, t = d / f"rank00000{ext}", d / f"rank00001{ext}", d / f"swap{ext}"
-        a.rename(t)
-        b.rename(a)
-        t.rename(b)
+    a, b, t = d / "__0_0.distcp", d / "__1_0.distcp", d / "swap"
+    a.rename(t)
+    b.rename(a)
+    t.rename(b)
+
+
+def _unlisted(d: Path) -> None:
+    """The manifest lists no checksum of rank 1's file."""
+    manifest = json.loads((d / "manifest.json").read_text())
+    del manifest["files"]["__1_0.distcp"]
+    (d / "manifest.json").write_text(json.dumps(manifest))
 
 
 def _all_corrupt(ck: Path) -> None:
     for d in ck.glob("iter_*"):
-        _flip(d / "rank00001.pt")
+        _flip(d / "__1_0.distcp")
 
 
 def _leftovers(ck: Path) -> None:
     (ck / ".latest.x1.tmp").write_text("3")
-    (ck / "iter_000004" / ".rank00000.pt.x2.tmp").write_bytes(b"partial")
+    (ck / "iter_000004" / ".manifest.json.x2.tmp").write_bytes(b"partial")
+    (ck / ".iter_000006.tmp").mkdir()  # a save killed before its rename
+    (ck / ".iter_000006.tmp" / "__0_0.distcp").write_bytes(b"partial")
 
 
 def _lock(pid: int) -> Callable[[Path], None]:
@@ -72,12 +80,12 @@ def _dead_pid() -> int:
 #: (name, damage, extra flags, resumed-at iteration or None for a refusal, a needle the output must hold)
 ATTACKS: list[tuple[str, Callable[[Path], None], list[str], int | None, str]] = [
     ("latest missing", lambda ck: (ck / "latest").unlink(), [], 4, "resumed from ck at iteration 4"),
-    ("newest flipped byte", lambda ck: _flip(ck / "iter_000004" / "rank00001.pt"), [], 2,
-     "skipped checkpoint of iteration 4: checkpoint file ck/iter_000004/rank00001.pt is corrupt"),
-    ("newest truncated", lambda ck: (ck / "iter_000004" / "rank00000.pt").write_bytes(b"PK"), [], 2,
+    ("newest flipped byte", lambda ck: _flip(ck / "iter_000004" / "__1_0.distcp"), [], 2,
+     "skipped checkpoint of iteration 4: checkpoint file ck/iter_000004/__1_0.distcp is corrupt"),
+    ("newest truncated", lambda ck: (ck / "iter_000004" / "__0_0.distcp").write_bytes(b"PK"), [], 2,
      "skipped checkpoint of iteration 4"),
-    ("newest checksum missing", lambda ck: (ck / "iter_000004" / "rank00001.sha256").unlink(), [], 2,
-     "skipped checkpoint of iteration 4"),
+    ("newest checksum missing", lambda ck: _unlisted(ck / "iter_000004"), [], 2,
+     "skipped checkpoint of iteration 4: checkpoint file ck/iter_000004/__1_0.distcp has no checksum"),
     ("newest manifest missing", lambda ck: (ck / "iter_000004" / "manifest.json").unlink(), [], 2,
      "skipped checkpoint of iteration 4"),
     ("newest rank files swapped", lambda ck: _swap_ranks(ck / "iter_000004"), [], 2,

@@ -1,7 +1,7 @@
 """The checkpoint directory as a whole (resilience/checkpoint_store.py), one process: resume finds the newest
 checkpoint that verifies without `latest`, skips a corrupt or incomplete one and says so, refuses another run's,
-never overwrites what it did not load; the lock; --keep; leftover temporary files; a full disk named as such;
-a changed --lr said and used."""
+never overwrites what it did not load; the lock; --keep; leftover temporary files and folders; a full disk named as
+such; a changed --lr said."""
 
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ import pytest
 import torch
 
 from peerline.distributed.resilience import checkpoint as ckpt
+from peerline.distributed.resilience import checkpoint_names as names
 from peerline.distributed.resilience import checkpoint_store as store
+from peerline.distributed.resilience.run_state import resume_notices
 
 pytestmark = pytest.mark.timeout(60)
 
-MANIFEST = {"grid": {"pp": 1, "dp": 1, "stages": 1}, "world_size": 1, "schedule": "1f1b", "microbatches": 2,
-            "model": {"hidden": 8, "layers": 2, "dtype": "fp32"}}
+MANIFEST = {"model": {"hidden": 8, "layers": 2}}
+DATA = "__0_0.distcp"  # the tensors of rank 0 (DCP's file name)
 
 
 def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -36,13 +38,20 @@ def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def _save(root: Path, iteration: int, manifest=MANIFEST) -> dict[str, torch.Tensor]:
     m, opt = _model(iteration)
-    ckpt.save_checkpoint(root, 0, iteration, m.state_dict(), opt.state_dict(), ckpt.capture_rng(), manifest)
-    return {k: v.clone() for k, v in m.state_dict().items()}
+    stages = [(m, 0)]
+    state = {names.MODEL + k: v for k, v in names.stage_modules(stages).items()}
+    state.update(names.flatten_optimizer(names.optimizer_state(opt, names.param_names(stages))))
+    ckpt.save_checkpoint(root, 0, iteration, state, manifest)
+    return {k: v.clone() for k, v in state.items() if k.startswith(names.MODEL)}
+
+
+def _template(shapes: dict) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros(s) for k, s in shapes.items() if k.startswith(names.MODEL)}
 
 
 def _resume(root: Path, save: Path | None = None) -> tuple[ckpt.CheckpointState | None, list[str]]:
     said: list[str] = []
-    return store.resume(root, save, 0, 1, MANIFEST, said.append), said
+    return store.resume(root, save, 0, 1, MANIFEST, said.append, _template), said
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -53,14 +62,14 @@ def test_resume_without_latest_finds_the_newest(tmp_path):
     weights = {it: _save(tmp_path, it) for it in (2, 4, 6)}
     (tmp_path / "latest").unlink()
     state, said = _resume(tmp_path)
-    assert state.iteration == 6 and _same(state.model, weights[6]) and said == []
+    assert state.iteration == 6 and _same(state.tensors, weights[6]) and said == []
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no_digest", "no_manifest", "no_rank_file"])
 def test_a_damaged_newest_is_skipped_with_its_reason(tmp_path, damage):
     weights = {it: _save(tmp_path, it) for it in (2, 4, 6)}
     d = tmp_path / "iter_000006"
-    f = d / "rank00000.pt"
+    f = d / DATA
     if damage == "flip":
         data = bytearray(f.read_bytes())
         data[len(data) // 2] ^= 0x40
@@ -68,13 +77,15 @@ def test_a_damaged_newest_is_skipped_with_its_reason(tmp_path, damage):
     elif damage == "truncate":
         f.write_bytes(f.read_bytes()[:100])
     elif damage == "no_digest":
-        (d / "rank00000.sha256").unlink()
+        manifest = json.loads((d / "manifest.json").read_text())
+        del manifest["files"][DATA]
+        (d / "manifest.json").write_text(json.dumps(manifest))
     elif damage == "no_manifest":
         (d / "manifest.json").unlink()
     else:
         f.unlink()
     state, said = _resume(tmp_path, save=tmp_path)
-    assert state.iteration == 4 and _same(state.model, weights[4])
+    assert state.iteration == 4 and _same(state.tensors, weights[4])
     assert len(said) == 1 and said[0].startswith("skipped checkpoint of iteration 6: "), said
     # the skipped checkpoint is set aside, not overwritten by the resumed run's own iteration 6
     assert not d.exists() and (tmp_path / "iter_000006.skipped").is_dir()
@@ -83,8 +94,8 @@ def test_a_damaged_newest_is_skipped_with_its_reason(tmp_path, damage):
 
 def test_another_runs_checkpoint_is_refused_not_skipped(tmp_path):
     _save(tmp_path, 2)
-    _save(tmp_path, 4, manifest={**MANIFEST, "microbatches": 8})
-    with pytest.raises(ckpt.CheckpointError, match="microbatches is 8 in the checkpoint, 2 in this run"):
+    _save(tmp_path, 4, manifest={"model": {"hidden": 8, "layers": 3}})
+    with pytest.raises(ckpt.CheckpointError, match="model.layers is 3 in the checkpoint, 2 in this run"):
         _resume(tmp_path)
 
 
@@ -97,7 +108,7 @@ def test_nothing_to_resume(tmp_path):
     # the run's own, still empty save directory: a fresh start (a launcher restart's first attempt)
     assert _resume(tmp_path / "empty", save=tmp_path / "empty") == (None, [])
     _save(tmp_path / "bad", 2)
-    (tmp_path / "bad" / "iter_000002" / "rank00000.pt").write_bytes(b"x")
+    (tmp_path / "bad" / "iter_000002" / DATA).write_bytes(b"x")
     with pytest.raises(ckpt.CheckpointError, match="no checkpoint in .* verifies"):
         _resume(tmp_path / "bad")
 
@@ -151,12 +162,14 @@ def test_keep_and_leftover_temporary_files(tmp_path):
     assert store.prune(tmp_path, 2) == [2, 1]
     assert store.iterations(tmp_path) == [4, 3]
     assert store.prune(tmp_path, None) == []
-    leftovers = [tmp_path / ".latest.abc.tmp", tmp_path / "iter_000004" / ".rank00000.pt.xyz.tmp"]
+    leftovers = [tmp_path / ".latest.abc.tmp", tmp_path / "iter_000004" / ".manifest.json.xyz.tmp",
+                 tmp_path / ".iter_000005.tmp" / DATA]
+    leftovers[-1].parent.mkdir()
     for p in leftovers:
         p.write_bytes(b"partial")
     store.prepare_save_dir(tmp_path, 0, resuming=True)
-    assert not any(p.exists() for p in leftovers)
-    assert (tmp_path / "iter_000004" / "rank00000.pt").exists()
+    assert not any(p.exists() for p in leftovers) and not (tmp_path / ".iter_000005.tmp").exists()
+    assert (tmp_path / "iter_000004" / DATA).exists()
 
 
 @pytest.mark.parametrize("how", ["errno", "zip_writer"])
@@ -190,19 +203,18 @@ def test_full_tmpfs(tmp_path):
         with pytest.raises(ckpt.CheckpointError, match=f"^no space left on {mnt}/iter_000001 while saving "
                                                        "checkpoint 1$"):
             m = torch.nn.Linear(256, 256)
-            ckpt.save_checkpoint(mnt, 0, 1, m.state_dict(), None, ckpt.capture_rng(), MANIFEST)
+            ckpt.save_checkpoint(mnt, 0, 1, dict(m.state_dict()), MANIFEST)
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
 
 
-def test_a_changed_lr_is_said_and_used(tmp_path):
-    m, opt = _model(0)
+def test_a_changed_lr_is_said(tmp_path):
+    saved = {"config": {"lr": 1e-2}}
     said: list[str] = []
-    store.use_run_lr(opt, 1e-2, said.append)
+    resume_notices(saved, {}, 1e-2, said.append)
     assert said == []
-    store.use_run_lr(opt, 3e-3, said.append)
+    resume_notices(saved, {}, 3e-3, said.append)
     assert said == ["notice: --lr 0.003 differs from the checkpoint's 0.01: using --lr 0.003"]
-    assert [g["lr"] for g in opt.param_groups] == [3e-3]
 
 
 def test_precheck_refuses_before_any_process_group(tmp_path, monkeypatch):

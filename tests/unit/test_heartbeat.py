@@ -4,6 +4,7 @@ from the cached table when the store is cut off (its calls block: the beat threa
 from __future__ import annotations
 
 import datetime
+import random
 import threading
 import time
 
@@ -119,3 +120,34 @@ def test_a_cut_off_store_leaves_the_cached_table_and_says_where_each_rank_was_la
     finally:
         store.open.set()
         me.stop()
+
+
+def test_a_new_iteration_is_published_soon_and_names_where_a_dead_rank_was():
+    """The watchdog nudges the beat thread at every iteration: with a 5 s period, ten quick iterations reach the
+    store within a second, and a rank that then dies is last seen in iteration 10, not in its start-up beat's 0."""
+    from peerline.distributed.resilience.watchdog import Watchdog
+
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=5))
+    wd = Watchdog(1, 1, timeout_s=100.0, poll_s=5.0)
+    wd.heartbeat = Heartbeat(store, 1, 2, name)
+    wd.start()
+    try:
+        last = random.randint(5, 12)
+        for it in range(1, last + 1):
+            wd.iteration_started(it)
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        while Beat.from_json(store.get("peerline/beat/1").decode()).iteration != last:
+            assert time.monotonic() - t0 < 1.0, "the nudged beat did not come"
+            time.sleep(0.02)
+    finally:
+        wd.stop()  # the rank is gone: its beat stays as it was
+    now = [0.0]
+    reader = Heartbeat(store, 0, 2, name, clock=lambda: now[0])
+    reader.round(Beat(reader.next_seq(), last, (1,), "act mb 0 to rank 1", 0.0))
+    now[0] = 3.0
+    reader.round(Beat(reader.next_seq(), last + 1, (1,), "act mb 0 to rank 1", 0.0))
+    got = reader.explain(window_s=2.0, stale_s=10.0, stall_s=5.0)
+    assert got == f"rank 1 (stage 1) (last seen in iteration {last}, in no wait) stopped responding: its process " \
+                  "died or froze", got

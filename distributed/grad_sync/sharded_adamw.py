@@ -1,0 +1,145 @@
+"""The optimizer of a run: torch's AdamW, or with `--shard-optimizer` `ShardedAdamW`, AdamW over this rank's shards.
+
+`ShardedAdamW` is a `torch.optim.AdamW` whose parameters are the shard views of sharded.py's flat parameter
+buffers (one per bucket), whose gradients are the reduce-scattered shards. So everything that drives the run's
+optimizer keeps working unchanged: `step()` (fused and capturable on a GPU, `found_inf` read by the fused kernel for
+the non-finite guard), step hooks, `param_groups` (the learning rate), `state_dict()` / `load_state_dict()` of
+this rank's shards (a checkpoint resumed on the same grid). Its state per rank is about 1/dp of AdamW's.
+
+After every step, a step post-hook (registered first, so it runs inside every `step()` however step is wrapped)
+all-gathers the updated shards into the parameters: sharded.py's `gather_params`.
+
+Checkpoints that move between grids use the full, unsharded view (`full_state` / `load_full_state`, below),
+keyed by the full model's parameter names (`full_param_names`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from peerline.distributed.grad_sync.sharded import ShardedGradBuckets
+
+FullState = dict[str, dict[str, torch.Tensor | int | float]]
+
+
+def full_param_names(modules: Mapping[int, nn.Module], layer_offsets: Mapping[int, int]) -> dict[nn.Parameter, str]:
+    """Each parameter's name in the whole model: '<global layer index>.<name inside the layer>' (the keys of the
+    whole model as one nn.Sequential's state_dict). `modules`: global stage id -> its layers (an nn.Sequential);
+    `layer_offsets`: global stage id -> the global index of its first layer."""
+    names: dict[nn.Parameter, str] = {}
+    for sid, module in modules.items():
+        for i, layer in enumerate(module):
+            for name, p in layer.named_parameters():
+                names.setdefault(p, f"{layer_offsets[sid] + i}.{name}")
+    return names
+
+
+def make_adamw(params: Sequence[nn.Parameter], syncs: Sequence[Any], names: Mapping[nn.Parameter, str], lr: float,
+               on_gpu: bool) -> torch.optim.AdamW:
+    """The run's optimizer: ShardedAdamW when every stage's gradient sync is sharded (--shard-optimizer, dp > 1),
+    else torch's AdamW over `params`; fused and capturable on a GPU either way."""
+    if syncs and all(isinstance(s, ShardedGradBuckets) for s in syncs):
+        return ShardedAdamW(syncs, names, lr=lr, fused=on_gpu or None, capturable=on_gpu)
+    return torch.optim.AdamW(params, lr=lr, fused=on_gpu or None, capturable=on_gpu)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in the optimizer's state on this rank (moments and step counts; 0 before a step)."""
+    return sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
+               if torch.is_tensor(v))
+
+
+class ShardedAdamW(torch.optim.AdamW):
+    """AdamW over the shards of sharded.py's buckets (see the module doc). `syncs`: every local stage's
+    ShardedGradBuckets; `names`: each parameter's full name (full_param_names); the rest: AdamW's arguments.
+
+    Interface for checkpoints (an unsharded AdamW's state is interchangeable with this one's):
+
+    `full_state()` -> {full parameter name: {"exp_avg": Tensor, "exp_avg_sq": Tensor, "step": Tensor}}: what a
+    plain `torch.optim.AdamW` over the same parameters would hold in `state[param]` (moments shaped like the
+    parameter, fp32, on the parameter's device; `step` a 0-dim fp32 tensor), gathered over the dp group.
+    Collective: every rank of the dp group calls it, outside an iteration. Parameters that have no state yet
+    (before the first step) are absent, as in a plain AdamW's state.
+
+    `load_full_state(state)`: takes that same mapping (tensors on any device, `step` a tensor or a number), keeps
+    only this rank's shard of each moment; not collective. Every parameter of this rank must be in `state`, or
+    none of a bucket's (that bucket then starts fresh); parameters of other ranks' stages are ignored. The
+    parameters' values are not touched: load the weights into the model as usual. Hyperparameters (lr, betas) are
+    not part of it: they come from param_groups.
+    """
+
+    def __init__(self, syncs: Sequence[ShardedGradBuckets], names: Mapping[nn.Parameter, str], **adamw: Any) -> None:
+        self.syncs = list(syncs)
+        self.names = dict(names)
+        #: (sync, bucket index, the shard this optimizer updates) of every bucket, in order
+        self.shards: list[tuple[ShardedGradBuckets, int, torch.Tensor]] = []
+        for sync in self.syncs:
+            for i, (shard, grad) in enumerate(zip(sync.param_shards, sync.grad_shards, strict=True)):
+                shard.grad = grad
+                self.shards.append((sync, i, shard))
+        missing = [p for sync in self.syncs for b in sync.buckets for p in b.params if p not in self.names]
+        if missing:
+            raise ValueError(f"{len(missing)} sharded parameters have no full name")
+        super().__init__([shard for _, _, shard in self.shards], **adamw)
+        self.register_step_post_hook(self._gather)
+
+    @staticmethod
+    def _gather(optimizer: ShardedAdamW, _args: Any, _kwargs: Any) -> None:
+        for sync in optimizer.syncs:
+            sync.gather_params()
+
+    def shard_state_bytes(self) -> int:
+        """Bytes of this rank's optimizer state (optimizer_state_bytes)."""
+        return optimizer_state_bytes(self)
+
+    def full_state(self) -> FullState:
+        """The unsharded state by full parameter name (collective over the dp group; see the class doc)."""
+        out: FullState = {}
+        for sync, i, shard in self.shards:
+            st = self.state.get(shard)
+            if not st:
+                continue
+            whole = {k: sync.gather_shard(i, v) for k, v in st.items() if k != "step"}
+            b = sync.buckets[i]
+            for p, start in zip(b.params, b.starts, strict=True):
+                entry: dict[str, torch.Tensor | int | float] = {
+                    k: v[start:start + p.numel()].view_as(p).clone() for k, v in whole.items()}
+                entry["step"] = st["step"].detach().clone()
+                out[self.names[p]] = entry
+        return out
+
+    def load_full_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        """Keep this rank's shard of each parameter's state in `state` (see the class doc)."""
+        group = self.param_groups[0]
+        for sync, i, shard in self.shards:
+            b = sync.buckets[i]
+            entries = [state.get(self.names[p]) for p in b.params]
+            if all(e is None for e in entries):
+                self.state.pop(shard, None)
+                continue
+            absent = [self.names[p] for p, e in zip(b.params, entries, strict=True) if e is None]
+            if absent:
+                raise KeyError(f"optimizer state of {absent[0]} missing (its bucket's other parameters have some)")
+            steps = {float(e["step"]) for e in entries}
+            if len(steps) != 1:
+                raise ValueError(f"parameters sharing a bucket have different AdamW steps {sorted(steps)}")
+            new: dict[str, torch.Tensor] = {}
+            for key in [k for k in entries[0] if k != "step"]:
+                whole = torch.zeros(b.numel, dtype=shard.dtype, device=shard.device)
+                for p, start, e in zip(b.params, b.starts, entries, strict=True):
+                    whole[start:start + p.numel()].copy_(torch.as_tensor(e[key]).reshape(-1))
+                new[key] = sync.shard_of(i, whole).clone()
+            new["step"] = _step_tensor(steps.pop(), shard.device, group)
+            self.state[shard] = new
+
+
+def _step_tensor(step: float, device: torch.device, group: Mapping[str, Any]) -> torch.Tensor:
+    """AdamW's step count as torch keeps it: fp32 on the parameter's device when fused or capturable, else a
+    CPU tensor of the default dtype."""
+    if group.get("fused") or group.get("capturable"):
+        return torch.tensor(step, dtype=torch.float32, device=device)
+    return torch.tensor(step, dtype=torch.get_default_dtype())

@@ -1,0 +1,55 @@
+"""--shard-optimizer (ZeRO-1) on the CPU (gloo): dp=2 and pp=2 x dp=2 equal the same grid unsharded within 1e-6
+per iteration (losses and every layer's parameter checksums), with about 1/dp of the optimizer state per rank.
+pp=2 x dp=2 runs ZB-H1, whose gradients become final in the deferred W steps (the buckets' hooks fire there)."""
+
+import sys
+
+import pytest
+
+from tests.helpers import assert_same_run, run_job, torchrun_cmd
+
+pytestmark = pytest.mark.timeout(300)
+
+ARGS = ["--hidden", "16", "--layers", "4", "--seq", "4", "--micro-batch-size", "1", "--iters", "3",
+        "--first-bucket-mb", "0.001", "--bucket-mb", "0.004"]  # several buckets of a small model
+
+
+def _pair(tmp_path, nproc: int, args: list[str], name: str) -> tuple[dict, dict]:
+    runs = {}
+    for kind, extra in (("plain", []), ("sharded", ["--shard-optimizer"])):
+        proc, res = run_job(torchrun_cmd(nproc), [*args, *extra], tmp_path, f"{name}-{kind}", timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[kind] = res
+    return runs["sharded"], runs["plain"]
+
+
+def _check_memory(sharded: dict, plain: dict, dp: int) -> None:
+    """Optimizer state per rank: about 1/dp of the unsharded run's (padding and step counts aside)."""
+    for mine, full in zip(sharded["optimizer_state_bytes"], plain["optimizer_state_bytes"], strict=True):
+        assert 0 < mine <= full / dp * 1.25 + 4096, (sharded["optimizer_state_bytes"], plain["optimizer_state_bytes"])
+
+
+def test_dp2_sharded_equals_unsharded(tmp_path):
+    sharded, plain = _pair(tmp_path, 2, [*ARGS, "-m", "2", "--dp", "2", "--schedule", "1f1b"], "dp2")
+    assert sharded["config"]["shard_optimizer"] is True
+    assert_same_run(sharded, plain, rtol=1e-6)
+    _check_memory(sharded, plain, 2)
+
+
+def test_pp2_dp2_zero_bubble_sharded_equals_unsharded(tmp_path):
+    sharded, plain = _pair(tmp_path, 4, [*ARGS, "-m", "3", "--pp", "2", "--dp", "2", "--schedule", "zb-h1"],
+                           "pp2dp2")
+    assert_same_run(sharded, plain, rtol=1e-6)
+    assert {k.split("/")[0] for k in sharded["layer_checksums"]} == {"r0", "r1"}
+    _check_memory(sharded, plain, 2)
+
+
+def test_dp1_is_a_notice_and_no_op(tmp_path):
+    args = [*ARGS, "-m", "2", "--iters", "2"]
+    proc, sharded = run_job([sys.executable], [*args, "--shard-optimizer"], tmp_path, "one")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--shard-optimizer: dp=1" in proc.stdout + proc.stderr
+    proc, plain = run_job([sys.executable], args, tmp_path, "one-plain")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sharded["losses"] == plain["losses"] and sharded["layer_checksums"] == plain["layer_checksums"]
+    assert sharded["optimizer_state_bytes"] == plain["optimizer_state_bytes"]
