@@ -33,5 +33,5 @@ fi
 python -m pip install -q -e '.[test]'
 preflight
 ruff check distributed kernels launch bench peerline tests
-python -m pytest -q -p no:cacheprovider tests/unit tests/multiproc tests/gpu tests/reliability
+python -m pytest -q -p no:cacheprovider --durations=15 tests/unit tests/multiproc tests/gpu tests/reliability
 "${MPIRUN[@]}" python -m pytest --with-mpi -q -p no:cacheprovider tests/integration

@@ -265,15 +265,20 @@ def _name_gone(gone: list[int], after: Table, me: int, name: Callable[[int], str
                host: Callable[[int], str | None]) -> str:
     """'rank 2 (...) and rank 3 (...) stopped responding ...', led by the node when every rank of a node other
     than this rank's is among them."""
-    seen = [f"{name(r)} (last seen in iteration {after[r].iteration}, {_state(after[r])})" if after[r] else
-            f"{name(r)} (never published its progress)" for r in gone]
+    def seen(ranks: list[int]) -> list[str]:
+        return [f"{name(r)} (last seen in iteration {after[r].iteration}, {_state(after[r])})" if after[r] else
+                f"{name(r)} (never published its progress)" for r in ranks]
+
     hosts = {r: host(r) for r in after}
     lost = sorted({hosts[r] for r in gone if hosts[r] and hosts[r] != hosts.get(me)
                    and all(x in gone for x in after if hosts[x] == hosts[r])})
     if lost:
-        return (f"{_join(lost)} lost: {_join(seen)}, every rank on it, stopped responding: the node, its network "
-                "or its processes stopped")
-    return f"{_join(seen)} stopped responding: its process died or froze"
+        return (f"{_join(lost)} lost: {_join(seen(gone))}, every rank on it, stopped responding: the node, its "
+                "network or its processes stopped")
+    # A rank that was only waiting for ranks that are gone too stopped because of them (the launcher ends the
+    # others once one rank fails): name the ranks that were not.
+    roots = [r for r in gone if not (after[r] and after[r].waiting_on and set(after[r].waiting_on) <= set(gone))]
+    return f"{_join(seen(roots or gone))} stopped responding: its process died or froze"
 
 
 def name_unreachable(after: Table, seen: dict[int, tuple[int, float]], me: int, now: float, silent_s: float,

@@ -122,11 +122,12 @@ def test_skip_nonfinite_skips_the_step_on_every_rank(tmp_path, runs):
 
 
 def test_mismatched_resume_is_one_line_exit_2(runs, tmp_path):
-    """Another grid (one process instead of pp=2; every other field is covered by tests/unit/test_checkpoint.py,
-    every-rank agreement by the unwritable-directory test)."""
-    (one,) = spawn(1, ["--iters", "6", "--resume", str(runs / "ck")], tmp_path)
+    """Another model shape (--hidden 48 where the checkpoint has 32), resumed on another grid (one process instead
+    of pp=2, which alone would reshard: tests/multiproc/test_checkpoint_reshard.py); every other field is covered by
+    tests/unit/test_checkpoint.py, every-rank agreement by the unwritable-directory test."""
+    (one,) = spawn(1, ["--iters", "6", "--hidden", "48", "--resume", str(runs / "ck")], tmp_path)
     assert one.rc == 2 and len(one.errors()) == 1 and "Traceback" not in one.err, one.err
-    assert "does not match this run: grid.pp is 2 in the checkpoint, 1 in this run" in one.errors()[0]
+    assert "does not match this run" in one.errors()[0] and "48" in one.errors()[0], one.errors()
 
 
 def test_unwritable_save_dir_is_one_line_exit_2(tmp_path):
@@ -201,14 +202,16 @@ def test_dp2_names_the_rank_that_stopped_not_a_replica(tmp_path, fault):
 
 
 def test_a_long_iteration_of_quick_handoffs_is_not_a_hang(tmp_path):
-    """The deadline is on progress: with M=600 an iteration takes longer than --timeout-s 2, but every handoff is
-    quick, so the run finishes with the losses of a single-process run."""
-    args = ["-m", "600", "--micro-batch-size", "1", "--iters", "1"]
-    ranks = spawn(2, [*args, "--timeout-s", "2", "--json", "long.json"], tmp_path, limit_s=STARTUP_S + 120)
+    """The deadline is on progress: stage 0 sleeps 10 ms per microbatch, so with M=300 an iteration takes over 3 s,
+    longer than --timeout-s 2, but a handoff completes every few milliseconds; the run finishes with the losses of
+    a single-process run."""
+    env = cpu_env(PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    args = [*MODEL, "--model", "failures_models:slow_steps", "-m", "300", "--micro-batch-size", "1", "--iters", "1"]
+    ranks = _spawn(2, [*args, "--timeout-s", "2", "--json", "long.json"], tmp_path, env, limit_s=STARTUP_S + 120)
     assert all(r.rc == 0 for r in ranks), ranks[0].err + ranks[1].err
     got = json.loads((tmp_path / "long.json").read_text())
-    assert got["ms_per_iter"][0] > 2000, f"the iteration took {got['ms_per_iter'][0]:.0f} ms: raise M"
-    (one,) = spawn(1, [*args, "--json", "one.json"], tmp_path, limit_s=STARTUP_S + 120)
+    assert got["ms_per_iter"][0] > 3000, f"the iteration took {got['ms_per_iter'][0]:.0f} ms"
+    (one,) = _spawn(1, [*args, "--json", "one.json"], tmp_path, env, limit_s=STARTUP_S + 120)
     assert one.rc == 0, one.err
     assert losses(tmp_path / "long.json") == pytest.approx(losses(tmp_path / "one.json"), rel=1e-5)
 

@@ -28,6 +28,15 @@ def test_a_rank_whose_beat_stopped_is_named_first():
     assert got.startswith("rank 1 (stage 1) (last seen in iteration 3, in no wait) stopped responding"), got
 
 
+def test_a_rank_gone_while_waiting_only_for_a_gone_rank_is_not_named():
+    """pp=2 x dp=2, rank 1 killed: the launcher then ends rank 3, which was waiting for rank 1 alone in the
+    gradient all-reduce; both beats stopped, only rank 1 is named (it waited for rank 0, which is alive)."""
+    before = {0: beat(1, (1,)), 1: beat(4, (0, 3)), 2: beat(1, (3,)), 3: beat(6, (1,))}
+    after = {0: beat(2, (1,)), 1: beat(4, (0, 3)), 2: beat(2, (3,)), 3: beat(6, (1,))}
+    got = name_stopped(before, after, 0, 5.0, name)
+    assert got.startswith("rank 1 (stage 1) (last seen in iteration 3") and "rank 3" not in got, got
+
+
 def test_a_live_rank_in_no_wait_that_made_no_progress_is_named_not_the_replica_waited_for():
     """pp=2 x dp=2: rank 3 waits for rank 1 in the all-reduce, rank 2 for rank 3; rank 1 hangs outside any wait."""
     before = {0: beat(1, (1,), 6), 1: beat(1, None, 7), 2: beat(1, (3,), 6), 3: beat(1, (1,), 6)}
