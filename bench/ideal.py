@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from peerline.choices import SCHEDULES
 from peerline.distributed.observe.timeline import Span
 from peerline.distributed.observe.timeline_check import compute_kind, default_placement, local_stage
-from peerline.distributed.pipeline.timed import dependency
 
 
 def _check(microbatches: int, fwd_ms: list[float], bwd_ms: list[float]) -> None:
@@ -87,24 +86,12 @@ def _placed_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: li
     n = len(fwd_ms)
     orders = rank_orders(schedule, n, microbatches, per_rank)
     split = schedule == "zbv"
-    done: dict[tuple[str, int, int], float] = {}
-    pos, free = [0] * len(orders), [0.0] * len(orders)
-    while any(p < len(o) for p, o in zip(pos, orders)):
-        moved = False
-        for r, order in enumerate(orders):
-            while pos[r] < len(order):
-                op, s, mb = order[pos[r]]
-                dep = dependency(op, s, mb, n)
-                if dep is not None and dep not in done:
-                    break
-                start = max(free[r], done[dep] if dep is not None else 0.0)
-                free[r] = start + (fwd_ms[s] if op == "F" else bwd_ms[s] * (0.5 if split else 1.0))
-                done[(op, s, mb)] = free[r]
-                pos[r] += 1
-                moved = True
-        if not moved:
-            raise RuntimeError(f"schedule {schedule} deadlocks in simulation (a bug in rank_orders)")
-    return max(free)
+
+    def duration(op: str, s: int) -> float:
+        return fwd_ms[s] if op == "F" else bwd_ms[s] * (0.5 if split else 1.0)
+
+    from peerline.distributed.pipeline.rank_schedule import compute_times
+    return max(end for _, end in compute_times(orders, n, duration).values())
 
 
 def schedule_bubble(schedule: str, microbatches: int, pp: int, per_rank: int = 1) -> float:

@@ -17,6 +17,8 @@ stream wait) and cost nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from peerline.distributed.pipeline.placement import LOOP, V_SHAPE, Placement
 from peerline.distributed.pipeline.schedule import Action, ScheduleError, Step
 from peerline.distributed.pipeline.timed import dependency, is_ready
@@ -93,12 +95,16 @@ def zbv_orders(placement: Placement, m: int) -> list[list[Compute]]:
     return orders
 
 
-def compute_times(orders: list[list[Compute]], n_stages: int) -> dict[Compute, tuple[int, int]]:
-    """(start, end) of every compute when each rank runs its order as soon as the inputs exist, in unit time (F,
-    B and W one unit each; an unsplit B two)."""
+def compute_times(orders: list[list[Compute]], n_stages: int,
+                  duration: Callable[[str, int], float] | None = None) -> dict[Compute, tuple[float, float]]:
+    """(start, end) of every compute when each rank runs its order as soon as the inputs exist; `duration(op,
+    stage)` gives each compute's time (default unit time: F, B and W one unit each, an unsplit B two)."""
     split = any(op == "W" for order in orders for op, _, _ in order)
-    times: dict[Compute, tuple[int, int]] = {}
-    pcs, free = [0] * len(orders), [0] * len(orders)
+    if duration is None:
+        def duration(op: str, _s: int) -> float:
+            return 2 if op == "B" and not split else 1
+    times: dict[Compute, tuple[float, float]] = {}
+    pcs, free = [0] * len(orders), [0.0] * len(orders)
     while any(pc < len(o) for pc, o in zip(pcs, orders)):
         moved = False
         for r, order in enumerate(orders):
@@ -108,7 +114,7 @@ def compute_times(orders: list[list[Compute]], n_stages: int) -> dict[Compute, t
                 if dep is not None and dep not in times:
                     break
                 start = max(free[r], times[dep][1] if dep is not None else 0)
-                free[r] = start + (2 if op == "B" and not split else 1)
+                free[r] = start + duration(op, s)
                 times[(op, s, mb)] = (start, free[r])
                 pcs[r] += 1
                 moved = True
