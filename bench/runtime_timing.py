@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -16,8 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from peerline.bench.benchkit import Timing, time_blocks
+from peerline.bench.benchkit import BenchContext, Timing, time_blocks
 from peerline.bench.ideal import IdealReport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,6 +67,23 @@ def free_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def measure_or_note(ctx: BenchContext, suite: str, case: str, measure: Callable[[], Any], failures: list[str]) -> Any:
+    """One measurement on a freed device. A failure is logged and kept in `failures` for the end of the suite (the
+    other measurements still run); a string back (a reason not to measure) becomes a note. Either gives None."""
+    ctx.step(f"{suite} {case}")
+    free_device(ctx.device)
+    try:
+        got = measure()
+    except Exception as exc:  # noqa: BLE001 - the other measurements still run; the suite fails at the end
+        log.exception("%s %s failed", suite, case)
+        failures.append(f"{case}: {type(exc).__name__}: {exc}")
+        return None
+    if isinstance(got, str):
+        ctx.note(f"{suite} {case}: skipped: {got}")
+        return None
+    return got
 
 
 def peak_gb_per_rank(device: torch.device) -> list[float]:

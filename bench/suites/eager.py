@@ -38,7 +38,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from peerline.bench.benchkit import BenchContext, Record
-from peerline.bench.runtime_timing import BlockTimer, free_device, open_runtime, time_anchor, time_captured
+from peerline.bench.runtime_timing import (
+    BlockTimer,
+    free_device,
+    measure_or_note,
+    open_runtime,
+    time_anchor,
+    time_captured,
+)
 from peerline.bench.suites.pipeline import CONFIGS
 from peerline.bench.suites.torch_pipelining import PipeShape, TorchPipelineAnchor, build_stage_module, fill
 
@@ -130,17 +137,10 @@ def _pipeline_part(args: argparse.Namespace, ctx: BenchContext, configs: list[st
         shape = CONFIGS[key]
         results: dict[str, tuple[list[float], Any]] = {}
         for name in variants:
-            ctx.step(f"eager {shape.name} {name}")
-            free_device(ctx.device)
-            try:
-                got = (_torch_variant(name, shape, ctx, timer) if name in TORCH_VARIANTS
-                       else _peerline_variant(name, shape, ctx, timer))
-            except Exception as exc:  # noqa: BLE001 - recorded as a failure; the suite fails at the end
-                log.exception("eager %s %s failed", shape.name, name)
-                failures.append(f"{shape.name} {name}: {type(exc).__name__}: {exc}")
-                continue
-            if isinstance(got, str):
-                ctx.note(f"eager {shape.name} {name}: skipped: {got}")
+            got = measure_or_note(ctx, "eager", f"{shape.name} {name}", lambda name=name, shape=shape: (
+                _torch_variant(name, shape, ctx, timer) if name in TORCH_VARIANTS
+                else _peerline_variant(name, shape, ctx, timer)), failures)
+            if got is None:
                 continue
             results[name] = got
             ctx.note(f"eager {shape.name} pp={world} {name}: {got[1].median_ms:.2f} ms/iter (spread "

@@ -18,7 +18,7 @@ from peerline.bench.benchkit import BenchContext
 from peerline.bench.runtime_timing import (
     BlockTimer,
     Measured,
-    free_device,
+    measure_or_note,
     open_runtime,
     peak_gb_per_rank,
     time_anchor,
@@ -118,20 +118,8 @@ class GPTBench:
                 self.report.recompute(got, off)
 
     def _measure(self, label: str, measure: Callable[[], Measured | str], failures: list[str]) -> Measured | None:
-        """One measurement on a freed device: a failure is logged and kept for the end of the suite (the other
-        measurements still run), a reason not to measure becomes a note; either gives None."""
-        self.ctx.step(f"{self.shape.name} {label}")
-        free_device(self.device)
-        try:
-            got = measure()
-        except Exception as exc:  # noqa: BLE001 - the other measurements still run; the suite fails at the end
-            log.exception("gpt %s %s failed", self.shape.name, label)
-            failures.append(f"{self.shape.name} {label}: {type(exc).__name__}: {exc}")
-            return None
-        if isinstance(got, str):
-            self.ctx.note(f"gpt {self.shape.name} {label}: skipped: {got}")
-            return None
-        return got
+        """One measurement of this shape (runtime_timing.measure_or_note)."""
+        return measure_or_note(self.ctx, "gpt", f"{self.shape.name} {label}", measure, failures)
 
 
 def _most_stage_layers(rt, device: torch.device) -> int:

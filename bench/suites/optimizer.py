@@ -28,7 +28,15 @@ import torch
 import torch.distributed as dist
 
 from peerline.bench.benchkit import BenchContext, Record
-from peerline.bench.runtime_timing import BlockTimer, free_device, open_runtime, peak_gb, time_anchor, time_captured
+from peerline.bench.runtime_timing import (
+    BlockTimer,
+    free_device,
+    measure_or_note,
+    open_runtime,
+    peak_gb,
+    time_anchor,
+    time_captured,
+)
 from peerline.bench.suites.torch_pipelining import PipeShape, TorchPipelineAnchor
 
 log = logging.getLogger(__name__)
@@ -176,16 +184,9 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
         bench = OptimizerBench(args, ctx, CONFIGS[name], dp, groups)
         results: dict[str, dict[str, Any]] = {}
         for variant in VARIANTS:
-            ctx.step(f"optimizer {name} {variant}")
-            free_device(ctx.device)
-            try:
-                got = bench.zero_anchor() if variant == "zero" else bench.peerline(sharded=variant == "sharded")
-            except Exception as exc:  # noqa: BLE001 - the other variants still run; the suite fails at the end
-                log.exception("optimizer %s %s failed", name, variant)
-                failures.append(f"{name} {variant}: {type(exc).__name__}: {exc}")
-                continue
-            if isinstance(got, str):
-                ctx.note(f"optimizer {name} {variant}: skipped: {got}")
+            got = measure_or_note(ctx, "optimizer", f"{name} {variant}", lambda variant=variant, bench=bench: (
+                bench.zero_anchor() if variant == "zero" else bench.peerline(sharded=variant == "sharded")), failures)
+            if got is None:
                 continue
             results[variant] = got
             if ctx.is_writer:
