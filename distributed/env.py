@@ -184,11 +184,18 @@ def attempt_store(info: LaunchInfo, timeout: datetime.timedelta) -> dist.Store:
 
     torchrun shares its own store with the workers (with --master_port, --rdzv-endpoint and --standalone alike) and
     keeps it across `--max-restarts` attempts: without the prefix, a restarted attempt reads the dead attempt's
-    gloo / NCCL addresses and fails in `connectFullMesh ... Connection refused`."""
+    gloo / NCCL addresses and fails in `connectFullMesh ... Connection refused`. A store that rank 0 hosts
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, plain launchers) is new in every attempt and takes no attempt prefix:
+    agents restarted for a failure and for a membership change count their restarts differently, so their ranks
+    would otherwise meet under different prefixes and wait for each other in vain."""
+    from torch.distributed.rendezvous import _torchelastic_use_agent_store
+
     store = _open_store(info, timeout)
     store.set_timeout(timeout)
-    attempt = overrides.get("TORCHELASTIC_RESTART_COUNT") or "0"
-    prefixed = dist.PrefixStore(f"peerline/attempt{attempt}", store)
+    prefix = "peerline"
+    if _torchelastic_use_agent_store():
+        prefix += f"/attempt{overrides.get('TORCHELASTIC_RESTART_COUNT') or '0'}"
+    prefixed = dist.PrefixStore(prefix, store)
     await_ranks(prefixed, info, timeout.total_seconds())
     return prefixed
 

@@ -44,9 +44,16 @@ import numpy as np
 import torch
 
 from peerline.distributed.config import ConfigError
-from peerline.distributed.resilience import dcp_io
 from peerline.distributed.resilience.checkpoint_names import MODEL
 from peerline.files import atomic_write
+
+
+def _dcp() -> Any:
+    """resilience/dcp_io.py, imported on first use: torch.distributed.checkpoint takes seconds to import, which
+    every rank would otherwise pay at start-up, checkpointing or not."""
+    from peerline.distributed.resilience import dcp_io
+
+    return dcp_io
 
 log = logging.getLogger(__name__)
 
@@ -178,15 +185,15 @@ def save_checkpoint(root: str | os.PathLike, rank: int, iteration: int, state: M
             shutil.rmtree(tmp, ignore_errors=True)  # an interrupted save of the same iteration
             tmp.mkdir(parents=True)
         gather(None)  # nobody writes before rank 0 has cleared the folder (not `barrier`: that one is timed)
-        dcp_io.save({k: v.detach() for k, v in state.items()}, tmp)
+        _dcp().save({k: v.detach() for k, v in state.items()}, tmp)
         digests = {p.name: _sha256(p) for p in sorted(tmp.glob(f"__{rank}_*"))}
-    except (OSError, RuntimeError, ValueError, dcp_io.CheckpointException) as exc:
+    except (OSError, RuntimeError, ValueError, _dcp().CheckpointException) as exc:
         raise write_error(final, iteration, exc) from None
     everyone = gather(digests)
     if rank == 0:
         try:
             files = {name: digest for part in everyone for name, digest in part.items()}
-            files[dcp_io.METADATA] = _sha256(tmp / dcp_io.METADATA)
+            files[_dcp().METADATA] = _sha256(tmp / _dcp().METADATA)
             text = json.dumps({"format": FORMAT, "iteration": iteration, **manifest, "files": files}, indent=2,
                               sort_keys=True, default=str)
             atomic_write(tmp / MANIFEST, lambda f: f.write(text.encode()))
@@ -311,7 +318,7 @@ def verify_files(root: str | os.PathLike, iteration: int, rank: int = 0, world: 
         if p.name != MANIFEST and p.is_file() and p.name not in files:
             raise CheckpointError(f"checkpoint file {p} has no checksum in the manifest")
     names = sorted(files)
-    mine = [n for i, n in enumerate(names) if i % world == rank or n == dcp_io.METADATA]
+    mine = [n for i, n in enumerate(names) if i % world == rank or n == _dcp().METADATA]
     for name in mine:
         path = folder / name
         if not path.is_file():
@@ -324,9 +331,9 @@ def verify_files(root: str | os.PathLike, iteration: int, rank: int = 0, world: 
 def stored_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     """Every tensor of a checkpoint folder with its shape, from DCP's metadata (restricted unpickler)."""
     try:
-        return dcp_io.tensor_shapes(dcp_io.read_metadata(folder))
+        return _dcp().tensor_shapes(_dcp().read_metadata(folder))
     except Exception as exc:  # noqa: BLE001 - any failure of the unpickler means the same thing to the user
-        raise CheckpointError(f"checkpoint metadata {folder / dcp_io.METADATA} is unreadable: "
+        raise CheckpointError(f"checkpoint metadata {folder / _dcp().METADATA} is unreadable: "
                               f"{type(exc).__name__}: {_oneline(exc)}") from None
 
 
@@ -367,8 +374,8 @@ def load_checkpoint(root: str | os.PathLike, expected_manifest: Mapping[str, Any
         why = problems[0] if problems else f"{extra[0]} is in the checkpoint, not in this run's model"
         raise ForeignCheckpoint(f"checkpoint {folder} does not fit this model: {why}")
     try:
-        dcp_io.load(tensors, folder)
-    except (Exception, dcp_io.CheckpointException) as exc:  # noqa: BLE001 - any reader failure, one line
+        _dcp().load(tensors, folder)
+    except (Exception, _dcp().CheckpointException) as exc:  # noqa: BLE001 - any reader failure, one line
         raise CheckpointError(f"checkpoint {folder} cannot be read: {type(exc).__name__}: {_oneline(exc)}") from None
     return CheckpointState(iteration=iteration, tensors=tensors, manifest=manifest, folder=folder)
 
