@@ -227,10 +227,11 @@ class Runtime:
         `timeout_s` (the caller then exits hard rather than hang)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        # A captured graph holds references to the NCCL communicators it captured; ncclCommDestroy waits for them
-        # (pytorch/pytorch#115388), so the graph goes first.
-        self.graphs.release()
-        gc.collect()
+            # A captured graph holds references to the NCCL communicators it captured; ncclCommDestroy waits for
+            # them (pytorch/pytorch#115388), so the graphs go first, and their reference cycles with them (a full
+            # collection costs about a second of CPU over torch's heap: only where graphs exist).
+            self.graphs.release()
+            gc.collect()
         self.engine.transport.close()
         if not dist.is_initialized():
             return True

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import forkjob
+
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE = str(REPO / "launch" / "pipeline.py")
 TINY = ["--hidden", "32", "--layers", "4", "--seq", "8", "--micro-batch-size", "2", "--iters", "3"]
@@ -25,6 +27,22 @@ def torchrun_cmd(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
+def forkrun_cmd(nproc: int) -> list[str]:
+    """The job torchrun would start, its ranks forked from a process that imported torch and peerline once
+    (tests/forkjob.py): for tests whose subject is the job, not the launcher."""
+    return [sys.executable, str(REPO / "tests" / "forkjob.py"), f"--nproc_per_node={nproc}"]
+
+
+def run_command(cmd: list[str], cwd: str | os.PathLike, env: dict[str, str] | None = None,
+                timeout: float = 240) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True): the main job alone or under forkrun_cmd runs as a fork
+    of the test session's fork server (PEERLINE_TEST_FORKSERVER=0: as a real process), anything else as given."""
+    env = env or cpu_env()
+    if forkjob.split_command(cmd) and os.environ.get("PEERLINE_TEST_FORKSERVER", "1") != "0":
+        return forkjob.ForkServer.shared().run(cmd, cwd, env, timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+
+
 def mpirun_cmd(nproc: int) -> list[str]:
     return ["mpirun", "-n", str(nproc), "--oversubscribe", sys.executable]
 
@@ -32,8 +50,7 @@ def mpirun_cmd(nproc: int) -> list[str]:
 def run_job(launcher: list[str], args: list[str], tmp_path: Path, name: str, timeout: float = 240,
             env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, dict | None]:
     out = tmp_path / f"{name}.json"
-    proc = subprocess.run([*launcher, PIPELINE, *args, "--json", str(out)], capture_output=True, text=True,
-                          timeout=timeout, env=env or cpu_env(), cwd=tmp_path)
+    proc = run_command([*launcher, PIPELINE, *args, "--json", str(out)], tmp_path, env, timeout)
     result = json.loads(out.read_text()) if out.exists() else None
     return proc, result
 
@@ -79,8 +96,7 @@ def assert_same_run(result: dict, reference: dict, rtol: float = 1e-5) -> None:
 
 
 def uninterrupted_run(tmp: Path, args: list[str], nproc: int = 2) -> dict:
-    """The --json record of `args` run once under torchrun on the CPU, start to end (a resume test's reference)."""
-    p = subprocess.run([*torchrun_cmd(nproc), PIPELINE, *args, "--json", "ref.json"], cwd=tmp, env=cpu_env(),
-                       capture_output=True, text=True, timeout=180)
+    """The --json record of `args` run once on the CPU, start to end (a resume test's reference)."""
+    p = run_command([*forkrun_cmd(nproc), PIPELINE, *args, "--json", "ref.json"], tmp, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     return json.loads((tmp / "ref.json").read_text())

@@ -33,5 +33,8 @@ fi
 python -m pip install -q -e '.[test]'
 preflight
 ruff check distributed kernels launch bench peerline tests
-python -m pytest -q -p no:cacheprovider --durations=15 tests/unit tests/multiproc tests/gpu tests/reliability
+# Two workers (PEERLINE_TEST_WORKERS): a multi-process test spends most of its time waiting on its ranks. The
+# reliability suite goes first, so its two minutes overlap the rest.
+python -m pytest -q -p no:cacheprovider -n "${PEERLINE_TEST_WORKERS:-2}" --durations=15 \
+    tests/reliability tests/unit tests/multiproc tests/gpu
 "${MPIRUN[@]}" python -m pytest --with-mpi -q -p no:cacheprovider tests/integration

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, assert_same_run, cpu_env, run_job, torchrun_cmd
+from tests.helpers import REPO, assert_same_run, cpu_env, forkrun_cmd, run_job, torchrun_cmd
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -35,7 +35,7 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("pp,schedule", [(2, "gpipe"), (2, "1f1b"), (4, "1f1b")])
 def test_pipeline_of_structures_equals_single_process(tmp_path, reference, pp, schedule):
-    proc, res = run_job(torchrun_cmd(pp), [*ARGS, "--pp", str(pp), "--schedule", schedule], tmp_path, "pp",
+    proc, res = run_job(forkrun_cmd(pp), [*ARGS, "--pp", str(pp), "--schedule", schedule], tmp_path, "pp",
                         env=env())
     assert proc.returncode == 0, proc.stderr
     assert res["world_size"] == pp and res["transport"] == "gloo"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import TINY, run_job, torchrun_cmd
+from tests.helpers import TINY, forkrun_cmd, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -19,7 +19,7 @@ def test_buckets_equal_per_parameter_sync_bitwise_pp2_dp2(tmp_path) -> None:
     pp, dp, world = "2", "2", 4
     runs = {}
     for sync in ("buckets", "per-param"):
-        proc, res = run_job(torchrun_cmd(world), [*TINY, *ODD, "--pp", pp, "--dp", dp, "--grad-sync", sync],
+        proc, res = run_job(forkrun_cmd(world), [*TINY, *ODD, "--pp", pp, "--dp", dp, "--grad-sync", sync],
                             tmp_path, f"{sync}-{pp}x{dp}")
         assert proc.returncode == 0 and res is not None, proc.stdout + proc.stderr[-3000:]
         runs[sync] = res

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PIPELINE, cpu_env, torchrun_cmd, uninterrupted_run, worst_difference
+from tests.helpers import PIPELINE, cpu_env, forkrun_cmd, run_command, uninterrupted_run, worst_difference
 
 pytestmark = [pytest.mark.timeout(400)]
 
@@ -25,9 +25,8 @@ GRIDS = {"pp2": (2, ["-m", "2"]), "pp1": (1, ["-m", "2"]), "dp2": (2, ["--dp", "
 
 def _run(grid: str, args: list[str], cwd: Path, name: str) -> tuple[str, dict]:
     nproc, flags = GRIDS[grid]
-    launcher = torchrun_cmd(nproc) if nproc > 1 else [sys.executable]
-    p = subprocess.run([*launcher, PIPELINE, *MODEL, *flags, *args, "--json", f"{name}.json"], cwd=cwd,
-                       env=cpu_env(), capture_output=True, text=True, timeout=180)
+    launcher = forkrun_cmd(nproc) if nproc > 1 else [sys.executable]
+    p = run_command([*launcher, PIPELINE, *MODEL, *flags, *args, "--json", f"{name}.json"], cwd, timeout=180)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout, json.loads((cwd / f"{name}.json").read_text())
 

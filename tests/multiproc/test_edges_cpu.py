@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers import TINY, assert_same_run, cpu_env, run_job, torchrun_cmd
+from tests.helpers import TINY, assert_same_run, cpu_env, forkrun_cmd, run_job
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,7 +26,7 @@ def test_two_hosts_pick_the_collective_edge(tmp_path):
     assert proc.returncode == 0, proc.stderr
     runs = {}
     for hosts in ("hostA,hostB", "hostA,hostA"):
-        proc, res = run_job(torchrun_cmd(2), [*TINY, "-m", "4", "--pp", "2"], tmp_path, hosts.replace(",", "_"),
+        proc, res = run_job(forkrun_cmd(2), [*TINY, "-m", "4", "--pp", "2"], tmp_path, hosts.replace(",", "_"),
                             env=cpu_env(PEERLINE_HOST_ID=hosts))
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert res["transport"] == "gloo"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_same_run, cpu_env, run_job, torchrun_cmd
+from tests.helpers import assert_same_run, cpu_env, forkrun_cmd, run_job
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -58,24 +58,24 @@ def reference(text, tmp_path_factory) -> dict[str, dict]:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_gpt_pp2_equals_single_process(text, reference, tmp_path, schedule):
-    res = run_ok(torchrun_cmd(2), gpt_args(text, 4, "--pp", "2", "--schedule", schedule), tmp_path, "pp2")
+    res = run_ok(forkrun_cmd(2), gpt_args(text, 4, "--pp", "2", "--schedule", schedule), tmp_path, "pp2")
     assert_same_run(res, reference["m4"])
     assert res["losses"][-1] < res["losses"][0] and res["ppl"][0] == pytest.approx(math.exp(res["losses"][0]))
 
 
 def test_gpt_dp2_equals_single_process(text, reference, tmp_path):
-    res = run_ok(torchrun_cmd(2), gpt_args(text, 4, "--pp", "1", "--dp", "2"), tmp_path, "dp2")
+    res = run_ok(forkrun_cmd(2), gpt_args(text, 4, "--pp", "1", "--dp", "2"), tmp_path, "dp2")
     assert_same_run(res, reference["m8"])
     assert {k.split("/")[0] for k in res["layer_checksums"]} == {"r0", "r1"}
 
 
 def test_gpt_pp2_dp2_equals_single_process(text, reference, tmp_path):
-    res = run_ok(torchrun_cmd(4), gpt_args(text, 4, "--pp", "2", "--dp", "2", "--tie-embeddings"), tmp_path, "g4")
+    res = run_ok(forkrun_cmd(4), gpt_args(text, 4, "--pp", "2", "--dp", "2", "--tie-embeddings"), tmp_path, "g4")
     assert_same_run(res, run_ok([sys.executable], gpt_args(text, 8, "--tie-embeddings"), tmp_path, "tied8"))
 
 
 def test_tied_embeddings_pp2_equal_pp1(text, reference, tmp_path):
-    res = run_ok(torchrun_cmd(2), gpt_args(text, 4, "--pp", "2", "--tie-embeddings"), tmp_path, "tied2")
+    res = run_ok(forkrun_cmd(2), gpt_args(text, 4, "--pp", "2", "--tie-embeddings"), tmp_path, "tied2")
     assert_same_run(res, reference["tied"])
     # Tying changes the run: the head starts as the embedding and both take the summed gradient.
     assert res["layer_checksums"]["r0/0"] != reference["m4"]["layer_checksums"]["r0/0"]
@@ -84,7 +84,7 @@ def test_tied_embeddings_pp2_equal_pp1(text, reference, tmp_path):
 def test_recompute_equals_without(text, reference, tmp_path):
     full = run_ok([sys.executable], gpt_args(text, 4, "--recompute", "full"), tmp_path, "full")
     assert_same_run(full, reference["m4"])
-    first = run_ok(torchrun_cmd(2), gpt_args(text, 4, "--pp", "2", "--recompute", "1"), tmp_path, "first1")
+    first = run_ok(forkrun_cmd(2), gpt_args(text, 4, "--pp", "2", "--recompute", "1"), tmp_path, "first1")
     assert_same_run(first, reference["m4"])
 
 
@@ -92,7 +92,7 @@ def test_recompute_equals_without(text, reference, tmp_path):
 def test_user_embedding_model_on_text_pp2_equals_pp1(text, tmp_path, factory):
     args = [*gpt_args(text, 4)[2:], "--model", f"lm_models:{factory}"]
     one = run_ok([sys.executable], args, tmp_path, "one")
-    two = run_ok(torchrun_cmd(2), [*args, "--pp", "2"], tmp_path, "two")
+    two = run_ok(forkrun_cmd(2), [*args, "--pp", "2"], tmp_path, "two")
     assert_same_run(two, one)
     assert one["config"]["loss"] == "cross-entropy" and one["tflops"] == [None] * 3
 

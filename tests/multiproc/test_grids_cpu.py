@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import assert_same_run, run_job, torchrun_cmd
+from tests.helpers import assert_same_run, forkrun_cmd, run_job, torchrun_cmd
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -21,7 +21,7 @@ GRID_ARGS = ["--hidden", "16", "--layers", "8", "--seq", "4", "--micro-batch-siz
 def test_grid_equals_single_process(tmp_path, nproc, pp, dp, m):
     proc, ref = run_job([sys.executable], [*GRID_ARGS, "-m", str(m * dp)], tmp_path, "ref")
     assert proc.returncode == 0, proc.stderr
-    proc, res = run_job(torchrun_cmd(nproc), [*GRID_ARGS, "-m", str(m), "--pp", str(pp), "--dp", str(dp),
+    proc, res = run_job(forkrun_cmd(nproc), [*GRID_ARGS, "-m", str(m), "--pp", str(pp), "--dp", str(dp),
                                                "--graph"], tmp_path, f"grid{pp}x{dp}", timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert res["world_size"] == nproc
@@ -35,7 +35,7 @@ def test_zero_bubble_grid_equals_single_process(tmp_path, nproc, pp, dp, m):
     args = [a if a != "1f1b" else "zb-h1" for a in GRID_ARGS]
     proc, ref = run_job([sys.executable], [*args, "-m", str(m * dp)], tmp_path, "ref")
     assert proc.returncode == 0, proc.stderr
-    proc, res = run_job(torchrun_cmd(nproc), [*args, "-m", str(m), "--pp", str(pp), "--dp", str(dp)], tmp_path,
+    proc, res = run_job(forkrun_cmd(nproc), [*args, "-m", str(m), "--pp", str(pp), "--dp", str(dp)], tmp_path,
                         f"zb{pp}x{dp}", timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(res, ref)
@@ -50,7 +50,7 @@ def test_placed_schedules_equal_single_process(tmp_path, schedule, nproc, pp, dp
     args = [a if a != "1f1b" else schedule for a in GRID_ARGS]
     proc, ref = run_job([sys.executable], [*GRID_ARGS, "-m", str(m * dp)], tmp_path, "ref")
     assert proc.returncode == 0, proc.stderr
-    proc, res = run_job(torchrun_cmd(nproc), [*args, "-m", str(m), "--pp", str(pp), "--dp", str(dp), "--stages",
+    proc, res = run_job(forkrun_cmd(nproc), [*args, "-m", str(m), "--pp", str(pp), "--dp", str(dp), "--stages",
                                                "2"], tmp_path, f"{schedule}{pp}x{dp}", timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(res, ref)

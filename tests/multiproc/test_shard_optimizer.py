@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.helpers import assert_same_run, run_job, torchrun_cmd
+from tests.helpers import assert_same_run, forkrun_cmd, run_job
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -17,7 +17,7 @@ ARGS = ["--hidden", "16", "--layers", "4", "--seq", "4", "--micro-batch-size", "
 def _pair(tmp_path, nproc: int, args: list[str], name: str) -> tuple[dict, dict]:
     runs = {}
     for kind, extra in (("plain", []), ("sharded", ["--shard-optimizer"])):
-        proc, res = run_job(torchrun_cmd(nproc), [*args, *extra], tmp_path, f"{name}-{kind}", timeout=240)
+        proc, res = run_job(forkrun_cmd(nproc), [*args, *extra], tmp_path, f"{name}-{kind}", timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[kind] = res
     return runs["sharded"], runs["plain"]

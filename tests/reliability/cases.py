@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.helpers import PIPELINE, cpu_env, mpirun_cmd, torchrun_cmd
+from tests.forkjob import split_command
+from tests.helpers import PIPELINE, cpu_env, forkrun_cmd, mpirun_cmd, run_command, torchrun_cmd
 
 OUTCOMES = ("clean", "traceback", "hang", "misnamed", "data lost")
 TINY = ["--hidden", "8", "--layers", "4", "--seq", "4", "--micro-batch-size", "2", "-m", "2", "--iters", "3",
@@ -117,17 +118,26 @@ def names_rank(rank: int) -> Callable[[Result], str]:
     return check
 
 
+#: The bad inputs also run under the real torchrun and mpirun: one of each way a bad input reaches the job (a flag's
+#: value, argparse, the environment, a fault spec, a model factory, a model's output). Every bad input runs as
+#: forked ranks (tests/forkjob.py: torchrun's variables, a fraction of the start-up cost).
+UNDER_EACH_LAUNCHER = ("lr nan", "unknown flag", "PEERLINE_LOG=BOGUS", "fault at a missing rank",
+                       "model raises on import", "tuple output")
+
+
 def launcher(kind: str, n: int) -> list[str]:
-    return torchrun_cmd(n) if kind == "torchrun" else mpirun_cmd(n)
+    return {"torchrun": torchrun_cmd, "mpirun": mpirun_cmd, "forked": forkrun_cmd}[kind](n)
 
 
 def all_cases(workdir: Path) -> list[Case]:
+    assert set(UNDER_EACH_LAUNCHER) <= {name for name, _, _ in BAD_INPUTS}, UNDER_EACH_LAUNCHER
     cases = []
     env_models = {"PYTHONPATH": f"{workdir}:{Path(__file__).resolve().parents[2]}"}
-    for kind in ("torchrun", "mpirun"):
+    for kind in ("forked", "torchrun", "mpirun"):
         for name, args, env in BAD_INPUTS:
-            cases.append(Case(f"{kind}: {name}", [*launcher(kind, 2), PIPELINE, *TINY, *args],
-                              cpu_env(**env_models, **env), STARTUP_S, one_clean_line))
+            if kind == "forked" or name in UNDER_EACH_LAUNCHER:
+                cases.append(Case(f"{kind}: {name}", [*launcher(kind, 2), PIPELINE, *TINY, *args],
+                                  cpu_env(**env_models, **env), STARTUP_S, one_clean_line))
     for grid, n, args in GRIDS:
         for name, fault, rank in FAULTS:
             limit = STARTUP_S + FAULT_TIMEOUT_S + 40
@@ -147,6 +157,13 @@ def run_case(case: Case, workdir: Path) -> tuple[str, Result]:
     """Run one case to its outcome; past its limit the job is killed and the outcome is a hang."""
     cwd = case.workdir or workdir
     t0 = time.monotonic()
+    if split_command(case.cmd):
+        try:
+            done = run_command(case.cmd, cwd, case.env, case.limit_s)
+        except subprocess.TimeoutExpired as exc:
+            return "hang", Result.of(None, f"{exc.stdout or ''}{exc.stderr or ''}", time.monotonic() - t0)
+        result = Result.of(done.returncode, done.stdout + done.stderr, time.monotonic() - t0)
+        return case.check(result), result
     p = subprocess.Popen(case.cmd, cwd=cwd, env=case.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, start_new_session=True)
     try:

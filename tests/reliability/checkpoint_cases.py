@@ -1,5 +1,5 @@
 """Checkpoint attacks for the reliability suite (loaded by tests/reliability/cases.py): `cases(workdir)` returns one
-`Case` per attack on a checkpoint folder of a 2-rank job (pp=2, torchrun).
+`Case` per attack on a checkpoint folder of a 2-rank job (pp=2, forked ranks: tests/forkjob.py).
 
 Built once here: an uninterrupted 6-iteration run (the reference) and a 4-iteration run saving at 2 and 4 (the
 base folder). Each case gets its own copy of the base, damages it, and runs the job again:
@@ -19,7 +19,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.helpers import PIPELINE, cpu_env, torchrun_cmd
+from tests.helpers import PIPELINE, cpu_env, forkrun_cmd, run_command
 from tests.reliability.cases import STARTUP_S, Case, Result, worker_traceback
 
 MODEL = ["--hidden", "8", "--layers", "4", "--seq", "4", "--micro-batch-size", "2", "-m", "2", "--device", "cpu",
@@ -103,19 +103,12 @@ ATTACKS: list[tuple[str, Callable[[Path], None], list[str], int | None, str]] = 
 ]
 
 
-def _job(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([*torchrun_cmd(2), PIPELINE, *MODEL, *args], cwd=cwd, env=cpu_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 def _prepare(root: Path) -> dict:
-    """The reference run and the base folder (both jobs at once); returns the reference record."""
+    """The reference run and the base folder; returns the reference record."""
     root.mkdir(parents=True, exist_ok=True)
-    jobs = [_job(["--iters", "6", "--json", "ref.json"], root), _job(["--iters", "4", "--save", "base",
-                                                                      "--save-every", "2"], root)]
-    for p in jobs:
-        out, _ = p.communicate(timeout=STARTUP_S + 120)
-        assert p.returncode == 0, out[-3000:]
+    for args in (["--iters", "6", "--json", "ref.json"], ["--iters", "4", "--save", "base", "--save-every", "2"]):
+        p = run_command([*forkrun_cmd(2), PIPELINE, *MODEL, *args], root, timeout=STARTUP_S + 120)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads((root / "ref.json").read_text())
 
 
@@ -154,7 +147,7 @@ def cases(workdir: Path) -> list[Case]:
         kept = _digests(here / "ck" / "iter_000002")  # what the run must leave as it is
         resume = [] if "--no-resume" in extra or "--resume" in extra else ["--resume", "ck"]
         args = [a for a in extra if a != "--no-resume"]
-        cmd = [*torchrun_cmd(2), PIPELINE, *MODEL, "--iters", "6", "--save", "ck", "--save-every", "2", *resume,
+        cmd = [*forkrun_cmd(2), PIPELINE, *MODEL, "--iters", "6", "--save", "ck", "--save-every", "2", *resume,
                *args, "--json", "out.json"]
         found.append(Case(f"checkpoint: {name}", cmd, cpu_env(), LIMIT_S, _check(here, start, needle, kept,
                                                                                     reference), workdir=here))

@@ -1,0 +1,231 @@
+"""CPU test jobs forked from a process that has imported torch and peerline once.
+
+A small CPU job spends most of its time importing: torch, torch._dynamo (torch.optim's first optimizer imports it)
+and peerline take about five seconds of CPU in every process, against well under a second of training. Here one
+process imports them and every job is a fork of it:
+
+    python tests/forkjob.py --nproc_per_node=N launch/pipeline.py [flags...]   one job, its N ranks forked
+    ForkServer.shared().run(cmd, cwd, env, timeout)                             a test's job, from a server that
+                                                                                imported once per test session
+
+A job of N ranks gets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT), so peerline sees the job torchrun would start; N=1 is `python launch/pipeline.py`. Tests whose
+subject is a launcher (torchrun's agent, mpirun, signals, restarts) start real processes instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PIPELINE = str(REPO / "launch" / "pipeline.py")
+GRACE_S = 30.0  # how long the other ranks may take to end on their own once one failed (their own deadlines)
+
+
+def import_once():
+    """Everything a job imports that is slow, imported here once; returns the main job's entry point."""
+    sys.path.insert(1, str(REPO))
+    import torch._dynamo  # noqa: F401 - torch.optim's first optimizer imports it (seconds)
+    import torch.distributed.checkpoint  # noqa: F401 - checkpoints import it on first use (a second)
+
+    from peerline.launch.pipeline import main
+    return main
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_code(exc: SystemExit) -> int:
+    return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+
+
+def _run_main(main, argv: list[str]) -> int:
+    try:
+        return main(argv) or 0
+    except SystemExit as exc:
+        return _exit_code(exc)
+
+
+def _rank(main, argv: list[str], rank: int, nproc: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = 1
+    try:
+        code = _run_main(main, argv)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _wait(pids: set[int]) -> int:
+    """Reap every rank; once one failed, stop the rest after GRACE_S. The first failure's exit code, else 0."""
+    first, failed_at = 0, None
+    while pids:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+                for p in pids:
+                    os.kill(p, signal.SIGKILL)
+            time.sleep(0.02)
+            continue
+        pids.discard(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and first == 0:
+            first, failed_at = (code if code > 0 else 128 - code), time.monotonic()
+    return first
+
+
+def run_job(main, argv: list[str], nproc: int) -> int:
+    """The job's exit code: `main(argv)` here (nproc 1) or in nproc forked ranks."""
+    if nproc == 1:
+        return _run_main(main, argv)
+    port = _free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = set()
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            _rank(main, argv, rank, nproc, port)
+        pids.add(pid)
+    return _wait(pids)
+
+
+def split_command(cmd: list[str]) -> tuple[int, list[str]] | None:
+    """(nproc, the main job's flags) of a command this module can run: `python launch/pipeline.py ...` or
+    `python tests/forkjob.py --nproc_per_node=N launch/pipeline.py ...`; None for any other command."""
+    if len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1] == PIPELINE:
+        return 1, cmd[2:]
+    if len(cmd) >= 4 and cmd[0] == sys.executable and cmd[1] == str(Path(__file__).resolve()) and cmd[3] == PIPELINE:
+        return int(cmd[2].split("=", 1)[1]), cmd[4:]
+    return None
+
+
+# ---- the server: one per test process, started on first use
+
+
+def _serve_one(conn: socket.socket, main) -> None:
+    """In a fork of the server: become the request's job (its folder, environment, output files) and answer
+    its exit code."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.setsid()  # its own process group: the client stops the whole job on its timeout
+    request = json.loads(conn.makefile().readline())
+    conn.sendall(f"{os.getpid()}\n".encode())
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.path[1:1] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.argv = [PIPELINE, *request["argv"]]
+    for fd, path in ((1, request["out"]), (2, request["err"])):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    code = 1
+    try:
+        code = run_job(main, request["argv"], request["nproc"])
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        conn.sendall(f"{code}\n".encode())
+        os._exit(0)
+
+
+def serve(path: str) -> None:
+    """Accept requests on the unix socket `path` and fork one job for each; ends when its parent does."""
+    main = import_once()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # jobs reap themselves
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(64)
+    print("ready", flush=True)
+    parent = os.getppid()
+    server.settimeout(1.0)
+    while os.getppid() == parent:
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            continue
+        if os.fork() == 0:
+            server.close()
+            _serve_one(conn, main)
+        conn.close()
+
+
+class ForkServer:
+    """The client: starts `python tests/forkjob.py --serve` once and runs jobs through it."""
+
+    _shared: ForkServer | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="peerline-forkjob-"))
+        self.path = str(self.folder / "socket")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", self.path], stdout=subprocess.PIPE,
+                                     text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the fork server did not start")
+
+    @classmethod
+    def shared(cls) -> ForkServer:
+        with cls._lock:
+            if cls._shared is None or cls._shared.proc.poll() is not None:
+                cls._shared = cls()
+            return cls._shared
+
+    def run(self, cmd: list[str], cwd: str | os.PathLike, env: dict[str, str],
+            timeout: float) -> subprocess.CompletedProcess:
+        """Like subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) for a command that
+        split_command accepts."""
+        nproc, argv = split_command(cmd)
+        out, err = (tempfile.mkstemp(dir=self.folder, suffix=s)[1] for s in (".out", ".err"))
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.connect(self.path)
+            request = {"argv": argv, "nproc": nproc, "cwd": str(cwd), "env": env, "out": out, "err": err}
+            conn.sendall((json.dumps(request) + "\n").encode())
+            reader = conn.makefile()
+            pid = int(reader.readline())
+            conn.settimeout(timeout)
+            try:
+                line = reader.readline()
+            except TimeoutError:
+                os.killpg(pid, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(cmd, timeout, self._read(out), self._read(err)) from None
+        code = int(line) if line.strip() else -signal.SIGKILL
+        return subprocess.CompletedProcess(cmd, code, self._read(out), self._read(err))
+
+    @staticmethod
+    def _read(path: str) -> str:
+        text = Path(path).read_text(errors="replace")
+        os.unlink(path)
+        return text
+
+
+def main() -> int:
+    args = sys.argv[1:]
+    if args[:1] == ["--serve"]:
+        serve(args[1])
+        return 0
+    nproc = 1
+    if args and args[0].startswith("--nproc"):
+        value = args.pop(0).split("=", 1)
+        nproc = int(value[1] if len(value) == 2 else args.pop(0))
+    script, argv = args[0], args[1:]
+    sys.argv = [script, *argv]
+    return run_job(import_once(), argv, nproc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
