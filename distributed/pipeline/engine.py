@@ -45,11 +45,19 @@ class GradSync(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
+#: What a transferred message is in the pipeline, whatever transport channel and id carry it: (kind ACT / GRAD,
+#: boundary b between stages b and b+1, microbatch).
+MessageLabel = tuple[str, int, int]
+
+
 class ExchangeObserver(Protocol):
     """Told of every exchange with another rank, on the host, around `Transport.exchange` (e.g. the watchdog's
-    view of which edge and microbatch this rank waits for). Both run on the exchanging stage's stream."""
+    view of which edge and microbatch this rank waits for). Both run on the exchanging stage's stream.
+    `send_labels` / `recv_labels` say what each send / receive carries (placed schedules route messages over
+    other channels and ids than their kind and microbatch)."""
 
-    def on_exchange(self, sends: list[tuple[str, int, torch.Tensor]], recvs: list[tuple[str, int]]) -> None: ...
+    def on_exchange(self, sends: list[tuple[str, int, torch.Tensor]], recvs: list[tuple[str, int]],
+                    send_labels: list[MessageLabel], recv_labels: list[MessageLabel]) -> None: ...
     def after_exchange(self, sends: list[tuple[str, int, torch.Tensor]], recvs: list[tuple[str, int]],
                        received: list[torch.Tensor]) -> None: ...
 
@@ -404,6 +412,8 @@ class Engine:
         sends: list[tuple[str, int, torch.Tensor]] = []
         recvs: list[tuple[str, int]] = []
         takers: list[tuple[LocalStage, str, int]] = []  # who takes each receive
+        send_labels: list[MessageLabel] = []
+        recv_labels: list[MessageLabel] = []
         for a in step:
             own = stage if a.stage < 0 else self.stages[a.stage]  # a rank's group may hold several stages' actions
             kind = ACT if a.op in ("SA", "RA") else GRAD
@@ -413,7 +423,8 @@ class Engine:
                 if a.op in ("RA", "RG"):
                     self._receive_local(own, self.stages[peer], kind, a.mb)
                 continue  # a local send is the producer's work already queued on its stream
-            channel, ident = self._route(kind, own.index if forward else own.index - 1, a.mb)
+            label = (kind, own.index if forward else own.index - 1, a.mb)
+            channel, ident = self._route(*label)
             if a.op == "SA":
                 sends.append((channel, ident, self._act_message(own, a.mb)))
             elif a.op == "SG":
@@ -421,12 +432,13 @@ class Engine:
             else:
                 recvs.append((channel, ident))
                 takers.append((own, kind, a.mb))
+            (recv_labels if a.op in ("RA", "RG") else send_labels).append(label)
         if not sends and not recvs:
             return
         observer = self.exchange_observer
         with self._span("p2p", step_str(step) if self.timeline.enabled else "", stage.stream):
             if observer is not None:
-                observer.on_exchange(sends, recvs)
+                observer.on_exchange(sends, recvs, send_labels, recv_labels)
             received = self.transport.exchange(sends, recvs)
             if observer is not None:
                 observer.after_exchange(sends, recvs, received)

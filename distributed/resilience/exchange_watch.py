@@ -25,17 +25,17 @@ from torch.distributed.rendezvous import _torchelastic_use_agent_store
 
 from peerline.distributed.p2p.base import ACT, Links
 from peerline.distributed.p2p.edges import host_of
+from peerline.distributed.pipeline.engine import MessageLabel
 from peerline.distributed.resilience.heartbeat import Heartbeat
-from peerline.distributed.resilience.watchdog import Watchdog, describe_edge
+from peerline.distributed.resilience.watchdog import Watchdog, describe_edge, stage_label
 
 
 class ExchangeWatch:
-    """See the module docstring. `first_stage` / `last_stage`: the global ids of this rank's local stages' ends."""
+    """See the module docstring."""
 
-    def __init__(self, links: Links | None, watchdog: Watchdog | None, first_stage: int, last_stage: int) -> None:
+    def __init__(self, links: Links | None, watchdog: Watchdog | None) -> None:
         self.links = links
         self.watchdog = watchdog
-        self.first_stage, self.last_stage = first_stage, last_stage
         self._arrived: dict[tuple[str, int], torch.cuda.Event] = {}  # one per (kind, mb), reused every iteration
         self._order: list[tuple[torch.cuda.Event, str]] = []  # this iteration's receives, in the order queued
         self._stale = False  # a new iteration began: the first receive it queues starts a new order
@@ -66,10 +66,14 @@ class ExchangeWatch:
             return sum(1 for event, _ in self._order if event.query())
 
     # -- the engine's exchange observer ------------------------------------------------------------------------
-    def on_exchange(self, sends: list[tuple[str, int, torch.Tensor]], recvs: list[tuple[str, int]]) -> None:
-        """Name what the exchange about to be posted waits for."""
-        self._receiving = [self._describe(kind, mb, False) for kind, mb in recvs]
-        parts = self._receiving + [self._describe(kind, mb, True) for kind, mb, _t in sends]
+    def on_exchange(self, sends: list[tuple[str, int, torch.Tensor]], recvs: list[tuple[str, int]],
+                    send_labels: list[MessageLabel], recv_labels: list[MessageLabel]) -> None:
+        """Name what the exchange about to be posted waits for: each message's kind, microbatch and stages from
+        its label, the peer rank from the channel that carries it."""
+        self._receiving = [self._describe(label, channel, False)
+                           for label, (channel, _id) in zip(recv_labels, recvs, strict=True)]
+        parts = self._receiving + [self._describe(label, channel, True)
+                                   for label, (channel, _id, _t) in zip(send_labels, sends, strict=True)]
         if parts and self.watchdog is not None:
             peers = {self.links.peer(kind, False) for kind, _ in recvs} | {self.links.peer(kind, True)
                                                                           for kind, _, _ in sends}
@@ -95,11 +99,12 @@ class ExchangeWatch:
             event.record(stream)
             self._order.append((event, desc))
 
-    def _describe(self, kind: str, mb: int, sending: bool) -> str:
-        # act arrives at the first local stage from the one before; grad at the last local stage from the next.
-        here = self.first_stage if (kind == ACT) != sending else self.last_stage
-        there = here - 1 if (kind == ACT) != sending else here + 1
-        peer = self.links.peer(kind, sending) if self.links is not None else "?"
+    def _describe(self, label: MessageLabel, channel: str, sending: bool) -> str:
+        # Over boundary b an activation goes from stage b to b+1, a gradient from b+1 to b.
+        kind, boundary, mb = label
+        src, dst = (boundary, boundary + 1) if kind == ACT else (boundary + 1, boundary)
+        here, there = (src, dst) if sending else (dst, src)
+        peer = self.links.peer(channel, sending) if self.links is not None else "?"
         return describe_edge(kind, mb, peer, here, there, sending=sending)
 
 
@@ -124,31 +129,35 @@ def _named(wait: Callable[[], None], watchdog: Watchdog, desc: str, ranks: list[
     return finish
 
 
-def attach_heartbeat(watchdog: Watchdog, mesh: Any, device: torch.device, info: Any = None) -> None:
+def attach_heartbeat(watchdog: Watchdog, mesh: Any, device: torch.device, info: Any = None,
+                     stages_of: Callable[[int], list[int]] | None = None) -> None:
     """Publish this rank's beats through the process group's store and let the watchdog read everyone's (nothing
     for one process); on a GPU the beats carry the peak device memory, and device progress is probed. `info`
-    (the launcher's `LaunchInfo`) says where the store is, for the line of a rank that cannot reach it."""
+    (the launcher's `LaunchInfo`) says where the store is, for the line of a rank that cannot reach it;
+    `stages_of(position)` gives a pipeline position's stages where ranks hold several."""
     if not dist.is_initialized() or mesh.world_size == 1:
         return
     store = dist.distributed_c10d._get_default_store()
-    watchdog.heartbeat = Heartbeat(store, mesh.rank, mesh.world_size, lambda r: describe_rank(r, mesh.pp),
-                                   host=host_of, store_at=describe_store(info, mesh.pp))
+    watchdog.heartbeat = Heartbeat(store, mesh.rank, mesh.world_size, lambda r: describe_rank(r, mesh.pp, stages_of),
+                                   host=host_of, store_at=describe_store(info, mesh.pp, stages_of))
     if device.type == "cuda":
         watchdog.memory = lambda: torch.cuda.max_memory_allocated(device) / 2**30
 
 
-def describe_rank(rank: int, pp: int) -> str:
+def describe_rank(rank: int, pp: int, stages_of: Callable[[int], list[int]] | None = None) -> str:
     """'rank 3 (stage 1)', with the replica when there are several: 'rank 3 (stage 1, replica 1)', and its host
-    when the job spans several: 'rank 3 (stage 1, replica 1, on node2)'."""
+    when the job spans several: 'rank 3 (stage 1, replica 1, on node2)'; 'rank 1 (stages 1, 2)' where a rank
+    holds several stages (`stages_of` its pipeline position's)."""
     host = host_of(rank)
-    return (f"rank {rank} (stage {rank % pp}" + (f", replica {rank // pp}" if rank >= pp else "")
+    stages = stages_of(rank % pp) if stages_of else rank % pp
+    return (f"rank {rank} ({stage_label(stages)}" + (f", replica {rank // pp}" if rank >= pp else "")
             + (f", on {host})" if host else ")"))
 
 
-def describe_store(info: Any, pp: int) -> str:
+def describe_store(info: Any, pp: int, stages_of: Callable[[int], list[int]] | None = None) -> str:
     """'at 10.0.0.1:29500, hosted by rank 0 (stage 0, on node1)' (or by torchrun's agent there): where the
     rendezvous store is (env.py opens it) and which process keeps it up."""
     if info is None or not getattr(info, "master_addr", None):
         return ""
-    by = "torchrun's agent there" if _torchelastic_use_agent_store() else describe_rank(0, pp)
+    by = "torchrun's agent there" if _torchelastic_use_agent_store() else describe_rank(0, pp, stages_of)
     return f"at {info.master_addr}:{info.master_port}, hosted by {by}"

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from peerline.distributed.config import ConfigError, ReportedElsewhere
 from peerline.distributed.hooks import IterationHooks, IterationStats
+from peerline.distributed.pipeline.placement import placement_for
 from peerline.distributed.resilience import checkpoint as ckpt
 from peerline.distributed.resilience import checkpoint_store as ckpt_store
 from peerline.distributed.resilience import faults as faults_mod
@@ -76,9 +77,9 @@ class Failsafe(IterationHooks):
         self._peer_ranks = _peer_ranks(rt.mesh)
         self.manifest = ckpt.build_manifest(self.cfg, self.world, pp=rt.mesh.pp)  # the resolved pp
         self.state = RunState(rt)  # what this rank saves and loads, by the whole model's names
-        self.watchdog = Watchdog(self.rank, self.stage, timeout_s or self.cfg.timeout_s)
+        self.watchdog = Watchdog(self.rank, self.stage_ids, timeout_s or self.cfg.timeout_s)
         self.guard = NonFiniteGuard(rt.device, skip=self.skip)
-        self.watch = ExchangeWatch(rt.links, self.watchdog, min(self.stage_ids), max(self.stage_ids))
+        self.watch = ExchangeWatch(rt.links, self.watchdog)
         self.current = rt.iteration  # number of the iteration running now (from 1); 0 before the first
         self.last_saved: int | None = None
         self.resumed_from = 0  # iterations completed when training (re)started
@@ -178,7 +179,9 @@ class Failsafe(IterationHooks):
         if self.rt.device.type == "cuda":
             self.watchdog.set_progress_probe(self.watch.passed)
         name_collective_waits(engine, self.watchdog, self.rt.mesh)
-        attach_heartbeat(self.watchdog, self.rt.mesh, self.rt.device, getattr(self.rt, "info", None))
+        placement = placement_for(self.cfg.schedule, self.rt.mesh.pp, self.cfg.stages)
+        attach_heartbeat(self.watchdog, self.rt.mesh, self.rt.device, getattr(self.rt, "info", None),
+                         stages_of=placement.stages_of if placement else None)
         if self.faults.needs_eager():
             # The NaN hook decides per iteration on the host; a graph replay would not run it.
             self.rt.graphs.disable("CUDA graph off: PEERLINE_FAULT injects NaN, which needs eager iterations")

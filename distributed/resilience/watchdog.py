@@ -65,7 +65,8 @@ EXIT_MARGIN_S = 5.0
 class Watchdog:
     """Deadline on iterations for one rank; see the module docstring."""
 
-    def __init__(self, rank: int, stage: int | None, timeout_s: float, *, exit_code: int = EXIT_TIMEOUT,
+    def __init__(self, rank: int, stage: int | list[int] | None, timeout_s: float, *,
+                 exit_code: int = EXIT_TIMEOUT,
                  exit_fn: Callable[[int], None] = os._exit, err_fd: int = 2,
                  clock: Callable[[], float] = time.monotonic, poll_s: float | None = None) -> None:
         if not timeout_s > 0:
@@ -190,7 +191,7 @@ class Watchdog:
 
     @property
     def who(self) -> str:
-        return f"rank {self.rank}" + (f" (stage {self.stage})" if self.stage is not None else "")
+        return f"rank {self.rank}" + (f" ({stage_label(self.stage)})" if self.stage is not None else "")
 
     def description(self) -> str:
         return self._desc or f"iteration {self._iteration} to finish"
@@ -419,6 +420,12 @@ def _oneline(exc: BaseException) -> str:
     text = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", lines[0])
     head = re.split(r"\.\s", text, maxsplit=1)[0]
     return head.rstrip(".") or text
+
+
+def stage_label(stages: int | list[int]) -> str:
+    """'stage 1', or 'stages 0, 3' for a rank that holds several (interleaved and zbv placements)."""
+    stages = [stages] if isinstance(stages, int) else list(stages)
+    return f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
 
 
 def describe_edge(kind: str, mb: int, peer_rank: int | str, stage: int, peer_stage: int, *, sending: bool = False

@@ -63,3 +63,25 @@ def test_interleaved_m_not_a_multiple_of_pp_is_one_error_line(tmp_path):
     assert proc.returncode != 0
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("peerline: error:")]
     assert len(lines) == 1 and "M=3 is not a multiple of pp=2" in lines[0], proc.stderr[-2000:]
+
+
+def test_a_hung_rank_under_zbv_is_named_by_microbatch_and_stages(tmp_path):
+    """ZBV routes messages over other channels and ids than their kind and microbatch: the watchdog's line on rank
+    0 still names microbatches of this run and edges between adjacent stages, one of them its own (0 or 3), and
+    each rank with both of its stages."""
+    import re
+
+    from tests.helpers import cpu_env
+
+    args = [a if a != "1f1b" else "zbv" for a in GRID_ARGS]
+    proc, _ = run_job(forkrun_cmd(2), [*args, "-m", "4", "--pp", "2", "--stages", "2", "--iters", "4",
+                                       "--timeout-s", "4"], tmp_path, "hang", timeout=120,
+                      env=cpu_env(PEERLINE_FAULT="hang:rank=1:iter=2"))
+    assert proc.returncode != 0
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("peerline: error: rank 0 ")]
+    assert len(lines) == 1, proc.stdout + proc.stderr
+    assert lines[0].startswith("peerline: error: rank 0 (stages 0, 3) ") and "rank 1 (stages 1, 2)" in lines[0]
+    waits = re.findall(r"(act|grad) mb (\d+) (?:from|to) rank 1 \(edge stage (\d)->(\d)\)", lines[0])
+    assert waits, lines[0]
+    for _kind, mb, a, b in waits:
+        assert int(mb) < 4 and abs(int(a) - int(b)) == 1 and {int(a), int(b)} & {0, 3}, lines[0]

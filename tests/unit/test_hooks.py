@@ -237,7 +237,9 @@ def test_engine_tells_its_observer_about_every_exchange_in_order():
             return [torch.ones(spec.shape) for _ in recvs]
 
     class Observer:
-        def on_exchange(self, sends, recvs):
+        def on_exchange(self, sends, recvs, send_labels, recv_labels):
+            assert len(send_labels) == len(sends) and len(recv_labels) == len(recvs)
+            assert [mb for _k, _b, mb in send_labels] == [mb for _k, mb, _ in sends]  # one stage per rank: id = mb
             events.append(("on", [(k, mb) for k, mb, _ in sends], list(recvs)))
 
         def after_exchange(self, sends, recvs, received):

@@ -199,7 +199,7 @@ def test_exchange_watch_names_the_first_receive_the_device_is_stuck_on() -> None
     completed; none pending (a host-side hang) -> None, so the watchdog keeps its own description."""
     from peerline.distributed.resilience.exchange_watch import ExchangeWatch
 
-    wt = ExchangeWatch(links=None, watchdog=None, first_stage=0, last_stage=0)
+    wt = ExchangeWatch(links=None, watchdog=None)
     assert wt.describe_stall() is None
     wt._order = [(_FakeEvent(True), "grad mb 0 from rank 1 (edge stage 1->0)"),
                  (_FakeEvent(False), "grad mb 1 from rank 1 (edge stage 1->0)"),
@@ -208,3 +208,28 @@ def test_exchange_watch_names_the_first_receive_the_device_is_stuck_on() -> None
     wt._order[1] = (_FakeEvent(True), wt._order[1][1])
     wt._order[2] = (_FakeEvent(True), wt._order[2][1])
     assert wt.describe_stall() is None
+
+
+def test_exchange_watch_names_a_placed_message_by_its_microbatch_and_stages() -> None:
+    """ZBV at pp=2 routes messages over channels and ids of the rank's two neighbours (the V turns on rank 1): the
+    watchdog's line still names the message's kind, microbatch, stages and peer rank, not its channel id."""
+    import torch
+
+    from peerline.distributed.p2p.base import ACT, GRAD, Links
+    from peerline.distributed.pipeline.placed import placed_schedule
+    from peerline.distributed.resilience.exchange_watch import ExchangeWatch
+
+    class Told:
+        def waiting_for(self, desc, ranks=None):
+            self.desc, self.ranks = desc, ranks
+
+    placed = placed_schedule("zbv", 2, 2, 4)
+    told = Told()
+    # Rank 0 holds stages 0 and 3: it sends activations to rank 1 and receives stage 2's from it.
+    wt = ExchangeWatch(Links(prev_rank=None, next_rank=1, act_in=None, grad_in=None), told)
+    recv_label, send_label = (ACT, 2, 3), (GRAD, 2, 1)  # act of mb 3 from stage 2; stage 3's input grad of mb 1
+    recv_route, send_route = placed.route(*recv_label), placed.route(*send_label)
+    assert recv_route != (ACT, 3) and send_route != (GRAD, 1)  # the routes are not (kind, mb)
+    wt.on_exchange([(*send_route, torch.zeros(1))], [recv_route], [send_label], [recv_label])
+    assert told.desc == ("act mb 3 from rank 1 (edge stage 2->3), grad mb 1 to rank 1 (edge stage 3->2)"), told.desc
+    assert told.ranks == [1]
