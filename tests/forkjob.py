@@ -27,24 +27,22 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if __name__ == "__main__":
+    sys.path.insert(1, str(REPO))  # run as a script: `tests` and the checkout's `peerline` importable
+
+from tests.ports import free_port  # noqa: E402
+
 PIPELINE = str(REPO / "launch" / "pipeline.py")
 GRACE_S = 30.0  # how long the other ranks may take to end on their own once one failed (their own deadlines)
 
 
 def import_once():
     """Everything a job imports that is slow, imported here once; returns the main job's entry point."""
-    sys.path.insert(1, str(REPO))
     import torch._dynamo  # noqa: F401 - torch.optim's first optimizer imports it (seconds)
     import torch.distributed.checkpoint  # noqa: F401 - checkpoints import it on first use (a second)
 
     from peerline.launch.pipeline import main
     return main
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -92,7 +90,7 @@ def run_job(main, argv: list[str], nproc: int) -> int:
     """The job's exit code: `main(argv)` here (nproc 1) or in nproc forked ranks."""
     if nproc == 1:
         return _run_main(main, argv)
-    port = _free_port()
+    port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
     pids = set()
@@ -190,7 +188,7 @@ class ForkServer:
         """Like subprocess.run(cmd, capture_output=True, text=True, timeout=timeout) for a command that
         split_command accepts."""
         nproc, argv = split_command(cmd)
-        out, err = (tempfile.mkstemp(dir=self.folder, suffix=s)[1] for s in (".out", ".err"))
+        out, err = (self._new_file(suffix) for suffix in (".out", ".err"))
         with socket.socket(socket.AF_UNIX) as conn:
             conn.connect(self.path)
             request = {"argv": argv, "nproc": nproc, "cwd": str(cwd), "env": env, "out": out, "err": err}
@@ -205,6 +203,11 @@ class ForkServer:
                 raise subprocess.TimeoutExpired(cmd, timeout, self._read(out), self._read(err)) from None
         code = int(line) if line.strip() else -signal.SIGKILL
         return subprocess.CompletedProcess(cmd, code, self._read(out), self._read(err))
+
+    def _new_file(self, suffix: str) -> str:
+        fd, path = tempfile.mkstemp(dir=self.folder, suffix=suffix)
+        os.close(fd)
+        return path
 
     @staticmethod
     def _read(path: str) -> str:

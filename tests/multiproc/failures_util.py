@@ -5,7 +5,6 @@ tests/gpu/test_failures_gpu.py."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.helpers import REPO
+from tests.ports import free_port
 
 STARTUP_S = 60  # importing torch on a loaded 2-core CI machine, rendezvous, CUDA context
 
@@ -40,19 +40,13 @@ class Rank:
         return [ln for ln in self.err.splitlines() if ln.startswith("peerline: error:")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Hang(AssertionError):
     pass
 
 
 def spawn(n: int, args: list[str], cwd: Path, env: dict[str, str], limit_s: float = 120) -> list[Rank]:
     """Start n ranks of ENTRY with `args`; wait at most limit_s for all of them, else kill them and raise Hang."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     t0 = time.monotonic()
     for r in range(n):

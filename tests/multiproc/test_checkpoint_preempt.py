@@ -18,7 +18,7 @@ import pytest
 
 from peerline.distributed.resilience.preemption import EXIT_PREEMPTED
 from tests.helpers import PIPELINE, cpu_env, torchrun_cmd, uninterrupted_run
-from tests.multiproc.failures_util import _free_port
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -29,7 +29,7 @@ PAUSE = "delay:rank=0:iter=3:s=3"
 
 def _ranks(n: int, args: list[str], cwd: Path) -> list[subprocess.Popen]:
     """n ranks of the main job as plain processes with torchrun's variables, so each can be signalled."""
-    port = str(_free_port())
+    port = str(free_port())
     env = cpu_env(PEERLINE_FAULT=PAUSE)
     return [subprocess.Popen([sys.executable, PIPELINE, *args], cwd=cwd, text=True, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE,

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from tests.helpers import PIPELINE, cpu_env, torchrun_cmd, uninterrupted_run
-from tests.multiproc.failures_util import _free_port
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
@@ -29,7 +29,7 @@ def reference(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("form", ["master_port", "rdzv_endpoint"])
 def test_restart_resumes_and_matches_an_uninterrupted_run(tmp_path, reference, form):
-    port = _free_port()
+    port = free_port()
     launch = ["--master_port", str(port)] if form == "master_port" else [
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
     cmd = [*torchrun_cmd(2)[:-2], "--nproc_per_node=2", "--max-restarts=1", *launch, PIPELINE, *MODEL, "--save",

@@ -30,8 +30,9 @@ import pytest
 
 from peerline.distributed.resilience.watchdog import EXIT_MARGIN_S
 from tests.helpers import cpu_env, mpirun_cmd, torchrun_cmd
-from tests.multiproc.failures_util import ENTRY, STARTUP_S, Rank, _free_port, losses
+from tests.multiproc.failures_util import ENTRY, STARTUP_S, Rank, losses
 from tests.multiproc.failures_util import spawn as _spawn
+from tests.ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -227,7 +228,7 @@ def spawn_with_a_frozen_rank(n: int, args: list[str], tmp: Path, fault: str, fro
                              limit_s: float) -> list[Rank]:
     """Like `spawn`, with rank `frozen` stopping itself (a `stop` fault): each other rank's `seconds` counts from
     the moment it froze to its exit; the frozen rank is killed once the others are out (or at `limit_s`)."""
-    port = str(_free_port())
+    port = str(free_port())
     procs, files = [], []
     for r in range(n):
         env = dict(cpu_env(PEERLINE_FAULT=fault), RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),

@@ -1,4 +1,5 @@
-"""The reliability suite's table: each bad input under torchrun and mpirun, each fault on pp=2 and pp=2 x dp=2.
+"""The reliability suite's table: each bad input as forked ranks (some also under torchrun and mpirun), each
+fault on pp=2 and pp=2 x dp=2.
 
 A case is a command line and what a clean outcome looks like; `classify` sorts what happened into one of
 clean / traceback / hang / misnamed / data lost (see OUTCOMES). Checkpoint attacks join the table from
