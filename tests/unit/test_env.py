@@ -77,3 +77,31 @@ def test_process_environment_is_the_default(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     info = detect_launch()
     assert (info.rank, info.world_size, info.local_rank, info.launcher) == (1, 2, 1, "torchrun")
+
+
+@pytest.mark.parametrize("agent_store, prefix", [("True", "peerline/attempt2/"), (None, "peerline/")])
+def test_store_keys_carry_the_attempt_only_in_torchruns_shared_store(monkeypatch, agent_store, prefix):
+    """torchrun's shared agent store outlives an attempt: keys under the restart count. A store rank 0 hosts is
+    new in every attempt, and agents restarted for a failure and for a membership change count differently: no
+    attempt in its keys, or the restarted ranks would wait for each other under different prefixes."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from peerline.distributed.env import LaunchInfo, attempt_store
+    from tests.ports import free_port
+
+    port = free_port()
+    outside = dist.TCPStore("127.0.0.1", port, 1, is_master=True, wait_for_workers=False)  # torchrun's agent
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    if agent_store:
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", agent_store)
+    else:
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+        outside = None  # rank 0 hosts the store itself
+    info = LaunchInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
+                      master_port=port, launcher="torchrun")
+    store = attempt_store(info, datetime.timedelta(seconds=10))
+    raw = outside or dist.TCPStore("127.0.0.1", port, 1, is_master=False, timeout=datetime.timedelta(seconds=10))
+    assert raw.check([f"{prefix}peerline/arrived/0"])
+    assert store.get("peerline/arrived/0") == b"1"
