@@ -16,7 +16,8 @@ import pytest
 
 from peerline.distributed.resilience.preemption import EXIT_PREEMPTED
 from tests.helpers import PIPELINE
-from tests.multiproc.failures_util import STARTUP_S, _free_port, losses
+from tests.multiproc.failures_util import STARTUP_S, losses
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gpu2, pytest.mark.timeout(300)]
 
@@ -31,7 +32,7 @@ def _env(fault: str = "") -> dict[str, str]:
 
 
 def _ranks(args: list[str], cwd: Path, fault: str = "") -> list[subprocess.Popen]:
-    port = str(_free_port())
+    port = str(free_port())
     return [subprocess.Popen([sys.executable, PIPELINE, *MODEL, *args], cwd=cwd, text=True, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE,
                              env=dict(_env(fault), RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
