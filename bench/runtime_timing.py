@@ -71,8 +71,9 @@ def free_device(device: torch.device) -> None:
 
 def measure_or_note(ctx: BenchContext, suite: str, case: str, measure: Callable[[], Any], failures: list[str]) -> Any:
     """One measurement on a freed device. A failure is logged and kept in `failures` for the end of the suite (the
-    other measurements still run); a string back (a reason not to measure) becomes a note. Either gives None."""
-    ctx.step(f"{suite} {case}")
+    other measurements still run); a string back (a reason not to measure) becomes a note. Either gives None.
+    The step announced is `case` alone: the bench's display prefixes the suite's name."""
+    ctx.step(case)
     free_device(ctx.device)
     try:
         got = measure()

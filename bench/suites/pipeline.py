@@ -43,6 +43,7 @@ from peerline.bench.runtime_timing import (
     BlockTimer,
     Measured,
     free_device,
+    measure_or_note,
     open_runtime,
     peak_gb,
     time_anchor,
@@ -343,8 +344,8 @@ def run_configuration(args: argparse.Namespace, ctx: BenchContext, shape: PipeSh
     pp = dist.get_world_size() // dp
     anchor: Measured | None = None
     if "torch" in variants:
-        got = _attempt(ctx, f"{shape.name} torch", lambda: TorchAnchor(args, ctx, shape, pp, dp, groups).measure(
-            failures), failures)
+        got = measure_or_note(ctx, SUITE, f"{shape.name} torch",
+                              lambda: TorchAnchor(args, ctx, shape, pp, dp, groups).measure(failures), failures)
         anchor = got if isinstance(got, Measured) else None
         if anchor is not None and anchor.ideal is not None:
             ctx.note(f"{shape.name} torch {anchor.extra['schedule']} {anchor.extra['recipe']}: "
@@ -354,8 +355,8 @@ def run_configuration(args: argparse.Namespace, ctx: BenchContext, shape: PipeSh
         bench = PipelineBench(args, ctx, shape, schedule, dp)
         results: dict[str, Measured] = {"torch": anchor} if anchor is not None else {}
         for variant in (v for v in variants if v != "torch"):
-            got = _attempt(ctx, f"{shape.name} {schedule} {variant}",
-                           lambda graph=variant == "graph", bench=bench: bench.peerline(graph), failures)
+            got = measure_or_note(ctx, SUITE, f"{shape.name} {schedule} {variant}",
+                                  lambda graph=variant == "graph", bench=bench: bench.peerline(graph), failures)
             if not isinstance(got, Measured):
                 continue
             results[variant] = fastest_peerline[f"{schedule} {variant}"] = got
@@ -367,23 +368,6 @@ def run_configuration(args: argparse.Namespace, ctx: BenchContext, shape: PipeSh
         bench.report_ideal(results)
         free_device(ctx.device)
     report_best(ctx, shape, pp, dp, anchor, fastest_peerline)
-
-
-def _attempt(ctx: BenchContext, label: str, measure: Any, failures: list[str]) -> Measured | None:
-    """One measurement on a freed device: a failure is logged and kept for the end of the suite (the others still
-    run), a reason not to measure becomes a note; either gives None."""
-    ctx.step(label)
-    free_device(ctx.device)
-    try:
-        got = measure()
-    except Exception as exc:  # noqa: BLE001 - the other variants still run; the suite fails at the end
-        log.exception("pipeline %s failed", label)
-        failures.append(f"{label}: {type(exc).__name__}: {exc}")
-        return None
-    if isinstance(got, str):
-        ctx.note(f"pipeline {label}: skipped: {got}")
-        return None
-    return got
 
 
 def report_best(ctx: BenchContext, shape: PipeShape, pp: int, dp: int, anchor: Measured | None,
