@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import _torchelastic_use_agent_store
 
 from peerline import overrides
 from peerline.distributed.config import ConfigError, ReportedElsewhere
@@ -188,8 +189,6 @@ def attempt_store(info: LaunchInfo, timeout: datetime.timedelta) -> dist.Store:
     (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, plain launchers) is new in every attempt and takes no attempt prefix:
     agents restarted for a failure and for a membership change count their restarts differently, so their ranks
     would otherwise meet under different prefixes and wait for each other in vain."""
-    from torch.distributed.rendezvous import _torchelastic_use_agent_store
-
     store = _open_store(info, timeout)
     store.set_timeout(timeout)
     prefix = "peerline"
@@ -203,8 +202,6 @@ def attempt_store(info: LaunchInfo, timeout: datetime.timedelta) -> dist.Store:
 def _open_store(info: LaunchInfo, timeout: datetime.timedelta) -> dist.Store:
     """torch's tcp:// store, except that rank 0's server does not wait for the others (`await_ranks` does, and
     names who is missing); a rank that cannot reach the store in time is one line naming rank 0."""
-    from torch.distributed.rendezvous import _torchelastic_use_agent_store
-
     host = not _torchelastic_use_agent_store() and info.rank == 0  # else torchrun's agent hosts it
     try:
         return dist.TCPStore(info.master_addr, info.master_port, info.world_size, is_master=host, timeout=timeout,

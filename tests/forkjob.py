@@ -33,6 +33,7 @@ if __name__ == "__main__":
 from tests.ports import free_port  # noqa: E402
 
 PIPELINE = str(REPO / "launch" / "pipeline.py")
+SCRIPT = str(Path(__file__).resolve())
 GRACE_S = 30.0  # how long the other ranks may take to end on their own once one failed (their own deadlines)
 
 
@@ -107,7 +108,7 @@ def split_command(cmd: list[str]) -> tuple[int, list[str]] | None:
     `python tests/forkjob.py --nproc_per_node=N launch/pipeline.py ...`; None for any other command."""
     if len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1] == PIPELINE:
         return 1, cmd[2:]
-    if len(cmd) >= 4 and cmd[0] == sys.executable and cmd[1] == str(Path(__file__).resolve()) and cmd[3] == PIPELINE:
+    if len(cmd) >= 4 and cmd[0] == sys.executable and cmd[1] == SCRIPT and cmd[3] == PIPELINE:
         return int(cmd[2].split("=", 1)[1]), cmd[4:]
     return None
 
@@ -171,7 +172,7 @@ class ForkServer:
     def __init__(self) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="peerline-forkjob-"))
         self.path = str(self.folder / "socket")
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", self.path], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, SCRIPT, "--serve", self.path], stdout=subprocess.PIPE,
                                      text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("the fork server did not start")

@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 from tests import forkjob
+from tests.forkjob import PIPELINE, REPO  # noqa: F401 - REPO: the checkout, for the tests that import it here
 
-REPO = Path(__file__).resolve().parents[1]
-PIPELINE = str(REPO / "launch" / "pipeline.py")
 TINY = ["--hidden", "32", "--layers", "4", "--seq", "8", "--micro-batch-size", "2", "--iters", "3"]
 
 
@@ -30,7 +29,7 @@ def torchrun_cmd(nproc: int) -> list[str]:
 def forkrun_cmd(nproc: int) -> list[str]:
     """The job torchrun would start, its ranks forked from a process that imported torch and peerline once
     (tests/forkjob.py): for tests whose subject is the job, not the launcher."""
-    return [sys.executable, str(REPO / "tests" / "forkjob.py"), f"--nproc_per_node={nproc}"]
+    return [sys.executable, forkjob.SCRIPT, f"--nproc_per_node={nproc}"]
 
 
 def run_command(cmd: list[str], cwd: str | os.PathLike, env: dict[str, str] | None = None,

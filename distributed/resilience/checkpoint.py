@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from peerline.distributed.config import ConfigError
-from peerline.distributed.resilience.checkpoint_names import MODEL
+from peerline.distributed.resilience.checkpoint_names import METADATA, MODEL
 from peerline.files import atomic_write
 
 
@@ -193,7 +193,7 @@ def save_checkpoint(root: str | os.PathLike, rank: int, iteration: int, state: M
     if rank == 0:
         try:
             files = {name: digest for part in everyone for name, digest in part.items()}
-            files[_dcp().METADATA] = _sha256(tmp / _dcp().METADATA)
+            files[METADATA] = _sha256(tmp / METADATA)
             text = json.dumps({"format": FORMAT, "iteration": iteration, **manifest, "files": files}, indent=2,
                               sort_keys=True, default=str)
             atomic_write(tmp / MANIFEST, lambda f: f.write(text.encode()))
@@ -318,7 +318,7 @@ def verify_files(root: str | os.PathLike, iteration: int, rank: int = 0, world: 
         if p.name != MANIFEST and p.is_file() and p.name not in files:
             raise CheckpointError(f"checkpoint file {p} has no checksum in the manifest")
     names = sorted(files)
-    mine = [n for i, n in enumerate(names) if i % world == rank or n == _dcp().METADATA]
+    mine = [n for i, n in enumerate(names) if i % world == rank or n == METADATA]
     for name in mine:
         path = folder / name
         if not path.is_file():
@@ -333,7 +333,7 @@ def stored_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     try:
         return _dcp().tensor_shapes(_dcp().read_metadata(folder))
     except Exception as exc:  # noqa: BLE001 - any failure of the unpickler means the same thing to the user
-        raise CheckpointError(f"checkpoint metadata {folder / _dcp().METADATA} is unreadable: "
+        raise CheckpointError(f"checkpoint metadata {folder / METADATA} is unreadable: "
                               f"{type(exc).__name__}: {_oneline(exc)}") from None
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 MODEL = "model."
+METADATA = ".metadata"  # DCP's file of which tensor is where (resilience/dcp_io.py reads it)
 OPTIM = "optim."
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-METADATA = ".metadata"
+from peerline.distributed.resilience.checkpoint_names import METADATA
 
 __all__ = [
     "CheckpointException", "METADATA", "SafeReader", "load", "read_metadata", "save", "tensor_shapes", "tensor_specs",
