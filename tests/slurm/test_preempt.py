@@ -85,6 +85,9 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_losses(slurm
     # Slurm holds a requeued job back for its credential lifetime (AuthInfo cred_expire, 120 s): start it now
     _wait_for("the job to be requeued", lambda: "requeued, it continues" in text()
               and _state(slurm_cluster, job) == "PENDING", 120, describe)
+    # slurmd revokes the first run's credential at the requeue, to the second: a run started within that second
+    # gets a credential that counts as revoked ("Killing non-startable batch job: Job credential revoked").
+    time.sleep(2)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm_cluster.env(), timeout=30,
                    check=True, capture_output=True)
     # the requeued run writes the --json record at its end; the job then leaves the queue
