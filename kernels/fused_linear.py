@@ -158,7 +158,9 @@ class defer_weight_grads:
 
 def accumulate_deferred(queue: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
     """Run the weight gradients `defer_weight_grads` queued, with the weights' post-accumulate-grad hooks."""
-    with torch.autocast(queue[0][1].device.type if queue else "cpu", enabled=False):
+    # Outside the autograd engine grad mode is on, and x (a saved activation) requires grad: without no_grad the
+    # in-place GEMM into .grad would be recorded, which autograd refuses for a leaf's gradient.
+    with torch.no_grad(), torch.autocast(queue[0][1].device.type if queue else "cpu", enabled=False):
         for weight, dy, x in queue:
             _accumulate_weight_grad(weight, dy, x)
             _call_post_accumulate_hooks(weight)

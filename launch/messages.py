@@ -65,7 +65,10 @@ class _Format(logging.Formatter):
         self.prefix = prefix
 
     def format(self, record: logging.LogRecord) -> str:
-        return f"{self.prefix}peerline: {record.levelname.lower()}: {record.getMessage()}"
+        line = f"{self.prefix}peerline: {record.levelname.lower()}: {record.getMessage()}"
+        if record.exc_info:  # a traceback asked for (PEERLINE_LOG=DEBUG): below the line
+            line += "\n" + self.formatException(record.exc_info)
+        return line
 
 
 def setup_logging() -> None:

@@ -203,6 +203,7 @@ class Watchdog:
         self._failing()
         if isinstance(exc, BaseException):
             what = f"{type(exc).__name__}: {_oneline(exc)}"
+            log.debug("%s: the failure's traceback", self.who, exc_info=exc)  # PEERLINE_LOG=DEBUG shows where
         else:
             what = exc
         desc = self.description()
