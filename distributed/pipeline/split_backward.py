@@ -89,6 +89,11 @@ class Pending:
     groups: list[dict[str, Any]] = field(default_factory=list)
     queue: list = field(default_factory=list)
     whole: tuple[list[torch.Tensor], list[torch.Tensor | None]] | None = None
+    # B's outputs, held until W: they own the graph above the intermediates. A custom autograd.Function's node
+    # (peerline's kernels, FusedLinear) is reachable from Python only through a weak handle on some torch versions
+    # (2.11), so once the engine drops the stage's outputs such an intermediate is freed and W's GradientEdge on
+    # it reads "does not require grad and does not have a grad_fn".
+    roots: list[torch.Tensor] = field(default_factory=list)
 
 
 def backward_input(outputs: list[torch.Tensor], grads: list[torch.Tensor | None], inputs: list[torch.Tensor],
@@ -126,7 +131,7 @@ def backward_input(outputs: list[torch.Tensor], grads: list[torch.Tensor | None]
     for x, g in zip(inputs, dx):
         if g is not None:
             x.grad = g if x.grad is None else x.grad + g
-    return Pending(groups=groups, queue=queue)
+    return Pending(groups=groups, queue=queue, roots=outs)
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
