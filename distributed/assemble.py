@@ -41,6 +41,7 @@ from peerline.distributed.pipeline.boundary_shapes import (
 from peerline.distributed.pipeline.engine import CounterDataFeed, DataFeed, Engine, GradSync, LocalStage
 from peerline.distributed.pipeline.placed import PlacedSchedule, placed_links, placed_schedule
 from peerline.distributed.pipeline.recompute import with_recompute
+from peerline.distributed.precision import apply_precision, resolve_autocast
 from peerline.distributed.streams import RankStreams, create_rank_streams
 from peerline.kernels import ops
 from peerline.models.flops import gpt_flops_per_token, gpt_layer_costs
@@ -99,6 +100,7 @@ def assemble(cfg: RunConfig, info: LaunchInfo | None = None) -> RunParts:
     start_process_groups(cfg, grid)
     streams = make_streams(cfg, grid.device)
     modules = [with_recompute(m.to(grid.device), cfg.recompute_layers) for m in work.modules]
+    apply_precision(cfg, modules, 0 if grid.stage_ids[0] == 0 else None)
     autocast_dtype = resolve_autocast(cfg, grid.device)
     first_in = first_input_spec(cfg)
     in_specs, out_specs, links = probe_and_link(cfg, grid, modules, work, first_in, autocast_dtype)
@@ -197,12 +199,6 @@ def make_streams(cfg: RunConfig, device: torch.device) -> RankStreams:
 
         apply_release_threshold(device, cfg.pool_release_threshold)
     return streams
-
-
-def resolve_autocast(cfg: RunConfig, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast by default on a GPU, fp32 (no autocast) on the CPU or when asked."""
-    dtype = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    return torch.bfloat16 if dtype == "bf16" else None
 
 
 def autocast_context(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:

@@ -27,6 +27,7 @@ from peerline.choices import (
     LOSSES,
     MODELS,
     P2P,
+    PRECISIONS,
     RECOMPUTE,
     SCHEDULES,
     STAGINGS,
@@ -152,6 +153,13 @@ class RunConfig:
     dtype: str | None = option(None, EXECUTION, "bf16 autocast (default on GPU) or fp32 (default on CPU)",
                                choices=DTYPES)
     """bf16 (autocast; default on GPU) or fp32 (default on CPU)."""
+    precision: str = option("master", EXECUTION, "where weights, gradients and AdamW state live: master (fp32 "
+                            "weights and state; with --dtype bf16 the compute runs under bf16 autocast) or bf16 "
+                            "(bf16 weights, gradients and state, no autocast: the bf16-parameter recipe; needs "
+                            "--dtype bf16) (default: %(default)s)", choices=PRECISIONS)
+    """master: fp32 parameters, gradients and AdamW state (16 bytes per parameter), bf16 compute by autocast where
+    --dtype bf16. bf16: parameters, gradients and AdamW moments in bf16 (8 bytes per parameter), the model runs in
+    bf16 throughout (residual stream, LayerNorm outputs with fp32 statistics, stage boundaries)."""
     kernels: str = option("auto", EXECUTION, "elementwise kernels (default: %(default)s = peerline on GPU, torch "
                           "on CPU)", choices=KERNELS)
     """Elementwise kernels: peerline (warp-specialized CUDA), torch, or auto (peerline on GPU)."""
@@ -308,6 +316,7 @@ class RunConfig:
             raise ConfigError("--save-every needs --save DIR")
         _check_checkpointing(self)
         _check_sharding(self)
+        _check_precision(self)
 
     def resolved_pp(self, world_size: int) -> int:
         """Pipeline stages across ranks; checks pp x dp against the world size."""
@@ -477,6 +486,13 @@ def _check_sharding(cfg: RunConfig) -> None:
     if cfg.shard_optimizer and cfg.tie_embeddings:
         raise ConfigError("--shard-optimizer does not support --tie-embeddings yet (the tied gradients are summed "
                           "after the gradient sync, which leaves only a shard of them)")
+
+
+def _check_precision(cfg: RunConfig) -> None:
+    """--precision bf16 keeps the weights in bf16: the compute is bf16 too."""
+    if cfg.precision == "bf16" and cfg.dtype == "fp32":
+        raise ConfigError("--precision bf16 keeps the weights in bf16 and needs --dtype bf16 (the default on a "
+                          "GPU), not --dtype fp32")
 
 
 def _derive_batch(cfg: RunConfig) -> None:

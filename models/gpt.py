@@ -1,7 +1,8 @@
 """A decoder-only transformer language model, built as a flat list of layers so a stage split can cut it anywhere.
 
   index 0        TokenEmbedding   int64 ids [B, T] -> hidden states [B, T, H]
-  index 1 .. L   GPTBlock         pre-norm causal self-attention (RoPE, torch's scaled_dot_product_attention)
+  index 1 .. L   GPTBlock         pre-norm causal self-attention (RoPE fused on the packed qkv with flash attention,
+                                  kernels/rope.py; unfused on the CPU)
                                   and an MLP (fc1 -> bias+GELU -> fc2), both added back to the residual stream
   index L + 1    LMHead           final LayerNorm and the projection to the vocabulary: fp32 logits [B, T, V]
 
@@ -23,7 +24,8 @@ from peerline.distributed.config import ConfigError
 from peerline.distributed.model import layer_seed
 from peerline.kernels import ops
 from peerline.kernels.fused_linear import FusedLinear
-from peerline.models.rope import apply_rope, rope_tables
+from peerline.kernels.rope import rope_attention
+from peerline.models.rope import rope_tables
 
 INIT_STD = 0.02  # GPT-2's initialisation: N(0, 0.02) weights, zero biases
 
@@ -81,14 +83,11 @@ class GPTBlock(nn.Module):
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         """Causal multi-head self-attention of x [B, T, H] (already normalised), projected back to [B, T, H]."""
-        batch, seq, hidden = x.shape
+        seq = x.shape[1]
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence of {seq} tokens is longer than the block's max_seq {self.rope_cos.shape[0]}")
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q = apply_rope(q, self.rope_cos, self.rope_sin)
-        k = apply_rope(k, self.rope_cos, self.rope_sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, hidden))
+        y = rope_attention(self.qkv(x), self.rope_cos, self.rope_sin, self.heads, self.kernels)
+        return self.proj(y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = ops.residual_add(x, self.attention(self.norm1(x)), self.kernels)

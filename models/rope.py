@@ -1,12 +1,17 @@
 """Rotary position embeddings (RoPE, Su et al.): positions enter attention by rotating q and k, so no layer
 learns a position table and a pipeline boundary carries nothing but the hidden states.
 
-The rotate-half layout of GPT-NeoX and Llama: dimension i pairs with i + head_dim / 2.
+The rotate-half layout of GPT-NeoX and Llama: dimension i pairs with i + head_dim / 2. The rotation itself
+(apply_rope, and the fused attention path) lives in kernels/rope.py.
 """
 
 from __future__ import annotations
 
 import torch
+
+from peerline.kernels.rope import apply_rope
+
+__all__ = ["ROPE_BASE", "apply_rope", "rope_tables"]
 
 ROPE_BASE = 10_000.0
 
@@ -20,13 +25,3 @@ def rope_tables(max_seq: int, head_dim: int, base: float = ROPE_BASE) -> tuple[t
     angles = torch.outer(torch.arange(max_seq, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., T, head_dim] rotated by the first T rows of the tables; computed in fp32, returned in x's dtype."""
-    seq = x.shape[-2]
-    cos, sin = cos[:seq], sin[:seq]
-    xf = x.float()
-    first, second = xf.chunk(2, dim=-1)
-    rotated = torch.cat([-second, first], dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)

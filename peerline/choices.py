@@ -8,6 +8,8 @@ from __future__ import annotations
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zbv")
 DTYPES = ("bf16", "fp32")
+#: --precision: where the weights, gradients and AdamW state live (docs/PRECISION.md)
+PRECISIONS = ("master", "bf16")
 DEVICES = ("auto", "cuda", "cpu")
 KERNEL_IMPLEMENTATIONS = ("peerline", "torch")
 KERNELS = ("auto", *KERNEL_IMPLEMENTATIONS)
@@ -23,6 +25,6 @@ MODELS = ("gpt",)  # built-in models besides the default residual MLP; --model a
 LOSSES = ("mse", "cross-entropy")  # --loss also takes 'pkg.module:fn'
 RECOMPUTE = ("off", "full")  # --recompute also takes N: the first N layers of each stage
 
-__all__ = ["SCHEDULES", "DTYPES", "DEVICES", "KERNEL_IMPLEMENTATIONS", "KERNELS", "P2P", "GRAD_SYNCS",
+__all__ = ["SCHEDULES", "DTYPES", "PRECISIONS", "DEVICES", "KERNEL_IMPLEMENTATIONS", "KERNELS", "P2P", "GRAD_SYNCS",
            "ALLREDUCE_PRIORITIES", "ALLOCATORS", "STAGINGS", "DATA_SOURCES",
            "TOKEN_DATA", "MODELS", "LOSSES", "RECOMPUTE"]

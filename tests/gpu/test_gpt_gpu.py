@@ -30,6 +30,9 @@ REF4 = Run("gpt_ref4", (*FP32, "--no-graph", "-m", "4"))
 REF8 = Run("gpt_ref8", (*FP32, "--no-graph", "-m", "8"))
 BF16_REF4 = Run("gpt_bf16_ref4", (*BF16, "--no-graph", "-m", "4"))
 BF16_REF8 = Run("gpt_bf16_ref8", (*BF16, "--no-graph", "-m", "8"))
+# --precision bf16: bf16 weights, no autocast, the fused RoPE attention (kernels/rope.py)
+PURE = (*BF16, "--precision", "bf16")
+PURE_REF4 = Run("gpt_pure_ref4", (*PURE, "--no-graph", "-m", "4"))
 TIED_REF4 = Run("gpt_tied_ref4", (*FP32, "--tie-embeddings", "--no-graph", "-m", "4"))
 
 # check -> (run, reference, rtol), all on one GPU
@@ -42,6 +45,10 @@ ONE_GPU = {
     "bf16_graph_vs_eager": (Run("gpt_bf16_g1", (*BF16, "--graph", "-m", "4")), BF16_REF4, BF16_TOL),
     "bf16_recompute_full_graph_vs_off": (Run("gpt_bf16_rc1", (*BF16, "--graph", "-m", "4", "--recompute", "full")),
                                          BF16_REF4, BF16_TOL),
+    "pure_bf16_graph_vs_eager": (Run("gpt_pure_g1", (*PURE, "--graph", "-m", "4")), PURE_REF4, BF16_TOL),
+    "pure_bf16_vs_master": (PURE_REF4, BF16_REF4, BF16_TOL),
+    "zb_h1_stages2_vs_1f1b": (Run("gpt_zb_s2", (*FP32, "--no-graph", "-m", "4", "--schedule", "zb-h1", "--stages",
+                                                "2")), REF4, FP32_TOL),
 }
 
 # pp=2 check -> (flags, reference, rtol, transport)
@@ -54,6 +61,15 @@ PP2 = {
     "1f1b-graph-recompute-full": (("--schedule", "1f1b", "--graph", "--recompute", "full"), REF4, FP32_TOL, ""),
     "1f1b-graph-tied": (("--schedule", "1f1b", "--graph", "--tie-embeddings"), TIED_REF4, FP32_TOL, ""),
     "bf16-1f1b-graph": (("--schedule", "1f1b", "--graph", "--dtype", "bf16"), BF16_REF4, BF16_TOL, ""),
+    "pure-bf16-1f1b-graph": (("--schedule", "1f1b", "--graph", "--dtype", "bf16", "--precision", "bf16"),
+                             PURE_REF4, BF16_TOL, "copy-engine"),
+    "zb-h1-copy-engine-graph-tied-recompute": (("--schedule", "zb-h1", "--graph", "--tie-embeddings", "--recompute",
+                                                "full"), TIED_REF4, FP32_TOL, "copy-engine"),
+    "zb-h1-nccl-no-graph": (("--schedule", "zb-h1", "--p2p", "nccl", "--no-graph"), REF4, FP32_TOL, "nccl"),
+    "zbv-copy-engine-graph": (("--schedule", "zbv", "--stages", "2", "--graph"), REF4, FP32_TOL, "copy-engine"),
+    "interleaved-graph": (("--schedule", "interleaved", "--stages", "2", "--graph"), REF4, FP32_TOL, ""),
+    "pure-bf16-zb-h1-graph": (("--schedule", "zb-h1", "--graph", "--dtype", "bf16", "--precision", "bf16"),
+                              PURE_REF4, BF16_TOL, "copy-engine"),
 }
 
 # four-GPU grid -> (flags, dp); pp=2 x dp=2 runs M=4 per replica, pp=4 runs M=8: both against REF8

@@ -3,7 +3,9 @@
 Reference: one GPU running the same stages as streams (`--stages N`, eager) with the same schedule: per stage the
 same kernels on the same shapes and the weight gradients accumulated in the same order, so pp=N over the copy
 engine or NCCL, graph or eager, must match it bitwise. A second check against the plain 1F1B run on one GPU
-(1e-5, the pipeline tests' bound) shows the split itself changes nothing but rounding order.
+(1e-5, the pipeline tests' bound) shows the split itself changes nothing but rounding order. A captured run is
+held to 1e-6 rather than bitwise: under stream capture cuBLAS may pick other GEMM kernels (no workspace of its
+own), which sum in another order (seen: 3.2e-9 relative on one layer of interleaved pp=2, H200).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ TINY = ("--hidden", "256", "--layers", "8", "--seq", "64", "--micro-batch-size",
         "--warmup-iters", "2", "--dtype", "fp32")
 M = {2: "4", 4: "5"}  # pp=4 with M=5: not a multiple of pp
 SCHEDULES = ["zb-h1"]
+GRAPH_TOL = 1e-6
 
 
 def _ref(schedule: str, pp: int) -> Run:
@@ -43,14 +46,14 @@ def test_one_gpu_graph_matches_eager(pipeline_runs, schedule: str, pp: int) -> N
     r = Run(f"sched_{schedule}_s{pp}_graph", (*TINY, "--schedule", schedule, "--stages", str(pp), "-m", M[pp],
                                               "--graph"))
     got, ref = pipeline_runs.results(r, _ref(schedule, pp))
-    assert_matches(got, ref, Expect(0.0, graph=True))
+    assert_matches(got, ref, Expect(GRAPH_TOL, graph=True))
 
 
 def _multi(schedule: str, pp: int, p2p: str, graph: str) -> tuple[Run, Expect]:
     flag = graph.replace("--", "_").replace("-", "_")
     r = Run(f"sched_{schedule}_pp{pp}_{p2p}{flag}", (*TINY, "--schedule", schedule, "--pp", str(pp), "-m", M[pp],
                                                      "--p2p", p2p, graph), nproc=pp)
-    return r, Expect(0.0, world=pp, graph=graph == "--graph", transport=p2p)
+    return r, Expect(GRAPH_TOL if graph == "--graph" else 0.0, world=pp, graph=graph == "--graph", transport=p2p)
 
 
 @pytest.mark.gpu2
@@ -92,7 +95,7 @@ def _placed(schedule: str, pp: int, p2p: str, graph: str) -> tuple[Run, Expect]:
     r = Run(f"sched_{schedule}_pp{pp}_{p2p}{flag}", (*TINY, "--schedule", schedule, "--pp", str(pp), "--stages",
                                                      "2", "-m", PLACED_M[(schedule, pp)], "--p2p", p2p, graph),
             nproc=pp)
-    return r, Expect(0.0, world=pp, graph=graph == "--graph", transport=p2p)
+    return r, Expect(GRAPH_TOL if graph == "--graph" else 0.0, world=pp, graph=graph == "--graph", transport=p2p)
 
 
 @pytest.mark.gpu2

@@ -1,0 +1,163 @@
+"""Causal self-attention of a packed qkv with the rotary embedding fused in (Transformer Engine's fused RoPE on the
+packed layout; torch's flash-attention ops for the attention itself).
+
+  forward   one kernel rotates q and k in place inside the packed qkv [B, T, 3, heads, D] (bf16 in and out, fp32
+            math), then flash attention reads q, k, v as strided views of it: no copies, no fp32 temporaries
+  backward  flash attention's backward gives dq, dk, dv; one kernel applies the transposed rotation to dq and dk
+            and writes them with dv into one packed dqkv (the concatenation the unfused path runs is this kernel)
+
+The rotation (rotate-half pairs, tables from models/rope.py):  a' = a c - b s,  b' = b c + a s.
+`rope_attention` takes this path for CUDA bf16 tensors that flash attention accepts, and the unfused reference
+(`attention_reference`) everywhere else: fp32 runs, the CPU, --kernels torch. On the CPU the same Function runs
+with torch stand-ins for both kernels and the CPU flash-attention ops, so CI checks its autograd contract.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+KERNEL_SOURCE = Path(__file__).resolve().parent / "rope.cu"
+_THREADS = 256
+_MAX_BLOCKS = 8192
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, D] rotated by the first T rows of the tables; computed in fp32 (fp64 for fp64 x), returned in x's
+    dtype (the reference the kernels match)."""
+    seq = x.shape[-2]
+    cos, sin = cos[:seq], sin[:seq]
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    first, second = xf.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def attention_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    """qkv [B, T, 3H] -> causal attention with RoPE on q and k, [B, T, H]: the unfused path."""
+    batch, seq, three_h = qkv.shape
+    q, k, v = qkv.view(batch, seq, 3, heads, three_h // (3 * heads)).permute(2, 0, 3, 1, 4)
+    y = F.scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, is_causal=True)
+    return y.transpose(1, 2).reshape(batch, seq, three_h // 3)
+
+
+# ---- the two rotations: CUDA kernels, torch stand-ins on the CPU ----
+
+def _grid(pairs: int) -> tuple[int]:
+    return (max(1, min(-(-pairs // _THREADS), _MAX_BLOCKS)),)
+
+
+def rope_forward_(qkv5: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q and k of the packed qkv5 [B, T, 3, heads, D] in place."""
+    batch, seq, _, heads, dim = qkv5.shape
+    if not qkv5.is_cuda:
+        qk = qkv5[:, :, :2]
+        qk.copy_(apply_rope(qk.transpose(1, 3), cos, sin).transpose(1, 3))
+        return
+    import numpy as np
+
+    from peerline.kernels.compile import load_kernel
+    from peerline.kernels.elementwise import launch_raw
+
+    pairs = batch * seq * 2 * heads * (dim // 2)
+    kernel, _ = load_kernel(KERNEL_SOURCE, "pl_rope_forward", qkv5.device.index)
+    launch_raw(kernel, _grid(pairs), (_THREADS,),
+               (np.uint64(qkv5.data_ptr()), np.uint64(cos.data_ptr()), np.uint64(sin.data_ptr()), np.int64(pairs),
+                np.int32(seq), np.int32(heads), np.int32(dim)), 0, qkv5.device)
+
+
+def rope_backward_pack(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """d{q,k,v} [B, heads, T, D] -> packed dqkv [B, T, 3, heads, D] with the transposed rotation on dq and dk
+    (into `out` where given: the tests poison it)."""
+    batch, heads, seq, dim = dq.shape
+    if not dq.is_cuda:
+        dq, dk = (apply_rope(g, cos, -sin) for g in (dq, dk))  # the transposed rotation: the angle negated
+        return torch.stack([dq, dk, dv], dim=1).permute(0, 3, 1, 2, 4).contiguous()
+    import numpy as np
+
+    from peerline.kernels.compile import load_kernel
+    from peerline.kernels.elementwise import launch_raw
+
+    if not (dq.stride() == dk.stride() == dv.stride() and dq.stride(-1) == 1):
+        dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
+    if out is None:
+        out = torch.empty(batch, seq, 3, heads, dim, dtype=dq.dtype, device=dq.device)
+    pairs = batch * seq * 3 * heads * (dim // 2)
+    kernel, _ = load_kernel(KERNEL_SOURCE, "pl_rope_backward_pack", dq.device.index)
+    sb, sh, st, _ = dq.stride()
+    launch_raw(kernel, _grid(pairs), (_THREADS,),
+               (np.uint64(dq.data_ptr()), np.uint64(dk.data_ptr()), np.uint64(dv.data_ptr()),
+                np.uint64(out.data_ptr()), np.uint64(cos.data_ptr()), np.uint64(sin.data_ptr()), np.int64(pairs),
+                np.int32(seq), np.int32(heads), np.int32(dim), np.int64(sb), np.int64(sh), np.int64(st)),
+               0, dq.device)
+    return out
+
+
+# ---- flash attention: torch's CUDA op, its CPU op for the contract tests ----
+
+def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    if q.is_cuda:
+        out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True, False)
+        return out, (lse, cq, ck, mq, mk, seed, offset)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    return out, (lse,)
+
+
+def _flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    saved: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if q.is_cuda:
+        lse, cq, ck, mq, mk, seed, offset = saved
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cq, ck, mq, mk, 0.0, True, seed, offset)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, saved[0], 0.0,
+                                                                               True)
+
+
+def _views(qkv5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [B, heads, T, D] as strided views of the packed qkv5 [B, T, 3, heads, D]."""
+    return tuple(qkv5[:, :, i].transpose(1, 2) for i in range(3))
+
+
+class FusedRopeAttention(torch.autograd.Function):
+    """qkv [B, T, 3H] -> [B, T, H]. The input's memory is rotated in place (the qkv Linear saves its input, not its
+    output, so nothing else reads it) and kept for the backward, which needs the rotated q and k."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+        batch, seq, three_h = qkv.shape
+        qkv5 = qkv.view(batch, seq, 3, heads, three_h // (3 * heads))
+        cos, sin = cos[:seq], sin[:seq]
+        rope_forward_(qkv5, cos, sin)
+        out, saved = _flash_forward(*_views(qkv5))
+        ctx.save_for_backward(qkv, out, cos, sin, *saved)
+        ctx.heads = heads
+        return out.transpose(1, 2).reshape(batch, seq, three_h // 3)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        qkv, out, cos, sin, *saved = ctx.saved_tensors
+        batch, seq, three_h = qkv.shape
+        qkv5 = qkv.view(batch, seq, 3, ctx.heads, three_h // (3 * ctx.heads))
+        dout = dy.reshape(batch, seq, ctx.heads, -1).transpose(1, 2)
+        dq, dk, dv = _flash_backward(dout, *_views(qkv5), out, tuple(saved))
+        return rope_backward_pack(dq, dk, dv, cos, sin).view(batch, seq, three_h), None, None, None
+
+
+def fused_supported(qkv: torch.Tensor, heads: int) -> bool:
+    """Whether the fused path takes this qkv: CUDA bf16, a head width flash attention accepts (even, a multiple
+    of 8, at most 256)."""
+    dim = qkv.shape[-1] // (3 * heads)
+    return qkv.is_cuda and qkv.dtype == torch.bfloat16 and dim % 8 == 0 and dim <= 256 and qkv.is_contiguous()
+
+
+def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, impl: str = "torch"
+                   ) -> torch.Tensor:
+    """Causal self-attention with RoPE of qkv [B, T, 3H] -> [B, T, H]: fused where `impl` is not "torch" and the
+    tensor qualifies (fused_supported), the unfused reference otherwise."""
+    if impl != "torch" and fused_supported(qkv, heads):
+        return FusedRopeAttention.apply(qkv, cos, sin, heads)
+    return attention_reference(qkv, cos, sin, heads)

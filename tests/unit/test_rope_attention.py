@@ -1,0 +1,63 @@
+"""The fused RoPE attention's contract on the CPU (kernels/rope.py): the same autograd Function the GPU runs, with
+torch stand-ins for its two CUDA kernels and torch's CPU flash-attention ops, against the unfused reference
+(view, rotate, scaled_dot_product_attention), outputs and input gradients in float64. The kernels themselves are
+checked against float64 on a GPU (tests/gpu/test_rope_gpu.py)."""
+
+import pytest
+import torch
+
+from peerline.kernels import rope
+from peerline.models.rope import rope_tables
+
+
+@pytest.mark.parametrize("batch,seq,heads,dim", [(2, 16, 4, 8), (1, 33, 2, 16), (3, 7, 1, 6)])
+def test_fused_function_equals_reference(batch, seq, heads, dim):
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    cos, sin = (t.double() for t in rope_tables(seq + 5, dim))
+    qkv = torch.randn(batch, seq, 3 * heads * dim, dtype=torch.float64, generator=gen)
+    dy = torch.randn(batch, seq, heads * dim, dtype=torch.float64, generator=gen)
+    ref_in = qkv.clone().requires_grad_(True)
+    ref = rope.attention_reference(ref_in, cos, sin, heads)
+    ref.backward(dy)
+    fused_in = qkv.clone().requires_grad_(True)
+    out = rope.FusedRopeAttention.apply(fused_in.clone(), cos, sin, heads)  # the Function rotates its input
+    out.backward(dy)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(fused_in.grad, ref_in.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_forward_rotates_q_and_k_in_place_and_leaves_v():
+    batch, seq, heads, dim = 2, 9, 3, 8
+    cos, sin = rope_tables(seq, dim)
+    qkv5 = torch.randn(batch, seq, 3, heads, dim)
+    before = qkv5.clone()
+    rope.rope_forward_(qkv5, cos, sin)
+    torch.testing.assert_close(qkv5[:, :, 2], before[:, :, 2], rtol=0, atol=0)
+    for part in (0, 1):
+        want = rope.apply_rope(before[:, :, part].transpose(1, 2), cos, sin).transpose(1, 2)
+        torch.testing.assert_close(qkv5[:, :, part], want)
+
+
+def test_backward_pack_is_the_transposed_rotation():
+    """<R x, g> == <x, R^T g> for the rotation R of the forward and the backward's R^T, per position."""
+    batch, seq, heads, dim = 1, 5, 2, 4
+    cos, sin = (t.double() for t in rope_tables(seq, dim))
+    x = torch.randn(batch, seq, 3, heads, dim, dtype=torch.float64)
+    g = torch.randn(batch, heads, seq, dim, dtype=torch.float64)
+    rotated = x.clone()
+    rope.rope_forward_(rotated, cos, sin)
+    packed = rope.rope_backward_pack(g, g, g, cos, sin)
+    for part in (0, 1):
+        lhs = (rotated[:, :, part].transpose(1, 2) * g).sum()
+        rhs = (x[:, :, part] * packed[:, :, part]).sum()
+        torch.testing.assert_close(lhs, rhs)
+    torch.testing.assert_close(packed[:, :, 2], g.transpose(1, 2))
+
+
+def test_dispatch_takes_the_reference_off_the_gpu():
+    qkv = torch.randn(1, 4, 3 * 8, dtype=torch.bfloat16)
+    assert not rope.fused_supported(qkv, 2)
+    cos, sin = rope_tables(4, 4)
+    torch.testing.assert_close(rope.rope_attention(qkv, cos, sin, 2, "peerline"),
+                               rope.attention_reference(qkv, cos, sin, 2))
