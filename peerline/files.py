@@ -1,8 +1,15 @@
-"""Files written so that readers see either the old content or the complete new one, never a part."""
+"""Files written so that readers see either the old content or the complete new one, never a part.
+
+An output path that is a character device or a FIFO (/dev/null, /dev/stdout, a named pipe, a shell's `>(cmd)`) is
+written into, never replaced: a rename over it would put a regular file in its place. Any other kind of file that
+is not a regular file (a block device, a socket) is refused.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -23,9 +30,40 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+#: The kinds of special file that an output is written into (`special_kind`'s names).
+WRITTEN_INTO = ("character device", "FIFO")
+_KINDS = ((stat.S_ISCHR, "character device"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISBLK, "block device"),
+          (stat.S_ISSOCK, "socket"))
+
+
+def special_kind(path: Path) -> str | None:
+    """What `path` is when it exists and is neither a regular file nor a folder (symbolic links followed):
+    'character device', 'FIFO', 'block device', 'socket'; None otherwise."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return next((name for test, name in _KINDS if test(mode)), None)
+
+
+def write_into(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Call `write(f)` on `path` opened for writing as it is: a character device or a FIFO (a FIFO's open waits
+    for its reader, as a shell's redirection does)."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+
+
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call `write(f)` on a temporary file beside `path`, flush it to disk, then rename it over `path`."""
+    """Call `write(f)` on a temporary file beside `path`, flush it to disk, then rename it over `path`. A character
+    device or FIFO at `path` is written into instead; another special file is an OSError (EINVAL)."""
     path = Path(path)
+    kind = special_kind(path)
+    if kind in WRITTEN_INTO:
+        write_into(path, write)
+        return
+    if kind is not None:
+        raise OSError(errno.EINVAL, f"{path} is a {kind}, not a file")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

@@ -4,7 +4,9 @@ parameter checksums and the versions (peerline, its git commit, the libraries an
 `check_outputs` runs at start-up on every rank, before anything is built: a --json, --metrics-jsonl or --timeline
 file whose folder is missing or that names a folder, a --tensorboard, --profile or --save folder that is a file,
 any of them where no file can be written (a probe file is written and removed: /proc, a read-only mount), or
-tensorboard not installed, is one ConfigError line then rather than a failure after training.
+tensorboard not installed, is one ConfigError line then rather than a failure after training. A file output that
+is a character device or a FIFO is written into, never replaced (peerline/files.py): a device must take an empty
+write (/dev/full refuses it); a block device or a socket is refused.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import peerline
 from peerline.distributed.config import ConfigError, RunConfig, flag_name
 from peerline.distributed.observe.tensorboard import require_tensorboard
 from peerline.distributed.observe.versions import versions
-from peerline.files import atomic_write
+from peerline.files import WRITTEN_INTO, atomic_write, special_kind
 from peerline.kernels import ops
 
 GIT_TIMEOUT_S = 10.0
@@ -42,15 +44,39 @@ def check_outputs(cfg: RunConfig) -> None:
 
 
 def check_file(flag: str, path: Path) -> None:
-    """`path` can be created or overwritten: its folder exists and is writable, and it is no folder itself."""
+    """`path` can be created or overwritten: its folder exists and is writable, and it is no folder itself; or it
+    is a character device or FIFO that can be written into."""
     if path.is_dir():
         raise ConfigError(f"{flag} {path} is a folder: give a file name")
+    kind = special_kind(path)
+    if kind is not None:
+        check_special(flag, path, kind)
+        return
     folder = path.parent
     if not folder.is_dir():
         raise ConfigError(f"{flag} {path}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise ConfigError(f"{flag} {path}: not writable")
     probe_write(flag, path, folder)
+
+
+def check_special(flag: str, path: Path, kind: str) -> None:
+    """A special file output: a character device must take an empty write, a FIFO be writable; other kinds are
+    refused. Nothing is written beside it (its folder may be /dev)."""
+    if kind not in WRITTEN_INTO:
+        raise ConfigError(f"{flag} {path} is a {kind}: give a file name, a character device or a FIFO")
+    if kind == "FIFO":  # opening it would wait for a reader: its permission is all there is to check now
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"{flag} {path}: not writable")
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            os.write(fd, b"")
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot write into this {kind} ({exc.strerror or exc})") from None
 
 
 def check_folder(flag: str, path: Path) -> None:
@@ -120,6 +146,10 @@ def build_record(rt: Any, history: list[Any], checksums: dict[str, list[float]])
 
 
 def write_record(path: str, record: dict[str, object]) -> None:
-    """Write `record` as indented JSON, atomically (a reader never sees half a record)."""
+    """Write `record` as indented JSON, atomically (a reader never sees half a record); into `path` when it is a
+    character device or FIFO. A failed write is one ConfigError line."""
     text = json.dumps(record, indent=1)
-    atomic_write(Path(path), lambda f: f.write(text.encode()))
+    try:
+        atomic_write(Path(path), lambda f: f.write(text.encode()))
+    except OSError as exc:
+        raise ConfigError(f"--json {path}: cannot write the record ({exc.strerror or exc})") from None
