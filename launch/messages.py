@@ -5,21 +5,23 @@ rank checks the same input and fails alike, so rank 0 alone prints it; the other
 and mpirun end them as soon as rank 0 exits) and exit silently. A rank's own error (its GPU) and any error after
 the process group exists are printed by each rank that has it, unless the ranks agreed on it first (the failsafe's
 start-up checks: the lowest failing rank prints, the others raise `ReportedElsewhere` and exit silently). Under
-torchrun the printing rank also writes the line to its TORCHELASTIC_ERROR_FILE, so torchrun's failure summary shows
-it instead of a pointer to the docs.
+torchrun the printing rank also writes the line to its TORCHELASTIC_ERROR_FILE, in torchrun's own format (its
+failure summary shows the line) with peerline's entry beside it: peerline's torchrun plugin
+(peerline/torchrun_report.py) then prints that line last, in place of torchrun's traceback, and exits with its code.
+Where the agent runs that plugin (PEERLINE_TORCHRUN_REPORTS) and will not restart the attempt, the line goes to
+the error file only, so it shows once, at the end.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import sys
 import time
 
 import torch
 
-from peerline import overrides
+from peerline import overrides, torchrun_report
 from peerline.distributed.config import ReportedElsewhere, RunConfig
 from peerline.distributed.env import RankConfigError, group_started, launch_rank_world
 
@@ -30,16 +32,9 @@ def error_line(message: str) -> str:
     return f"peerline: error: {message}"
 
 
-def write_error_file(line: str) -> None:
-    """torchrun's error file for this worker, holding `line` (a plain message: the summary shows it as is)."""
-    path = overrides.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time())}, f)
-    except OSError:
-        pass  # the line is on stderr already
+def write_error_file(line: str, exit_code: int = 2, printed: bool = True) -> bool:
+    """torchrun's error file for this worker, holding `line` (peerline/torchrun_report.py); True when written."""
+    return torchrun_report.write_error_file(line, exit_code, printed)
 
 
 def report_error(message: str, exc: BaseException | None = None) -> None:
@@ -50,8 +45,10 @@ def report_error(message: str, exc: BaseException | None = None) -> None:
         pass  # another rank prints this error
     elif rank == 0 or not job_wide:
         line = error_line(message)
-        print(line, file=sys.stderr, flush=True)
-        write_error_file(line)
+        # Under an agent that prints reported lines at the end (peerline/torchrun_report.py): written for it only.
+        if not (torchrun_report.agent_prints() and write_error_file(line, printed=False)):
+            print(line, file=sys.stderr, flush=True)
+            write_error_file(line)
     if world > 1 and not (job_wide and rank == 0):
         # torchrun stops the other ranks as soon as one exits: the grace lets the ranks that print reach their line.
         time.sleep(ERROR_GRACE_S)

@@ -59,6 +59,8 @@ LAUNCH_VARIABLES: tuple[str, ...] = (
     "SLURM_STEPID", "SLURM_NNODES", "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",
     "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
     "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "TORCHELASTIC_ERROR_FILE",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "PEERLINE_TORCHRUN_REPORTS",  # set by peerline's torchrun plugin (peerline/torchrun_report.py) in the agent
 )
 
 #: Read to choose between a progress bar and plain lines: a dumb (or unknown) terminal gets plain lines.

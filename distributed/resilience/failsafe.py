@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from peerline import torchrun_report
 from peerline.distributed.config import ConfigError, ReportedElsewhere
 from peerline.distributed.hooks import IterationHooks, IterationStats
 from peerline.distributed.pipeline.placement import placement_for
@@ -325,6 +326,7 @@ class Failsafe(IterationHooks):
                 # still hang.
                 if self.rank == 0:
                     os.write(2, f"peerline: error: {exc}\n".encode())
+                    torchrun_report.write_error_file(f"peerline: error: {exc}", 1)
                 self.watchdog.fatal_quiet(1)
                 raise SystemExit(1) from None
             if isinstance(exc, ConfigError):

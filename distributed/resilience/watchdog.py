@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from peerline import torchrun_report
 from peerline.distributed.resilience.heartbeat import Beat
 
 log = logging.getLogger(__name__)
@@ -279,6 +280,7 @@ class Watchdog:
             os.write(self._err_fd, line)
         except OSError:
             pass
+        torchrun_report.write_error_file(f"peerline: error: {message}", code)  # torchrun prints it last
         if self.heartbeat is not None and self.rank == 0 and self._exit_fn is os._exit:
             # Rank 0 may host the store: the others are still reading it to name who stopped.
             time.sleep(max(0.0, min(LINGER_S, until - self._clock())))

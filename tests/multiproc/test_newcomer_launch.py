@@ -1,5 +1,6 @@
-"""A newcomer's launches for real: under torchrun an error is one line, once, and torchrun's failure summary shows
-it (the error file); --print-schedule shows the grid the launch would train, once; mpirun without mpi4py refuses."""
+"""A newcomer's launches for real: under torchrun an error is one line, once, last, with exit code 2 (the error file
+and peerline's torchrun plugin); --print-schedule shows the grid the launch would train, once; mpirun without
+mpi4py refuses."""
 
 from __future__ import annotations
 
@@ -26,12 +27,15 @@ def _errors(text: str) -> list[str]:
     (["--microbatches", "0"], "peerline: error: --microbatches must be >= 1, got 0"),
     (["--schedule", "zigzag"], "peerline: error: argument --schedule: invalid choice: 'zigzag'"),
 ])
-def test_torchrun_error_is_one_line_shown_in_the_failure_summary(tmp_path, args, message):
+def test_torchrun_error_is_the_last_line_and_the_exit_code(tmp_path, args, message):
+    """The line once, last on stderr, exit code 2: peerline's torchrun plugin (peerline/torchrun_report.py) in place of
+    torchrun's ChildFailedError traceback and exit 1."""
     proc = _launch(torchrun_cmd(2), args, tmp_path)
-    assert proc.returncode != 0
     assert [ln[:len(message)] for ln in _errors(proc.stderr)] == [message], proc.stderr
-    assert "usage:" not in proc.stderr
-    assert f"traceback : {message}" in proc.stderr, proc.stderr  # torchrun's summary, from the error file
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines[-1].startswith(message), proc.stderr
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "usage:" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow

@@ -108,6 +108,16 @@ def one_clean_line(r: Result) -> str:
     return "clean"
 
 
+def last_line_exit_2(r: Result) -> str:
+    """Under torchrun: one clean line, and it is the last line of the job's output with exit code 2 (peerline's
+    torchrun plugin, peerline/torchrun_report.py, in place of torchrun's traceback and exit 1)."""
+    outcome = one_clean_line(r)
+    if outcome != "clean":
+        return outcome
+    lines = [ln for ln in r.out.splitlines() if ln.strip()]
+    return "clean" if r.rc == 2 and lines[-1] == r.errors[0] else "misnamed"
+
+
 def names_rank(rank: int) -> Callable[[Result], str]:
     def check(r: Result) -> str:
         if worker_traceback(r.out):
@@ -137,8 +147,9 @@ def all_cases(workdir: Path) -> list[Case]:
     for kind in ("forked", "torchrun", "mpirun"):
         for name, args, env in BAD_INPUTS:
             if kind == "forked" or name in UNDER_EACH_LAUNCHER:
+                check = last_line_exit_2 if kind == "torchrun" else one_clean_line
                 cases.append(Case(f"{kind}: {name}", [*launcher(kind, 2), PIPELINE, *TINY, *args],
-                                  cpu_env(**env_models, **env), STARTUP_S, one_clean_line))
+                                  cpu_env(**env_models, **env), STARTUP_S, check))
     for grid, n, args in GRIDS:
         for name, fault, rank in FAULTS:
             limit = STARTUP_S + FAULT_TIMEOUT_S + 40

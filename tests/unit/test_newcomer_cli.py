@@ -10,10 +10,12 @@ import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from peerline import torchrun_report
 from peerline.distributed import env as penv
 from peerline.distributed.config import ConfigError, RunConfig
 from peerline.distributed.observe.progress import wants_bar
@@ -23,7 +25,8 @@ from peerline.launch.cli import build_parser, program_name
 from tests.helpers import REPO
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK",
-                 "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "TORCHELASTIC_ERROR_FILE")
+                 "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "PMIX_RANK", "TORCHELASTIC_ERROR_FILE",
+                 "PEERLINE_TORCHRUN_REPORTS", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT")
 
 
 @pytest.fixture
@@ -64,13 +67,85 @@ def test_a_job_wide_error_is_printed_by_rank_0_only(launch_env, tmp_path, capsys
     sleeps = launch_env(RANK="0", WORLD_SIZE="2", TORCHELASTIC_ERROR_FILE=str(error_file))
     messages.report_error("--microbatches must be >= 1, got 0", ConfigError("x"))
     assert capsys.readouterr().err == "peerline: error: --microbatches must be >= 1, got 0\n"
-    assert json.loads(error_file.read_text())["message"] == "peerline: error: --microbatches must be >= 1, got 0"
+    written = json.loads(error_file.read_text())
+    assert written["message"]["message"] == "peerline: error: --microbatches must be >= 1, got 0"  # torchrun's
+    assert written["peerline"] == {"line": "peerline: error: --microbatches must be >= 1, got 0", "exit_code": 2,
+                                   "printed": True}
     assert sleeps == []  # rank 0 ends the job at once
     error_file.unlink()
     launch_env(RANK="1")
     messages.report_error("--microbatches must be >= 1, got 0", ConfigError("x"))
     assert capsys.readouterr().err == "" and not error_file.exists()
     assert sleeps == [messages.ERROR_GRACE_S]  # silent, after giving rank 0 the time to print
+
+
+def test_under_peerline_s_torchrun_plugin_an_error_is_left_to_the_agent(launch_env, tmp_path, capsys,
+                                                                         monkeypatch) -> None:
+    error_file = tmp_path / "error.json"
+    launch_env(RANK="0", WORLD_SIZE="2", TORCHELASTIC_ERROR_FILE=str(error_file), PEERLINE_TORCHRUN_REPORTS="1")
+    messages.report_error("--microbatches must be >= 1, got 0", ConfigError("x"))
+    assert capsys.readouterr().err == ""  # the agent prints it, last
+    line = "peerline: error: --microbatches must be >= 1, got 0"
+    assert torchrun_report.read_error_file(str(error_file)) == torchrun_report.Entry(line, 2, printed=False)
+    monkeypatch.setattr(penv, "_group_started", True)  # a rank's own error: the same
+    messages.report_error("stage 0 output changed", ConfigError("x"))
+    assert capsys.readouterr().err == ""
+    launch_env(TORCHELASTIC_MAX_RESTARTS="1", TORCHELASTIC_RESTART_COUNT="0")  # torchrun restarts this attempt
+    messages.report_error("stage 0 output changed", ConfigError("x"))
+    assert capsys.readouterr().err == "peerline: error: stage 0 output changed\n"
+    assert torchrun_report.read_error_file(str(error_file)).printed
+
+
+class ChildFailedError(Exception):
+    """torchrun's exception, as far as the plugin reads it: failures by rank with error files and timestamps."""
+
+    def __init__(self, failures: dict) -> None:
+        super().__init__("child failed")
+        self.failures = failures
+
+
+def _error_file(path, line: str, printed: bool) -> str:
+    path.write_text(json.dumps({"message": {"message": line},
+                                "peerline": {"line": line, "exit_code": 2, "printed": printed}}))
+    return str(path)
+
+
+def test_torchrun_plugin_prints_the_peerline_lines_last_and_exits_with_their_code(tmp_path, monkeypatch,
+                                                                                   capsys) -> None:
+    theirs = tmp_path / "theirs.json"
+    theirs.write_text(json.dumps({"message": {"message": "RuntimeError: boom", "extraInfo": {}}}))
+    killed = SimpleNamespace(error_file="<N/A>", timestamp=1)  # the root cause, killed by a signal: no file
+    failed = ChildFailedError({1: killed, 0: SimpleNamespace(error_file=_error_file(
+        tmp_path / "a.json", "peerline: error: bad", False), timestamp=2)})
+    assert torchrun_report.peerline_entries(failed) == [torchrun_report.Entry("peerline: error: bad", 2, False)]
+    other = ChildFailedError({0: SimpleNamespace(error_file=str(theirs), timestamp=1)})
+    assert torchrun_report.peerline_entries(other) == [] and torchrun_report.peerline_entries(ValueError()) == []
+    exits, passed = [], []
+    monkeypatch.setattr(torchrun_report.os, "_exit", exits.append)
+    torchrun_report.report_or_pass(ChildFailedError, failed, None, lambda *a: passed.append(a))
+    assert capsys.readouterr().err == "peerline: error: bad\n" and exits == [2] and passed == []
+    torchrun_report.report_or_pass(ChildFailedError, other, None, lambda *a: passed.append(a))
+    assert exits == [2] and len(passed) == 1  # torchrun's own traceback
+
+
+def test_torchrun_plugin_prints_each_unprinted_line_once_else_repeats_the_first() -> None:
+    entry = torchrun_report.Entry
+    assert torchrun_report.final_lines([entry("a", 2, False), entry("b", 2, False), entry("a", 2, False)]) == \
+        ["a", "b"]
+    assert torchrun_report.final_lines([entry("a", 3, True), entry("b", 1, True)]) == ["a"]  # the watchdog's lines
+
+
+def test_torchrun_plugin_runs_only_in_the_agent_and_quiets_only_its_own_note(tmp_path) -> None:
+    assert torchrun_report.is_torchrun_agent(["/venv/bin/torchrun", "--nproc_per_node=2"])
+    assert torchrun_report.is_torchrun_agent(["/venv/lib/python3.11/site-packages/torch/distributed/run.py"])
+    assert not torchrun_report.is_torchrun_agent(["launch/pipeline.py"]) and not torchrun_report.is_torchrun_agent([])
+    ours = _error_file(tmp_path / "ours.json", "peerline: error: bad", True)
+    note = "no error file defined for parent, to copy child error file (%s)"
+    for path, shown in ((ours, False), (str(tmp_path / "missing.json"), True)):
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, note, (path,), None)
+        assert torchrun_report._quiet_note(record) is shown
+    with pytest.raises(ValueError, match="only reports errors"):
+        torchrun_report._not_a_backend(None)
 
 
 def test_a_rank_s_own_error_and_errors_mid_run_print_on_that_rank(launch_env, capsys, monkeypatch) -> None:
