@@ -42,7 +42,8 @@ DESCRIPTIONS: dict[str, str] = {
     "graph": "whole-iteration CUDA graph vs eager and a hand-captured torch graph",
     "single": "single-GPU mode: copy/compute overlap vs serial and its bound; allocators (1 rank)",
     "pipeline": "full training iteration vs torch.distributed.pipelining + DDP",
-    "gpt": "GPT LM on real text vs torch.distributed.pipelining (fastest schedule and recipe); recompute table",
+    "gpt": "GPT LM on real text vs a plain torch GPT under torch.distributed.pipelining (fastest schedule, recipe, "
+           "compile); recompute table",
     "eager": "--no-graph vs torch eager: 1F1B vs torch.distributed.pipelining (autocast, bf16), 1 GPU vs plain torch",
     "optimizer": "--shard-optimizer (ZeRO-1) vs the all-reduce step and DDP + ZeroRedundancyOptimizer (2+ ranks)",
     "checkpoint": "checkpoint save and load per GB (DCP format, verified) vs torch.save / torch.load (1 rank)",

@@ -1,10 +1,14 @@
 """Benchmark suite `gpt`: the GPT language model (--model gpt on the default text corpus) trained by peerline,
-eager and with whole-iteration CUDA graphs, against torch.distributed.pipelining on the same model, data and loss
-with its fastest schedule and precision recipe; pp = the world size. Optionally (--gpt-recompute) the cost of
-activation recomputation: peerline with --recompute off / N / full.
+eager and with whole-iteration CUDA graphs, against the anchor a user would pick: a GPT of the same architecture
+and FLOPs written with plain torch modules (bench/suites/plain_gpt.py) under torch.distributed.pipelining on the
+same data and loss, with its fastest schedule, precision recipe and blocks (eager or torch.compile'd); pp = the
+world size. A second torch row runs peerline's own GPT under torch.distributed.pipelining (its fastest schedule and
+recipe, eager), recorded against the same anchor. Optionally (--gpt-recompute) the cost of activation
+recomputation: peerline with --recompute off / N / full.
 
     torchrun --nproc_per_node=2 launch/bench.py gpt [--gpt-configs compute,launch] [--gpt-recompute]
         [--gpt-layers 24 --gpt-hidden 2048 --gpt-heads 16 --gpt-seq 2048 --gpt-mbs 1 --gpt-microbatches 8]
+        [--gpt-anchor-compile both|on|off]
     torchrun --nproc_per_node=2 launch/bench.py gpt --quick          (a tiny fp32 GPT on the CPU, gloo)
 
 Configurations (cross-entropy on the default corpus's tokens, AdamW, peerline 1F1B):
@@ -13,10 +17,14 @@ Configurations (cross-entropy on the default corpus's tokens, AdamW, peerline 1F
   quick    2 blocks, hidden 32, 2 heads, seq 16, micro-batch 2, M=4, fp32       (--quick: the CPU smoke test)
 
 The anchor tries every torch schedule that applies (bench/suites/torch_schedules.py) under every precision recipe
-(bf16 parameters; fp32 parameters + bf16 autocast; fp32 alone for fp32 shapes); the fastest is the anchor, and each
-record's extra names it and lists every candidate's time. Records: tokens/s (extra: ms/iter, achieved TFLOP/s per
+(bf16 parameters; fp32 parameters + bf16 autocast; fp32 alone for fp32 shapes) with its blocks eager and compiled
+(--gpt-anchor-compile; torch.compile per block as torchtitan does; not with the zero-bubble schedules, which torch
+refuses to run through compiled modules; eager only on the CPU unless asked, where inductor's code generation is
+slow); the fastest is the anchor, and each record's extra names it (anchor_model, anchor_schedule, anchor_recipe,
+anchor_blocks) and lists every candidate's time. Records: tokens/s (extra: the model, ms/iter, achieved TFLOP/s per
 GPU and MFU from models/flops.py, peak memory of every rank, the first losses of both), and MFU % where the card's
-peak is known. The recompute table: ms/iter and peak memory (max over ranks) of each setting against off.
+peak is known; `<configuration> torch-peerline-gpt` is peerline's GPT under torch against the plain anchor. The
+recompute table: ms/iter and peak memory (max over ranks) of each setting against off.
 Timing is the pipeline suite's (bench/runtime_timing.py): blocks of --gpt-iters iterations, the slowest rank's time,
 median over --reps blocks after --warmup blocks.
 """
@@ -41,7 +49,9 @@ CONFIGS = {
     "quick": GPTShape("quick", layers=2, hidden=32, heads=2, seq=16, micro_batch_size=2, microbatches=4,
                       dtype="fp32"),
 }
-VARIANTS = ("torch", "eager", "graph")
+VARIANTS = ("torch", "torch-peerline-gpt", "eager", "graph")
+#: --gpt-anchor-compile -> the plain anchor's blocks tried
+COMPILE = {"both": ["eager", "compiled"], "on": ["compiled"], "off": ["eager"]}
 #: --gpt-* size flag -> GPTShape field (they resize the compute configuration)
 SIZE_FLAGS = {"gpt_layers": "layers", "gpt_hidden": "hidden", "gpt_heads": "heads", "gpt_seq": "seq",
               "gpt_mbs": "micro_batch_size", "gpt_microbatches": "microbatches"}
@@ -58,12 +68,20 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
         group.add_argument("--" + flag.replace("_", "-"), dest=flag, type=int, default=None,
                            help=f"the compute configuration's {name.replace('_', ' ')} (default "
                                 f"{getattr(CONFIGS['compute'], name)})")
-    group.add_argument("--gpt-variants", type=_csv, default=None, help="torch,eager,graph (default all)")
+    group.add_argument("--gpt-variants", type=_csv, default=None,
+                       help="torch (the plain torch GPT, the anchor), torch-peerline-gpt (peerline's GPT under "
+                            "torch), eager, graph (default all)")
     group.add_argument("--gpt-schedules", type=_csv, default=None,
                        help="peerline's schedules for the eager and graph variants, e.g. 1f1b,zb-h1 (default 1f1b)")
     group.add_argument("--gpt-anchor-schedules", type=_csv, default=None,
                        help="the anchor's torch schedules to try: 1f1b,gpipe,interleaved-1f1b,interleaved-zb,zbv,"
                             "dualpipev (default all that apply)")
+    group.add_argument("--gpt-anchor-compile", choices=list(COMPILE), default=None,
+                       help="the anchor's blocks: eager and torch.compile'd (both), compiled only (on), eager only "
+                            "(off); default both on a GPU, off on the CPU")
+    group.add_argument("--gpt-compile-backend", default=None,
+                       help="torch.compile's backend for the anchor's compiled blocks (default inductor; aot_eager "
+                            "traces without generating code, for CPU tests)")
     group.add_argument("--gpt-iters", type=int, default=None, help="iterations per timed block (default 5)")
     group.add_argument("--gpt-recompute", action="store_true",
                        help="also the recompute table: peerline --recompute off / N (half a stage's layers) / full "
@@ -92,6 +110,16 @@ def _variants(args: argparse.Namespace, ctx: BenchContext) -> list[str]:
     return variants
 
 
+def anchor_blocks(args: argparse.Namespace, ctx: BenchContext) -> list[str]:
+    """The plain anchor's blocks to try: --gpt-anchor-compile, by default both on a GPU and eager on the CPU."""
+    choice = getattr(args, "gpt_anchor_compile", None)
+    if choice is None and ctx.device.type != "cuda":
+        ctx.note("gpt: the anchor's blocks run eager on the CPU (torch.compile's code generation is slow there); "
+                 "--gpt-anchor-compile both|on compiles them")
+        choice = "off"
+    return COMPILE[choice or "both"]
+
+
 def _recompute_shape(shapes: list[GPTShape]) -> GPTShape | None:
     """The shape of the recompute table: the compute configuration, else the quick one."""
     for wanted in ("compute-bound", "quick"):
@@ -105,6 +133,7 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     """Every configuration: the anchor's candidates, peerline eager and graph; then the recompute table."""
     shapes = selected_shapes(args, ctx.quick)
     variants = _variants(args, ctx)
+    blocks = anchor_blocks(args, ctx) if "torch" in variants else ["eager"]
     pp = dist.get_world_size()
     ctx.facts.setdefault("gpt_grid", f"pp={pp}")
     if not ctx.quick and ctx.device.type != "cuda":
@@ -114,7 +143,7 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
         ctx.note("gpt: --gpt-recompute needs the compute configuration (quick with --quick); no table")
     failures: list[str] = []
     for shape in shapes:
-        bench = GPTBench(args, ctx, shape)
+        bench = GPTBench(args, ctx, shape, blocks)
         bench.run_variants(variants, failures)
         if shape is recompute:
             bench.recompute_table(failures)

@@ -1,16 +1,22 @@
-"""The anchor of the gpt suite: the same GPT, data and loss under torch.distributed.pipelining, for one schedule and
-one precision recipe. This is what a user would otherwise run.
+"""The anchor of the gpt suite: the GPT, data and loss under torch.distributed.pipelining, for one schedule, one
+precision recipe and its blocks eager or compiled. This is what a user would otherwise run.
 
-Same model: peerline's own model assembly (distributed/assemble.py make_model: models/gpt.py build_gpt_layers
-split by compute, here with torch kernels), so the anchor's layers, weights and stage split are peerline's;
-the schedules of two stages per rank split the same layers into twice the stages. Same data:
-peerline's text feed (distributed/data/token_feed.py token_data: the same token file, sampler and seed; microbatch
-m of iteration i is global microbatch m), staged through pinned host memory. Same loss: peerline's
-cross_entropy_loss (distributed/model.py: fp32 logits, mean over the microbatch's tokens); torch's schedules
-divide the summed microbatch gradients by M, which is peerline's mean over microbatches. AdamW (fused on GPU).
+Two models (MODELS), each cut by the same stage split (gpt_split: models/flops.py's per-layer FLOPs balanced by
+distributed/model.py's split_by_weight, the embedding and the head counted as layers; the schedules of two stages
+per rank split the same layers into twice the stages):
+  plain     the anchor: a GPT written with plain torch modules (bench/suites/plain_gpt.py: nn.Linear, nn.LayerNorm,
+            SDPA, torchtitan's RoPE), the architecture, parameters and FLOPs of --model gpt, its own init; its
+            blocks eager or each under torch.compile, as torchtitan runs them
+  peerline  peerline's own GPT under torch (distributed/assemble.py make_model: models/gpt.py build_gpt_layers with
+            torch kernels): peerline's layers and weights, eager; a second, labelled row
+Same data: peerline's text feed (distributed/data/token_feed.py token_data: the same token file, sampler and seed;
+microbatch m of iteration i is global microbatch m), staged through pinned host memory. Same loss: cross-entropy on
+fp32 logits, mean over the microbatch's tokens (plain_gpt.py's, and peerline's distributed/model.py's); torch's
+schedules divide the summed microbatch gradients by M, which is peerline's mean over microbatches. AdamW (fused on
+GPU).
 
-The schedules, their stage placement, the precision recipes and the search for the fastest are shared with the
-pipeline suite (bench/suites/torch_schedules.py); the embedding and the head count as layers of the split.
+The schedules, their stage placement, the precision recipes, the blocks and the search for the fastest are shared
+with the pipeline suite (bench/suites/torch_schedules.py).
 
 API used (written against torch 2.13; the same in 2.11, the GPU machines' torch): PipelineStage(submodule,
 stage_index, num_stages, device), Schedule*(stage or [stages], n_microbatches, loss_fn=),
@@ -30,8 +36,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from peerline.bench.suites import plain_gpt
 from peerline.bench.suites.torch_schedules import build_schedule, param_dtype, stage_ids
-from peerline.distributed.model import cross_entropy_loss
+from peerline.distributed.model import cross_entropy_loss, split_by_weight
+from peerline.models.flops import gpt_layer_costs
+
+#: the anchor's model -> its label in records and notes
+MODELS = {"plain": "plain torch GPT", "peerline": "peerline's GPT under torch"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,22 +76,41 @@ class GPTShape:
                          lr=self.lr, dtype=self.dtype, **overrides)
 
 
-class StageCache:
-    """The CPU stage modules of each split, built once per shape by peerline's own model assembly (the GPT split by
-    compute; torch kernels) and copied for every anchor candidate."""
+def gpt_split(shape: GPTShape, vocab: int, n_stages: int) -> list[tuple[int, int]]:
+    """The [start, stop) layers of each stage: peerline's split of --model gpt (distributed/assemble.py make_model),
+    the layers + 2 (embedding, blocks, head) balanced by their forward FLOPs."""
+    costs = gpt_layer_costs(vocab=vocab, hidden=shape.hidden, layers=shape.layers, seq=shape.seq)
+    return split_by_weight(costs, n_stages)
 
-    def __init__(self, shape: GPTShape) -> None:
-        self.shape, self.cfg = shape, shape.run_config(None, device="cpu")
+
+class StageCache:
+    """The CPU stage modules of each split of one model (MODELS), built once per shape and copied for every anchor
+    candidate: plain_gpt.PlainGPT's layer ranges of gpt_split, or peerline's own model assembly (the GPT split by
+    compute; torch kernels)."""
+
+    def __init__(self, shape: GPTShape, vocab: int, model: str = "plain") -> None:
+        if model not in MODELS:
+            raise ValueError(f"unknown anchor model {model!r}; choose from {', '.join(MODELS)}")
+        self.shape, self.vocab, self.model = shape, vocab, model
+        self.cfg = shape.run_config(None, device="cpu")
+        self.loss = plain_gpt.cross_entropy_loss if model == "plain" else cross_entropy_loss
         self._built: dict[tuple[int, tuple[int, ...]], list[nn.Module]] = {}
 
     def modules(self, n_stages: int, stage_ids: list[int]) -> list[nn.Module]:
-        from peerline.distributed.assemble import make_model
-
         key = (n_stages, tuple(stage_ids))
         if key not in self._built:
-            grid = SimpleNamespace(n_stages=n_stages, stage_ids=list(stage_ids))  # what make_model reads of a Grid
-            self._built[key] = make_model(self.cfg, grid, "torch").modules
+            self._built[key] = self._build(n_stages, list(stage_ids))
         return [copy.deepcopy(m) for m in self._built[key]]
+
+    def _build(self, n_stages: int, stage_ids: list[int]) -> list[nn.Module]:
+        if self.model == "peerline":
+            from peerline.distributed.assemble import make_model
+
+            grid = SimpleNamespace(n_stages=n_stages, stage_ids=stage_ids)  # what make_model reads of a Grid
+            return make_model(self.cfg, grid, "torch").modules
+        s, bounds = self.shape, gpt_split(self.shape, self.vocab, n_stages)
+        return [plain_gpt.PlainGPT(vocab=self.vocab, hidden=s.hidden, heads=s.heads, layers=s.layers, seq=s.seq,
+                                   start=bounds[sid][0], stop=bounds[sid][1], seed=s.seed) for sid in stage_ids]
 
 
 class TokenBatches:
@@ -116,20 +146,27 @@ class TokenBatches:
 
 
 class TorchGPTAnchor:
-    """One rank of a pp-stage torch.distributed.pipelining run of the GPT (no data parallelism)."""
+    """One rank of a pp-stage torch.distributed.pipelining run of the GPT (no data parallelism). `blocks`
+    "compiled" wraps every block of the plain model in torch.compile (plain_gpt.compile_blocks, `compile_backend`)
+    after a reset of dynamo's caches, so each candidate compiles afresh."""
 
     def __init__(self, stages: StageCache, fill: Callable, schedule: str, recipe: str, pp: int, rank: int,
-                 device: torch.device) -> None:
+                 device: torch.device, blocks: str = "eager", compile_backend: str = "inductor") -> None:
         from torch.distributed import pipelining
 
+        if blocks == "compiled" and stages.model != "plain":
+            raise ValueError(f"compiled blocks are the plain model's; {MODELS[stages.model]} runs eager")
         shape = stages.shape
         ids = stage_ids(schedule, rank, pp)
         n_stages = pp * len(ids)
         self.modules = [m.to(device=device, dtype=param_dtype(recipe)) for m in stages.modules(n_stages, ids)]
+        if blocks == "compiled":
+            torch._dynamo.reset()
+            self.modules = [plain_gpt.compile_blocks(m, compile_backend) for m in self.modules]
         self.device, self.recipe, self.iteration = device, recipe, 0
         self.is_first, self.is_last = 0 in ids, n_stages - 1 in ids
         pipe = [pipelining.PipelineStage(m, sid, n_stages, device) for m, sid in zip(self.modules, ids, strict=True)]
-        self.schedule = build_schedule(schedule, pipe, shape.microbatches, cross_entropy_loss)
+        self.schedule = build_schedule(schedule, pipe, shape.microbatches, stages.loss)
         params = [p for m in self.modules for p in m.parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=shape.lr, fused=device.type == "cuda" or None)
         self.batches = TokenBatches(fill, shape, device, self.is_first, self.is_last)

@@ -1,5 +1,7 @@
-"""The records and notes of the gpt suite: tokens/s and MFU of each peerline variant against the fastest anchor
-candidate, the candidates' times, and the recompute table (ms/iter and peak memory of each setting against off).
+"""The records and notes of the gpt suite: tokens/s and MFU of each peerline variant, and of peerline's GPT under
+torch (the `torch-peerline-gpt` row), against the fastest anchor candidate (the plain torch GPT), the candidates'
+times, and the recompute table (ms/iter and peak memory of each setting against off). Every record's extra names
+its model ("model") and the anchor's ("anchor_model"), schedule, recipe and blocks.
 
 Achieved TFLOP/s are per GPU: the model FLOPs of an iteration (models/flops.py gpt_flops_per_token x tokens,
 recomputation not counted, as MFU is defined) over the iteration time and the pp ranks; MFU divides them by the
@@ -16,6 +18,7 @@ import torch
 from peerline.bench.benchkit import BenchContext, Record
 from peerline.bench.runtime_timing import Measured
 from peerline.bench.suites.gpt_anchor import GPTShape
+from peerline.bench.suites.torch_schedules import candidate_name
 from peerline.models.flops import gpt_flops_per_token, peak_bf16_tflops
 
 SUITE = "gpt"
@@ -59,23 +62,24 @@ class GPTReport:
         return f"{got['ms_per_iter']:.2f} ms/iter, {got['tflops']:.3g} TFLOP/s per GPU{mfu}{mem}"
 
     def candidates(self, measured: dict[str, Measured], best: Measured) -> None:
-        """One note: every anchor candidate's time and the one that won."""
+        """One note: every candidate's time of one model under torch and the one that won."""
         parts = [f"{name} {m.timing.median_ms:.2f}" for name, m in measured.items()]
-        self.ctx.note(f"gpt {self.shape.name} pp={self.pp}: torch.distributed.pipelining candidates (ms/iter): "
-                      f"{'; '.join(parts)}; fastest: {best.extra['schedule']} {best.extra['recipe']} "
-                      f"({self.describe(best)})")
+        self.ctx.note(f"gpt {self.shape.name} pp={self.pp}: torch.distributed.pipelining candidates, "
+                      f"{best.extra['model']} (ms/iter): {'; '.join(parts)}; fastest: "
+                      f"{candidate_name(measured, best)} ({self.describe(best)})")
 
     def variant(self, m: Measured, anchor: Measured | None) -> None:
         """A peerline variant against the anchor: tokens/s (and MFU %), and the goal line for graphs on GPUs."""
         if anchor is None or m is anchor:
             return
-        name = f"torch.distributed.pipelining {anchor.extra['schedule']} {anchor.extra['recipe']}"
+        a = anchor.extra
+        name = f"torch.distributed.pipelining {a['model']} {a['schedule']} {a['recipe']} {a['blocks']}"
         mine, theirs = self.metrics(m), self.metrics(anchor)
-        diff = max((abs(a - b) / max(abs(b), 1e-12) for a, b in zip(m.losses, anchor.losses, strict=False)),
+        diff = max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(m.losses, anchor.losses, strict=False)),
                    default=math.nan)
         extra = {**mine, **{f"anchor_{k}": v for k, v in theirs.items()}, "max_loss_rel_diff": diff,
-                 "anchor_schedule": anchor.extra["schedule"], "anchor_recipe": anchor.extra["recipe"],
-                 "anchor_candidates": anchor.extra.get("candidates", {}), **m.extra}
+                 "anchor_model": a["model"], "anchor_schedule": a["schedule"], "anchor_recipe": a["recipe"],
+                 "anchor_blocks": a["blocks"], "anchor_candidates": a.get("candidates", {}), **m.extra}
         case = f"{self.shape.name} {m.name}"
         rec = self.ctx.record(Record(SUITE, case, "tokens/s", mine["tokens_per_s"], theirs["tokens_per_s"], name,
                                      sizes=self.sizes, extra=extra))

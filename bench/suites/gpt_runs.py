@@ -1,7 +1,8 @@
 """The measurements of the gpt suite for one GPT shape on this rank (pp = the world size): the anchor's candidates
-(torch.distributed.pipelining: schedule x precision recipe), peerline eager and graph, and peerline under each
---recompute setting. Records are written by bench/suites/gpt_report.py; the suite's docstring (gpt.py) says what
-is measured and how.
+(torch.distributed.pipelining running the plain torch GPT: schedule x precision recipe x blocks eager or compiled),
+peerline's GPT under torch (schedule x recipe, eager: a second row), peerline eager and graph, and peerline under
+each --recompute setting. Records are written by bench/suites/gpt_report.py; the suite's docstring (gpt.py) says
+what is measured and how.
 """
 
 from __future__ import annotations
@@ -24,33 +25,37 @@ from peerline.bench.runtime_timing import (
     time_anchor,
     time_captured,
 )
-from peerline.bench.suites.gpt_anchor import GPTShape, StageCache, TorchGPTAnchor, token_source
+from peerline.bench.suites.gpt_anchor import MODELS, GPTShape, StageCache, TorchGPTAnchor, token_source
 from peerline.bench.suites.gpt_report import GPTReport
-from peerline.bench.suites.torch_schedules import candidates, fastest, recipes_for
+from peerline.bench.suites.torch_schedules import AXES_WITH_BLOCKS, candidates, fastest, recipes_for, with_blocks
 
 log = logging.getLogger(__name__)
 
 LOSS_CHECK_ITERS = 2  # iterations whose losses are read and compared before timing
+#: the variants measured on torch (variant -> the anchor's model, gpt_anchor.MODELS); "torch" is the anchor
+TORCH_VARIANTS = {"torch": "plain", "torch-peerline-gpt": "peerline"}
 
 
 class GPTBench:
-    """Every variant of one GPT shape on this rank; `results` by variant name (torch, eager, graph)."""
+    """Every variant of one GPT shape on this rank; `results` by variant name (torch, torch-peerline-gpt, eager,
+    graph). `blocks`: the plain anchor's blocks to try (eager, compiled)."""
 
-    def __init__(self, args: argparse.Namespace, ctx: BenchContext, shape: GPTShape) -> None:
-        self.args, self.ctx, self.shape, self.device = args, ctx, shape, ctx.device
+    def __init__(self, args: argparse.Namespace, ctx: BenchContext, shape: GPTShape, blocks: list[str]) -> None:
+        self.args, self.ctx, self.shape, self.device, self.blocks = args, ctx, shape, ctx.device, blocks
         self.pp, self.rank = dist.get_world_size(), dist.get_rank()
         self.timer = BlockTimer.from_args(args, ctx.quick, self.device, getattr(args, "gpt_iters", None))
         self.vocab, self.fill = token_source(shape)
         self.report = GPTReport(ctx, shape, self.vocab, self.pp)
         self.results: dict[str, Measured] = {}
+        self._pairs: list[tuple[str, str]] | None = None
 
     def run_variants(self, variants: list[str], failures: list[str]) -> dict[str, Measured]:
         """Measure each variant (the anchor first) and record it against the anchor as soon as both exist."""
         schedules = getattr(self.args, "gpt_schedules", None) or ["1f1b"]
-        runs = [(v, s) for v in variants for s in ([None] if v == "torch" else schedules)]
+        runs = [(v, s) for v in variants for s in ([None] if v in TORCH_VARIANTS else schedules)]
         for variant, schedule in runs:
             label = variant if schedule in (None, "1f1b") else f"{variant} {schedule}"
-            measure = (lambda: self.best_anchor(failures)) if variant == "torch" else (
+            measure = (lambda v=variant: self.best_anchor(v, failures)) if variant in TORCH_VARIANTS else (
                 lambda graph=variant == "graph", schedule=schedule: self.peerline(graph, schedule=schedule))
             got = self._measure(label, measure, failures)
             if got is None:
@@ -61,29 +66,40 @@ class GPTBench:
 
     # -- the anchor ----------------------------------------------------------------------------------------------
     def candidates(self) -> list[tuple[str, str]]:
-        """(schedule, recipe) pairs the anchor tries (torch_schedules.py), in order; one that does not apply is
-        noted. The embedding and the head are layers of the split too."""
-        s = self.shape
-        return candidates(getattr(self.args, "gpt_anchor_schedules", None), recipes_for(s.dtype), self.pp,
-                          s.layers + 2, s.microbatches, 1, self.ctx.note, what=f"gpt {s.name}")
+        """(schedule, recipe) pairs the torch runs try (torch_schedules.py), in order; one that does not apply is
+        noted (once). The embedding and the head are layers of the split too."""
+        if self._pairs is None:
+            s = self.shape
+            self._pairs = candidates(getattr(self.args, "gpt_anchor_schedules", None), recipes_for(s.dtype),
+                                     self.pp, s.layers + 2, s.microbatches, 1, self.ctx.note, what=f"gpt {s.name}")
+        return self._pairs
 
-    def best_anchor(self, failures: list[str]) -> Measured | str:
-        """Every candidate measured; the fastest, its extra naming it and listing every candidate."""
-        stages = StageCache(self.shape)
-        measured, best = fastest(self.ctx, f"{self.shape.name} torch", self.candidates(),
-                                 lambda schedule, recipe: self.anchor(stages, schedule, recipe), failures)
+    def best_anchor(self, variant: str, failures: list[str]) -> Measured | str:
+        """Every candidate of the variant's model measured (the plain GPT: each (schedule, recipe) with each of
+        `blocks`; peerline's GPT: eager blocks); the fastest, named `variant`, its extra naming it and its model and
+        listing every candidate."""
+        model = TORCH_VARIANTS[variant]
+        stages = StageCache(self.shape, self.vocab, model)
+        blocks = self.blocks if model == "plain" else ["eager"]
+        triples = with_blocks(self.candidates(), blocks, self.ctx.note, what=f"gpt {self.shape.name}")
+        measured, best = fastest(self.ctx, f"{self.shape.name} {variant}", triples,
+                                 lambda schedule, recipe, b: self.anchor(stages, schedule, recipe, b), failures,
+                                 axes=AXES_WITH_BLOCKS)
         if best is None:
-            return "no anchor candidate ran"
+            return f"no torch candidate ran ({MODELS[model]})"
+        best.name = variant
         self.report.candidates(measured, best)
         return best
 
-    def anchor(self, stages: StageCache, schedule: str, recipe: str) -> Measured:
+    def anchor(self, stages: StageCache, schedule: str, recipe: str, blocks: str) -> Measured:
         """One candidate: its first losses, then timed blocks of its iterations."""
-        anchor = TorchGPTAnchor(stages, self.fill, schedule, recipe, self.pp, self.rank, self.device)
+        anchor = TorchGPTAnchor(stages, self.fill, schedule, recipe, self.pp, self.rank, self.device, blocks,
+                                getattr(self.args, "gpt_compile_backend", None) or "inductor")
         losses, timing = time_anchor(anchor, LOSS_CHECK_ITERS, self.timer)
         per_rank = peak_gb_per_rank(self.device)
-        return Measured(f"torch {schedule} {recipe}", timing, losses, None, max(per_rank, default=0.0),
-                        {"schedule": schedule, "recipe": recipe}, per_rank)
+        return Measured(f"torch {schedule} {recipe} {blocks}", timing, losses, None, max(per_rank, default=0.0),
+                        {"model": MODELS[stages.model], "schedule": schedule, "recipe": recipe, "blocks": blocks},
+                        per_rank)
 
     # -- peerline ------------------------------------------------------------------------------------------------
     def peerline(self, graph: bool, recompute: str = "off", schedule: str = "1f1b") -> Measured | str:
@@ -96,8 +112,8 @@ class GPTBench:
                 return measured
             losses, timing = measured
             per_rank = peak_gb_per_rank(self.device)
-            extra: dict[str, Any] = {"transport": rt.transport_name, "recompute": recompute,
-                                     "stage_layers": _most_stage_layers(rt, self.device)}
+            extra: dict[str, Any] = {"model": "peerline's GPT", "transport": rt.transport_name,
+                                     "recompute": recompute, "stage_layers": _most_stage_layers(rt, self.device)}
         name = ("graph" if graph else "eager") + ("" if schedule == "1f1b" else f" {schedule}")
         extra["schedule"] = schedule
         return Measured(name, timing, losses, None, max(per_rank, default=0.0), extra, per_rank)

@@ -1,9 +1,11 @@
 """torch.distributed.pipelining's schedules as the anchor's candidates, shared by the pipeline and gpt suites: which
 schedules there are, where each places its stages, which apply to a shape, the precision recipes, and the search
-that measures every (schedule, recipe) pair and keeps the fastest (what a user tuning torch would pick).
+that measures every candidate (schedule, recipe[, blocks]) and keeps the fastest (what a user tuning torch would pick).
 
   pairs = candidates(wanted, recipes_for(dtype), pp, layers, M, dp, ctx.note)   # those that apply; the rest noted
   measured, best = fastest(ctx, "compute-bound torch", pairs, measure, failures)   # measure(schedule, recipe)
+  triples = with_blocks(pairs, ["eager", "compiled"], ctx.note)   # the gpt suite: each block eager or compiled
+  measured, best = fastest(ctx, ..., triples, measure, failures, axes=AXES_WITH_BLOCKS)
 
 Schedules (TORCH_SCHEDULES): 1F1B and GPipe hold one stage per rank; Interleaved1F1B and InterleavedZeroBubble two
 per rank in a loop (rank r: stages r and r + pp); ZBVZeroBubble and DualPipeV two per rank in a V (rank r: stages r
@@ -11,6 +13,10 @@ and 2 pp - 1 - r). A schedule that this torch lacks, or whose conditions the sha
 stages, microbatches that do not fill its rounds, DDP over several stages per rank), is not tried and says why.
 Recipes: bf16-params (modules cast to bf16: parameters, activations, optimizer state; what torch users run for
 speed), autocast (fp32 parameters under bf16 autocast: peerline's numerics), fp32 (the fp32 shapes).
+Blocks (BLOCKS): eager, or compiled (each transformer block under torch.compile, as torchtitan runs them). The
+zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) split the backward into input and weight
+passes, which torch does not support through compiled modules (it refuses them: pytorch/pytorch#161904); their
+compiled candidates are not tried, and say so.
 """
 
 from __future__ import annotations
@@ -32,17 +38,22 @@ class TorchSchedule:
     cls_name: str
     per_rank: int
     style: str  # "loop": rank r holds r, r + pp, ...; "v": rank r holds r and 2 pp - 1 - r
+    splits_backward: bool = False  # input and weight gradients in separate passes (no compiled modules)
 
 
 TORCH_SCHEDULES = {
     "1f1b": TorchSchedule("Schedule1F1B", 1, "loop"),
     "gpipe": TorchSchedule("ScheduleGPipe", 1, "loop"),
     "interleaved-1f1b": TorchSchedule("ScheduleInterleaved1F1B", 2, "loop"),
-    "interleaved-zb": TorchSchedule("ScheduleInterleavedZeroBubble", 2, "loop"),
-    "zbv": TorchSchedule("ScheduleZBVZeroBubble", 2, "v"),
-    "dualpipev": TorchSchedule("ScheduleDualPipeV", 2, "v"),
+    "interleaved-zb": TorchSchedule("ScheduleInterleavedZeroBubble", 2, "loop", splits_backward=True),
+    "zbv": TorchSchedule("ScheduleZBVZeroBubble", 2, "v", splits_backward=True),
+    "dualpipev": TorchSchedule("ScheduleDualPipeV", 2, "v", splits_backward=True),
 }
 RECIPES = ("bf16-params", "autocast", "fp32")
+BLOCKS = ("eager", "compiled")
+#: the names of a candidate's parts, in order: (schedule, recipe), or (schedule, recipe, blocks)
+AXES = ("schedule", "recipe")
+AXES_WITH_BLOCKS = ("schedule", "recipe", "blocks")
 
 
 def recipes_for(dtype: str) -> list[str]:
@@ -121,29 +132,52 @@ def candidates(wanted: list[str] | None, recipes: list[str], pp: int, layers: in
     return pairs
 
 
-def fastest(ctx: Any, what: str, pairs: list[tuple[str, str]], measure: Callable[[str, str], Any],
-            failures: list[str]) -> tuple[dict[str, Any], Any | None]:
-    """Measure every pair (`measure(schedule, recipe)` -> a runtime_timing.Measured) on a freed device; returns
-    ({"schedule recipe": Measured}, the fastest or None). The fastest's extra names it ("schedule", "recipe") and
-    lists every candidate's time, first losses and peak memory ("candidates"). A failing candidate is logged and
-    added to `failures`; the others still run. Every rank measures the same pairs, and the times are the slowest
-    rank's, so every rank picks the same one."""
+def with_blocks(pairs: list[tuple[str, str]], blocks: list[str], note: Callable[[str], None],
+                what: str = "anchor") -> list[tuple[str, str, str]]:
+    """Each (schedule, recipe) with each of `blocks` (eager, compiled); a schedule that splits the backward gets no
+    compiled candidate, noted once."""
+    unknown = [b for b in blocks if b not in BLOCKS]
+    if unknown:
+        raise ValueError(f"{what}: unknown blocks {unknown[0]!r}; choose from {', '.join(BLOCKS)}")
+    triples, refused = [], []
+    for schedule, recipe in pairs:
+        for b in blocks:
+            if b == "compiled" and TORCH_SCHEDULES[schedule].splits_backward:
+                if schedule not in refused:
+                    refused.append(schedule)
+                continue
+            triples.append((schedule, recipe, b))
+    for schedule in refused:
+        note(f"{what}: torch {TORCH_SCHEDULES[schedule].cls_name} with compiled blocks not tried: it splits the "
+             "backward into input and weight passes, which torch does not run through compiled modules")
+    return triples
+
+
+def fastest(ctx: Any, what: str, pairs: list[tuple[str, ...]], measure: Callable[..., Any], failures: list[str],
+            axes: tuple[str, ...] = AXES) -> tuple[dict[str, Any], Any | None]:
+    """Measure every candidate (`measure(*candidate)`, e.g. measure(schedule, recipe), -> a runtime_timing.Measured)
+    on a freed device; returns ({"schedule recipe": Measured}, the fastest or None). Each Measured's extra names its
+    parts by `axes` ("schedule", "recipe"[, "blocks"]); the fastest's also lists every candidate's time, first
+    losses and peak memory ("candidates"). A failing candidate is logged and added to `failures`; the others still
+    run. Every rank measures the same candidates, and the times are the slowest rank's, so every rank picks the
+    same one."""
     from peerline.bench.runtime_timing import free_device
 
     measured: dict[str, Any] = {}
-    for schedule, recipe in pairs:
-        ctx.step(f"{what} {schedule} {recipe}")
+    for candidate in pairs:
+        name = " ".join(candidate)
+        ctx.step(f"{what} {name}")
         free_device(ctx.device)
         try:
-            got = measure(schedule, recipe)
+            got = measure(*candidate)
         except Exception as exc:  # noqa: BLE001 - one candidate failing leaves the others
-            log.exception("%s %s %s failed", what, schedule, recipe)
-            failures.append(f"{what} {schedule} {recipe}: {type(exc).__name__}: {exc}")
+            log.exception("%s %s failed", what, name)
+            failures.append(f"{what} {name}: {type(exc).__name__}: {exc}")
             continue
         finally:
             free_device(ctx.device)
-        got.extra.update(schedule=schedule, recipe=recipe)
-        measured[f"{schedule} {recipe}"] = got
+        got.extra.update(zip(axes, candidate, strict=True))
+        measured[name] = got
     if not measured:
         return measured, None
     best = min(measured.values(), key=lambda m: m.timing.median_ms)
@@ -155,8 +189,14 @@ def fastest(ctx: Any, what: str, pairs: list[tuple[str, str]], measure: Callable
 def describe_candidates(measured: dict[str, Any], best: Any) -> str:
     """'1f1b fp32 3.21; gpipe fp32 3.40; fastest: 1f1b fp32' (ms per iteration)."""
     parts = [f"{name} {m.timing.median_ms:.2f}" for name, m in measured.items()]
-    return f"{'; '.join(parts)}; fastest: {best.extra['schedule']} {best.extra['recipe']}"
+    return f"{'; '.join(parts)}; fastest: {candidate_name(measured, best)}"
 
 
-__all__ = ["TORCH_SCHEDULES", "RECIPES", "TorchSchedule", "recipes_for", "param_dtype", "stage_ids",
-           "schedule_class", "why_not", "build_schedule", "candidates", "fastest", "describe_candidates"]
+def candidate_name(measured: dict[str, Any], best: Any) -> str:
+    """The name under which `best` was measured ('1f1b bf16-params compiled')."""
+    return next(name for name, m in measured.items() if m is best)
+
+
+__all__ = ["TORCH_SCHEDULES", "RECIPES", "BLOCKS", "AXES", "AXES_WITH_BLOCKS", "TorchSchedule", "recipes_for",
+           "param_dtype", "stage_ids", "schedule_class", "why_not", "build_schedule", "candidates", "with_blocks",
+           "fastest", "describe_candidates", "candidate_name"]

@@ -116,22 +116,26 @@ def test_gpt_grid_bf16_matches_one_gpu(pipeline_runs, grid: str) -> None:
     assert_matches(got, ref, Expect(BF16_TOL, world=4, dp=dp, graph=True))
 
 
+# two anchor schedules (one that allows compiled blocks, one that splits the backward) keep inductor's compiles few
 SUITE_SHORT = ["--gpt-configs", "compute", "--gpt-layers", "4", "--gpt-hidden", "512", "--gpt-heads", "8",
                "--gpt-seq", "256", "--gpt-microbatches", "4", "--gpt-recompute", "--gpt-iters", "2", "--reps", "2",
-               "--warmup", "1"]
+               "--warmup", "1", "--gpt-anchor-schedules", "1f1b,zbv"]
 
 
 @pytest.mark.gpu2
 def test_gpt_suite_records_on_two_gpus(gpu_out) -> None:
-    """The gpt suite on a shrunk compute configuration: the anchor's candidates, peerline eager and graph with MFU,
-    and the recompute table with peak memory, all finite; peerline's losses near the autocast anchor's."""
+    """The gpt suite on a shrunk compute configuration: the anchor's candidates (the plain torch GPT, blocks eager
+    and compiled), peerline's GPT under torch, peerline eager and graph with MFU, and the recompute table with peak
+    memory, all finite; peerline's losses near its own model's under torch with autocast, and near the plain
+    model's (another init of the same shape)."""
     res = gpu_out / "bench_gpt_pp2"
     cmd = [*launcher(2), str(REPO / "launch" / "bench.py"), "gpt", *SUITE_SHORT, "--out", str(res)]
     rc, tail = run(cmd, gpu_out / "bench_gpt_pp2.log", 300, gpu_env())
     assert rc == 0, outcome("gpt suite pp=2", rc, tail, 300)
     by_case = {r["case"]: r for r in read_records(res / "results.jsonl")}
     half = by_case["compute-bound graph"]["extra"]["stage_layers"] // 2
-    wanted = ["compute-bound eager", "compute-bound graph", "compute-bound graph MFU",
+    wanted = ["compute-bound torch-peerline-gpt", "compute-bound eager", "compute-bound graph",
+              "compute-bound graph MFU",
               *(f"compute-bound recompute {s} {what}" for s in (str(half), "full") for what in ("time", "peak memory"))]
     missing = [c for c in wanted if c not in by_case]
     assert not missing, (missing, sorted(by_case))
@@ -141,8 +145,15 @@ def test_gpt_suite_records_on_two_gpus(gpu_out) -> None:
     graph = by_case["compute-bound graph"]["extra"]
     assert graph["mfu"] is not None and 0 < graph["mfu"] < 100, graph["mfu"]
     assert len(graph["peak_mem_gb_per_rank"]) == 2 and min(graph["peak_mem_gb_per_rank"]) > 0
-    autocast = {k: v for k, v in graph["anchor_candidates"].items() if k.endswith("autocast")}
-    assert autocast, graph["anchor_candidates"]
+    assert graph["anchor_model"] == "plain torch GPT", graph["anchor_model"]
+    assert {"1f1b autocast compiled", "1f1b bf16-params compiled", "zbv autocast eager"} <= set(
+        graph["anchor_candidates"]), graph["anchor_candidates"]
+    assert not any(k.startswith("zbv") and k.endswith("compiled") for k in graph["anchor_candidates"])
+    for name, cand in graph["anchor_candidates"].items():  # the plain model: its own init, the same shape
+        assert all(abs(a - b) <= 0.05 * abs(b) for a, b in zip(graph["losses"], cand["losses"])), (name, cand)
+    under_torch = by_case["compute-bound torch-peerline-gpt"]["extra"]
+    autocast = {k: v for k, v in under_torch["candidates"].items() if " autocast " in k}
+    assert autocast, under_torch["candidates"]
     for name, cand in autocast.items():  # same fp32 weights and bf16 autocast: close, not equal
         assert all(abs(a - b) <= BF16_TOL * abs(b) for a, b in zip(graph["losses"], cand["losses"])), (name, cand)
     full = by_case["compute-bound recompute full peak memory"]

@@ -81,3 +81,32 @@ def test_fastest_keeps_the_quickest_and_lists_every_candidate():
     assert ctx.steps == ["quick torch 1f1b fp32", "quick torch gpipe fp32", "quick torch zbv fp32"]
     assert ts.describe_candidates(measured, best).endswith(f"fastest: {want} fp32")
     assert ts.fastest(ctx, "none", [], measure, failures) == ({}, None)
+
+
+def test_with_blocks_gives_no_compiled_candidate_to_a_split_backward():
+    notes: list[str] = []
+    pairs = [("1f1b", "autocast"), ("zbv", "autocast"), ("zbv", "bf16-params"), ("interleaved-1f1b", "autocast")]
+    got = ts.with_blocks(pairs, ["eager", "compiled"], notes.append, what="gpt compute-bound")
+    assert got == [("1f1b", "autocast", "eager"), ("1f1b", "autocast", "compiled"), ("zbv", "autocast", "eager"),
+                   ("zbv", "bf16-params", "eager"), ("interleaved-1f1b", "autocast", "eager"),
+                   ("interleaved-1f1b", "autocast", "compiled")]
+    assert len(notes) == 1 and "ScheduleZBVZeroBubble with compiled blocks not tried" in notes[0], notes
+    assert ts.with_blocks(pairs[:1], ["eager"], notes.append) == [("1f1b", "autocast", "eager")]
+    assert {s for s, spec in ts.TORCH_SCHEDULES.items() if spec.splits_backward} == {"interleaved-zb", "zbv",
+                                                                                      "dualpipev"}
+    with pytest.raises(ValueError, match="unknown blocks 'jit'"):
+        ts.with_blocks(pairs, ["jit"], notes.append)
+
+
+def test_fastest_names_every_axis_of_a_candidate():
+    times = {("1f1b", "fp32", "eager"): 3.0, ("1f1b", "fp32", "compiled"): 2.0, ("gpipe", "fp32", "eager"): 4.0}
+
+    def measure(schedule: str, recipe: str, blocks: str) -> Measured:
+        ms = times[(schedule, recipe, blocks)]
+        return Measured(f"torch {schedule}", Timing(ms, ms, ms, 1), [1.0], None, 0.0)
+
+    measured, best = ts.fastest(FakeContext(), "t", list(times), measure, [], axes=ts.AXES_WITH_BLOCKS)
+    assert list(measured) == ["1f1b fp32 eager", "1f1b fp32 compiled", "gpipe fp32 eager"]
+    assert (best.extra["schedule"], best.extra["recipe"], best.extra["blocks"]) == ("1f1b", "fp32", "compiled")
+    assert ts.candidate_name(measured, best) == "1f1b fp32 compiled"
+    assert ts.describe_candidates(measured, best).endswith("fastest: 1f1b fp32 compiled")
