@@ -22,6 +22,7 @@ import torch.nn.functional as F
 KERNEL_SOURCE = Path(__file__).resolve().parent / "rope.cu"
 _THREADS = 256
 _MAX_BLOCKS = 8192
+_SAVED = object()  # marks where a saved tensor goes back among flash attention's extras
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -133,13 +134,18 @@ class FusedRopeAttention(torch.autograd.Function):
         cos, sin = cos[:seq], sin[:seq]
         rope_forward_(qkv5, cos, sin)
         out, saved = _flash_forward(*_views(qkv5))
-        ctx.save_for_backward(qkv, out, cos, sin, *saved)
+        # flash attention's extras mix tensors (logsumexp, the RNG state) with ints and None (sequence bounds)
+        tensors = [x for x in saved if isinstance(x, torch.Tensor)]
+        ctx.save_for_backward(qkv, out, cos, sin, *tensors)
+        ctx.extras = [_SAVED if isinstance(x, torch.Tensor) else x for x in saved]
         ctx.heads = heads
         return out.transpose(1, 2).reshape(batch, seq, three_h // 3)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        qkv, out, cos, sin, *saved = ctx.saved_tensors
+        qkv, out, cos, sin, *tensors = ctx.saved_tensors
+        given = iter(tensors)
+        saved = [next(given) if x is _SAVED else x for x in ctx.extras]
         batch, seq, three_h = qkv.shape
         qkv5 = qkv.view(batch, seq, 3, ctx.heads, three_h // (3 * ctx.heads))
         dout = dy.reshape(batch, seq, ctx.heads, -1).transpose(1, 2)

@@ -36,11 +36,15 @@ rc=0
 if [ "${TESTS:-}" != none ]; then
   t0=$SECONDS
   # shellcheck disable=SC2086 # TESTS is a list of paths
-  timeout -k 15 "${LIMIT:-540}" python3 -m pytest ${TESTS:-tests/gpu} -m "$MARKERS" -p no:cacheprovider -rfEs \
-    --durations=20 --junitxml="$OUT/gpu-tests.xml" "$@" > "$W/pytest.log" 2>&1
+  # In a session of its own (setsid), so the cleanup below ends this run's processes and not those of a second
+  # gpu_checks.sh running beside it on other GPUs (CUDA_VISIBLE_DEVICES=2,3).
+  setsid timeout -k 15 "${LIMIT:-540}" python3 -m pytest ${TESTS:-tests/gpu} -m "$MARKERS" -p no:cacheprovider \
+    -rfEs --durations=20 --junitxml="$OUT/gpu-tests.xml" "$@" > "$W/pytest.log" 2>&1 &
+  sid=$!
+  wait "$sid"
   rc=$?
   # A test cut by LIMIT leaves its ranks holding GPU memory; end them before anything else runs on these GPUs.
-  pkill -9 -f "launch/pipeline.py|launch/bench.py|tests/gpu/workers" 2>/dev/null
+  pkill -9 -s "$sid" 2>/dev/null
   { echo "gpu_checks: $NGPU GPU(s); pytest -m \"$MARKERS\" $*: exit status $rc in $((SECONDS - t0)) s"
     [ "$rc" -eq 124 ] && echo "pytest ran past LIMIT=${LIMIT:-540} s (w/pytest.log in logs.tgz)"
     if grep -q "short test summary info" "$W/pytest.log"; then sed -n '/short test summary info/,$p' "$W/pytest.log"
