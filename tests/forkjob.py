@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,10 +52,15 @@ def _exit_code(exc: SystemExit) -> int:
 
 
 def _run_main(main, argv: list[str]) -> int:
+    """main's exit code; an exception that escapes it prints its traceback, as the interpreter of a real process
+    would (a fork ends with os._exit, which prints nothing), and is exit code 1."""
     try:
         return main(argv) or 0
     except SystemExit as exc:
         return _exit_code(exc)
+    except BaseException:  # noqa: BLE001 - what an uncaught exception does to a real process
+        traceback.print_exc()
+        return 1
 
 
 def _rank(main, argv: list[str], rank: int, nproc: int, port: int) -> None:

@@ -15,7 +15,9 @@ files, rank 0 writes the manifest with all the hashes, fsyncs the folder and ren
 within one file system), fsyncs DIR, then writes `latest`. A job killed half-way through a save leaves a `.tmp`
 folder (removed by the next run, checkpoint_store.py) and the previous checkpoints as they were.
 
-Checked on load: the manifest is JSON; every file of the folder must be listed in it with its SHA-256 (each rank
+Checked on load: the manifest is JSON of the expected shape (`manifest_problem`: its fields' types, file names of
+the folder only, the iteration of the folder's own name, so a folder renamed or copied does not verify); every
+file of the folder must be listed in it with its SHA-256 (each rank
 checks its share of the files, `.metadata` every rank, before it is read); DCP's `.metadata` pickle is read by a
 restricted unpickler that resolves only DCP's metadata classes (dcp_io.py) and the tensors by torch.load with
 weights_only=True: a checkpoint holds tensors and JSON, nothing that executes. Only what cannot be resharded is
@@ -33,6 +35,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping
@@ -61,6 +64,11 @@ FORMAT = "peerline-checkpoint-2"
 OLD_FORMATS = ("peerline-checkpoint-1",)
 LATEST = "latest"
 MANIFEST = "manifest.json"
+#: A checkpoint folder's name: `iter_` and its iteration, six digits or more.
+ITER_NAME = re.compile(r"^iter_(\d{6,})$")
+#: How deep a manifest's JSON may nest (peerline writes three levels).
+MAX_MANIFEST_DEPTH = 16
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class CheckpointError(ConfigError):
@@ -75,6 +83,12 @@ class ForeignCheckpoint(CheckpointError):
 def iteration_dir(root: str | os.PathLike, iteration: int) -> Path:
     """Directory of the checkpoint taken after `iteration` completed iterations."""
     return Path(root) / f"iter_{iteration:06d}"
+
+
+def folder_iteration(path: str | os.PathLike) -> int | None:
+    """The iteration a checkpoint folder's name says (`iter_000004` -> 4); None for any other name."""
+    m = ITER_NAME.match(Path(path).name)
+    return int(m.group(1)) if m else None
 
 
 def temp_dir(root: str | os.PathLike, iteration: int) -> Path:
@@ -273,11 +287,8 @@ def _resolve(root: str | os.PathLike, iteration: int | None) -> tuple[Path, int]
     path = Path(root)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint directory {path} does not exist")
-    if iteration is None and (path / MANIFEST).exists() and path.name.startswith("iter_"):
-        try:
-            return path.parent, int(path.name[len("iter_"):])
-        except ValueError:
-            pass
+    if iteration is None and (path / MANIFEST).exists() and folder_iteration(path) is not None:
+        return path.parent, folder_iteration(path)
     if iteration is None:
         iteration = latest_iteration(path)
     if iteration is None:  # no `latest`: the newest checkpoint folder (resume verifies it: checkpoint_store.py)
@@ -289,22 +300,68 @@ def _resolve(root: str | os.PathLike, iteration: int | None) -> tuple[Path, int]
 
 
 def read_manifest(root: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:
-    """The manifest of a checkpoint (JSON); a missing or unreadable one is a CheckpointError, one of another
-    format a ForeignCheckpoint."""
+    """The manifest of a checkpoint (JSON); a missing, unreadable or malformed one (`manifest_problem`) is a
+    CheckpointError, one of another format a ForeignCheckpoint."""
     root, iteration = _resolve(root, iteration)
     p = iteration_dir(root, iteration) / MANIFEST
+    if p.exists() and not p.is_file():
+        raise CheckpointError(f"checkpoint manifest {p} is not a file")
     try:
         data = json.loads(p.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint manifest {p} is missing") from None
+    except RecursionError:
+        raise CheckpointError(f"checkpoint manifest {p} is unreadable: its JSON nests too deeply") from None
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"checkpoint manifest {p} is unreadable: {_oneline(exc)}") from None
-    if isinstance(data, dict) and data.get("format") in OLD_FORMATS:
+    if isinstance(data, dict) and isinstance(data.get("format"), str) and data["format"] in OLD_FORMATS:
         raise ForeignCheckpoint(f"checkpoint {p.parent} is in the {data['format']} format of an older peerline, "
                                 f"which this version does not read: resume it with that version")
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("files"), dict):
-        raise CheckpointError(f"{p} is not a {FORMAT} manifest")
+    problem = manifest_problem(data, iteration)
+    if problem:
+        raise CheckpointError(f"checkpoint manifest {p} {problem}")
     return data
+
+
+def _depth(value: Any) -> int:
+    """How deep a JSON value nests (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(value, 0)]
+    while todo:
+        v, d = todo.pop()
+        deepest = max(deepest, d)
+        if isinstance(v, dict | list) and d <= MAX_MANIFEST_DEPTH:
+            todo.extend((child, d + 1) for child in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def manifest_problem(data: Any, iteration: int) -> str | None:
+    """What makes `data` no manifest of the checkpoint folder of `iteration`, as the end of a sentence; None when
+    it is one: an object of this format, the folder's own iteration, a SHA-256 for each plain file name, objects
+    where the run wrote objects."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return f"is not a {FORMAT} manifest"
+    if _depth(data) > MAX_MANIFEST_DEPTH:
+        return f"nests deeper than {MAX_MANIFEST_DEPTH} levels"
+    saved = data.get("iteration")
+    if type(saved) is not int:
+        return f"holds no iteration number (iteration: {_show(saved)[:40]})"
+    if saved != iteration:
+        return (f"is the manifest of iteration {saved}, in the folder of iteration {iteration}: a checkpoint folder "
+                "renamed or copied does not verify")
+    files = data.get("files")
+    if not isinstance(files, dict):
+        return "lists no files (files: not an object)"
+    for name, digest in files.items():
+        if name in ("", ".", "..", MANIFEST) or "/" in name or "\\" in name or "\0" in name:
+            return f"lists {name[:60]!r}, which is no file name of the folder"
+        if not isinstance(digest, str) or not _SHA256.match(digest):
+            return f"lists no SHA-256 for {name} ({_show(digest)[:40]})"
+    if not isinstance(data.get("model"), dict):
+        return "has no model object"
+    wrong = [k for k in ("grid", "data", "config") if k in data and not isinstance(data[k], dict)]
+    if wrong:
+        return f"has a {wrong[0]} that is not an object"
+    return None
 
 
 def verify_files(root: str | os.PathLike, iteration: int, rank: int = 0, world: int = 1) -> dict[str, Any]:

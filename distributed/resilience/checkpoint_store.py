@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import socket
 from collections.abc import Callable, Mapping
@@ -37,7 +36,7 @@ from peerline.distributed.resilience import checkpoint as ckpt
 from peerline.distributed.resilience.checkpoint import CheckpointError
 
 LOCK = ".peerline.lock"
-_ITER = re.compile(r"^iter_(\d{6,})$")
+_ITER = ckpt.ITER_NAME
 
 
 def iterations(root: str | os.PathLike) -> list[int]:
@@ -213,11 +212,20 @@ def release_lock(root: str | os.PathLike) -> None:
 def remove_leftovers(root: Path) -> None:
     """Temporary files and folders of saves that were interrupted (atomic writes leave `.<name>.<random>.tmp`
     when killed, a checkpoint save its `.iter_NNNNNN.tmp` folder)."""
-    for folder in root.glob(".iter_*.tmp"):
-        shutil.rmtree(folder, ignore_errors=True)
     for folder in [root, *(ckpt.iteration_dir(root, it) for it in iterations(root))]:
         for tmp in folder.glob(".*.tmp"):  # not the writability probes: other ranks write theirs meanwhile
-            tmp.unlink(missing_ok=True)
+            _remove(tmp)
+
+
+def _remove(path: Path) -> None:
+    """Remove a leftover file or folder (a link: the link); one that cannot be removed stays, as harmless."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def prune(root: str | os.PathLike, keep: int | None) -> list[int]:

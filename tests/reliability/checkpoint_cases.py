@@ -63,6 +63,19 @@ def _leftovers(ck: Path) -> None:
     (ck / ".iter_000006.tmp" / "__0_0.distcp").write_bytes(b"partial")
 
 
+def _swap_folders(ck: Path) -> None:
+    a, b, t = ck / "iter_000002", ck / "iter_000004", ck / "swap"
+    a.rename(t)
+    b.rename(a)
+    t.rename(b)
+
+
+def _edit_manifest(d: Path, **fields: object) -> None:
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest.update(fields)
+    (d / "manifest.json").write_text(json.dumps(manifest))
+
+
 def _lock(pid: int) -> Callable[[Path], None]:
     def write(ck: Path) -> None:
         import socket
@@ -100,6 +113,20 @@ ATTACKS: list[tuple[str, Callable[[Path], None], list[str], int | None, str]] = 
     ("folder locked by a live job", _lock(1), [], None, "is in use by another job"),
     ("every checkpoint corrupt", _all_corrupt, [], None, "no checkpoint in ck verifies"),
     ("another run's checkpoints", lambda ck: None, ["--hidden", "16"], None, "does not match this run"),
+    ("older folder copied as a newer one", lambda ck: shutil.copytree(ck / "iter_000002", ck / "iter_000006"), [],
+     4, "skipped checkpoint of iteration 6: checkpoint manifest ck/iter_000006/manifest.json is the manifest of "
+        "iteration 2, in the folder of iteration 6"),
+    ("two folders swapped", _swap_folders, [], None, "no checkpoint in ck verifies"),
+    ("newest manifest 200k-deep JSON", lambda ck: (ck / "iter_000004" / "manifest.json").write_text(
+        "[" * 200_000 + "]" * 200_000), [], 2, "skipped checkpoint of iteration 4: checkpoint manifest "
+        "ck/iter_000004/manifest.json is unreadable: its JSON nests too deeply"),
+    ("newest manifest's config a list", lambda ck: _edit_manifest(ck / "iter_000004", config=["lr"]), [], 2,
+     "skipped checkpoint of iteration 4: checkpoint manifest ck/iter_000004/manifest.json has a config that is not "
+     "an object"),
+    ("newest manifest's data a string", lambda ck: _edit_manifest(ck / "iter_000004", data="seed"), [], 2,
+     "skipped checkpoint of iteration 4: checkpoint manifest ck/iter_000004/manifest.json has a data that is not"),
+    ("temporary folder left in a checkpoint", lambda ck: (ck / "iter_000004" / ".x.tmp").mkdir(), [], 4,
+     "resumed from ck at iteration 4"),
 ]
 
 

@@ -231,3 +231,76 @@ def test_precheck_refuses_before_any_process_group(tmp_path, monkeypatch):
     (tmp_path / store.LOCK).write_text(json.dumps({"pid": os.getppid(), "host": __import__("socket").gethostname()}))
     with pytest.raises(ckpt.CheckpointError, match="in use by another job"):
         store.precheck(str(tmp_path), str(tmp_path))
+
+
+# ---- folders renamed or copied, malformed manifests: they do not verify, resume falls back and says why
+
+
+def test_a_folder_copied_or_renamed_does_not_verify(tmp_path):
+    weights = {it: _save(tmp_path, it) for it in (2, 4, 6)}
+    shutil.copytree(tmp_path / "iter_000002", tmp_path / "iter_000008")  # 2 copied as 8
+    state, said = _resume(tmp_path)
+    assert state.iteration == 6 and _same(state.tensors, weights[6])
+    assert said == [f"skipped checkpoint of iteration 8: checkpoint manifest {tmp_path}/iter_000008/manifest.json "
+                    "is the manifest of iteration 2, in the folder of iteration 8: a checkpoint folder renamed or "
+                    "copied does not verify"]
+    shutil.rmtree(tmp_path / "iter_000008")
+    (tmp_path / "iter_000006").rename(tmp_path / "swap")  # 4 and 6 swapped
+    (tmp_path / "iter_000004").rename(tmp_path / "iter_000006")
+    (tmp_path / "swap").rename(tmp_path / "iter_000004")
+    state, said = _resume(tmp_path)
+    assert state.iteration == 2 and _same(state.tensors, weights[2])
+    assert [line.split(":")[0] for line in said] == ["skipped checkpoint of iteration 6",
+                                                     "skipped checkpoint of iteration 4"]
+    with pytest.raises(ckpt.CheckpointError, match="is the manifest of iteration 6, in the folder of iteration 4"):
+        _resume(tmp_path / "iter_000004")  # named explicitly: refused in one line
+
+
+def _edit_manifest(d: Path, change) -> None:
+    manifest = json.loads((d / "manifest.json").read_text())
+    change(manifest)
+    (d / "manifest.json").write_text(json.dumps(manifest))
+
+
+MALFORMED = {
+    "200k-deep JSON": (lambda d: (d / "manifest.json").write_text("[" * 200_000 + "]" * 200_000),
+                       "is unreadable: its JSON nests too deeply"),
+    "deep in a field": (lambda d: _edit_manifest(d, lambda m: m.update(config=json.loads("[" * 500 + "]" * 500))),
+                        "nests deeper than"),
+    "a list": (lambda d: (d / "manifest.json").write_text("[1, 2]"), "is not a peerline-checkpoint-2 manifest"),
+    "iteration a string": (lambda d: _edit_manifest(d, lambda m: m.update(iteration="6")),
+                           "holds no iteration number"),
+    "files a list": (lambda d: _edit_manifest(d, lambda m: m.update(files=[DATA])), "lists no files"),
+    "checksum a number": (lambda d: _edit_manifest(d, lambda m: m["files"].update({DATA: 6})),
+                          f"lists no SHA-256 for {DATA}"),
+    "a file outside the folder": (lambda d: _edit_manifest(d, lambda m: m["files"].update(
+        {"../iter_000004/" + DATA: "0" * 64})), "which is no file name of the folder"),
+    "model a list": (lambda d: _edit_manifest(d, lambda m: m.update(model=[8, 2])), "has no model object"),
+    "data a string": (lambda d: _edit_manifest(d, lambda m: m.update(data="seed")), "has a data that is not an"),
+    "config a list": (lambda d: _edit_manifest(d, lambda m: m.update(config=["lr"])), "has a config that is not"),
+    "format a list": (lambda d: _edit_manifest(d, lambda m: m.update(format=["peerline-checkpoint-1"])),
+                      "is not a peerline-checkpoint-2 manifest"),
+    "manifest a folder": (lambda d: ((d / "manifest.json").unlink(), (d / "manifest.json").mkdir()),
+                          "is not a file"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(MALFORMED))
+def test_a_malformed_manifest_is_skipped_with_its_reason(tmp_path, damage):
+    weights = {it: _save(tmp_path, it) for it in (4, 6)}
+    change, reason = MALFORMED[damage]
+    change(tmp_path / "iter_000006")
+    state, said = _resume(tmp_path, save=tmp_path)
+    assert state.iteration == 4 and _same(state.tensors, weights[4])
+    assert len(said) == 1 and said[0].startswith("skipped checkpoint of iteration 6: ") and reason in said[0], said
+
+
+def test_leftover_temporary_folders_are_removed(tmp_path):
+    _save(tmp_path, 4)
+    for d in (tmp_path / ".x.tmp", tmp_path / "iter_000004" / ".x.tmp", tmp_path / ".iter_000004.old.tmp"):
+        d.mkdir()
+        (d / "f").write_bytes(b"partial")
+    (tmp_path / ".link.tmp").symlink_to(tmp_path / "iter_000004")
+    store.prepare_save_dir(tmp_path, 0, resuming=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".peerline.lock", "iter_000004", "latest"]
+    assert (tmp_path / "iter_000004" / DATA).exists() and _resume(tmp_path)[0].iteration == 4
