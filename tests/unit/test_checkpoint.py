@@ -8,6 +8,7 @@ import os
 import pickle
 import random
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -325,6 +326,55 @@ def test_export_refuses_a_missing_folder_in_one_line(tmp_path, capsys):
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"peerline: error: checkpoint directory {tmp_path / 'nope'} does not exist"], proc.stderr
     assert time.monotonic() - t0 < 60
+
+
+EXPORT_REFUSALS = {
+    "a file as DIR": (["ck/latest", "--to", "m.pt"], "ck/latest is a file, not a checkpoint directory"),
+    "a folder without checkpoints": ([".", "--to", "m.pt"], ". is not a checkpoint directory: it holds no "
+                                                            "iter_NNNNNN folder"),
+    "a deep manifest": (["ck/iter_000003", "--to", "m.pt"], "checkpoint manifest ck/iter_000003/manifest.json is "
+                                                            "unreadable: its JSON nests too deeply"),
+    "--to in a missing folder": (["ck", "--to", "no/m.pt"], "--to no/m.pt: the folder no does not exist"),
+    "--to a folder": (["ck", "--to", "ck"], "--to ck is a folder: give a file name"),
+    "--to an unknown suffix": (["ck", "--to", "m.bin"], "--to m.bin: unknown suffix '.bin'; give a file name "
+                                                        "ending in .pt, .pth, .safetensors"),
+    "--to through a link to /dev/full": (["ck", "--to", "full"], "--to full: cannot write into this character "
+                                                                 "device (No space left on device)"),
+    "no --to": (["ck"], "the following arguments are required: --to (see --help)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPORT_REFUSALS))
+def test_export_refuses_bad_input_in_one_line(tmp_path, monkeypatch, capsys, case):
+    _save_two_stages(tmp_path / "ck", seed=7)
+    (tmp_path / "full").symlink_to("/dev/full")
+    if case == "a deep manifest":
+        (tmp_path / "ck" / "iter_000003" / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+    monkeypatch.chdir(tmp_path)
+    argv, line = EXPORT_REFUSALS[case]
+    try:
+        rc = export_checkpoint.main(argv)
+    except SystemExit as exc:  # argparse's way out
+        rc = exc.code
+    assert rc == 2 and capsys.readouterr().err.splitlines() == [f"peerline: error: {line}"]
+    assert not list(tmp_path.glob("m.*")) and os.path.islink(tmp_path / "full")
+
+
+def test_export_writes_into_a_fifo_and_a_link_to_dev_null(tmp_path, capsys):
+    import threading
+
+    _save_two_stages(tmp_path / "ck", seed=7)
+    fifo, null = tmp_path / "fifo", tmp_path / "null"
+    os.mkfifo(fifo)
+    null.symlink_to("/dev/null")
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    assert export_checkpoint.main([str(tmp_path / "ck"), "--to", str(fifo)]) == 0
+    reader.join(10)
+    assert got and got[0][:2] == b"PK" and stat.S_ISFIFO(os.stat(fifo).st_mode)  # torch.save's zip archive
+    assert export_checkpoint.main([str(tmp_path / "ck"), "--to", str(null)]) == 0
+    assert null.is_symlink() and stat.S_ISCHR(os.stat(null).st_mode) and stat.S_ISCHR(os.stat("/dev/null").st_mode)
 
 
 def test_check_writable(tmp_path):
