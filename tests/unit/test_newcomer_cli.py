@@ -22,6 +22,7 @@ from peerline.distributed.observe.progress import wants_bar
 from peerline.distributed.pipeline import schedule
 from peerline.launch import messages
 from peerline.launch.cli import build_parser, program_name
+from tests import timeouts
 from tests.helpers import REPO
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK",
@@ -253,7 +254,7 @@ def test_schedule_table_columns_line_up_and_have_a_legend(name, stages, m) -> No
 
 def test_test_command_works_as_root_and_checks_mpirun_first(tmp_path) -> None:
     script = (REPO / "tools" / "test.sh").read_text()
-    assert script.index("\npreflight\n") < script.index("pytest -q"), "mpirun must be checked before the long tests"
+    assert "ALL_PHASES=(install mpirun lint cpu mpi)" in script, "mpirun must be checked before the long tests"
     if shutil.which("mpirun") is None or shutil.which("bash") is None:
         pytest.skip("needs bash and mpirun")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_ALLOW_RUN_AS_ROOT")}
@@ -261,6 +262,51 @@ def test_test_command_works_as_root_and_checks_mpirun_first(tmp_path) -> None:
                          text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "mpirun and mpi4py work" in run.stdout
+
+
+def _fake_tools(tmp_path, ruff: int, mpirun: int) -> dict[str, str]:
+    """PATH with a ruff and an mpirun that only exit with the given codes."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, code in (("ruff", ruff), ("mpirun", mpirun)):
+        (bin_dir / name).write_text(f"#!/bin/sh\nexit {code}\n")
+        (bin_dir / name).chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_test_command_runs_every_phase_and_reports_each(tmp_path) -> None:
+    """A failing phase does not stop the later ones; each phase says what it runs and how it ended; the summary
+    lists them all and the exit code is 1. The mpi phase is skipped with a word when mpirun does not work."""
+    test_sh = str(REPO / "tools" / "test.sh")
+    run = subprocess.run(["bash", test_sh, "lint", "mpirun", "mpi"], env=_fake_tools(tmp_path, ruff=1, mpirun=0),
+                         capture_output=True, text=True, timeout=60)
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out
+    for line in ("phase lint: ruff check", "phase lint FAILED (exit 1)", "phase mpirun passed", "phase mpi: mpirun",
+                 "phase mpi passed"):
+        assert line in out, out
+    summary = run.stdout[run.stdout.index("tools/test.sh: summary"):].splitlines()[1:]
+    assert [ln.split()[0] for ln in summary] == ["lint", "mpirun", "mpi"], summary
+    run = subprocess.run(["bash", test_sh, "mpirun", "mpi"], env=_fake_tools(tmp_path, ruff=0, mpirun=1),
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "phase mpi skipped: mpirun does not work" in run.stderr, run.stdout + run.stderr
+    assert "skipped: mpirun does not work" in run.stdout
+    run = subprocess.run(["bash", test_sh, "nonsense"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "no phase 'nonsense'" in run.stderr
+
+
+def test_test_timeouts_grow_with_the_load_and_torch_runs_one_thread() -> None:
+    assert timeouts.scale({}, load=1.0, cores=2) == 1.0  # an idle machine: the marks as written
+    assert timeouts.scale({}, load=10.0, cores=2) == 5.0
+    assert timeouts.scale({}, load=1e6, cores=2) == timeouts.MAX_SCALE
+    assert timeouts.scale({"PEERLINE_TEST_TIMEOUT_SCALE": "3"}, load=10.0, cores=2) == 3.0
+    with pytest.raises(ValueError, match="not a positive number"):
+        timeouts.scale({"PEERLINE_TEST_TIMEOUT_SCALE": "0"})
+    assert timeouts.scaled(60, 2.5) == 150 and timeouts.scaled(None, 3) is None
+    assert timeouts.threads({}, cores=2) == 1 and timeouts.threads({"PYTEST_XDIST_WORKER_COUNT": "2"}, cores=16) == 2
+    assert timeouts.threads({"OMP_NUM_THREADS": "3"}, cores=2) == 3
+    assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])  # tests/conftest.py, before torch loaded
 
 
 def test_terminal_lines_are_not_folded_and_the_bar_is_transient(monkeypatch: pytest.MonkeyPatch) -> None:
