@@ -2,8 +2,10 @@
 
 The file holds RunConfig's fields by name, flat, as --print-config writes them (`micro_batch_size = 4` or
 `micro-batch-size = 4`); a field left out keeps its default. Flags given on the command line win over the file,
-and the file wins over the defaults (and the environment overrides of defaults). An unknown key, a value of the
-wrong type or a file that is not TOML is one ConfigError line naming the key and the file.
+and the file wins over the defaults (and the environment overrides of defaults). A flag also wins over a file's
+field that would set it (DERIVES: `--micro-batch-size 2` drops the file's `global_batch = 16`, which sets the
+micro-batch size), and two flags that set one field differently are one ConfigError line. An unknown key, a value
+of the wrong type or a file that is not TOML is one ConfigError line naming the key and the file.
 
 `ConfigFileParser` is the argparse parser that does this: it reads --config before parsing and sets the file's
 values as the defaults, and after parsing prints the resolved configuration for --print-config and exits 0.
@@ -22,6 +24,9 @@ from typing import Any
 
 from peerline import overrides
 from peerline.distributed.config import ConfigError, RunConfig, flag_name, flags
+
+#: RunConfig fields that set others when given (config.py `_derive_batch`): deriving field -> the fields it sets.
+DERIVES: dict[str, tuple[str, ...]] = {"global_batch": ("micro_batch_size",)}
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -91,7 +96,8 @@ class ConfigFileParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.add_argument("--config", metavar="FILE", help="read the run's settings from a TOML file (the fields "
-                          "by name, as --print-config shows them); flags given here win")
+                          "by name, as --print-config shows them); flags given here win, also over a field of the "
+                          "file that would set them (--micro-batch-size over the file's global_batch)")
         self.add_argument("--print-config", action="store_true",
                           help="print the resolved configuration as TOML (for --config) and exit")
 
@@ -99,10 +105,12 @@ class ConfigFileParser(argparse.ArgumentParser):
                          ) -> tuple[argparse.Namespace, list[str]]:
         pre = argparse.ArgumentParser(add_help=False)
         pre.add_argument("--config")
-        given, _ = pre.parse_known_args(sys.argv[1:] if args is None else args)
-        if given.config:
-            self.set_defaults(**load_config_file(given.config))
+        argv = sys.argv[1:] if args is None else list(args)
+        given, _ = pre.parse_known_args(argv)
+        from_file = load_config_file(given.config) if given.config else {}
+        self.set_defaults(**from_file)
         parsed, extra = super().parse_known_args(args, namespace)
+        flags_win(parsed, from_file, self.given_on_command_line(argv))
         if getattr(parsed, "print_config", False):
             names = {f.name for f in dataclasses.fields(RunConfig)}
             cfg = RunConfig(**{k: v for k, v in vars(parsed).items() if k in names})
@@ -110,3 +118,25 @@ class ConfigFileParser(argparse.ArgumentParser):
                 print(dump_config(cfg), end="", flush=True)
             self.exit(0)
         return parsed, extra
+
+    def given_on_command_line(self, argv: list[str]) -> set[str]:
+        """The destinations of the flags `argv` gives (abbreviated or not): those a parse into a namespace that
+        holds a marker for every destination sets."""
+        marker = object()
+        probe = argparse.Namespace(**{a.dest: marker for a in self._actions if a.dest != argparse.SUPPRESS})
+        parsed, _ = super().parse_known_args(argv, probe)
+        return {k for k, v in vars(parsed).items() if v is not marker}
+
+
+def flags_win(parsed: argparse.Namespace, from_file: dict[str, Any], given: set[str]) -> None:
+    """A field the file derives another from is dropped when the command line gives that other field (and not the
+    deriving one); two flags that set one field differently are one ConfigError line."""
+    for field, derived in DERIVES.items():
+        if field in from_file and field not in given and any(d in given for d in derived):
+            setattr(parsed, field, None)
+    if {"global_batch", "micro_batch_size"} <= given and parsed.global_batch is not None:
+        per = parsed.dp * parsed.microbatches
+        if per > 0 and parsed.global_batch % per == 0 and parsed.global_batch // per != parsed.micro_batch_size:
+            raise ConfigError(f"--global-batch {parsed.global_batch} sets the micro-batch size to "
+                              f"{parsed.global_batch} / (dp x microbatches = {per}) = {parsed.global_batch // per}, "
+                              f"not --micro-batch-size {parsed.micro_batch_size}: give one of the two")

@@ -162,6 +162,25 @@ def test_config_file_round_trip_and_flags_win(tmp_path: Path) -> None:
     assert load_config_file(str(tmp_path / "dash.toml")) == {"micro_batch_size": 3, "bucket_mb": 4.0}
 
 
+def test_a_flag_wins_over_the_file_field_that_would_set_it(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text("global_batch = 16\nmicrobatches = 4\n")
+
+    def parse(*flags: str) -> RunConfig:
+        return config_from_args(build_parser().parse_args(["--config", str(path), *flags]))
+
+    assert (parse().micro_batch_size, parse().global_batch) == (4, 16)  # the file alone: 16 / 4
+    for flag in (["--micro-batch-size", "2"], ["--micro-batch-size=2"], ["--micro-batch", "2"]):
+        cfg = parse(*flag)
+        assert (cfg.micro_batch_size, cfg.global_batch, cfg.microbatches) == (2, None, 4), flag
+    cfg = parse("--global-batch", "32", "--micro-batch-size", "8")  # both given, and they agree
+    assert (cfg.micro_batch_size, cfg.global_batch) == (8, 32)
+    with pytest.raises(ConfigError, match=r"^--global-batch 16 sets the micro-batch size to 16 / \(dp x microbatches "
+                                          r"= 4\) = 4, not --micro-batch-size 2: give one of the two$"):
+        build_parser().parse_args(["--global-batch", "16", "-m", "4", "--micro-batch-size", "2"])
+    assert "(--micro-batch-size over the file's global_batch)" in " ".join(build_parser().format_help().split())
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("hiden = 3\n", r"^unknown key 'hiden' in .*bad.toml \("),
     ("iters = \"3\"\n", r"^key 'iters' in .*bad.toml must be int, got str '3'$"),
