@@ -407,6 +407,9 @@ def _check_workload(cfg: RunConfig) -> None:
         raise ConfigError(f"--loss {cfg.loss!r} must be {', '.join(LOSSES)} or look like 'package.module:fn'")
     if cfg.recompute not in RECOMPUTE and not cfg.recompute.isdigit():
         raise ConfigError(f"--recompute must be off, full or a number of layers N >= 0, got {cfg.recompute!r}")
+    if cfg.data is not None and not cfg.data.strip():
+        raise ConfigError("--data is empty: name the data (seeded, counter, text, a PATH such as . for this folder, "
+                          "or 'pkg.module:fn')")
     if cfg.model == "gpt":
         if cfg.hidden % cfg.heads or (cfg.hidden // cfg.heads) % 2:
             raise ConfigError(f"--heads {cfg.heads} must divide --hidden {cfg.hidden} into heads of an even width "

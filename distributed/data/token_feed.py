@@ -9,7 +9,9 @@ only the ranks that hold the first or last stage call `fill`, and text is tokeni
 A user feed: `fn` is called with the keyword arguments it names of seq, micro_batch_size, seed, vocab_size, and
 returns a function `fill(inputs, labels, iteration, global_mb)` or an object with that method (and optionally
 `vocab`, its vocabulary size). fill writes int64 [micro_batch_size, seq] ids into `inputs` and `labels` in place,
-as a pure function of (iteration, global_mb), so every rank and the single-process run see the same tokens.
+as a pure function of (iteration, global_mb), so every rank and the single-process run see the same tokens. Its
+first batch is checked at start-up and every batch's ids against the vocabulary (data/feed_check.py), so a bad feed
+is one line naming it.
 
 `TokenFeed` has engine.DataFeed's interface. Each microbatch is filled into a pinned host slot and copied
 non-blocking into the static device buffers on the current (main) stream, so the host does not wait for the GPU
@@ -27,6 +29,8 @@ from pathlib import Path
 import torch
 
 from peerline.distributed.config import ConfigError, RunConfig, is_spec
+from peerline.distributed.data.feed_check import check_first_batch, checked_fill
+from peerline.distributed.data.token_file import sidecar_path
 from peerline.distributed.model import call_with_wanted, load_spec
 
 Fill = Callable[[torch.Tensor, torch.Tensor, int, int], None]
@@ -53,7 +57,11 @@ def token_data(cfg: RunConfig) -> TokenData:
     cache = Path(cfg.data_cache).expanduser() if cfg.data_cache else None
     tokens = text_tokens(cfg.data, vocab_size=cfg.vocab or DEFAULT_VOCAB_SIZE, cache_root=cache, vocab=cfg.vocab)
     sampler = TokenSampler(tokens.tokens, seq=cfg.seq, micro_batch_size=cfg.micro_batch_size, seed=cfg.seed)
-    return TokenData(fill=sampler.fill, vocab=tokens.vocab, name=f"tokens {tokens.path} ({len(tokens):,} ids)")
+    fill = sampler.fill
+    if not tokens.verified:  # a sidecar's max_id too large a file to check at open: checked batch by batch
+        fill = checked_fill(fill, tokens.vocab, f"token file {tokens.path} gave",
+                            f"; its sidecar {sidecar_path(tokens.path)} states a smaller max_id")
+    return TokenData(fill=fill, vocab=tokens.vocab, name=f"tokens {tokens.path} ({len(tokens):,} ids)")
 
 
 def _user_feed(cfg: RunConfig) -> TokenData:
@@ -68,8 +76,18 @@ def _user_feed(cfg: RunConfig) -> TokenData:
     if not callable(fill):
         raise ConfigError(f"data feed {cfg.data!r} returned {type(made).__name__}: neither a function "
                           "fill(inputs, labels, iteration, global_mb) nor an object with that method")
-    vocab = cfg.vocab or getattr(made, "vocab", None) or SYNTHETIC_VOCAB
-    return TokenData(fill=fill, vocab=int(vocab), name=f"feed {cfg.data}")
+    vocab = int(cfg.vocab or getattr(made, "vocab", None) or SYNTHETIC_VOCAB)
+    name = f"data feed {cfg.data!r}"
+    check_first_batch(fill, name, (cfg.micro_batch_size, cfg.seq), vocab, _vocab_hint(cfg, made))
+    return TokenData(fill=checked_fill(fill, vocab, f"{name} wrote", _vocab_hint(cfg, made)), vocab=vocab,
+                     name=f"feed {cfg.data}")
+
+
+def _vocab_hint(cfg: RunConfig, made: object) -> str:
+    """Where a user feed's vocabulary came from, when neither --vocab nor the feed set it."""
+    if cfg.vocab or getattr(made, "vocab", None):
+        return ""
+    return " by default: pass --vocab, or give the feed object a `vocab` attribute"
 
 
 class TokenFeed:

@@ -22,16 +22,20 @@ from peerline.files import atomic_write
 
 TOKEN_DTYPES = ("uint16", "uint32")
 _SCAN_CHUNK = 1 << 26  # ids per step when scanning a large file for its largest id
+VERIFY_IDS = 1 << 28  # a sidecar's max_id is checked against the file up to this many ids (a fraction of a second)
+SIDECAR_KEYS = ("dtype", "vocab", "count", "max_id")
 
 
 @dataclass(frozen=True)
 class TokenFile:
-    """An opened token file: `tokens` is a read-only 1-D memmap; `vocab` bounds every id in it."""
+    """An opened token file: `tokens` is a read-only 1-D memmap; `vocab` bounds every id in it. `verified`: its
+    largest id was read from the file itself, not only from its sidecar."""
 
     path: Path
     tokens: np.ndarray
     vocab: int
     eot_id: int | None = None
+    verified: bool = True
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -87,9 +91,43 @@ def _read_sidecar(path: Path) -> dict[str, Any] | None:
     if not side.is_file():
         return None
     try:
-        return json.loads(side.read_text())
+        meta = json.loads(side.read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"token file sidecar {side} is unreadable: {exc}") from None
+    check_sidecar(meta, side)
+    return meta
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_sidecar(meta: object, side: Path) -> None:
+    """ConfigError naming the sidecar when it is not what write_token_file writes: an object with dtype (uint16
+    or uint32), vocab (an integer whose ids fit that dtype), count (>= 0), max_id (-1 when empty, below vocab) and
+    an optional eot_id (an id of the vocabulary)."""
+    def bad(what: str) -> ConfigError:
+        return ConfigError(f"token file sidecar {side}: {what}")
+
+    if not isinstance(meta, dict):
+        raise bad(f"holds {type(meta).__name__}, not an object with {', '.join(SIDECAR_KEYS)}")
+    missing = [k for k in SIDECAR_KEYS if k not in meta]
+    if missing:
+        raise bad(f"lacks {', '.join(missing)} (a sidecar holds {', '.join(SIDECAR_KEYS)}); delete it to read the "
+                  ".bin as plain uint16 ids")
+    dtype, vocab, count, max_id = (meta[k] for k in SIDECAR_KEYS)
+    if dtype not in TOKEN_DTYPES:
+        raise bad(f"dtype is {dtype!r}; token ids are {' or '.join(TOKEN_DTYPES)}")
+    limit = 1 << (16 if dtype == "uint16" else 32)
+    if not _is_int(vocab) or not 1 <= vocab <= limit:
+        raise bad(f"vocab is {vocab!r}; it must be an integer from 1 to {limit} ({dtype} ids)")
+    if not _is_int(count) or count < 0:
+        raise bad(f"count is {count!r}; it must be an integer >= 0")
+    if not _is_int(max_id) or not -1 <= max_id < vocab:
+        raise bad(f"max_id is {max_id!r}; it must be an integer from -1 (no ids) to vocab - 1 = {vocab - 1}")
+    eot = meta.get("eot_id")
+    if eot is not None and (not _is_int(eot) or not 0 <= eot < vocab):
+        raise bad(f"eot_id is {eot!r}; it must be an id below vocab {vocab}, or null")
 
 
 def open_token_file(path: str | Path, *, dtype: str = "uint16", vocab: int | None = None) -> TokenFile:
@@ -110,9 +148,23 @@ def open_token_file(path: str | Path, *, dtype: str = "uint16", vocab: int | Non
     else:
         tokens = _memmap(path, np.dtype(meta["dtype"]).newbyteorder("<"))
         if len(tokens) != meta["count"]:
-            raise ConfigError(f"token file {path} holds {len(tokens)} ids, its sidecar says {meta['count']}")
-        largest, eot_id, file_vocab = meta["max_id"], meta.get("eot_id"), meta["vocab"]
+            raise ConfigError(f"token file {path} holds {len(tokens)} ids, its sidecar {sidecar_path(path)} says "
+                              f"{meta['count']}")
+        largest, eot_id, file_vocab = _verified_max_id(path, tokens, meta["max_id"]), meta.get("eot_id"), meta["vocab"]
     vocab = vocab if vocab is not None else (file_vocab if file_vocab is not None else largest + 1)
     if largest >= vocab:
         raise ConfigError(f"token file {path} holds token id {largest} >= vocab {vocab}")
-    return TokenFile(path=path, tokens=tokens, vocab=vocab, eot_id=eot_id)
+    return TokenFile(path=path, tokens=tokens, vocab=vocab, eot_id=eot_id,
+                     verified=meta is None or len(tokens) <= VERIFY_IDS)
+
+
+def _verified_max_id(path: Path, tokens: np.ndarray, max_id: int) -> int:
+    """The sidecar's max_id, checked against the file when it is small enough to scan (VERIFY_IDS); a larger
+    file's ids are checked batch by batch instead (data/feed_check.py)."""
+    if len(tokens) > VERIFY_IDS:
+        return max_id
+    largest = _largest_id(tokens)
+    if largest > max_id:
+        raise ConfigError(f"token file sidecar {sidecar_path(path)}: max_id is {max_id}, but {path} holds id "
+                          f"{largest}; fix max_id (or delete the sidecar to scan the file)")
+    return max_id

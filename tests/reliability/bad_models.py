@@ -51,3 +51,31 @@ def int64_output(hidden):
 def complex_output(hidden):
     return nn.Sequential(nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden),
                          _ToComplex())
+
+
+# Token feeds (--data bad_models:<feed>) that break the contract in one way each.
+def _feed(kind, vocab_size):
+    def fill(inputs, labels, iteration, global_mb):
+        ids = torch.arange(inputs.numel()).reshape(inputs.shape) % vocab_size
+        if kind == "returns floats":
+            return torch.rand(inputs.shape) * vocab_size
+        if kind == "floats in place":
+            ids = torch.rand(inputs.shape) * vocab_size
+        if kind == "out of range":
+            ids = ids + vocab_size
+        inputs.copy_(ids)
+        labels.copy_(ids)
+        return None
+    return fill
+
+
+def feed_returns_floats(vocab_size):
+    return _feed("returns floats", vocab_size)
+
+
+def feed_floats_in_place(vocab_size):
+    return _feed("floats in place", vocab_size)
+
+
+def feed_out_of_range(vocab_size):
+    return _feed("out of range", vocab_size)

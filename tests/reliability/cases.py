@@ -55,6 +55,11 @@ BAD_INPUTS: list[tuple[str, list[str], dict[str, str]]] = [
     ("tuple output", ["--model", "bad_models:tuple_output"], {}),
     ("int64 output", ["--model", "bad_models:int64_output"], {}),
     ("complex output", ["--model", "bad_models:complex_output"], {}),
+    ("feed returns floats", ["--model", "gpt", "--data", "bad_models:feed_returns_floats"], {}),
+    ("feed writes floats", ["--model", "gpt", "--data", "bad_models:feed_floats_in_place"], {}),
+    ("feed ids out of range", ["--model", "gpt", "--data", "bad_models:feed_out_of_range"], {}),
+    ("data ''", ["--data", ""], {}),
+    ("sidecar float64", ["--model", "gpt", "--data", "float64.bin"], {}),
 ]
 
 #: (name, PEERLINE_FAULT, the rank that stops): every rank out within the deadline, every line naming that rank.
@@ -91,6 +96,8 @@ def write_models(workdir: Path) -> None:
     (workdir / "bad_models.py").write_text((Path(__file__).parent / "bad_models.py").read_text())
     (workdir / "syntax_error.py").write_text("def make(:\n    pass\n")
     (workdir / "raises_on_import.py").write_text("raise RuntimeError('no model here')\n")
+    (workdir / "float64.bin").write_bytes(bytes(range(64)) * 8)  # a token file whose sidecar says float64
+    (workdir / "float64.json").write_text('{"dtype": "float64", "vocab": 256, "count": 64, "max_id": 255}')
 
 
 def worker_traceback(out: str) -> bool:

@@ -4,8 +4,10 @@ ConfigErrors."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -176,3 +178,128 @@ def test_errors_are_one_line_config_errors(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=message) as info:
             make()
         assert "\n" not in str(info.value)
+
+
+def _sidecar(tmp_path: Path, **meta) -> Path:
+    """A token file of ids 1, 2, 3 with the sidecar `meta` (write_token_file's keys, then these)."""
+    path = tmp_path / "t.bin"
+    np.array([1, 2, 3], dtype=np.uint16).tofile(path)
+    full = {"dtype": "uint16", "vocab": 10, "count": 3, "max_id": 3, "eot_id": None, **meta}
+    sidecar_path(path).write_text(json.dumps({k: v for k, v in full.items() if v is not DROP}))
+    return path
+
+
+DROP = object()
+
+
+@pytest.mark.parametrize("meta,message", [
+    ({"dtype": "float64"}, "dtype is 'float64'; token ids are uint16 or uint32"),
+    ({"vocab": DROP, "max_id": DROP}, "lacks vocab, max_id"),
+    ({"vocab": 1e11}, "vocab is 100000000000.0; it must be an integer from 1 to 65536"),
+    ({"vocab": 10**11, "dtype": "uint32"}, "vocab is 100000000000; it must be an integer from 1 to 4294967296"),
+    ({"count": "3"}, "count is '3'"),
+    ({"max_id": 2}, "max_id is 2, but .*t.bin holds id 3"),
+    ({"max_id": 10}, "max_id is 10; it must be an integer from -1"),
+    ({"eot_id": 12}, "eot_id is 12"),
+])
+def test_a_bad_sidecar_is_one_line_naming_it(tmp_path: Path, meta: dict, message: str) -> None:
+    path = _sidecar(tmp_path, **meta)
+    with pytest.raises(ConfigError, match=message) as info:
+        open_token_file(path)
+    assert str(info.value).startswith(f"token file sidecar {sidecar_path(path)}: ") and "\n" not in str(info.value)
+    sidecar_path(path).write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="holds list, not an object"):
+        open_token_file(path)
+
+
+def test_a_sidecar_of_a_file_too_large_to_scan_is_checked_batch_by_batch(tmp_path: Path, monkeypatch) -> None:
+    from peerline.distributed.config import RunConfig
+    from peerline.distributed.data import token_file
+    from peerline.distributed.data.token_feed import token_data
+
+    monkeypatch.setattr(token_file, "VERIFY_IDS", 2)
+    path = tmp_path / "t.bin"
+    np.array([1, 2, 3, 9] * 8, dtype=np.uint16).tofile(path)
+    sidecar_path(path).write_text(json.dumps({"dtype": "uint16", "vocab": 5, "count": 32, "max_id": 4}))
+    assert not open_token_file(path).verified
+    data = token_data(RunConfig(model="gpt", data=str(path), seq=4, micro_batch_size=2))
+    inputs, labels = torch.empty(2, 4, dtype=torch.int64), torch.empty(2, 4, dtype=torch.int64)
+    with pytest.raises(ConfigError, match=rf"token file {path} gave token id 9 into inputs in iteration 1, "
+                                          rf"microbatch 0; the vocabulary is 5 \(ids 0..4\); its sidecar "):
+        data.fill(inputs, labels, 0, 0)
+
+
+def feeds(kind: str, vocab_size: int):
+    """User feeds that break the contract in one way each (tests below and the reliability table)."""
+    def fill(inputs: torch.Tensor, labels: torch.Tensor, iteration: int, global_mb: int):
+        ids = torch.arange(inputs.numel()).reshape(inputs.shape) % vocab_size
+        if kind == "returns floats":
+            return torch.rand(inputs.shape) * vocab_size
+        if kind == "floats in place":
+            inputs.copy_(torch.rand(inputs.shape) * vocab_size)
+            labels.copy_(torch.rand(inputs.shape) * vocab_size)
+            return None
+        if kind == "out of range":
+            ids = ids + vocab_size
+        if kind == "late out of range" and iteration == 2:
+            ids = ids + vocab_size
+        if kind == "short rows":
+            inputs[:, :-1] = ids[:, :-1]
+            labels[:, :-1] = ids[:, :-1]
+            return None
+        if kind == "raises":
+            raise IndexError("no such shard")
+        inputs.copy_(ids)
+        labels.copy_(ids)
+        return None
+    return fill
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("returns floats", r"data feed '.*' returned a float32 tensor \[2, 8\] instead of writing the ids into its "
+                       r"inputs and labels tensors \(int64 \[2, 8\], ids 0..4095\) in place"),
+    ("floats in place", r"data feed '.*' writes floats into inputs \([0-9.]+ on the first batch\), which int64 ids "
+                        r"truncate silently"),
+    ("out of range", r"data feed '.*' wrote token id 4111 into inputs on the first batch; the vocabulary is 4096 "
+                     r"\(ids 0..4095\) by default: pass --vocab, or give the feed object a `vocab` attribute"),
+    ("short rows", r"data feed '.*' left 2 of the 16 ids of inputs \(int64 \[2, 8\], ids 0..4095\) unwritten"),
+    ("raises", r"data feed '.*' failed on the first batch: fill\(inputs, labels, iteration=0, global_mb=0\) raised "
+               r"IndexError: no such shard"),
+])
+def test_a_bad_user_feed_is_one_line_naming_it_at_start(kind: str, message: str, monkeypatch) -> None:
+    from functools import partial
+
+    from peerline.distributed.config import RunConfig
+    from peerline.distributed.data.token_feed import token_data
+
+    module = type(sys.modules[__name__])("bad_feed_module")
+    module.make = partial(feeds, kind)
+    monkeypatch.setitem(sys.modules, "bad_feed_module", module)
+    with pytest.raises(ConfigError, match=message) as info:
+        token_data(RunConfig(model="gpt", data="bad_feed_module:make", seq=8, micro_batch_size=2))
+    assert "\n" not in str(info.value) and "'bad_feed_module:make'" in str(info.value)
+
+
+def test_a_user_feed_s_ids_are_checked_every_batch(monkeypatch) -> None:
+    from functools import partial
+
+    from peerline.distributed.config import RunConfig
+    from peerline.distributed.data.token_feed import token_data
+
+    module = type(sys.modules[__name__])("late_feed_module")
+    module.make = partial(feeds, "late out of range")
+    monkeypatch.setitem(sys.modules, "late_feed_module", module)
+    data = token_data(RunConfig(model="gpt", data="late_feed_module:make", seq=8, micro_batch_size=2, vocab=50))
+    inputs, labels = torch.empty(2, 8, dtype=torch.int64), torch.empty(2, 8, dtype=torch.int64)
+    data.fill(inputs, labels, 1, 3)
+    with pytest.raises(ConfigError, match=r"data feed 'late_feed_module:make' wrote token id 65 into inputs in "
+                                          r"iteration 3, microbatch 3; the vocabulary is 50 \(ids 0..49\)$"):
+        data.fill(inputs, labels, 2, 3)
+
+
+def test_empty_data_is_refused() -> None:
+    from peerline.distributed.config import RunConfig
+
+    for data in ("", "  "):
+        with pytest.raises(ConfigError, match="--data is empty: name the data .* a PATH such as . for this folder"):
+            RunConfig(model="gpt", data=data)
