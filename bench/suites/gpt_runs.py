@@ -52,11 +52,16 @@ class GPTBench:
     def run_variants(self, variants: list[str], failures: list[str]) -> dict[str, Measured]:
         """Measure each variant (the anchor first) and record it against the anchor as soon as both exist."""
         schedules = getattr(self.args, "gpt_schedules", None) or ["1f1b"]
-        runs = [(v, s) for v in variants for s in ([None] if v in TORCH_VARIANTS else schedules)]
-        for variant, schedule in runs:
-            label = variant if schedule in (None, "1f1b") else f"{variant} {schedule}"
+        precisions = getattr(self.args, "gpt_precisions", None) or ["master"]
+        runs = [(v, s, p) for v in variants
+                for s, p in ([(None, None)] if v in TORCH_VARIANTS else
+                             [(s, p) for s in schedules for p in precisions])]
+        for variant, schedule, precision in runs:
+            label = (variant + ("" if schedule in (None, "1f1b") else f" {schedule}")
+                     + ("" if precision in (None, "master") else f" {precision}"))
             measure = (lambda v=variant: self.best_anchor(v, failures)) if variant in TORCH_VARIANTS else (
-                lambda graph=variant == "graph", schedule=schedule: self.peerline(graph, schedule=schedule))
+                lambda graph=variant == "graph", schedule=schedule, precision=precision:
+                self.peerline(graph, schedule=schedule, precision=precision))
             got = self._measure(label, measure, failures)
             if got is None:
                 continue
@@ -102,10 +107,12 @@ class GPTBench:
                         per_rank)
 
     # -- peerline ------------------------------------------------------------------------------------------------
-    def peerline(self, graph: bool, recompute: str = "off", schedule: str = "1f1b") -> Measured | str:
-        """peerline with `schedule` on the same shape and data; why not, when the iteration was not captured."""
+    def peerline(self, graph: bool, recompute: str = "off", schedule: str = "1f1b", precision: str = "master"
+                 ) -> Measured | str:
+        """peerline with `schedule` and `precision` (--precision) on the same shape and data; why not, when the
+        iteration was not captured."""
         cfg = self.shape.run_config(None, device=self.device.type, graph=graph, recompute=recompute,
-                                    schedule=schedule, iters=10**9, log_every=1)
+                                    schedule=schedule, iters=10**9, log_every=1, precision=precision)
         with open_runtime(cfg) as rt:
             measured = time_captured(rt, graph, LOSS_CHECK_ITERS, self.timer)
             if isinstance(measured, str):
@@ -114,8 +121,10 @@ class GPTBench:
             per_rank = peak_gb_per_rank(self.device)
             extra: dict[str, Any] = {"model": "peerline's GPT", "transport": rt.transport_name,
                                      "recompute": recompute, "stage_layers": _most_stage_layers(rt, self.device)}
-        name = ("graph" if graph else "eager") + ("" if schedule == "1f1b" else f" {schedule}")
+        name = (("graph" if graph else "eager") + ("" if schedule == "1f1b" else f" {schedule}")
+                + ("" if precision == "master" else f" {precision}"))
         extra["schedule"] = schedule
+        extra["precision"] = precision
         return Measured(name, timing, losses, None, max(per_rank, default=0.0), extra, per_rank)
 
     def recompute_table(self, failures: list[str]) -> None:
