@@ -45,7 +45,7 @@ from peerline.distributed.precision import apply_precision, resolve_autocast
 from peerline.distributed.streams import RankStreams, create_rank_streams
 from peerline.kernels import ops
 from peerline.models.flops import gpt_flops_per_token, gpt_layer_costs
-from peerline.models.gpt import build_gpt_layers
+from peerline.models.gpt import build_gpt_layers, describe_gpt_split
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class RunParts:
     hooks: list[IterationHooks] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)  # one line each for the start of the run (rank 0 prints)
     flops_per_token: float | None = None  # model FLOPs of one trained token (None: unknown, a user model)
+    workload: str = ""  # the model, its data and vocabulary, for the start line
 
 
 @dataclass
@@ -114,13 +115,13 @@ def assemble(cfg: RunConfig, info: LaunchInfo | None = None) -> RunParts:
     engine = make_engine(cfg, grid, stages, program, transport, streams, first_in, out_specs[-1], autocast_dtype,
                          tokens=work.tokens, layer_offsets=layer_offsets)
     n_params = sum(p.numel() for stage in stages for layer in stage.module for p in layer.parameters())
-    split = describe_split(work.bounds)
+    split = describe_gpt_split(work.bounds, cfg.layers) if cfg.model == "gpt" else describe_split(work.bounds)
     log.info("%s; %s; %.2f M parameters here; transport %s", grid.mesh.describe(), split, n_params / 1e6,
              transport.describe())
     return RunParts(cfg=cfg, grid=grid, engine=engine, streams=streams, links=links, split=split,
                     layer_offsets=layer_offsets,
                     graphs=make_graph_policy(cfg, grid), hooks=make_hooks(cfg), notices=work.notices,
-                    flops_per_token=work.flops_per_token)
+                    flops_per_token=work.flops_per_token, workload=describe_workload(cfg, work))
 
 
 # -- the steps, in the order assemble() runs them --------------------------------------------------------------
@@ -163,6 +164,21 @@ def make_model(cfg: RunConfig, grid: Grid, kernels: str) -> Workload:
         modules, bounds = build_stages(cfg, grid.n_stages, grid.stage_ids, kernels, vocab, notices)
         flops = mlp_flops_per_token(cfg) if cfg.model is None else None
     return Workload(modules, bounds, vocab, tokens, flops, notices)
+
+
+def describe_workload(cfg: RunConfig, work: Workload) -> str:
+    """The model, its data and the vocabulary, for the start line: 'model gpt (4 blocks, hidden 128, 4 heads,
+    seq 128); data text: ...; vocabulary 4096'."""
+    if cfg.model == "gpt":
+        tied = ", tied embeddings" if cfg.tie_embeddings else ""
+        model = f"gpt ({cfg.layers} blocks, hidden {cfg.hidden}, {cfg.heads} heads, seq {cfg.seq}{tied})"
+    elif cfg.model is None:
+        model = f"residual MLP ({cfg.layers} blocks, hidden {cfg.hidden})"
+    else:
+        model = f"{cfg.model} ({work.bounds[-1][1]} layers)"
+    if work.tokens is None:
+        return f"model {model}; data {cfg.data} (synthetic floats)"
+    return f"model {model}; data {work.tokens.name}; vocabulary {work.vocab}"
 
 
 def first_input_spec(cfg: RunConfig) -> TensorSpec:

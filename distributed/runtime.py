@@ -51,6 +51,7 @@ class Runtime:
         self.programs = parts.grid.programs
         self.engine, self.streams, self.links = parts.engine, parts.streams, parts.links
         self.split, self.layer_offsets = parts.split, parts.layer_offsets
+        self.workload = parts.workload  # the model, its data and vocabulary (the start line)
         self.transport_name = parts.engine.transport.describe()
         self.graphs = parts.graphs  # the CUDA-graph policy and state (cudagraph/policy.py)
         self.hooks: list[IterationHooks] = list(parts.hooks)

@@ -109,7 +109,8 @@ def train(rt: Runtime) -> list[IterationStats]:
     if is_writer:
         print(f"peerline: {rt.info.world_size} rank(s) via {rt.info.launcher}, pp={rt.mesh.pp} dp={rt.mesh.dp} "
               f"stages/rank={cfg.stages}, schedule {cfg.schedule}, M={cfg.microbatches}, device "
-              f"{rt.device.type}, p2p {rt.transport_name}; {rt.split}", flush=True)
+              f"{rt.device.type}, p2p {rt.transport_name}", flush=True)
+        print(f"peerline: {rt.workload}; {rt.split}", flush=True)
         for notice in [*start_notices(cfg, rt.device), *rt.notices]:
             print(f"peerline: {notice}", flush=True)
     history: list[IterationStats] = []

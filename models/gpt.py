@@ -4,7 +4,8 @@
   index 1 .. L   GPTBlock         pre-norm causal self-attention (RoPE fused on the packed qkv with flash attention,
                                   kernels/rope.py; unfused on the CPU)
                                   and an MLP (fc1 -> bias+GELU -> fc2), both added back to the residual stream
-  index L + 1    LMHead           final LayerNorm and the projection to the vocabulary: fp32 logits [B, T, V]
+  index L + 1    LMHead           final LayerNorm and the projection to the vocabulary: logits [B, T, V] in the
+                                  compute dtype (the loss upcasts them a chunk at a time, kernels/cross_entropy.py)
 
 Positions come from RoPE inside attention, so every boundary between layers carries one tensor, [B, T, H].
 The Linears are FusedLinear and the bias+GELU and residual adds go through peerline.kernels.ops, as in the
@@ -96,7 +97,7 @@ class GPTBlock(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Final LayerNorm and the projection to the vocabulary: [B, T, H] -> fp32 logits [B, T, V].
+    """Final LayerNorm and the projection to the vocabulary: [B, T, H] -> logits [B, T, V] (compute dtype).
 
     tied=True starts the projection's weight as a copy of the embedding's initial weight (embedding_init of the
     same seed), so a head on another stage starts equal to the embedding; summing the two weights' gradients
@@ -115,7 +116,7 @@ class LMHead(nn.Module):
                 nn.init.normal_(self.out.weight, std=INIT_STD)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(x)).float()
+        return self.out(self.norm(x))  # compute-dtype logits: the loss reads bf16 ones in chunks, in fp32
 
 
 def check_shape(hidden: int, heads: int) -> None:
@@ -145,3 +146,18 @@ def build_gpt_layers(*, vocab: int, hidden: int, heads: int, layers: int, seq: i
         else:
             built.append(GPTBlock(hidden, heads, kernels, max_seq=seq, depth=layers))
     return built
+
+
+def describe_gpt_split(bounds: list[tuple[int, int]], layers: int) -> str:
+    """Each stage's part of the GPT by name, for the start line: layer 0 is the token embedding, layers
+    1..`layers` the blocks (numbered from 0 here, as --layers counts them), layer `layers` + 1 the LM head."""
+    parts = []
+    for s, (a, b) in enumerate(bounds):
+        held = ["embedding"] if a == 0 else []
+        first, last = max(a, 1) - 1, min(b, layers + 1) - 2  # the blocks of layers [a, b)
+        if last >= first:
+            held.append(f"block {first}" if first == last else f"blocks {first}-{last}")
+        if b == layers + 2:
+            held.append("LM head")
+        parts.append(f"stage {s}: {', '.join(held)}")
+    return "; ".join(parts)

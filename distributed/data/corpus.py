@@ -44,6 +44,11 @@ class Corpus:
             if left == 0:
                 return
 
+    def size_bytes(self) -> int:
+        """The bytes the documents are read from: the files' sizes, up to the cap."""
+        total = sum(path.stat().st_size for path in self.files)
+        return total if self.cap_bytes is None else min(total, self.cap_bytes)
+
     def digest(self) -> str:
         """SHA-256 of the documents' text (each length-prefixed): what the cached tokens depend on."""
         h = hashlib.sha256()

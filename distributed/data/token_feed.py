@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 from peerline.distributed.config import ConfigError, RunConfig, is_spec
+from peerline.distributed.data.corpus import DEFAULT_CORPUS
 from peerline.distributed.data.feed_check import check_first_batch, checked_fill
-from peerline.distributed.data.token_file import sidecar_path
+from peerline.distributed.data.token_file import TokenFile, sidecar_path
 from peerline.distributed.model import call_with_wanted, load_spec
 
 Fill = Callable[[torch.Tensor, torch.Tensor, int, int], None]
@@ -61,7 +62,16 @@ def token_data(cfg: RunConfig) -> TokenData:
     if not tokens.verified:  # a sidecar's max_id too large a file to check at open: checked batch by batch
         fill = checked_fill(fill, tokens.vocab, f"token file {tokens.path} gave",
                             f"; its sidecar {sidecar_path(tokens.path)} states a smaller max_id")
-    return TokenData(fill=fill, vocab=tokens.vocab, name=f"tokens {tokens.path} ({len(tokens):,} ids)")
+    return TokenData(fill=fill, vocab=tokens.vocab, name=source_name(cfg.data, tokens))
+
+
+def source_name(data: str, tokens: TokenFile) -> str:
+    """The token source for the start line: what the text is and where its tokens are."""
+    if data == DEFAULT_CORPUS:
+        return f"text (the Python standard library's source; {len(tokens):,} tokens in {tokens.path})"
+    if Path(data).suffix == ".bin":
+        return f"token file {tokens.path} ({len(tokens):,} ids)"
+    return f"text {data} ({len(tokens):,} tokens in {tokens.path})"
 
 
 def _user_feed(cfg: RunConfig) -> TokenData:

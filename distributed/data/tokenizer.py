@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -37,6 +38,7 @@ EOT = "<|endoftext|>"
 DEFAULT_VOCAB_SIZE = 4096
 CACHE_FORMAT = 1  # part of the digest: a change of the cached layout gets a new folder
 _ENCODE_BATCH = 64  # documents per encode call: keeps memory flat on a large folder
+LARGE_TEXT_BYTES = 100_000_000  # a user's text above this size gets a line before it is read
 
 
 def default_cache_root() -> Path:
@@ -98,8 +100,11 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 
 
 def _build_cache(corpus: Corpus, folder: Path, vocab_size: int, digest: str) -> None:
-    """Train the tokenizer, encode the corpus into tokens.bin and write the sidecar last."""
-    log.info("text data: training a %d-token byte-level BPE on %s", vocab_size, corpus.name)
+    """Train the tokenizer, encode the corpus into tokens.bin and write the sidecar last. Says so on stdout:
+    this is the first run's pause (seconds for the default text, minutes for a large folder)."""
+    started = time.monotonic()
+    print(f"peerline: text data: tokenizing {corpus.name} once ({corpus.size_bytes() / 1e6:.1f} MB; a "
+          f"{vocab_size}-token byte-level BPE) into {folder}; later runs read the cache", flush=True)
     tokenizer = train_tokenizer(corpus.documents(), vocab_size)
     vocab = tokenizer.get_vocab_size()
     atomic_write(folder / "tokenizer.json", lambda f: f.write(tokenizer.to_str().encode()))
@@ -116,7 +121,7 @@ def _build_cache(corpus: Corpus, folder: Path, vocab_size: int, digest: str) -> 
     write_sidecar(folder / "tokens.bin", {"dtype": dtype.name, "vocab": vocab, "count": count, "max_id": largest,
                                           "eot_id": tokenizer.token_to_id(EOT), "source_digest": digest,
                                           "source": corpus.name, "format": CACHE_FORMAT})
-    log.info("text data: %d tokens cached in %s", count, folder)
+    print(f"peerline: text data: {count:,} tokens cached in {time.monotonic() - started:.1f} s", flush=True)
 
 
 def tokenize_corpus(corpus: Corpus, *, vocab_size: int = DEFAULT_VOCAB_SIZE,
@@ -153,5 +158,8 @@ def text_tokens(source: str | None = None, *, vocab_size: int = DEFAULT_VOCAB_SI
         return open_token_file(Path(source).expanduser(), dtype=dtype, vocab=vocab)
     else:
         corpus = path_corpus(source, cap_bytes)
+        if corpus.size_bytes() > LARGE_TEXT_BYTES:  # read whole at every start, for the cache's digest
+            print(f"peerline: text data: reading {len(corpus.files):,} text files ({corpus.size_bytes() / 1e6:,.0f} "
+                  f"MB) of {corpus.name} to find their tokens (a .bin token file skips this)", flush=True)
     token_file = tokenize_corpus(corpus, vocab_size=vocab_size, cache_root=cache_root)
     return token_file if vocab is None else open_token_file(token_file.path, vocab=vocab)

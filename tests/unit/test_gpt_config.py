@@ -208,3 +208,30 @@ def test_bad_model_or_data_is_one_line_exit_2(tmp_path: Path, args: list[str], l
                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     assert run.returncode == 2, run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and run.stderr.startswith(line), run.stderr
+
+
+def test_the_gpt_split_names_embedding_blocks_and_head() -> None:
+    from peerline.models.gpt import describe_gpt_split
+
+    # --layers 4 is 4 blocks; the embedding and the head are layers of the split too, now named as such
+    assert describe_gpt_split([(0, 4), (4, 6)], 4) == "stage 0: embedding, blocks 0-2; stage 1: block 3, LM head"
+    assert describe_gpt_split([(0, 1), (1, 5), (5, 6)], 4) == \
+        "stage 0: embedding; stage 1: blocks 0-3; stage 2: LM head"
+    assert describe_gpt_split([(0, 6)], 4) == "stage 0: embedding, blocks 0-3, LM head"
+
+
+def test_the_start_line_names_the_model_the_data_and_the_vocabulary(tmp_path: Path) -> None:
+    from peerline.distributed.assemble import Workload, describe_workload
+
+    cfg = RunConfig(model="gpt", data=f"{__name__}:counting_feed", layers=4, hidden=32, heads=2, seq=8)
+    work = Workload(modules=[], bounds=[(0, 4), (4, 6)], vocab=97, tokens=token_data(cfg), flops_per_token=None,
+                    notices=[])
+    assert describe_workload(cfg, work) == (f"model gpt (4 blocks, hidden 32, 2 heads, seq 8); data feed "
+                                            f"{__name__}:counting_feed; vocabulary 97")
+    plain = Workload(modules=[], bounds=[(0, 8)], vocab=4096, tokens=None, flops_per_token=None, notices=[])
+    assert describe_workload(RunConfig(), plain) == "model residual MLP (8 blocks, hidden 128); data seeded " \
+                                                    "(synthetic floats)"
+    path = tmp_path / "t.bin"
+    np.array([1, 2, 3] * 40, dtype=np.uint16).tofile(path)
+    named = token_data(RunConfig(model="gpt", data=str(path), seq=8, micro_batch_size=2)).name
+    assert named == f"token file {path} (120 ids)"

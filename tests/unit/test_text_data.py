@@ -303,3 +303,17 @@ def test_empty_data_is_refused() -> None:
     for data in ("", "  "):
         with pytest.raises(ConfigError, match="--data is empty: name the data .* a PATH such as . for this folder"):
             RunConfig(model="gpt", data=data)
+
+
+def test_the_first_run_says_it_tokenizes_and_a_large_folder_says_it_is_read(corpus_dir: Path, tmp_path: Path,
+                                                                              capsys, monkeypatch) -> None:
+    text_tokens(str(corpus_dir), vocab_size=300, cache_root=tmp_path)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and out[0].startswith(f"peerline: text data: tokenizing {corpus_dir} once (") \
+        and out[0].endswith("; later runs read the cache"), out
+    assert out[1].startswith("peerline: text data: ") and " tokens cached in " in out[1], out
+    text_tokens(str(corpus_dir), vocab_size=300, cache_root=tmp_path)
+    assert capsys.readouterr().out == ""  # the cache: nothing to say
+    monkeypatch.setattr(tokenizer_mod, "LARGE_TEXT_BYTES", 10)
+    text_tokens(str(corpus_dir), vocab_size=300, cache_root=tmp_path)
+    assert capsys.readouterr().out.startswith("peerline: text data: reading 3 text files (0 MB) of ")
