@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from peerline.distributed.config import ConfigError, RunConfig
 from peerline.distributed.env import RankConfigError
 from peerline.kernels import ops
+from peerline.kernels.cross_entropy import cross_entropy
 from peerline.kernels.fused_linear import FusedLinear
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,8 @@ def run_values(cfg: RunConfig, vocab: int) -> dict[str, object]:
 
 def load_user_model(spec: str, seed: int, values: dict[str, object] | None = None) -> UserModel:
     """Import 'pkg.module:factory' and call it under the run's seed with the `values` it names; it returns an
-    nn.Sequential or a list of per-layer builders (callables returning one nn.Module each)."""
+    nn.Sequential, a list of nn.Modules (taken as one) or a list of per-layer builders (callables returning one
+    nn.Module each)."""
     factory = load_spec(spec, "model factory")
     torch.manual_seed(seed)
     try:
@@ -156,10 +158,32 @@ def load_user_model(spec: str, seed: int, values: dict[str, object] | None = Non
         raise ConfigError(f"model factory {spec!r} {user_failure(exc)}") from None
     if isinstance(made, nn.Sequential):
         return UserModel(spec, layers=list(made), taken=taken)
-    if isinstance(made, list | tuple) and made and all(callable(b) and not isinstance(b, nn.Module) for b in made):
-        return UserModel(spec, builders=list(made), taken=taken)
-    raise ConfigError(f"model factory {spec!r} returned {type(made).__name__}, not an nn.Sequential or a list of "
-                      "layer builders")
+    items = list(made) if isinstance(made, list | tuple | nn.ModuleList) else None
+    if items and all(isinstance(m, nn.Module) for m in items):  # the layers, in order: as an nn.Sequential's
+        return UserModel(spec, layers=items, taken=taken)
+    if items and all(callable(b) and not isinstance(b, nn.Module) for b in items):
+        return UserModel(spec, builders=items, taken=taken)
+    raise ConfigError(f"model factory {spec!r} returned {describe_returned(made)}; {FACTORY_RETURNS}")
+
+
+FACTORY_RETURNS = ("a factory returns an nn.Sequential, a list of nn.Modules (the layers, in order), or a list of "
+                   "layer builders (functions without arguments that return one nn.Module each; each rank calls "
+                   "only those of its own layers)")
+
+
+def describe_returned(made: object) -> str:
+    """What a factory returned, for its error line: the type, or a list's mix of modules and other items."""
+    if not isinstance(made, list | tuple | nn.ModuleList):
+        return type(made).__name__
+    kind = type(made).__name__
+    if not made:
+        return f"an empty {kind}"
+    other = next((i for i, m in enumerate(made) if not callable(m)), None)  # nn.Modules are callable
+    if other is not None:
+        return f"a {kind} whose item {other} is {type(made[other]).__name__}, neither an nn.Module nor a builder"
+    module = next(i for i, m in enumerate(made) if isinstance(m, nn.Module))
+    builder = next(i for i, m in enumerate(made) if not isinstance(m, nn.Module))
+    return f"a {kind} that mixes nn.Modules (item {module}) and builders (item {builder})"
 
 
 def split_even(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
@@ -266,8 +290,9 @@ def mlp_flops_per_token(cfg: RunConfig) -> float:
 
 
 def cross_entropy_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy in fp32: logits [B, T, V] against int64 labels [B, T], mean over tokens."""
-    return F.cross_entropy(output.float().flatten(0, -2), target.flatten())
+    """Next-token cross-entropy in fp32: logits [B, T, V] against int64 labels [B, T], mean over tokens; bf16
+    logits are read in chunks, never copied whole to fp32 (kernels/cross_entropy.py)."""
+    return cross_entropy(output, target)
 
 
 def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
