@@ -111,16 +111,17 @@ class RunConfig:
                          "(default: %(default)s)", minimum=1)
     """Residual MLP blocks of the default model."""
     model: str | None = option(None, MODEL, "gpt (a decoder-only LM sized by --layers --hidden --heads --seq "
-                               "--vocab), or a user model 'pkg.module:factory' returning an nn.Sequential or a list "
-                               "of per-layer builders; the factory gets the keyword arguments it names of vocab_size "
-                               "(or vocab), hidden, seq, heads, layers, seed, micro_batch_size (default: the "
-                               "residual-MLP model)")
+                               "--vocab), or a user model 'pkg.module:factory' returning an nn.Sequential, a list of "
+                               "nn.Modules or a list of per-layer builders; the factory gets the keyword arguments it "
+                               "names of vocab_size (or vocab), hidden, seq, heads, layers, seed, micro_batch_size "
+                               "(default: the residual-MLP model)")
     """None: the residual-MLP model; gpt: the decoder-only LM of models/gpt.py; or 'pkg.module:factory'. A factory
     may name keyword arguments (vocab_size, vocab, hidden, seq, heads, layers, seed, micro_batch_size) and gets
-    their run values; it returns an nn.Sequential (every rank builds it whole) or a list of builders, callables
-    returning one layer each (every rank builds only its own layers, each under its own seed). Its first layer
-    receives floats [B, T, hidden] with --data seeded/counter, int64 token ids [B, T] with token data; its last
-    layer's output is scored by --loss against the targets (floats [B, T, hidden] or token ids [B, T])."""
+    their run values; it returns an nn.Sequential or a list of nn.Modules (every rank builds it whole) or a list of
+    builders, callables returning one layer each (every rank builds only its own layers, each under its own seed).
+    Its first layer receives floats [B, T, hidden] with --data seeded/counter, int64 token ids [B, T] with token
+    data; its last layer's output is scored by --loss against the targets (floats [B, T, hidden] or token ids
+    [B, T])."""
     heads: int = option(4, MODEL, "attention heads of --model gpt (default: %(default)s)", minimum=1)
     """Attention heads of the GPT; must divide --hidden into heads of an even width (RoPE)."""
     vocab: int | None = option(None, MODEL, "vocabulary size (default: the token data's; 4096 with synthetic data)",

@@ -75,7 +75,7 @@ def _sequential():
 
 
 def test_user_factory_must_return_sequential():
-    with pytest.raises(ConfigError, match="not an nn.Sequential"):
+    with pytest.raises(ConfigError, match="returned Linear; a factory returns an nn.Sequential"):
         build_stages(RunConfig(model=f"{__name__}:_not_sequential"), 1, [0], "torch")
     with pytest.raises(ConfigError, match="cannot load"):
         build_stages(RunConfig(model="no.such.module:f"), 1, [0], "torch")
@@ -93,3 +93,33 @@ def test_synthetic_data_is_deterministic_and_distinct():
     fill_batch(b, 0, 1, 2, 0, g)
     fill_batch(c, 0, 1, 3, 0, g)
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def _module_list(hidden: int):
+    return [nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)]
+
+
+def _mixed(hidden: int):
+    return [nn.Linear(hidden, hidden), lambda: nn.Linear(hidden, hidden)]
+
+
+def _with_a_number(hidden: int):
+    return [lambda: nn.Linear(hidden, hidden), 3]
+
+
+def _empty():
+    return []
+
+
+def test_a_list_of_modules_is_a_model_and_other_lists_say_what_a_factory_returns():
+    stages, bounds = build_stages(RunConfig(model=f"{__name__}:_module_list", hidden=8), 2, [0, 1], "torch")
+    assert bounds[-1][1] == 4 and sum(len(s) for s in stages) == 4  # split by parameters, like an nn.Sequential
+    for factory, what in (("_mixed", "a list that mixes nn.Modules (item 0) and builders (item 1)"),
+                          ("_with_a_number", "a list whose item 1 is int, neither an nn.Module nor a builder"),
+                          ("_empty", "an empty list"), ("_not_sequential", "Linear")):
+        with pytest.raises(ConfigError) as info:
+            build_stages(RunConfig(model=f"{__name__}:{factory}", hidden=8), 1, [0], "torch")
+        assert str(info.value) == (f"model factory '{__name__}:{factory}' returned {what}; a factory returns an "
+                                   "nn.Sequential, a list of nn.Modules (the layers, in order), or a list of layer "
+                                   "builders (functions without arguments that return one nn.Module each; each rank "
+                                   "calls only those of its own layers)")
