@@ -113,6 +113,20 @@ def test_model_contract_names_every_factory_keyword() -> None:
         assert f"`{name}`" in bullet, f"the README's model contract does not name the factory keyword {name!r}"
 
 
+def test_slurm_docs_say_where_the_checkout_lives_and_what_to_pass() -> None:
+    """The scripts run the checkout and its virtualenv from every node by the submitting shell's paths, and their
+    defaults (8 GPUs, 16 CPUs per node, no partition or account) fit few clusters as they are."""
+    guide = (REPO / "slurm" / "README.md").read_text()
+    before = " ".join(guide[guide.index("## Before you submit"):guide.index("| script | tasks |")].split())
+    assert "filesystem that every node mounts at the same path" in before and "virtualenv" in before
+    assert "-p PARTITION -A ACCOUNT" in before and "--gpus-per-node=N" in before
+    for script in ("pipeline.sbatch", "multinode.sbatch", "mpi.sbatch"):
+        head = " ".join((REPO / "slurm" / script).read_text().split("#SBATCH", 1)[0].replace("#", " ").split())
+        assert "every node sees at the same path" in head and "-p gpu -A myproj --gpus-per-node=" in head, script
+    slurm_row = next(ln for ln in README.read_text().splitlines() if ln.startswith("| Slurm |"))
+    assert "every node sees at the same path" in slurm_row and "--gpus-per-node" in slurm_row
+
+
 if __name__ == "__main__":
     regenerate(README, tuning=False)
     regenerate(TUNING, tuning=True)
