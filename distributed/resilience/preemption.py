@@ -9,9 +9,13 @@ agree on it at launch boundaries (a graph replays whole iterations, so nothing i
               total > world: some rank was signalled -> every rank stops after iteration n
 
 The round goes through the process group's c10d store: no device work and no host synchronization of the device,
-only a host barrier per launch (`--preempt-check-every N` spaces the rounds). When every rank agrees, the runtime
-ends the loop (`Runtime.request_stop`), the failsafe writes its final checkpoint (with --save), and the main job
-prints one line and exits `EXIT_PREEMPTED`.
+only a host barrier per launch (`--preempt-check-every N` spaces the rounds). With N > 1 the ranks also agree on
+every logged iteration (`vote`), where the loss read has synchronized them already: one all-reduce (MAX) of one
+integer, the signal and the lowest signalled rank, so a signal stops every rank at the next logged boundary
+whatever N. A run that logs less often than every launch (--log-every K > 1) with N > 1 says at start-up that
+a signal waits for the next multiple of K or N. When every rank agrees, the runtime ends the loop
+(`Runtime.request_stop`), the failsafe writes its final checkpoint (with --save), and the main job prints one line
+and exits `EXIT_PREEMPTED`.
 
 The watchdog thread reads every signal (the main thread may be blocked in C code); its `signal_filter` hands the
 preemption signals here. A rank that does not reach a boundary within `GRACE_S` of its signal (blocked on a peer
@@ -25,10 +29,12 @@ import signal
 import threading
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from peerline.distributed.config import ConfigError
-from peerline.distributed.hooks import IterationHooks
+from peerline.distributed.hooks import IterationHooks, IterationStats
+from peerline.distributed.streams import use
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +76,7 @@ class Preemption(IterationHooks):
         multi = dist.is_initialized() and self.world > 1
         self.store = store if store is not None else (dist.distributed_c10d._get_default_store() if multi else None)
         self.signalled: str | None = None  # the name of the first signal this rank received
+        self._signum: int | None = None  # its number
         self.reason: str | None = None  # set once every rank agreed to stop
         self._checked = 0  # the last iteration a round ran after
         self._timer: threading.Timer | None = None
@@ -82,6 +89,9 @@ class Preemption(IterationHooks):
         signals are given back): reads --preempt-signals and --preempt-check-every from rt.cfg."""
         hook = cls(rt, parse_signals(rt.cfg.preempt_signals), rt.cfg.preempt_check_every)
         hook.install()
+        notice = cadence_notice(hook.signals, hook.every, rt.cfg.log_every)
+        if notice:
+            rt.run_notices.append(notice)
         return hook
 
     # -- signals -------------------------------------------------------------------------------------------------
@@ -103,6 +113,7 @@ class Preemption(IterationHooks):
             return False
         if self.signalled is None:
             self.signalled = signal.Signals(signum).name
+            self._signum = int(signum)
             log.info("%s received: stopping at the next iteration boundary", self.signalled)
             if self._watchdog is not None:
                 self._timer = threading.Timer(GRACE_S, self._not_at_boundary)
@@ -128,13 +139,40 @@ class Preemption(IterationHooks):
     # -- the rounds ------------------------------------------------------------------------------------------
     def after_launch(self, rt: Any, last_iteration: int) -> None:
         """A round when the launch crossed a multiple of --preempt-check-every (none with --preempt-signals none)."""
+        if self._timer is not None:
+            self._timer.cancel()  # at a boundary: from here the watchdog's deadline covers the agreement
         if not self.signals or self.reason is not None or last_iteration // self.every == self._checked // self.every:
             return
         self._checked = last_iteration
-        if self._timer is not None:
-            self._timer.cancel()  # at a boundary: from here the watchdog's deadline covers the round
         if self.agree(last_iteration):
             rt.request_stop(self.reason)
+
+    def on_logged(self, rt: Any, stats: IterationStats) -> None:
+        """With --preempt-check-every N > 1, the vote of every logged iteration (every rank logs the same ones)."""
+        if not self.signals or self.every == 1 or self.reason is not None:
+            return
+        if self.vote(rt, stats.iteration):
+            rt.request_stop(self.reason)
+
+    def vote(self, rt: Any, n: int) -> bool:
+        """All-reduce (MAX) of this rank's signal and rank as one integer, after iteration `n` (every rank): True
+        when some rank was signalled; sets `reason`, naming the highest signal's lowest rank."""
+        top = self.ballot()
+        if dist.is_initialized() and self.world > 1:
+            with use(rt.engine.main_stream):  # never the legacy default stream
+                votes = torch.tensor([top], dtype=torch.int64, device=rt.device)
+                dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+                top = int(votes.item())
+        if top == 0:
+            return False
+        signum, rest = divmod(top, self.world + 1)
+        self.reason = f"preempted by {signal.Signals(signum).name} on rank {self.world - rest} after iteration {n}"
+        return True
+
+    def ballot(self) -> int:
+        """This rank's vote: 0 unsignalled, else signal x (world + 1) + world - rank (the largest: the highest
+        signal, then the lowest rank)."""
+        return 0 if self._signum is None else self._signum * (self.world + 1) + self.world - self.rank
 
     def agree(self, n: int) -> bool:
         """One round after iteration `n` (every rank): True when any rank was signalled; sets `reason`."""
@@ -167,6 +205,16 @@ class Preemption(IterationHooks):
 
     def on_error(self, rt: Any, exc: BaseException) -> None:
         self.uninstall()
+
+
+def cadence_notice(signals: tuple[signal.Signals, ...], every: int, log_every: int) -> str | None:
+    """The start-up notice of a run whose ranks agree on a preemption less often than every launch: with
+    --preempt-check-every N > 1 they agree on logged iterations and multiples of N only."""
+    if not signals or every == 1 or log_every == 1:
+        return None
+    return (f"notice: --preempt-check-every {every} with --log-every {log_every}: a preemption signal stops the "
+            f"job at the next iteration that is a multiple of {log_every} or {every}, not at the next one (the ranks "
+            "agree on a signal there)")
 
 
 def preempted_line(reason: str, save_dir: str | None, saved: int | None) -> str:

@@ -8,6 +8,7 @@ is logged, so it always lands in that pause and the job stops after iteration 3.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from peerline.distributed.resilience.preemption import EXIT_PREEMPTED
-from tests.helpers import PIPELINE, cpu_env, torchrun_cmd, uninterrupted_run
+from tests.helpers import PIPELINE, cpu_env, run_command, torchrun_cmd, uninterrupted_run
 from tests.ports import free_port
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -105,6 +106,52 @@ def test_a_signal_to_torchrun_stops_the_job_after_a_checkpoint(tmp_path, referen
         in out, out + err
     assert "peerline: error" not in err, err
     _resume_matches(tmp_path, reference)
+
+
+def _worker_of(torchrun: subprocess.Popen, rank: int, limit_s: float = 60) -> int:
+    """The pid of torchrun's worker process of `rank` (a child of torchrun with RANK=<rank> in its environment)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        children = Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split()
+        for pid in children:
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env:
+                return int(pid)
+        time.sleep(0.2)
+    raise AssertionError(f"no worker of rank {rank} under torchrun {torchrun.pid}")
+
+
+def test_a_long_check_interval_still_stops_at_the_next_boundary(tmp_path, reference):
+    """--preempt-check-every 1000 under torchrun, SIGUSR1 to one worker: the ranks agree on the logged iteration
+    after the signal (not 1000 iterations later), save it and exit 75; the resume matches."""
+    p = subprocess.Popen([*torchrun_cmd(2), PIPELINE, *MODEL, "--save", "ck", "--preempt-check-every", "1000"],
+                         cwd=tmp_path, env=cpu_env(PEERLINE_FAULT=PAUSE), text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    try:
+        worker = _worker_of(p, 1)
+        for line in p.stdout:
+            if line.startswith("iter 2/"):
+                os.kill(worker, signal.SIGUSR1)
+                break
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert (f"peerline: preempted by SIGUSR1 on rank 1 after iteration 3: checkpoint of iteration 3 in ck; continue "
+            f"with --resume ck; exit {EXIT_PREEMPTED}") in out, out + err
+    assert "without reaching an iteration boundary" not in out + err, out + err
+    assert "peerline: error" not in err, err
+    _resume_matches(tmp_path, reference)
+
+
+def test_a_long_check_interval_with_sparse_logs_is_said_at_start_up(tmp_path):
+    p = run_command([sys.executable, PIPELINE, *MODEL, "--iters", "2", "--preempt-check-every", "1000",
+                     "--log-every", "2"], tmp_path, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert ("peerline: notice: --preempt-check-every 1000 with --log-every 2: a preemption signal stops the job at "
+            "the next iteration that is a multiple of 2 or 1000, not at the next one") in p.stdout, p.stdout
 
 
 def test_ctrl_c_to_torchrun_without_save_says_nothing_was_saved(tmp_path):

@@ -105,3 +105,51 @@ def test_lines():
         "with --resume ck; exit 75")
     assert preempted_line("preempted by SIGTERM on rank 0 after iteration 3", None, None).endswith(
         ": nothing saved (no --save DIR); exit 75")
+
+
+def test_a_long_check_interval_still_stops_at_the_next_logged_iteration():
+    """--preempt-check-every 1000: no round after iteration 1, but the vote of the logged iteration stops the run."""
+    rt = _rt(0, 1)
+    hook = Preemption(rt, (signal.SIGUSR1,), every=1000)
+    hook.on_logged(rt, SimpleNamespace(iteration=1))
+    assert rt.stop_reason is None  # no signal: nothing to agree on
+    hook.note(signal.SIGUSR1)
+    hook.after_launch(rt, 2)
+    assert rt.stop_reason is None  # no round before iteration 1000
+    hook.on_logged(rt, SimpleNamespace(iteration=2))
+    assert rt.stop_reason == "preempted by SIGUSR1 on rank 0 after iteration 2"
+
+
+def test_the_vote_names_the_highest_signal_and_its_lowest_rank(monkeypatch):
+    hooks = [Preemption(_rt(r, 4), (signal.SIGUSR1, signal.SIGTERM), every=10) for r in range(4)]
+    for r, sig in ((1, signal.SIGUSR1), (3, signal.SIGTERM), (2, signal.SIGTERM)):
+        hooks[r].note(sig)
+    top = max(h.ballot() for h in hooks)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op: t.fill_(top))
+    for h in hooks:
+        rt = _rt(h.rank, 4)
+        rt.engine, rt.device = SimpleNamespace(main_stream=None), "cpu"
+        h.on_logged(rt, SimpleNamespace(iteration=7))
+        assert rt.stop_reason == "preempted by SIGTERM on rank 2 after iteration 7"
+
+
+def test_the_grace_ends_at_the_next_boundary_whatever_the_check_interval(monkeypatch):
+    monkeypatch.setattr(preemption, "GRACE_S", 0.3)
+    fatal = threading.Event()
+    wd = SimpleNamespace(who="rank 0 (stage 0)", description=lambda: "nothing", fatal=lambda msg, code: fatal.set())
+    rt = _rt(0, 1)
+    rt.hooks = [SimpleNamespace(watchdog=wd)]
+    hook = Preemption(rt, (signal.SIGUSR1,), every=1000)
+    hook.on_train_start(rt)
+    hook.note(signal.SIGUSR1)
+    hook.after_launch(rt, 5)  # a boundary, not a round: the rank is not stuck
+    assert not fatal.wait(0.8)
+
+
+def test_a_sparse_cadence_is_said_at_start_up():
+    assert preemption.cadence_notice((signal.SIGTERM,), 1000, 2) == (
+        "notice: --preempt-check-every 1000 with --log-every 2: a preemption signal stops the job at the next "
+        "iteration that is a multiple of 2 or 1000, not at the next one (the ranks agree on a signal there)")
+    for every, log_every, sigs in ((1, 5, (signal.SIGTERM,)), (1000, 1, (signal.SIGTERM,)), (1000, 2, ())):
+        assert preemption.cadence_notice(sigs, every, log_every) is None
