@@ -1,9 +1,12 @@
 """The reliability suite's table: each bad input as forked ranks (some also under torchrun and mpirun), each
 fault on pp=2 and pp=2 x dp=2.
 
-A case is a command line and what a clean outcome looks like; `classify` sorts what happened into one of
-clean / traceback / hang / misnamed / data lost (see OUTCOMES). Checkpoint attacks join the table from
-tests/reliability/checkpoint_cases.py when that module exists (its `cases(workdir)` returns more `Case`s).
+A case is a command line and what a clean outcome looks like; its check sorts what happened into one of
+clean / traceback / hang / silent wrong / misnamed / data lost (see OUTCOMES). More cases join the table from the
+modules of GROUPS that exist (each module's `cases(workdir)` returns more `Case`s): checkpoint attacks, output
+paths that are not regular files, export_checkpoint's bad inputs, --config against the command line.
+PEERLINE_RELIABILITY_CASES=<text>[,<text>...] keeps the cases whose name holds one of the texts (a group is built
+only when a text starts with its name): `PEERLINE_RELIABILITY_CASES=export: pytest tests/reliability`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,11 @@ from pathlib import Path
 from tests.forkjob import split_command
 from tests.helpers import PIPELINE, cpu_env, forkrun_cmd, mpirun_cmd, run_command, torchrun_cmd
 
-OUTCOMES = ("clean", "traceback", "hang", "misnamed", "data lost")
+#: silent wrong: the job ended as if all went well but did something else than it was asked (a flag ignored).
+OUTCOMES = ("clean", "traceback", "hang", "silent wrong", "misnamed", "data lost")
+#: The modules whose cases join the table, by the name their cases start with.
+GROUPS = {"checkpoint": "checkpoint_cases.py", "output": "output_cases.py", "export": "export_cases.py",
+          "config": "config_cases.py"}
 TINY = ["--hidden", "8", "--layers", "4", "--seq", "4", "--micro-batch-size", "2", "-m", "2", "--iters", "3",
         "--device", "cpu"]
 STARTUP_S = 90  # torch imports of every rank on a loaded 2-core machine, the rendezvous
@@ -147,7 +154,28 @@ def launcher(kind: str, n: int) -> list[str]:
     return {"torchrun": torchrun_cmd, "mpirun": mpirun_cmd, "forked": forkrun_cmd}[kind](n)
 
 
+def selection() -> list[str]:
+    """The texts of PEERLINE_RELIABILITY_CASES (none: every case)."""
+    return [t.strip() for t in os.environ.get("PEERLINE_RELIABILITY_CASES", "").split(",") if t.strip()]
+
+
 def all_cases(workdir: Path) -> list[Case]:
+    """The table: the bad inputs, the faults, and the cases of GROUPS; only those PEERLINE_RELIABILITY_CASES
+    selects."""
+    texts = selection()
+    cases = [c for c in base_cases(workdir) if not texts or any(t in c.name for t in texts)]
+    for group, file_name in GROUPS.items():
+        path = Path(__file__).parent / file_name
+        if path.exists() and (not texts or any(t.startswith(group) for t in texts)):
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            cases += [c for c in module.cases(workdir) if not texts or any(t in c.name for t in texts)]
+    return cases
+
+
+def base_cases(workdir: Path) -> list[Case]:
+    """The bad inputs (under each launcher where UNDER_EACH_LAUNCHER says) and the faults."""
     assert set(UNDER_EACH_LAUNCHER) <= {name for name, _, _ in BAD_INPUTS}, UNDER_EACH_LAUNCHER
     cases = []
     env_models = {"PYTHONPATH": f"{workdir}:{Path(__file__).resolve().parents[2]}"}
@@ -163,12 +191,6 @@ def all_cases(workdir: Path) -> list[Case]:
             cases.append(Case(f"torchrun {grid}: {name} rank {rank}", [
                 *torchrun_cmd(n), PIPELINE, *TINY, "--iters", "6", "--timeout-s", str(FAULT_TIMEOUT_S), *args],
                 cpu_env(PEERLINE_FAULT=fault), limit, names_rank(rank)))
-    extra = Path(__file__).parent / "checkpoint_cases.py"
-    if extra.exists():
-        spec = importlib.util.spec_from_file_location("checkpoint_cases", extra)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        cases += module.cases(workdir)
     return cases
 
 
@@ -195,4 +217,5 @@ def run_case(case: Case, workdir: Path) -> tuple[str, Result]:
     return case.check(result), result
 
 
-__all__ = ["Case", "Result", "OUTCOMES", "all_cases", "run_case", "write_models"]
+__all__ = ["Case", "Result", "OUTCOMES", "GROUPS", "all_cases", "run_case", "write_models", "one_clean_line",
+           "worker_traceback"]

@@ -1,5 +1,6 @@
 """The reliability suite: the table of tests/reliability/cases.py run concurrently, each outcome classified
-(clean / traceback / hang / misnamed / data lost); prints the counts and asserts every case clean."""
+(clean / traceback / hang / silent wrong / misnamed / data lost); prints the counts and asserts every case clean.
+PEERLINE_RELIABILITY_CASES selects some of the cases (see cases.py)."""
 
 from __future__ import annotations
 
