@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 from pathlib import Path
 
 from peerline import overrides
@@ -56,6 +58,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=DEVICES, default=overrides.get_str("PEERLINE_DEVICE", "auto"),
                    help="auto: the GPU of this rank when there is one (default $PEERLINE_DEVICE or auto)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="process-group timeout")
+    p.add_argument("--deadline-s", type=float, default=120.0,
+                   help="deadline on a peerline measurement's progress: a variant that fails on one rank or waits "
+                        "this long ends the job with one line naming the rank, noted in the results (default "
+                        "%(default)s)")
     p.add_argument("--stem", default="results", help="file name stem of the results")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
@@ -80,9 +86,19 @@ def _add_shared_sizes(p: argparse.ArgumentParser, groups: dict[str, argparse._Ar
                    help="stream counts to compare, comma-separated")
 
 
+def usage_name(argv0: str | None = None) -> str:
+    """The name `usage:` shows: the console script's (peerline-bench), or the script's path as typed
+    (launch/bench.py); an absolute path (python -m) shows as the module."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    if not argv0.endswith(".py"):
+        return os.path.basename(argv0) or PROG
+    return "python -m peerline.launch.bench" if os.path.isabs(argv0) else argv0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full parser: common flags, then one group per suite with its own flags."""
-    p = argparse.ArgumentParser(prog=PROG, usage="%(prog)s SUITE [SUITE ...] [options]   (SUITE: a name below, or all)",
+    p = argparse.ArgumentParser(prog=usage_name(),
+                                usage="%(prog)s SUITE [SUITE ...] [options]   (SUITE: a name below, or all)",
                                 description=DESCRIPTION, epilog=_epilog(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_common(p)

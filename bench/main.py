@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from peerline.bench import runtime_timing
 from peerline.bench import suites as registry
 from peerline.bench.benchkit import BenchContext
 from peerline.bench.cli import PROG, build_parser, check_counts, resolve_suites
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s {PROG}[{rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S")
     ctx = _context(args, argv, rank, world, device)
+    runtime_timing.DEADLINE_S = args.deadline_s
     display = Display(enabled=rank == 0, total=len(names))
     outcome: dict[str, str] = {}
     try:

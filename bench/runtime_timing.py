@@ -3,6 +3,11 @@ the wait for graph capture, timed blocks of iterations, and each rank's peak dev
 
 A suite creates the runtime in the process group it already runs in and closes only the transport afterwards
 (`Runtime.close` would end the process group the other measurements still use).
+
+Each runtime runs under the main job's failsafe (watchdog, heartbeat), armed for the whole measurement: a variant
+that fails on one rank or waits forever for one ends the job within the deadline (--timeout-s) with one line that
+names the rank and the error, and the failure is noted in the results first (the bench's files are autosaved). The
+job does not go on to the next variant: the other ranks may be stuck in device-side waits no host can release.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.distributed as dist
 
 from peerline.bench.benchkit import BenchContext, Timing, time_blocks
 from peerline.bench.ideal import IdealReport
+from peerline.distributed.resilience.failsafe import Failsafe
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +75,20 @@ def free_device(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+# (context, suite, case) of the measurement running now: what a runtime's failsafe notes if it ends the job
+_current: tuple[BenchContext, str, str] | None = None
+#: the watchdog's deadline on a measurement's progress, seconds (launch/bench.py --deadline-s); None: the config's
+DEADLINE_S: float | None = None
+
+
 def measure_or_note(ctx: BenchContext, suite: str, case: str, measure: Callable[[], Any], failures: list[str]) -> Any:
     """One measurement on a freed device. A failure is logged and kept in `failures` for the end of the suite (the
     other measurements still run); a string back (a reason not to measure) becomes a note. Either gives None.
     The step announced is `case` alone: the bench's display prefixes the suite's name."""
+    global _current
     ctx.step(case)
     free_device(ctx.device)
+    _current = (ctx, suite, case)
     try:
         got = measure()
     except Exception as exc:  # noqa: BLE001 - the other measurements still run; the suite fails at the end
@@ -110,14 +124,45 @@ def open_runtime(cfg) -> Iterator[Any]:
     released and its transport closed, so the next variant starts with the device's memory free."""
     from peerline.distributed.runtime import Runtime
 
-    rt = Runtime.create(cfg)
+    if DEADLINE_S is not None:
+        cfg = replace(cfg, timeout_s=DEADLINE_S)
+    rt = Runtime.create(cfg, hooks=[BenchFailsafe.attach])
+    failsafe = rt.hooks[-1]
+    failsafe.watchdog.add_last_words(_note_failure)
     try:
         yield rt
     finally:
+        failsafe.close()
         if rt.device.type == "cuda":
             torch.cuda.synchronize(rt.device)
         rt.graphs.release()
         rt.engine.transport.close()  # not rt.close(): it would end the process group the suite still uses
+
+
+def _note_failure(message: str) -> None:
+    """The failsafe ends the job: the measurement running now is noted as failed (rank 0 writes the files)."""
+    if _current is None:
+        return
+    ctx, suite, case = _current
+    line = f"FAILED {suite} {case}: {message} (the job ended here)"
+    ctx.note(line)  # rank 0: into results.md / .jsonl's notes (autosaved)
+    if not ctx.is_writer:  # another rank: its own file beside them, since rank 0 may be ended before it notes
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        ctx.out_dir.mkdir(parents=True, exist_ok=True)
+        (ctx.out_dir / f"failed-rank{rank}.txt").write_text(line + "\n")
+
+
+class BenchFailsafe(Failsafe):
+    """The main job's failsafe (watchdog, heartbeat, fault naming) armed for a whole measurement: a suite times
+    blocks of iterations with several train() calls, so the end of one does not disarm it; open_runtime closes it.
+    The suite's own signal handling stays (no signal handlers of its own)."""
+
+    @classmethod
+    def attach(cls, rt: Any, **kwargs: Any) -> BenchFailsafe:
+        return super().attach(rt, signals=False, **kwargs)
+
+    def on_train_end(self, rt: Any) -> None:
+        """Nothing: the end of a timed block is no end of training (and a collective here would be timed)."""
 
 
 def first_losses(rt, n: int, graph: bool) -> tuple[list[float], str | None]:

@@ -77,6 +77,7 @@ class Watchdog:
         self.timeout_s = float(timeout_s)
         self.exit_code = exit_code
         self._exit_fn = exit_fn  # tests replace os._exit to observe the exit without dying
+        self._last_words: list[Callable[[str], None]] = []  # called with the error line's message before the exit
         self._err_fd = err_fd
         self._clock = clock
         self._poll_s = poll_s if poll_s is not None else min(1.0, self.timeout_s / 20)
@@ -252,6 +253,15 @@ class Watchdog:
             found = hb.verdict if not found else f"{hb.verdict}; {found}"
         return f"; {found}" if found else ""
 
+    def add_last_words(self, fn: Callable[[str], None]) -> None:
+        """Call fn(message) when this watchdog ends the process with an error line (e.g. the bench records the
+        failed measurement); bounded in time, its own failures ignored."""
+        self._last_words.append(fn)
+
+    def _say_last_words(self, message: str) -> None:
+        for fn in self._last_words:
+            run_bounded(lambda fn=fn: fn(message), 2.0)
+
     def fatal_quiet(self, code: int) -> None:
         """End the process like `fatal`, printing nothing (another rank reports the shared error)."""
         if not self._fired.acquire(blocking=False):
@@ -281,6 +291,7 @@ class Watchdog:
         except OSError:
             pass
         torchrun_report.write_error_file(f"peerline: error: {message}", code)  # torchrun prints it last
+        self._say_last_words(message)
         if self.heartbeat is not None and self.rank == 0 and self._exit_fn is os._exit:
             # Rank 0 may host the store: the others are still reading it to name who stopped.
             time.sleep(max(0.0, min(LINGER_S, until - self._clock())))

@@ -116,3 +116,22 @@ def test_pipeline_and_graph_suites_single_process(tmp_path):
     (g,) = records(out, "graph")
     assert g["case"] == "quick M=1 peerline eager vs torch eager"
     assert g["extra"]["max_loss_diff"] <= 1e-5 * g["extra"]["anchor_losses"][0]
+
+
+@pytest.mark.parametrize("stuck", [0, 1])
+def test_a_stuck_rank_ends_the_bench_with_one_line_and_a_noted_failure(tmp_path, stuck):
+    """A rank that stops inside a measurement (PEERLINE_FAULT hang) must not hang the bench: the job ends at the
+    watchdog's deadline with a line naming the rank, and the failed variant is noted (rank 0: results.md;
+    another rank: failed-rank<R>.txt beside it, since rank 0 may be ended first)."""
+    out = tmp_path / "out"
+    env_fault = {"PEERLINE_FAULT": f"hang:rank={stuck}:iter=3"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", BENCH, "pipeline",
+         "--quick", "--deadline-s", "8", "--out", str(out)],
+        capture_output=True, text=True, timeout=200, cwd=tmp_path,
+        env=dict(os.environ, PEERLINE_DEVICE="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **env_fault))
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("peerline: error:")]
+    assert lines and any(f"rank {stuck} (stage {stuck})" in ln for ln in lines), proc.stderr[-3000:]
+    noted = (out / "results.md").read_text() if stuck == 0 else (out / f"failed-rank{stuck}.txt").read_text()
+    assert "FAILED pipeline quick" in noted and "the job ended here" in noted, noted
