@@ -85,6 +85,7 @@ class Failsafe(IterationHooks):
         self.last_saved: int | None = None
         self.resumed_from = 0  # iterations completed when training (re)started
         self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._later: list[str] = []  # lines of a launch, said once its progress line is out (_say_held)
         self._signals = signals
         self._installed = False
         self._finished = False  # training ended (or failed) and the watchdog stopped
@@ -166,6 +167,13 @@ class Failsafe(IterationHooks):
         if self.rank == 0:
             print(f"peerline: {line}", flush=True)
 
+    def _say_held(self) -> None:
+        """The lines held back during the last launch (its checkpoint), now that its progress line is out: at the
+        next launch, at the end of training or at a failure."""
+        for line in self._later:
+            self._say(line)
+        self._later.clear()
+
     def _install(self) -> None:
         """Plug into the runtime's explicit slots: the engine's exchange observer, the graph policy, the stage
         modules' forward hooks (injected NaN) and the optimizer's step hooks (the non-finite guard)."""
@@ -201,6 +209,7 @@ class Failsafe(IterationHooks):
     # one long iteration, the device-side guard counts each
 
     def before_launch(self, rt: Any, first_iteration: int, n: int) -> None:
+        self._say_held()
         self.before_iteration(first_iteration)
 
     def after_launch(self, rt: Any, last_iteration: int) -> None:
@@ -229,7 +238,7 @@ class Failsafe(IterationHooks):
         self.watchdog.waiting_for(f"the device to finish iteration {n} ({self._peers}), or the loss all-reduce "
                                   "with every rank", ranks=[r for r in range(self.world) if r != self.rank])
         if self.save_dir and self.save_every and n % self.save_every == 0:
-            self.save(n)
+            self.save(n, held=True)  # said after the iteration's progress line
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.rt.engine.optimizer.param_groups for p in g["params"]]
@@ -262,8 +271,8 @@ class Failsafe(IterationHooks):
             raise NonFiniteLossError(f"non-finite loss at iteration {bad}; rerun with --skip-nonfinite to skip "
                                      "such steps")
 
-    def save(self, n: int) -> None:
-        """Checkpoint after iteration `n` (every rank, collectively)."""
+    def save(self, n: int, held: bool = False) -> None:
+        """Checkpoint after iteration `n` (every rank, collectively); `held`: its line waits for _say_held."""
         self._finite_so_far()  # never write a checkpoint of NaN weights
         engine = self.rt.engine
         barrier = gather = None
@@ -287,7 +296,11 @@ class Failsafe(IterationHooks):
             if self.rank == 0:
                 ckpt_store.prune(self.save_dir, self.cfg.keep)  # --keep N: the newest N stay
         self.last_saved = n
-        self._say(f"saved checkpoint of iteration {n} to {self.save_dir}")
+        line = f"saved checkpoint of iteration {n} to {self.save_dir}"
+        if held:
+            self._later.append(line)
+        else:
+            self._say(line)
 
     # ----------------------------------------------------------------------------------------------------------
     # the run
@@ -305,6 +318,7 @@ class Failsafe(IterationHooks):
     def on_train_end(self, rt: Any) -> None:
         """Final checks: no non-finite iteration so far, the last checkpoint, the count of skipped steps. What
         raises here reaches `on_error` like a failure of the loop."""
+        self._say_held()
         self._finite_so_far()
         if self.save_dir and self.last_saved != self.rt.iteration and self.rt.iteration > 0:
             self.save(self.rt.iteration)
@@ -319,6 +333,7 @@ class Failsafe(IterationHooks):
         """One line per failure, and the exit code of its kind (see the module docstring)."""
         if self._finished:
             return  # raised after this hook's work was done (by another hook): not a training failure
+        self._say_held()  # a checkpoint written before the failure
         try:
             if isinstance(exc, NonFiniteLossError):
                 # Every rank raises at the same point (the loss and the flags are agreed); one line, from rank 0.

@@ -22,6 +22,8 @@ def test_saves_and_resumes_say_so_once_and_a_finished_run_has_nothing_to_do(tmp_
     assert all(r.rc == 0 for r in first), first[0].err + first[1].err
     saved = [ln for ln in first[0].out.splitlines() if "saved checkpoint" in ln]
     assert saved == [f"peerline: saved checkpoint of iteration {n} to ck" for n in (1, 2)]
+    lines = [ln for ln in first[0].out.splitlines() if ln.startswith(("iter ", "peerline: saved"))]
+    assert [ln.split(" |")[0] for ln in lines] == ["iter 1/2", saved[0], "iter 2/2", saved[1]], lines  # in order
     assert "saved checkpoint" not in first[1].out  # rank 0 only
     rec = json.loads((tmp_path / "r.json").read_text())
     assert (rec["config"]["pp"], rec["config"]["dtype"], rec["config"]["graph"]) == (2, "fp32", False)

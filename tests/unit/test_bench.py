@@ -121,6 +121,14 @@ def test_help_lists_every_suite_and_its_flags():
     assert "--pipeline-configs" in proc.stdout and "--ar-h2h-rounds" in proc.stdout
 
 
+def test_usage_names_the_command_as_typed(monkeypatch):
+    assert cli.usage_name("/venv/bin/peerline-bench") == "peerline-bench"
+    assert cli.usage_name("launch/bench.py") == "launch/bench.py"
+    assert cli.usage_name("/abs/launch/bench.py") == "python -m peerline.launch.bench"
+    monkeypatch.setattr(sys, "argv", ["launch/bench.py", "--help"])
+    assert cli.build_parser().format_usage().startswith("usage: launch/bench.py SUITE ")
+
+
 def test_launch_script_is_a_thin_entry():
     tree = ast.parse((REPO / "launch" / "bench.py").read_text())
     assert not [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))]

@@ -90,6 +90,24 @@ def test_set_up_commands_come_first_cpu_torch_before_install() -> None:
     assert torch_note < install < tests < text.index("## Installing on a GPU machine")
 
 
+def test_set_up_heading_counts_its_commands() -> None:
+    text = README.read_text()
+    start = text.index("## Set-up: ")
+    section = text[start:text.index("\n## ", start + 1)]
+    words = {"one": 1, "two": 2, "three": 3, "four": 4}
+    said = words[section.split()[2]]
+    commands = [ln for ln in section.splitlines() if ln.startswith("    ") and ln.strip()]
+    assert said == len(commands), (section.splitlines()[0], commands)
+
+
+def test_usage_lists_every_benchmark_suite() -> None:
+    from peerline.bench import suites
+
+    text = " ".join(USAGE.read_text().split())
+    listed = text[text.index("Suites ("):].split(": ", 1)[1].split(".", 1)[0]
+    assert [name.strip() for name in listed.split(",")] == list(suites.SUITES)
+
+
 def test_named_extras_exist() -> None:
     tomllib = pytest.importorskip("tomllib")
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
