@@ -21,6 +21,23 @@ __device__ __forceinline__ bf16_bits pl_float_to_bf16(float f) {  // round to ne
     return (bf16_bits)(u >> 16);
 }
 
+// Pair p of the flat loop -> (i < h, head, part < parts, bt = b * seq + t), i varying fastest.
+struct PlPair {
+    int i, head, part;
+    long long bt;
+};
+
+__device__ __forceinline__ PlPair pl_pair(long long p, int h, int heads, int parts) {
+    PlPair x;
+    x.i = (int)(p % h);
+    long long r = p / h;
+    x.head = (int)(r % heads);
+    r /= heads;
+    x.part = (int)(r % parts);
+    x.bt = r / parts;
+    return x;
+}
+
 // cos / sin: fp32 tables [max_seq, D] (the second half repeats the first); pairs = B * T * 2 * heads * h.
 extern "C" __global__ void pl_rope_forward(bf16_bits* __restrict__ qkv, const float* __restrict__ cos_t,
                                            const float* __restrict__ sin_t, long long pairs, int seq, int heads,
@@ -28,14 +45,9 @@ extern "C" __global__ void pl_rope_forward(bf16_bits* __restrict__ qkv, const fl
     const int h = dim >> 1;
     for (long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x; p < pairs;
          p += (long long)gridDim.x * blockDim.x) {
-        const int i = (int)(p % h);
-        long long r = p / h;
-        const int head = (int)(r % heads);
-        r /= heads;
-        const int part = (int)(r % 2);  // 0: q, 1: k
-        const long long bt = r / 2;     // b * seq + t
-        const int t = (int)(bt % seq);
-        bf16_bits* row = qkv + ((bt * 3 + part) * heads + head) * (long long)dim;
+        const PlPair x = pl_pair(p, h, heads, 2);  // part 0: q, 1: k
+        const int i = x.i, t = (int)(x.bt % seq);
+        bf16_bits* row = qkv + ((x.bt * 3 + x.part) * heads + x.head) * (long long)dim;
         const float c = cos_t[(long long)t * dim + i], s = sin_t[(long long)t * dim + i];
         const float a = pl_bf16_to_float(row[i]), b = pl_bf16_to_float(row[i + h]);
         row[i] = pl_float_to_bf16(a * c - b * s);
@@ -53,17 +65,12 @@ extern "C" __global__ void pl_rope_backward_pack(const bf16_bits* __restrict__ d
     const int h = dim >> 1;
     for (long long p = (long long)blockIdx.x * blockDim.x + threadIdx.x; p < pairs;
          p += (long long)gridDim.x * blockDim.x) {
-        const int i = (int)(p % h);
-        long long r = p / h;
-        const int head = (int)(r % heads);
-        r /= heads;
-        const int part = (int)(r % 3);
-        const long long bt = r / 3;
-        const int t = (int)(bt % seq);
-        const long long b = bt / seq;
-        const bf16_bits* src = (part == 0 ? dq : part == 1 ? dk : dv) + b * sb + head * sh + t * st;
-        bf16_bits* dst = dqkv + ((bt * 3 + part) * heads + head) * (long long)dim;
-        if (part == 2) {
+        const PlPair x = pl_pair(p, h, heads, 3);
+        const int i = x.i, t = (int)(x.bt % seq);
+        const long long b = x.bt / seq;
+        const bf16_bits* src = (x.part == 0 ? dq : x.part == 1 ? dk : dv) + b * sb + x.head * sh + t * st;
+        bf16_bits* dst = dqkv + ((x.bt * 3 + x.part) * heads + x.head) * (long long)dim;
+        if (x.part == 2) {
             dst[i] = src[i];
             dst[i + h] = src[i + h];
             continue;
