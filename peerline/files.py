@@ -55,9 +55,12 @@ def write_into(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call `write(f)` on a temporary file beside `path`, flush it to disk, then rename it over `path`. A character
-    device or FIFO at `path` is written into instead; another special file is an OSError (EINVAL)."""
+    """Call `write(f)` on a temporary file beside `path`, flush it to disk, then rename it over `path` (over a
+    symbolic link's target, so the link stays). A character device or FIFO at `path` is written into instead;
+    another special file is an OSError (EINVAL)."""
     path = Path(path)
+    if path.is_symlink():  # the link's target gets the new content; the link itself stays a link
+        path = Path(os.path.realpath(path))
     kind = special_kind(path)
     if kind in WRITTEN_INTO:
         write_into(path, write)

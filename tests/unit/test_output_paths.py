@@ -126,3 +126,14 @@ def test_a_device_that_takes_no_write_or_a_socket_is_one_line(tmp_path, field):
         s.bind(str(path))
         with pytest.raises(ConfigError, match=f"^{flag} {path} is a socket: give a file name"):
             check_outputs(RunConfig(**{field: str(path)}))
+
+
+def test_a_link_to_a_regular_file_keeps_its_link_and_the_target_gets_the_content(tmp_path):
+    from peerline.files import atomic_write
+
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    atomic_write(link, lambda f: f.write(b"new"))
+    assert link.is_symlink() and target.read_text() == "new"
