@@ -50,6 +50,7 @@ OVERRIDES: tuple[Override, ...] = (
     Override("PEERLINE_HOST_ID", "host name", "this rank's host for the per-edge transport; a,a,b,b: one per rank"),
     Override("CUDA_DEVICE_MAX_CONNECTIONS", "32", "hardware queues; peerline sets 32 unless set, warns below 4"),
     Override("PYTORCH_CUDA_ALLOC_CONF", "torch's", "allocator settings; --allocator writes its backend entry"),
+    Override("KINETO_LOG_LEVEL", "6", "torch.profiler's log level; --profile sets 6 (no USDT/STAGE lines) unless set"),
 )
 
 #: Set by torchrun, Slurm or MPI: facts about the launch, read to find rank, world and rendezvous address.

@@ -5,6 +5,9 @@ TensorBoard trace format (`rank<k>.<id>.pt.trace.json`), to DIR/rank<k>. A CUDA 
 so a profiled run is eager: the hook turns graphs off before the first iteration. `StepRanges` marks every
 forward, backward, send / receive and optimizer step of the engine: NVTX ranges on a GPU (`--nvtx`, or
 --profile), profiler labels with --profile; the engine's marks stay no-ops otherwise.
+
+torch.profiler's own lines (`USDT: ... profiler_start`, `STAGE: ... Completed Stage`) are silenced, so they do not
+mix with the run's lines: KINETO_LOG_LEVEL=6 unless the user set it (KINETO_LOG_LEVEL=4 shows kineto's errors).
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from typing import Any
 
 import torch
 
+from peerline import overrides
 from peerline.distributed.hooks import IterationHooks
 
 PROFILED_ITERATIONS = 3  # traced iterations
+QUIET_KINETO = "6"  # above every kineto log level, USDT (5) included
 SKIPPED_ITERATIONS = 2  # iterations before them: one not traced at all, one traced and dropped (the warm-up)
 
 
@@ -46,6 +51,7 @@ class Profiler(IterationHooks):
         wait, warmup, active = profile_window(left)
         first = rt.iteration + wait + warmup + 1
         self.window = (first, first + active - 1)
+        overrides.set_default("KINETO_LOG_LEVEL", QUIET_KINETO)  # read when the profiler first starts
         activities = [torch.profiler.ProfilerActivity.CPU]
         if rt.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)

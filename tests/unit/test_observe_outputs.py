@@ -226,6 +226,17 @@ def test_a_run_writes_record_metrics_events_and_profile(tmp_path: Path) -> None:
     names = {e["name"] for e in json.loads(Path(trace).read_text())["traceEvents"]}
     assert {"stage0 F0", "stage0 B3", "optimizer"} <= names
     assert "profiling iterations 2-4 (eager)" in run.stdout
+    assert "USDT:" not in run.stderr and "STAGE:" not in run.stderr, run.stderr  # torch.profiler's own lines
+
+
+def test_profile_lines_are_peerline_s_alone(tmp_path: Path) -> None:
+    """torch.profiler's USDT / STAGE lines (kineto's log) do not mix with the run's: KINETO_LOG_LEVEL=6 unless set."""
+    env = {k: v for k, v in cpu_env().items() if k != "KINETO_LOG_LEVEL"}
+    run = subprocess.run([sys.executable, PIPELINE, *TINY, "--iters", "4", "--profile", "prof"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=100)
+    assert run.returncode == 0, run.stderr
+    assert glob.glob(str(tmp_path / "prof" / "rank0" / "rank0.*.pt.trace.json"))
+    assert "USDT:" not in run.stderr and "STAGE:" not in run.stderr, run.stderr
 
 
 def test_unwritable_json_fails_before_training(tmp_path: Path) -> None:
