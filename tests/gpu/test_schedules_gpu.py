@@ -108,6 +108,21 @@ def test_placed_pp2_matches_one_gpu_bitwise(pipeline_runs, schedule: str, p2p: s
     assert_matches(got, ref, want)
 
 
+@pytest.mark.gpu2
+@pytest.mark.parametrize("graph", ["--graph", "--no-graph"])
+def test_interleaved_three_stages_per_rank_pp2(pipeline_runs, graph: str) -> None:
+    """Interleaved with --stages 3 (rank r holds r, r + 2, r + 4), the copy engine, against one GPU running
+    the same 6 stages with 1F1B (M=6: 1F1B on one GPU needs M >= its stages)."""
+    flag = graph.replace("--", "_").replace("-", "_")
+    twelve = (*TINY, "--layers", "12")  # two layers a stage: the same split in both runs
+    args = (*twelve, "--schedule", "interleaved", "--pp", "2", "--stages", "3", "-m", "6", "--p2p", "copy-engine",
+            graph)
+    ref = Run("sched_ref_1f1b_s6_m6", (*twelve, "--schedule", "1f1b", "--stages", "6", "-m", "6", "--no-graph"))
+    got, want = pipeline_runs.results(Run(f"sched_interleaved3_pp2{flag}", args, nproc=2), ref)
+    assert_matches(got, want, Expect(GRAPH_TOL if graph == "--graph" else 0.0, world=2, graph=graph == "--graph",
+                                     transport="copy-engine"))
+
+
 @pytest.mark.gpu4
 @pytest.mark.parametrize("p2p,graph", [("copy-engine", "--graph"), ("nccl", "--no-graph")])
 def test_zbv_pp4_matches_one_gpu_bitwise(pipeline_runs, p2p: str, graph: str) -> None:
