@@ -75,13 +75,23 @@ def _rank(main, argv: list[str], rank: int, nproc: int, port: int) -> None:
         os._exit(code)
 
 
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP): /proc/<pid>/stat state T."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _wait(pids: set[int]) -> int:
-    """Reap every rank; once one failed, stop the rest after GRACE_S. The first failure's exit code, else 0."""
+    """Reap every rank; once one failed, stop the rest after GRACE_S, or at once when all that are left are
+    stopped (a `stop` fault: torchrun would wait 30 s for them, which tests need not). The first failure's exit
+    code, else 0."""
     first, failed_at = 0, None
     while pids:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
-            if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+            if failed_at is not None and (time.monotonic() - failed_at > GRACE_S or all(map(_stopped, pids))):
                 for p in pids:
                     os.kill(p, signal.SIGKILL)
             time.sleep(0.02)

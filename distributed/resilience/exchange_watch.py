@@ -26,7 +26,7 @@ from torch.distributed.rendezvous import _torchelastic_use_agent_store
 from peerline.distributed.p2p.base import ACT, Links
 from peerline.distributed.p2p.edges import host_of
 from peerline.distributed.pipeline.engine import MessageLabel
-from peerline.distributed.resilience.heartbeat import Heartbeat
+from peerline.distributed.resilience.heartbeat import Heartbeat, own_connection
 from peerline.distributed.resilience.watchdog import Watchdog, describe_edge, stage_label
 
 
@@ -137,7 +137,7 @@ def attach_heartbeat(watchdog: Watchdog, mesh: Any, device: torch.device, info: 
     `stages_of(position)` gives a pipeline position's stages where ranks hold several."""
     if not dist.is_initialized() or mesh.world_size == 1:
         return
-    store = dist.distributed_c10d._get_default_store()
+    store = own_connection(dist.distributed_c10d._get_default_store())  # never behind the main thread's calls
     watchdog.heartbeat = Heartbeat(store, mesh.rank, mesh.world_size, lambda r: describe_rank(r, mesh.pp, stages_of),
                                    host=host_of, store_at=describe_store(info, mesh.pp, stages_of))
     if device.type == "cuda":

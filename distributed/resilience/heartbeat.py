@@ -8,15 +8,21 @@ beat to the c10d store
 
     peerline/beat/<rank> = {"seq": n, "it": iteration, "on": [ranks it waits for] or null, "desc": what,
                             "idle": seconds since its last progress, "end": why it is exiting, or null,
-                            "peak": peak device memory GiB or null}
+                            "peak": peak device memory GiB or null, "pid": its process id, "node": its host name}
 
 and reads every rank's back into a local table, kept with the local time of each read. Only that thread touches
 the store: its calls have no bound (a TCPStore client blocks for as long as a frozen or cut-off host keeps the
-connection open), so nothing that must end waits for it longer than it chooses. At a failure, `explain()` answers
-from the cached table, without the store (`name_stopped`, pure, compares the newest table with one a window older):
+connection open), so nothing that must end waits for it longer than it chooses. It talks to the store over its own
+connection (`own_connection`): a TCPStore client runs one call at a time for every thread that shares it, so a
+main thread blocked in a store barrier (the preemption check waiting for a rank that died) would stop this rank's
+beats too, and the others would name this rank, and the store, instead of the rank that died. At a failure,
+`explain()` answers from the cached table, without the store (`name_stopped`, pure, compares the newest table with
+one a window older):
 
   1. ranks whose beat did not advance (or never came): their process died or froze, or their node was lost
-     (all the ranks of one host: the host is named);
+     (all the ranks of one host: the host is named); a process on this rank's node that is stopped (SIGSTOP, a
+     debugger) is named as such, with what the job now waits for: its launcher ends the job only once that
+     process is gone, and a stopped process ignores SIGTERM (torchrun waits 30 s, then sends SIGKILL);
   2. else ranks in no wait that made no progress: they stopped on their own (a hang in user code, a stuck kernel);
   3. else following "waits for" from this rank to a rank that waits for nobody, or around a cycle.
 
@@ -29,8 +35,11 @@ right rank.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from collections import deque
@@ -46,6 +55,7 @@ Table = dict[int, "Beat | None"]  # every rank's last beat (None: never publishe
 #: A nudged beat (a new iteration) goes out at most this fraction of the period after the previous one: a few
 #: small writes a second per rank, while only the periodic rounds read every rank's beat.
 NUDGE_GAP = 0.05
+NODE = socket.gethostname()  # this process's host, as the beats name it
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,17 +69,30 @@ class Beat:
     idle_s: float
     end: str | None = None
     peak_gib: float | None = None
+    pid: int | None = None  # its process, on `node` (the heartbeat fills both in)
+    node: str | None = None
 
     def to_json(self) -> str:
         return json.dumps({"seq": self.seq, "it": self.iteration, "on": self.waiting_on, "desc": self.desc[:300],
-                           "idle": round(self.idle_s, 2), "end": self.end, "peak": self.peak_gib})
+                           "idle": round(self.idle_s, 2), "end": self.end, "peak": self.peak_gib, "pid": self.pid,
+                           "node": self.node})
 
     @classmethod
     def from_json(cls, text: str) -> Beat:
         d = json.loads(text)
         on = d.get("on")
         return cls(int(d["seq"]), int(d["it"]), tuple(on) if on is not None else None, str(d.get("desc", "")),
-                   float(d.get("idle", 0.0)), d.get("end"), d.get("peak"))
+                   float(d.get("idle", 0.0)), d.get("end"), d.get("peak"), d.get("pid"), d.get("node"))
+
+
+def own_connection(store: Any) -> Any:
+    """A new client connection to `store` for the beat thread alone (`Store.clone`), or `store` itself where the
+    store cannot be cloned (an in-process store, whose calls do not block each other)."""
+    try:
+        return store.clone()
+    except (AttributeError, NotImplementedError, RuntimeError) as exc:
+        log.debug("heartbeat: the store cannot be cloned (%s); beats share the process group's connection", exc)
+        return store
 
 
 class Heartbeat:
@@ -99,6 +122,8 @@ class Heartbeat:
 
     # -- the store (only the beat thread calls these in a run; tests call them directly) ------------------------
     def publish(self, beat: Beat) -> None:
+        if beat.pid is None:
+            beat = dataclasses.replace(beat, pid=os.getpid(), node=NODE)
         self.store.set(f"{PREFIX}/{self.rank}", beat.to_json())
 
     def publish_verdict(self, text: str) -> None:
@@ -240,15 +265,39 @@ class Heartbeat:
         return {r: b.peak_gib for r, b in table.items() if b is not None and b.peak_gib is not None}
 
 
+def frozen_note(frozen: list[int], after: Table, alone: bool = False) -> str:
+    """That these ranks' processes (on this node) are stopped, not dead, and what the job now waits for; `alone`:
+    they are all the ranks named ('its process is stopped ...')."""
+    one = len(frozen) == 1
+    who = ("its" if one else "their") if alone else _join([f"rank {r}" for r in frozen]) + "'s"
+    pids = ", ".join(str(after[r].pid) for r in frozen)
+    return (f"{who} process{'' if one else 'es'} (pid {pids}) {'is' if one else 'are'} stopped (SIGSTOP or a "
+            f"debugger); the job ends only once {'it is' if one else 'they are'} gone: a stopped process ignores "
+            "SIGTERM (torchrun waits 30 s for it, then sends SIGKILL)")
+
+
+def process_stopped(beat: Beat) -> bool:
+    """Whether the rank of `beat` is a process on this node that is stopped (SIGSTOP, a debugger): Linux's
+    /proc/<pid>/stat state T or t. False where that cannot be known (another node, no /proc, gone)."""
+    if beat.pid is None or beat.node != NODE:
+        return False
+    try:
+        with open(f"/proc/{beat.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def name_stopped(before: Table, after: Table, me: int, stall_s: float, name: Callable[[int], str],
-                 host: Callable[[int], str | None] = lambda _r: None, gone_only: bool = False) -> str | None:
+                 host: Callable[[int], str | None] = lambda _r: None, gone_only: bool = False,
+                 stopped: Callable[[Beat], bool] | None = None) -> str | None:
     """The sentence naming the rank(s) that stopped, or None when the beats show nobody (see the module
     docstring for the order of the rules)."""
     others = [r for r in after if r != me]
     gone = [r for r in others if after[r] is None or (before.get(r) is not None and after[r].end is None
                                                       and after[r].seq == before[r].seq)]
     if gone:
-        return _name_gone(gone, after, me, name, host)
+        return _name_gone(gone, after, me, name, host, stopped or process_stopped)
     if gone_only:
         return None
     stuck = [r for r, b in after.items() if b is not None and b.end is None and b.waiting_on is None
@@ -262,7 +311,7 @@ def name_stopped(before: Table, after: Table, me: int, stall_s: float, name: Cal
 
 
 def _name_gone(gone: list[int], after: Table, me: int, name: Callable[[int], str],
-               host: Callable[[int], str | None]) -> str:
+               host: Callable[[int], str | None], stopped: Callable[[Beat], bool] = process_stopped) -> str:
     """'rank 2 (...) and rank 3 (...) stopped responding ...', led by the node when every rank of a node other
     than this rank's is among them."""
     def seen(ranks: list[int]) -> list[str]:
@@ -278,7 +327,12 @@ def _name_gone(gone: list[int], after: Table, me: int, name: Callable[[int], str
     # A rank that was only waiting for ranks that are gone too stopped because of them (the launcher ends the
     # others once one rank fails): name the ranks that were not.
     roots = [r for r in gone if not (after[r] and after[r].waiting_on and set(after[r].waiting_on) <= set(gone))]
-    return f"{_join(seen(roots or gone))} stopped responding: its process died or froze"
+    roots = roots or gone
+    frozen = [r for r in roots if after[r] is not None and stopped(after[r])]
+    if frozen and len(frozen) == len(roots):
+        return f"{_join(seen(roots))} stopped responding: {frozen_note(frozen, after, alone=True)}"
+    text = f"{_join(seen(roots))} stopped responding: its process died or froze"
+    return f"{text}; {frozen_note(frozen, after)}" if frozen else text
 
 
 def name_unreachable(after: Table, seen: dict[int, tuple[int, float]], me: int, now: float, silent_s: float,

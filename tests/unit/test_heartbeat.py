@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import datetime
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
 
 import torch.distributed as dist
 
-from peerline.distributed.resilience.heartbeat import Beat, Heartbeat, name_stopped
+from peerline.distributed.resilience.heartbeat import (
+    NODE,
+    Beat,
+    Heartbeat,
+    name_stopped,
+    own_connection,
+    process_stopped,
+)
 
 
 def name(r: int) -> str:
@@ -160,3 +170,54 @@ def test_a_new_iteration_is_published_soon_and_names_where_a_dead_rank_was():
     got = reader.explain(window_s=2.0, stale_s=10.0, stall_s=5.0)
     assert got == f"rank 1 (stage 1) (last seen in iteration {last}, in no wait) stopped responding: its process " \
                   "died or froze", got
+
+
+def test_beats_go_on_while_the_main_thread_waits_in_the_store():
+    """Issue 31: the preemption check is a barrier in the store; a TCPStore client runs one call at a time for every
+    thread that shares it, so the beats stopped behind the barrier of a rank that died, and the survivors named each
+    other and the store. The beat thread's own connection (`own_connection`) keeps them going."""
+    server = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=datetime.timedelta(seconds=3),
+                           wait_for_workers=False)
+    store = dist.PrefixStore("attempt0", server)  # as env.py opens it
+    barrier = threading.Thread(target=lambda: _quietly(lambda: store.wait(["peerline/preempt/2/total"])),
+                               daemon=True)
+    barrier.start()
+    time.sleep(0.2)  # the main thread is in the barrier, waiting for a rank that never comes
+    hb = Heartbeat(own_connection(store), 0, 2, name)
+    done = threading.Event()
+    threading.Thread(target=lambda: (hb.round(Beat(hb.next_seq(), 2, None, "", 0.0)), done.set()),
+                     daemon=True).start()
+    assert done.wait(1.5), "the beat waited for the barrier"
+    assert hb.history[-1][1][0].seq == 1  # published and read back
+    barrier.join(5)
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - the barrier's timeout
+        pass
+
+
+def test_a_stopped_process_is_named_as_such_with_what_the_job_waits_for():
+    """Issue 31: after a SIGSTOP the survivors' lines come on time, but the launcher then waits for the stopped rank
+    (torchrun: 30 s after its SIGTERM); the line says so. A process that is gone is not called stopped."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        child.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        frozen = Beat(4, 2, None, "", 0.0, pid=child.pid, node=NODE)
+        while not process_stopped(frozen) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        before = {0: beat(1, (1,)), 1: frozen}
+        after = {0: beat(2, (1,)), 1: frozen}
+        got = name_stopped(before, after, 0, 5.0, name)
+        assert got.startswith("rank 1 (stage 1) (last seen in iteration 2, in no wait) stopped responding: its "
+                              f"process (pid {child.pid}) is stopped (SIGSTOP or a debugger); the job ends only once "
+                              "it is gone: a stopped process ignores SIGTERM (torchrun waits 30 s"), got
+        assert not process_stopped(Beat(4, 2, None, "", 0.0, pid=child.pid, node="another-node"))
+    finally:
+        child.kill()
+        child.wait()
+    assert not process_stopped(frozen)  # gone
+    assert name_stopped(before, after, 0, 5.0, name).endswith("stopped responding: its process died or froze")
