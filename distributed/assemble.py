@@ -392,11 +392,13 @@ def make_engine(cfg: RunConfig, grid: Grid, stages: list[LocalStage], program: l
     """The engine with its optimizer (fused, capturable AdamW on a GPU), its data feed (through pinned host
     staging with --staging pinned), its loss (--loss), the tied weights' gradient sum before the optimizer step
     (--tie-embeddings) and its timeline (recording only with --timeline). With --shard-optimizer over dp > 1 the
-    optimizer is grad_sync/sharded_adamw.py's ShardedAdamW (parameters named by `layer_offsets`)."""
+    optimizer is grad_sync/sharded_adamw.py's ShardedAdamW (parameters named by `layer_offsets`); with --precision
+    compact, grad_sync/compact_adamw.py's CompactAdamW."""
     on_gpu = grid.device.type == "cuda"
     params = [p for stage in stages for layer in stage.module for p in layer.parameters()]
     names = full_param_names({s.index: s.module for s in stages}, layer_offsets or {s.index: 0 for s in stages})
-    optimizer = make_adamw(params, [s.grad_sync for s in stages], names, lr=cfg.lr, on_gpu=on_gpu)
+    optimizer = make_adamw(params, [s.grad_sync for s in stages], names, lr=cfg.lr, on_gpu=on_gpu,
+                           precision=cfg.precision)
     feed = make_feed(cfg, grid, first_in, last_out, tokens)
     if cfg.staging == "pinned":
         from peerline.distributed.memory.staging import pinned_feed

@@ -155,12 +155,17 @@ class RunConfig:
                                choices=DTYPES)
     """bf16 (autocast; default on GPU) or fp32 (default on CPU)."""
     precision: str = option("master", EXECUTION, "where weights, gradients and AdamW state live: master (fp32 "
-                            "weights and state; with --dtype bf16 the compute runs under bf16 autocast) or bf16 "
+                            "weights and state; with --dtype bf16 the compute runs under bf16 autocast), bf16 "
                             "(bf16 weights, gradients and state, no autocast: the bf16-parameter recipe; needs "
-                            "--dtype bf16) (default: %(default)s)", choices=PRECISIONS)
+                            "--dtype bf16) or compact (the model as bf16; the optimizer keeps exact fp32 masters as "
+                            "int16 remainders and bf16 moments: 10 bytes per parameter; needs --dtype bf16, no "
+                            "--shard-optimizer) (default: %(default)s)", choices=PRECISIONS)
     """master: fp32 parameters, gradients and AdamW state (16 bytes per parameter), bf16 compute by autocast where
     --dtype bf16. bf16: parameters, gradients and AdamW moments in bf16 (8 bytes per parameter), the model runs in
-    bf16 throughout (residual stream, LayerNorm outputs with fp32 statistics, stage boundaries)."""
+    bf16 throughout (residual stream, LayerNorm outputs with fp32 statistics, stage boundaries). compact: the model
+    as bf16; the optimizer (grad_sync/compact_adamw.py) keeps each parameter's fp32 master weight exactly, as an
+    int16 remainder beside the bf16 parameter, and AdamW's moments in bf16 (10 bytes per parameter): Transformer
+    Engine's FusedAdam with store_param_remainders. docs/PRECISION.md compares the recipes."""
     kernels: str = option("auto", EXECUTION, "elementwise kernels (default: %(default)s = peerline on GPU, torch "
                           "on CPU)", choices=KERNELS)
     """Elementwise kernels: peerline (warp-specialized CUDA), torch, or auto (peerline on GPU)."""
@@ -493,10 +498,14 @@ def _check_sharding(cfg: RunConfig) -> None:
 
 
 def _check_precision(cfg: RunConfig) -> None:
-    """--precision bf16 keeps the weights in bf16: the compute is bf16 too."""
-    if cfg.precision == "bf16" and cfg.dtype == "fp32":
-        raise ConfigError("--precision bf16 keeps the weights in bf16 and needs --dtype bf16 (the default on a "
-                          "GPU), not --dtype fp32")
+    """--precision bf16 and compact keep the weights in bf16: the compute is bf16 too. compact's optimizer keeps
+    whole parameters' remainders: it does not shard them (yet)."""
+    if cfg.precision in ("bf16", "compact") and cfg.dtype == "fp32":
+        raise ConfigError(f"--precision {cfg.precision} keeps the weights in bf16 and needs --dtype bf16 (the default "
+                          "on a GPU), not --dtype fp32")
+    if cfg.precision == "compact" and cfg.shard_optimizer:
+        raise ConfigError("--precision compact does not support --shard-optimizer yet (its optimizer keeps every "
+                          "parameter's master remainder and moments whole); use --precision bf16 or master with it")
 
 
 def _derive_batch(cfg: RunConfig) -> None:

@@ -5,6 +5,9 @@
   --precision bf16     parameters, gradients and AdamW moments in bf16, no autocast: every layer reads and writes
                        bf16 (embedding output, residual adds, LayerNorm with fp32 statistics, stage boundaries),
                        the GEMMs read the weights as they are. torch's bf16-parameter recipe.
+  --precision compact  the model as with bf16; the optimizer (grad_sync/compact_adamw.py) keeps each parameter's
+                       fp32 master exactly, as the bf16 parameter plus an int16 remainder, and bf16 moments:
+                       Transformer Engine's FusedAdam with store_param_remainders.
 
 docs/PRECISION.md gives each recipe's bytes per parameter and numerics.
 """
@@ -25,13 +28,18 @@ def compute_dtype(cfg: RunConfig, device: torch.device) -> str:
 def resolve_autocast(cfg: RunConfig, device: torch.device) -> torch.dtype | None:
     """The autocast dtype of the iteration: bf16 for --dtype bf16 over fp32 weights; None (no autocast) for fp32
     compute and for bf16 weights, which compute in bf16 by themselves."""
-    if cfg.precision == "bf16":
+    if bf16_parameters(cfg):
         return None
     return torch.bfloat16 if compute_dtype(cfg, device) == "bf16" else None
 
 
+def bf16_parameters(cfg: RunConfig) -> bool:
+    """Whether the model holds bf16 parameters: --precision bf16 and compact (whose masters are the optimizer's)."""
+    return cfg.precision in ("bf16", "compact")
+
+
 def parameter_dtype(cfg: RunConfig) -> torch.dtype:
-    return torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    return torch.bfloat16 if bf16_parameters(cfg) else torch.float32
 
 
 def apply_precision(cfg: RunConfig, modules: list[nn.Sequential], first_stage_index: int | None) -> None:

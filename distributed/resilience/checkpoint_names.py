@@ -5,13 +5,17 @@ Stage `s` of the model is an nn.Sequential of the layers [offset, offset + n) of
 interleaved stages). A checkpoint's keys:
 
   model.layers.17.fc1.weight                     the parameter or persistent buffer
-  optim.layers.17.fc1.weight.exp_avg             AdamW's state of that parameter (exp_avg, exp_avg_sq, step)
+  optim.layers.17.fc1.weight.exp_avg             AdamW's state of that parameter (exp_avg, exp_avg_sq, step; with
+                                                 --precision compact also master_remainder, int16)
   rng.<rank>.torch / .cuda / .python / .numpy    a rank's RNG states (checkpoint.py encodes them as tensors)
 
 Optimizer state comes from torch's AdamW (`state_dict()` / `load_state_dict`) or, for an optimizer that keeps only
 a shard of it, from its `full_state()` / `load_full_state(state)`: per parameter name (its own names, translated
 through its `names` mapping of parameter -> name when it has one), AdamW's entries as a plain AdamW holds them,
-gathered over the data-parallel group (so calling it is collective over that group).
+gathered over the data-parallel group (so calling it is collective over that group). An optimizer loads the
+entries it names in its `state_keys` (compact AdamW: the moments, the step and `master_remainder`), else AdamW's:
+a compact checkpoint resumed under another recipe leaves its remainders out, and a bf16 one resumed as compact
+starts its remainders at 0.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from peerline.distributed.grad_sync.compact_adamw import REMAINDER  # compact AdamW's int16 low half of each master
+
 MODEL = "model."
 METADATA = ".metadata"  # DCP's file of which tensor is where (resilience/dcp_io.py reads it)
 OPTIM = "optim."
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+STATE_KEYS = (*ADAM_KEYS, REMAINDER)  # every per-parameter entry a checkpoint may hold
 
 
 def global_name(local: str, offset: int) -> str:
@@ -83,6 +90,8 @@ def load_optimizer_state(optimizer: Any, names: Mapping[nn.Parameter, str], full
     """Put `full` (per parameter name, as `optimizer_state` returns) into the optimizer: torch's AdamW through
     its load_state_dict (which places `step` where its fused / capturable mode wants it), a sharded one through
     load_full_state. The optimizer's param_groups (the run's --lr) stay as they are."""
+    keys = set(getattr(optimizer, "state_keys", ADAM_KEYS))
+    full = {name: {k: v for k, v in entries.items() if k in keys} for name, entries in full.items()}
     if is_sharded(optimizer):
         theirs = {ours: their for their, ours in _own_names(optimizer, names).items()}
         optimizer.load_full_state({theirs[k]: dict(v) for k, v in full.items() if k in theirs})
@@ -110,9 +119,9 @@ def optimizer_template(names: Iterable[tuple[str, torch.Tensor]], stored: Mappin
     as stored (`stored`: key -> shape), to be filled by the load."""
     template: dict[str, dict[str, torch.Tensor]] = {}
     for name, param in names:
-        for key in ADAM_KEYS:
+        for key in STATE_KEYS:
             shape = stored.get(f"{OPTIM}{name}.{key}")
             if shape is not None:
-                dtype = torch.float32 if key == "step" else param.dtype
+                dtype = {"step": torch.float32, REMAINDER: torch.int16}.get(key, param.dtype)
                 template.setdefault(name, {})[key] = torch.zeros(shape, dtype=dtype)
     return template

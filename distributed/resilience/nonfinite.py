@@ -48,6 +48,9 @@ def check_finite(loss_value: float, iteration: int, skip: bool, first_bad: int |
 
 
 def _supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's fused Adam / AdamW / SGD, or an optimizer that says it reads `found_inf` (compact AdamW)."""
+    if getattr(optimizer, "reads_found_inf", False):
+        return True
     return bool(optimizer.defaults.get("fused")) and type(optimizer).__name__ in {"Adam", "AdamW", "SGD"}
 
 

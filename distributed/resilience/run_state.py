@@ -63,7 +63,7 @@ class RunState:
         optim: dict[str, dict[str, torch.Tensor]] = {}
         prefix = names.OPTIM
         for name in self.param_names.values():
-            for key in names.ADAM_KEYS:
+            for key in names.STATE_KEYS:
                 value = loaded.tensors.get(f"{prefix}{name}.{key}")
                 if value is not None:
                     optim.setdefault(name, {})[key] = value
