@@ -26,7 +26,14 @@ from peerline.distributed.grad_sync.sharded_adamw import full_param_names, make_
 from peerline.distributed.grad_sync.tied import TiedGradSum, tied_pair
 from peerline.distributed.hooks import IterationHooks, TimelineWriter
 from peerline.distributed.mesh import Mesh
-from peerline.distributed.model import build_stages, describe_split, make_loss, mlp_flops_per_token, split_by_weight
+from peerline.distributed.model import (
+    build_stages,
+    describe_split,
+    loss_check,
+    make_loss,
+    mlp_flops_per_token,
+    split_by_weight,
+)
 from peerline.distributed.observe.timeline import Timeline
 from peerline.distributed.p2p.base import Links, TensorSpec, Transport
 from peerline.distributed.p2p.edges import describe_edges
@@ -225,11 +232,12 @@ def probe_boundaries(cfg: RunConfig, grid: Grid, modules: list[nn.Sequential], w
                      first_in: TensorSpec, autocast_dtype: torch.dtype | None) -> tuple[BoundarySpec, list]:
     """Every stage boundary's spec, from one forward per stage (pipeline/boundary_shapes.py), with the layers run
     one by one so a model that does not fit its input fails as one line naming the layer; then the last stage's
-    output is checked against the loss."""
+    output is checked against the loss (a user --loss scores it once, every rank agreeing on the outcome)."""
     probes = [LayerProbe(m, work.bounds[sid][0]) for m, sid in zip(modules, grid.stage_ids)]
     in_spec, out_specs = exchange_boundary_specs(probes, first_in, grid.mesh.prev_rank, grid.mesh.next_rank,
                                                  grid.device, lambda: autocast_context(grid.device, autocast_dtype),
-                                                 first_index=grid.stage_ids[0])
+                                                 first_index=grid.stage_ids[0],
+                                                 end_check=loss_check(cfg, make_loss(cfg.loss)))
     if grid.stage_ids[-1] == grid.n_stages - 1 and cfg.loss == "cross-entropy":
         check_logits(out_specs[-1], cfg, work.vocab)
     return in_spec, out_specs
@@ -247,7 +255,8 @@ def probe_and_link(cfg: RunConfig, grid: Grid, modules: list[nn.Sequential], wor
     ins, outs = exchange_placed_specs(probes, grid.stage_ids,
                                       lambda s: mesh.rank_of(grid.placed.placement.rank_of(s), mesh.replica),
                                       grid.n_stages, first_in, grid.device,
-                                      lambda: autocast_context(grid.device, autocast_dtype))
+                                      lambda: autocast_context(grid.device, autocast_dtype),
+                                      end_check=loss_check(cfg, make_loss(cfg.loss)))
     if grid.n_stages - 1 in outs and cfg.loss == "cross-entropy":
         check_logits(outs[grid.n_stages - 1], cfg, work.vocab)
     links = placed_links(grid.placed, mesh.stage, mesh.prev_rank, mesh.next_rank, ins, outs)

@@ -18,8 +18,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from peerline.choices import LOSSES
 from peerline.distributed.config import ConfigError, RunConfig
-from peerline.distributed.env import RankConfigError
+from peerline.distributed.env import RankConfigError, launch_rank_world
 from peerline.kernels import ops
 from peerline.kernels.cross_entropy import cross_entropy
 from peerline.kernels.fused_linear import FusedLinear
@@ -121,10 +122,13 @@ class UserModel:
         built = []
         for i in range(start, stop):
             torch.manual_seed(layer_seed(seed, i))
-            layer = _call_user(self.spec, self.builders[i], f"layer builder {i} of ")
+            try:  # this rank's builders only: a failure is this rank's alone (RankConfigError)
+                layer = _call_user(self.spec, self.builders[i], f"layer builder {i} of ")
+            except ConfigError as exc:
+                raise RankConfigError(str(exc)) from None
             if not isinstance(layer, nn.Module):
-                raise ConfigError(f"layer builder {i} of {self.spec!r} returned {type(layer).__name__}, not an "
-                                  "nn.Module")
+                raise RankConfigError(f"layer builder {i} of {self.spec!r} returned {type(layer).__name__}, not an "
+                                      "nn.Module")
             built.append(layer)
         return built
 
@@ -239,10 +243,22 @@ def build_stages(cfg: RunConfig, n_stages: int, stage_ids: list[int], kernels: s
     user = load_user_model(cfg.model, cfg.seed, run_values(cfg, vocab))
     if user.layers is not None:
         bounds = split_by_weight([sum(p.numel() for p in layer.parameters()) for layer in user.layers], n_stages)
+        check_shared(cfg.model, user.layers, bounds)
     else:
         bounds = split_even(len(user), n_stages)
-    stages = [nn.Sequential(*user.build(*bounds[s], cfg.seed)) for s in stage_ids]
-    check_trainable(cfg.model, user.layers, stages, stage_ids, bounds)
+    try:
+        stages = [nn.Sequential(*user.build(*bounds[s], cfg.seed)) for s in stage_ids]
+        if user.layers is None:  # this rank's stages, one after the other
+            ends = [sum(len(stage) for stage in stages[:k + 1]) for k in range(len(stages))]
+            check_shared(cfg.model, [layer for stage in stages for layer in stage],
+                         [(end - len(stage), end) for stage, end in zip(stages, ends)],
+                         [bounds[s][0] for s in stage_ids], stage_ids)
+        check_trainable(cfg.model, user.layers, stages, stage_ids, bounds)
+    except ConfigError as exc:
+        if user.layers is not None:
+            raise  # a whole model: every rank finds the same
+        # builders run on their own rank only: the line names the rank
+        raise RankConfigError(f"rank {launch_rank_world()[0]} ({_stages_label(stage_ids)}): {exc}") from None
     if notices is not None:
         notices += user_model_notices(cfg, user.taken, user.layers if user.layers is not None else stages)
     return stages, bounds
@@ -266,6 +282,31 @@ def check_trainable(spec: str, layers: list[nn.Module] | None, stages: list[nn.S
         error = ConfigError if layers is not None else RankConfigError
         raise error(f"stage {where} of {spec!r} (layers {a}-{b - 1}) has no trainable parameters: every stage needs "
                     "some; use fewer stages or move a layer with parameters into it")
+
+
+def check_shared(spec: str, layers: list[nn.Module], bounds: list[tuple[int, int]],
+                 first_layers: list[int] | None = None, stage_ids: list[int] | None = None) -> None:
+    """No parameter may be shared by layers of two stages: each stage would train its own copy of it (its rank's
+    optimizer, its own gradient), silently untied. `bounds` index `layers`; `first_layers` and `stage_ids` name
+    them in the whole model (default: `layers` is the whole model, stage s its bounds[s])."""
+    first_layers = first_layers or [a for a, _ in bounds]
+    stage_ids = stage_ids or list(range(len(bounds)))
+    owner: dict[int, tuple[int, int, str]] = {}  # id(parameter) -> (stage, layer in the whole model, its name)
+    for (a, b), first, sid in zip(bounds, first_layers, stage_ids):
+        for i in range(a, b):
+            for pname, param in layers[i].named_parameters():
+                at = (sid, first + i - a, pname)
+                seen = owner.setdefault(id(param), at)
+                if seen[0] != sid:
+                    raise ConfigError(
+                        f"layers {seen[1]} and {at[1]} of {spec!r} share one parameter (layer {seen[1]}'s "
+                        f"{seen[2]!r} is layer {at[1]}'s {pname!r}), but they sit on different stages ({seen[0]} "
+                        f"and {sid}): each stage would train its own copy; put both layers on one stage, or give "
+                        "each its own parameter (the GPT ties its embeddings across stages with --tie-embeddings)")
+
+
+def _stages_label(stage_ids: list[int]) -> str:
+    return f"stage {stage_ids[0]}" if len(stage_ids) == 1 else f"stages {', '.join(map(str, stage_ids))}"
 
 
 def user_model_notices(cfg: RunConfig, taken: set[str], modules: list[nn.Module]) -> list[str]:
@@ -304,6 +345,77 @@ def make_loss(spec: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     """--loss: mse, cross-entropy, or a user function 'pkg.module:fn' (output, target) -> scalar mean loss."""
     builtin = {"mse": mse_loss, "cross-entropy": cross_entropy_loss}
     return builtin[spec] if spec in builtin else load_spec(spec, "loss function")
+
+
+def loss_check(cfg: RunConfig, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+               ) -> Callable[[object], None] | None:
+    """For a user --loss: a check of the last stage's start-up output (pipeline/boundary_shapes.py), that the loss
+    function turns it and a target like the run's into a loss training can use; None for the built-in losses."""
+    if cfg.loss in LOSSES:
+        return None
+
+    def check(output: object) -> None:
+        if cfg.token_data:  # next-token labels, as the token feed fills them
+            target = torch.zeros((cfg.micro_batch_size, cfg.seq), dtype=torch.int64, device=_device_of(output))
+        elif isinstance(output, torch.Tensor):  # float targets shaped like the output, as DataFeed fills them
+            target = torch.randn(output.shape, device=output.device)
+        else:
+            return  # a structured output with float data has no target the run could make
+        check_loss(cfg.loss, loss_fn, _grad_leaves(output), target)
+    return check
+
+
+def check_loss(spec: str, loss_fn: Callable, output: object, target: torch.Tensor) -> None:
+    """The loss of one microbatch must be what training sums and differentiates: a 0-dim floating-point tensor
+    computed from the output. One ConfigError line naming the function and what it returned otherwise."""
+    what = f"the loss function {spec!r}"
+    given = f"for output {describe_tensors(output)} and target {describe_tensors(target)}"
+    try:
+        with torch.enable_grad():
+            loss = loss_fn(output, target)
+    except Exception as exc:  # noqa: BLE001 - user code: one line
+        raise ConfigError(f"{what} {user_failure(exc)} {given}") from None
+    need = "it must return the microbatch's mean loss as a 0-dim floating-point tensor"
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(f"{what} returned {type(loss).__name__} {given}; {need}")
+    if loss.dim() != 0:
+        raise ConfigError(f"{what} returned {describe_tensors(loss)} {given}, not one value; {need} (e.g. the .mean() "
+                          "of the per-element losses)")
+    if not loss.is_floating_point():
+        raise ConfigError(f"{what} returned {describe_tensors(loss)} {given}; {need}: no gradient flows back "
+                          "through an integer")
+    if not loss.requires_grad:
+        raise ConfigError(f"{what} returned a loss that does not depend on the output {given} (no gradient "
+                          "reaches the model); compute it from the output without .detach(), .item() or numpy")
+
+
+def describe_tensors(x: object) -> str:
+    """'float32 [2, 4]' for a tensor, '(float32 [2, 4], int64 [2])' for a tuple or list, the type otherwise."""
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).removeprefix('torch.')} {list(x.shape)}"
+    if isinstance(x, tuple | list):
+        return "(" + ", ".join(describe_tensors(v) for v in x) + ")"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{k}: {describe_tensors(v)}" for k, v in x.items()) + "}"
+    return type(x).__name__
+
+
+def _grad_leaves(x: object) -> object:
+    """`x` with its floating-point tensors detached and requiring grad (the probe ran without autograd)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(x.is_floating_point())
+    if isinstance(x, tuple | list):
+        return type(x)(_grad_leaves(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _grad_leaves(v) for k, v in x.items()}
+    return x
+
+
+def _device_of(x: object) -> torch.device:
+    if isinstance(x, torch.Tensor):
+        return x.device
+    values = x.values() if isinstance(x, dict) else x if isinstance(x, tuple | list) else ()
+    return next((_device_of(v) for v in values), torch.device("cpu"))
 
 
 def describe_split(bounds: list[tuple[int, int]], n_params: list[int] | None = None) -> str:

@@ -4,7 +4,8 @@ Each rank receives its input's description (a `BoundarySpec`: the structure and 
 from the previous rank, runs its stage(s) on data of that spec (random floats, zero integers, which are valid
 indices; no gradients, under the run's autocast), and passes its output's description on. This works for any
 user nn.Sequential and costs one forward per stage at start-up; it also warms up kernels (and their run-time
-compilation). A stage that hands on something no boundary can carry fails on its rank with one ConfigError line;
+compilation); the last stage's output may be checked further (`end_check`: a user loss must score it). A stage
+that hands on something no boundary can carry (or fails that check) fails on its rank with one ConfigError line;
 the ranks after it receive that line instead of a spec, and then every rank agrees (one small all-reduce) whether
 any failed: the failing rank prints its line, every other rank exits 2 quietly (`ReportedElsewhere`), so a bad
 model is one line from one rank whichever stage it breaks.
@@ -52,10 +53,10 @@ def recv_spec(src: int, device: torch.device) -> BoundarySpec:
 
 
 def probe_stages(modules: list[nn.Module], in_spec: BoundarySpec, first_index: int, is_end: bool,
-                 device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager] | None
-                 ) -> list[BoundarySpec]:
+                 device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager] | None,
+                 end_check: Callable[[object], None] | None = None) -> list[BoundarySpec]:
     """The output spec of each module run in turn from data of `in_spec`. Every output but the pipeline's last
-    (`is_end`) is a boundary and must be one a transport can carry."""
+    (`is_end`) is a boundary and must be one a transport can carry; the last goes to `end_check`."""
     outs = []
     spec = in_spec
     for i, module in enumerate(modules):
@@ -72,6 +73,8 @@ def probe_stages(modules: list[nn.Module], in_spec: BoundarySpec, first_index: i
         spec = BoundarySpec.of(y, where)
         if not (is_end and i == len(modules) - 1):
             spec.check_passable(where)
+        elif end_check is not None:
+            end_check(y)
         outs.append(spec)
     return outs
 
@@ -79,17 +82,19 @@ def probe_stages(modules: list[nn.Module], in_spec: BoundarySpec, first_index: i
 def exchange_boundary_specs(modules: list[nn.Module], first_in: TensorSpec | BoundarySpec | None,
                             prev_rank: int | None, next_rank: int | None, device: torch.device,
                             autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
-                            first_index: int = 0) -> tuple[BoundarySpec, list[BoundarySpec]]:
+                            first_index: int = 0, end_check: Callable[[object], None] | None = None
+                            ) -> tuple[BoundarySpec, list[BoundarySpec]]:
     """(input spec of this rank's first stage, output spec of each of its stages): receive the input spec from
     `prev_rank` (or take `first_in`), run the stages once, send the last output spec on to `next_rank`.
-    `first_index` (the global index of this rank's first stage) only names stages in error lines."""
+    `first_index` (the global index of this rank's first stage) only names stages in error lines; `end_check`
+    gets the pipeline's last output."""
     error: ConfigError | None = None
     try:
         if prev_rank is None:
             in_spec = first_in if isinstance(first_in, BoundarySpec) else BoundarySpec.of_tensor(first_in)
         else:
             in_spec = recv_spec(prev_rank, device)  # an upstream rank's error line is raised here
-        outs = probe_stages(modules, in_spec, first_index, next_rank is None, device, autocast)
+        outs = probe_stages(modules, in_spec, first_index, next_rank is None, device, autocast, end_check)
     except ConfigError as exc:  # the ranks after this one would wait for a spec: hand them the line instead
         error = exc
     if next_rank is not None:
@@ -136,7 +141,8 @@ def _leaves(value: object) -> list[torch.Tensor]:
 
 def exchange_placed_specs(modules: list[nn.Module], stage_ids: list[int], rank_of: Callable[[int], int],
                           n_stages: int, first_in: TensorSpec | BoundarySpec, device: torch.device,
-                          autocast: Callable[[], contextlib.AbstractContextManager] | None = None
+                          autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+                          end_check: Callable[[object], None] | None = None
                           ) -> tuple[dict[int, BoundarySpec], dict[int, BoundarySpec]]:
     """Like exchange_boundary_specs for a rank holding several stages that need not be adjacent (interleaved, zbv:
     pipeline/placement.py): the stages run in global order, each receiving its input spec from the rank of the
@@ -155,7 +161,7 @@ def exchange_placed_specs(modules: list[nn.Module], stage_ids: list[int], rank_o
             elif s - 1 in outs:
                 in_specs[s] = outs[s - 1]
             if error is None:
-                outs[s] = probe_stages([module], in_specs[s], s, s == n_stages - 1, device, autocast)[0]
+                outs[s] = probe_stages([module], in_specs[s], s, s == n_stages - 1, device, autocast, end_check)[0]
         except ConfigError as exc:
             error = error or exc
         if s + 1 < n_stages and rank_of(s + 1) != rank_of(s):

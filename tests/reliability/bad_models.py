@@ -79,3 +79,27 @@ def feed_floats_in_place(vocab_size):
 
 def feed_out_of_range(vocab_size):
     return _feed("out of range", vocab_size)
+
+
+# Issue 31: a builder that raises on the rank that holds it, a weight shared by two stages, losses training cannot use.
+def builder_raises(hidden):
+    def layer():
+        return nn.Linear(hidden, hidden)
+
+    def broken():
+        raise ValueError("no weights for layer 3")
+    return [layer, layer, layer, broken]
+
+
+def shared_across_stages(hidden):
+    first, last = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+    last.weight = first.weight
+    return nn.Sequential(first, nn.Linear(hidden, hidden), nn.Linear(hidden, hidden), last)
+
+
+def vector_loss(output, target):
+    return ((output - target) ** 2).mean(dim=-1)
+
+
+def int_loss(output, target):
+    return ((output - target) ** 2).mean().long()

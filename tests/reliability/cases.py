@@ -67,6 +67,10 @@ BAD_INPUTS: list[tuple[str, list[str], dict[str, str]]] = [
     ("feed ids out of range", ["--model", "gpt", "--data", "bad_models:feed_out_of_range"], {}),
     ("data ''", ["--data", ""], {}),
     ("sidecar float64", ["--model", "gpt", "--data", "float64.bin"], {}),
+    ("layer builder raises on one rank", ["--model", "bad_models:builder_raises"], {}),
+    ("weight shared by two stages", ["--model", "bad_models:shared_across_stages"], {}),
+    ("loss returns a vector", ["--loss", "bad_models:vector_loss"], {}),
+    ("loss returns an int", ["--loss", "bad_models:int_loss"], {}),
 ]
 
 #: (name, PEERLINE_FAULT, the rank that stops): every rank out within the deadline, every line naming that rank.
@@ -117,6 +121,8 @@ def worker_traceback(out: str) -> bool:
 def one_clean_line(r: Result) -> str:
     if worker_traceback(r.out):
         return "traceback"
+    if r.rc == 0 and not r.errors:
+        return "silent wrong"  # the job went on as if the input were fine (a shared weight, a diverging loss)
     if r.rc == 0 or len(r.errors) != 1:
         return "misnamed"  # no line, or one per rank, or a job that did not fail
     return "clean"
