@@ -300,6 +300,13 @@ class RunConfig:
     keep: int | None = option(None, FAILURES, "keep only the newest N checkpoints in --save DIR (default: all)",
                               metavar="N", minimum=1)
     """Checkpoints kept in the save directory: older ones are deleted after each complete save (None: all)."""
+    save_async: bool = option(False, FAILURES, "write each checkpoint in the background: the state is copied to "
+                              "host memory (pinned on a GPU) at the iteration boundary and written while training "
+                              "goes on, as atomic and verified as a synchronous save; a write in flight is waited "
+                              "for at the next save and at the end (default: off, until measured on GPUs; it keeps "
+                              "a host copy of each rank's state for the run)")
+    """Write checkpoints in the background (resilience/async_checkpoint.py): staged to host memory at the boundary,
+    written by a thread on a gloo group of its own while training goes on."""
     preempt_signals: str = option("TERM,USR1,INT", FAILURES, "signals that stop the job at the next iteration "
                                   "boundary, every rank agreeing, after a checkpoint (with --save); exit 75 "
                                   "(default: %(default)s; none: off)", metavar="SIGS")
@@ -477,9 +484,11 @@ def _check_numbers(cfg: RunConfig) -> None:
 
 
 def _check_checkpointing(cfg: RunConfig) -> None:
-    """--keep needs --save; --preempt-signals names catchable signals."""
+    """--keep and --save-async need --save; --preempt-signals names catchable signals."""
     if cfg.keep is not None and not cfg.save:
         raise ConfigError("--keep needs --save DIR")
+    if cfg.save_async and not cfg.save:
+        raise ConfigError("--save-async needs --save DIR")
     names = [] if cfg.preempt_signals.strip().lower() in ("", "none") else cfg.preempt_signals.split(",")
     for name in names:
         full = "SIG" + name.strip().upper().removeprefix("SIG")

@@ -46,13 +46,14 @@ DESCRIPTIONS: dict[str, str] = {
            "compile); recompute table",
     "eager": "--no-graph vs torch eager: 1F1B vs torch.distributed.pipelining (autocast, bf16), 1 GPU vs plain torch",
     "optimizer": "--shard-optimizer (ZeRO-1) vs the all-reduce step and DDP + ZeroRedundancyOptimizer (2+ ranks)",
-    "checkpoint": "checkpoint save and load per GB (DCP format, verified) vs torch.save / torch.load (1 rank)",
+    "checkpoint": "checkpoint save and load per GB (DCP format, verified) vs torch.save / torch.load (1 rank); "
+                  "training time lost per save, --save-async vs a synchronous save, save / load GB/s per rank",
 }
 
 #: suites that measure between two GPUs: run under torchrun --nproc_per_node=2 (skipped with fewer ranks)
 MIN_RANKS: dict[str, int] = {"p2p": 2, "allreduce": 2, "optimizer": 2}
 #: suites of one process (its stages are streams of one device): skipped under a launcher of more ranks
-MAX_RANKS: dict[str, int] = {"single": 1, "checkpoint": 1}
+MAX_RANKS: dict[str, int] = {"single": 1}
 
 
 def describe(name: str) -> str:

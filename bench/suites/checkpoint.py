@@ -1,7 +1,10 @@
 """Benchmark suite `checkpoint`: save and load of a peerline checkpoint (DCP format) per GB, against torch.save and
-torch.load of the same state.
+torch.load of the same state (one rank); and what a save costs a run in progress, synchronous against
+--save-async, with save / load GB/s per rank (any number of ranks: checkpoint_async.py).
 
-    python launch/bench.py checkpoint [--checkpoint-gb 1.0] [--checkpoint-dir DIR]     (--quick: 16 MB)
+    python launch/bench.py checkpoint [--checkpoint-gb 1.0] [--checkpoint-dir DIR] [--checkpoint-every N]
+    torchrun --nproc_per_node=4 launch/bench.py checkpoint [--checkpoint-dir DIR]        (the training part only)
+    python launch/bench.py checkpoint --quick                (16 MB; the training part on the tiny CPU GPT)
 
 The state is a model's worth of fp32 tensors (weights plus AdamW's two moments, so a third of it is weights) on
 the CPU or the device. peerline's save is the whole atomic save: DCP's writer (fsync per file), the SHA-256 of
@@ -23,8 +26,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from peerline.bench.benchkit import BenchContext, Record
+from peerline.bench.suites import checkpoint_async
 from peerline.distributed.resilience import checkpoint as ckpt
 
 SUITE = "checkpoint"
@@ -34,7 +39,11 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--checkpoint-gb", type=float, default=1.0, help="checkpoint suite: size of the saved "
                        "state in GB (default: %(default)s; --quick: 0.016)")
     group.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="checkpoint suite: folder to write "
-                       "into (default: a temporary folder; name one on the file system your checkpoints go to)")
+                       "into (default: a temporary folder; name one on the file system your checkpoints go to, "
+                       "shared by every node)")
+    group.add_argument("--checkpoint-every", type=int, default=None, metavar="N", help="checkpoint suite, training "
+                       "part: iterations between saves (default: enough to cover 1.5 synchronous saves; 0: no "
+                       "training part)")
 
 
 def make_state(n_bytes: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -66,6 +75,19 @@ def _torch_save(state: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def run(args: argparse.Namespace, ctx: BenchContext) -> None:
+    """The file comparison (one rank), then the training part (unless --checkpoint-every 0)."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world == 1:
+        run_files(args, ctx)
+    else:
+        ctx.note("checkpoint: the file comparison against torch.save runs on one rank (python launch/bench.py "
+                 "checkpoint); this run measures the training part only")
+    if getattr(args, "checkpoint_every", None) != 0:
+        checkpoint_async.run_training(args, ctx)
+
+
+def run_files(args: argparse.Namespace, ctx: BenchContext) -> None:
+    """peerline's save and load of a state of --checkpoint-gb against torch.save and torch.load (module docstring)."""
     gb = 0.016 if ctx.quick else args.checkpoint_gb
     reps = 1 if ctx.quick else 3
     state = make_state(int(gb * 1e9), ctx.device)

@@ -185,11 +185,13 @@ def rng_keys(rank: int) -> dict[str, str]:
 
 def save_checkpoint(root: str | os.PathLike, rank: int, iteration: int, state: Mapping[str, torch.Tensor],
                     manifest: Mapping[str, Any], *, barrier: Callable[[], None] | None = None,
-                    gather: Callable[[Any], list[Any]] | None = None) -> Path:
+                    gather: Callable[[Any], list[Any]] | None = None, process_group: Any = None,
+                    after_write: Callable[[], None] | None = None) -> Path:
     """Write this rank's tensors (`state`, by checkpoint key) into the checkpoint of `iteration`; return its
     directory. Collective: every rank calls it with the same iteration; `gather` (every rank's object, e.g.
     dist.all_gather_object) and `barrier` (e.g. dist.barrier, called once the checkpoint is complete) are the
-    job's, none for one process.
+    job's, none for one process; `process_group`: DCP's (default: the default group; a background writer passes
+    its own). `after_write` runs once this rank's files are written and hashed (injected slow or failing disks).
     `manifest` must be JSON-serialisable; rank 0 writes it."""
     root, barrier = Path(root), barrier or (lambda: None)
     gather = gather or (lambda obj: [obj])
@@ -199,8 +201,11 @@ def save_checkpoint(root: str | os.PathLike, rank: int, iteration: int, state: M
             shutil.rmtree(tmp, ignore_errors=True)  # an interrupted save of the same iteration
             tmp.mkdir(parents=True)
         gather(None)  # nobody writes before rank 0 has cleared the folder (not `barrier`: that one is timed)
-        _dcp().save({k: v.detach() for k, v in state.items()}, tmp)
+        group = {} if process_group is None else {"process_group": process_group}
+        _dcp().save({k: v.detach() for k, v in state.items()}, tmp, **group)
         digests = {p.name: _sha256(p) for p in sorted(tmp.glob(f"__{rank}_*"))}
+        if after_write is not None:
+            after_write()
     except (OSError, RuntimeError, ValueError, _dcp().CheckpointException) as exc:
         raise write_error(final, iteration, exc) from None
     everyone = gather(digests)

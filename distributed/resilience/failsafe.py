@@ -44,6 +44,7 @@ from peerline.distributed.pipeline.placement import placement_for
 from peerline.distributed.resilience import checkpoint as ckpt
 from peerline.distributed.resilience import checkpoint_store as ckpt_store
 from peerline.distributed.resilience import faults as faults_mod
+from peerline.distributed.resilience.async_checkpoint import AsyncSaver
 from peerline.distributed.resilience.exchange_watch import ExchangeWatch, attach_heartbeat, name_collective_waits
 from peerline.distributed.resilience.nonfinite import NonFiniteGuard, NonFiniteLossError, check_finite
 from peerline.distributed.resilience.oom import is_oom, oom_line, peaks_by_rank
@@ -83,6 +84,7 @@ class Failsafe(IterationHooks):
         self.watch = ExchangeWatch(rt.links, self.watchdog)
         self.current = rt.iteration  # number of the iteration running now (from 1); 0 before the first
         self.last_saved: int | None = None
+        self.saver: AsyncSaver | None = None  # --save-async: the background writer (made in setup, collectively)
         self.resumed_from = 0  # iterations completed when training (re)started
         self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._later: list[str] = []  # lines of a launch, said once its progress line is out (_say_held)
@@ -110,6 +112,9 @@ class Failsafe(IterationHooks):
         if self.save_dir:  # writable, locked, no leftovers; a fresh run refuses a folder of checkpoints
             self._agree(lambda: ckpt_store.prepare_save_dir(self.save_dir, self.rank, bool(self.resume_dir)),
                         "write its checkpoint directory")
+            if self.cfg.save_async:
+                self.saver = AsyncSaver.create(self.save_dir, self.rank, self.world, self.rt.device, self.manifest,
+                                               keep=self.cfg.keep, after_write=self._during_save)
         if self.resume_dir:
             with use(self.rt.engine.main_stream):  # the copies of the loaded state onto the device
                 self._agree(self._resume, "load the checkpoint")
@@ -237,6 +242,8 @@ class Failsafe(IterationHooks):
         # On the CPU the next wait is the loss read, an all-reduce over every rank (on logged iterations).
         self.watchdog.waiting_for(f"the device to finish iteration {n} ({self._peers}), or the loss all-reduce "
                                   "with every rank", ranks=[r for r in range(self.world) if r != self.rank])
+        if self.saver is not None and self.saver.in_flight:  # one round: is the background write done everywhere?
+            self._written(self.saver.poll())
         if self.save_dir and self.save_every and n % self.save_every == 0:
             self.save(n, held=True)  # said after the iteration's progress line
 
@@ -271,10 +278,19 @@ class Failsafe(IterationHooks):
             raise NonFiniteLossError(f"non-finite loss at iteration {bad}; rerun with --skip-nonfinite to skip "
                                      "such steps")
 
-    def save(self, n: int, held: bool = False) -> None:
-        """Checkpoint after iteration `n` (every rank, collectively); `held`: its line waits for _say_held."""
+    def save(self, n: int, held: bool = False, background: bool | None = None) -> None:
+        """Checkpoint after iteration `n` (every rank, collectively); `held`: its line waits for _say_held.
+        `background` (default: --save-async) stages it and writes it on the writer's thread; a write still in
+        flight is waited for first."""
+        self.wait_for_save()
         self._finite_so_far()  # never write a checkpoint of NaN weights
         engine = self.rt.engine
+        if self.saver is not None and background is not False:
+            with self.watchdog.suspended(), use(engine.main_stream):  # staging: the first one pins its buffers
+                if self.rt.device.type == "cuda":
+                    torch.cuda.synchronize(self.rt.device)  # the iteration's last writes, on every stream
+                self.saver.start(n, self.state.tensors())
+            return
         barrier = gather = None
         if dist.is_initialized() and self.world > 1:
             def barrier() -> None:
@@ -292,7 +308,7 @@ class Failsafe(IterationHooks):
             if self.rt.device.type == "cuda":
                 torch.cuda.synchronize(self.rt.device)
             ckpt.save_checkpoint(self.save_dir, self.rank, n, self.state.tensors(), self.manifest, barrier=barrier,
-                                 gather=gather)
+                                 gather=gather, after_write=lambda: self._during_save(n))
             if self.rank == 0:
                 ckpt_store.prune(self.save_dir, self.cfg.keep)  # --keep N: the newest N stay
         self.last_saved = n
@@ -301,6 +317,24 @@ class Failsafe(IterationHooks):
             self._later.append(line)
         else:
             self._say(line)
+
+    def _during_save(self, n: int) -> None:
+        """Inside this rank's write of checkpoint `n`, its files written: injected slow or failing disks."""
+        if self.faults:
+            self.faults.during_save(self.rank, n)
+
+    def wait_for_save(self) -> None:
+        """Wait for the background write in flight, if any, on every rank (collectively; one line when long)."""
+        if self.saver is None or not self.saver.in_flight:
+            return
+        with self.watchdog.suspended():  # writing is exempt from the deadline; a round waits the store's timeout
+            self._written(self.saver.wait(self._say))
+
+    def _written(self, n: int | None) -> None:
+        """The background write of checkpoint `n` is complete on every rank (None: not yet)."""
+        if n is not None:
+            self.last_saved = n
+            self._later.append(f"saved checkpoint of iteration {n} to {self.save_dir}")
 
     # ----------------------------------------------------------------------------------------------------------
     # the run
@@ -320,8 +354,10 @@ class Failsafe(IterationHooks):
         raises here reaches `on_error` like a failure of the loop."""
         self._say_held()
         self._finite_so_far()
+        self.wait_for_save()
+        self._say_held()
         if self.save_dir and self.last_saved != self.rt.iteration and self.rt.iteration > 0:
-            self.save(self.rt.iteration)
+            self.save(self.rt.iteration, background=False)
         if self.skip:
             with use(self.rt.engine.main_stream):
                 n = self.guard.skipped_steps()
@@ -344,7 +380,9 @@ class Failsafe(IterationHooks):
                     torchrun_report.write_error_file(f"peerline: error: {exc}", 1)
                 self.watchdog.fatal_quiet(1)
                 raise SystemExit(1) from None
-            if isinstance(exc, ConfigError):
+            if isinstance(exc, ReportedElsewhere):  # an error every rank has alike (a failed background write)
+                self.watchdog.fatal_quiet(2)  # rank 0 prints its line
+            elif isinstance(exc, ConfigError):
                 # Raised by one rank in the middle of training (a stage output that changed shape, a checkpoint
                 # that could not be written): the others are waiting for it, so a clean shutdown could hang. One
                 # line, exit 2, now; the others end by their own error or deadline.
@@ -362,7 +400,10 @@ class Failsafe(IterationHooks):
         """Stop the watchdog (training is over)."""
         self._finished = True
         self.watchdog.stop()
-        if self.save_dir and self.rank == 0:
+        writing = self.saver is not None and self.saver.in_flight  # a failure: the process ends with its write
+        if self.saver is not None and not writing:
+            self.saver.close()
+        if self.save_dir and self.rank == 0 and not writing:
             ckpt_store.release_lock(self.save_dir)
 
 

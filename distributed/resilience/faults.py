@@ -8,6 +8,10 @@ Grammar: faults separated by ';', each `kind:key=value:key=value`:
                               the rank hosting it, the rendezvous store stop too (a lost node, as the others see it)
   delay:rank=0:iter=2:s=1.5   rank 0 sleeps 1.5 s before iteration 2 (a slow rank, not a failure)
   nan:stage=1:iter=2          stage 1 outputs NaN in every microbatch of iteration 2
+  slow-save:rank=1:iter=4:s=5 rank 1's write of the checkpoint of iteration 4 sleeps 5 s once its files are written
+                              (a slow disk: with --save-async, training goes on meanwhile)
+  fail-save:rank=0:iter=4     rank 0's write of the checkpoint of iteration 4 fails (an I/O error) once its files
+                              are written
 
 Keys: `rank=` (global rank) and/or `stage=` select where the fault fires (at least one); `iter=` is the
 iteration number, counted from 1 as the progress lines print it (iter=3 fires before the third iteration runs,
@@ -27,6 +31,7 @@ iteration computes, so a run with one must not replay a CUDA graph captured befo
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -44,7 +49,8 @@ from peerline.distributed.env import launch_rank_world
 log = logging.getLogger(__name__)
 
 ENV = "PEERLINE_FAULT"
-KINDS = ("kill", "hang", "stop", "delay", "nan")
+KINDS = ("kill", "hang", "stop", "delay", "nan", "slow-save", "fail-save")
+SAVE_KINDS = ("slow-save", "fail-save")  # iter= names the checkpoint's iteration; they fire inside its write
 EXIT_KILLED = 9
 
 
@@ -72,7 +78,8 @@ class Fault:
 
 _ALLOWED = {"kill": {"rank", "stage", "iter", "code", "attempt"}, "hang": {"rank", "stage", "iter", "attempt"},
             "stop": {"rank", "stage", "iter", "attempt"},
-            "delay": {"rank", "stage", "iter", "s", "attempt"}, "nan": {"rank", "stage", "iter", "attempt"}}
+            "delay": {"rank", "stage", "iter", "s", "attempt"}, "nan": {"rank", "stage", "iter", "attempt"},
+            "slow-save": {"rank", "iter", "s", "attempt"}, "fail-save": {"rank", "iter", "attempt"}}
 
 
 def parse_faults(spec: str) -> list[Fault]:
@@ -104,7 +111,7 @@ def _parse_one(part: str) -> Fault:
         raise FaultSpecError(f"{ENV}: {part!r} needs iter=N")
     if "rank" not in values and "stage" not in values:
         raise FaultSpecError(f"{ENV}: {part!r} needs rank=R or stage=S")
-    if kind == "delay" and "s" not in values:
+    if kind in ("delay", "slow-save") and "s" not in values:
         raise FaultSpecError(f"{ENV}: {part!r} needs s=SECONDS")
     attempt_text = values.get("attempt", "0")
     return Fault(
@@ -146,7 +153,8 @@ class Faults:
         self.faults = faults
         self.attempt = attempt
         self._nan = [f for f in faults if f.kind == "nan"]
-        self._boundary = [f for f in faults if f.kind != "nan"]
+        self._boundary = [f for f in faults if f.kind != "nan" and f.kind not in SAVE_KINDS]
+        self._save = [f for f in faults if f.kind in SAVE_KINDS]
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Faults:
@@ -184,6 +192,18 @@ class Faults:
             elif f.kind == "stop":
                 _say(f"peerline: fault injected: {where} stops (SIGSTOP) before iteration {it}")
                 os.kill(os.getpid(), signal.SIGSTOP)
+
+    def during_save(self, rank: int, iteration: int) -> None:
+        """Fire slow-save / fail-save faults of the checkpoint of `iteration` on this rank (its files written)."""
+        for f in self._save:
+            if not f.matches(rank, None, iteration, self.attempt):
+                continue
+            if f.kind == "slow-save":
+                log.warning("fault injected: rank %d's write of checkpoint %d sleeps %.3g s", rank, iteration,
+                            f.seconds)
+                time.sleep(f.seconds)
+            else:
+                raise OSError(errno.EIO, f"fault injected: rank {rank}'s write of checkpoint {iteration} fails")
 
     def poison_output(self, stage: int, it: int, tensor: torch.Tensor, rank: int | None = None) -> torch.Tensor:
         """`tensor`, or a NaN-filled result of it when a nan fault targets this stage at iteration `it`.
