@@ -42,6 +42,9 @@ GROUPS = (GRID, BATCH, MODEL, EXECUTION, OUTPUT, FAILURES)
 MAX_INT = 2**31 - 1  # an int flag without its own maximum (sizes, counts): beyond it only overflows
 MAX_BUCKET_MB = 1024.0 * 1024  # 1 TiB
 MAX_TIMEOUT_S = 7 * 86400.0  # a week; larger values overflow the process group's timedelta
+#: The shortest --timeout-s: the deadline also covers the start of training (the first iteration's hooks, the first
+#: handoffs), which a healthy CPU rank may take a good part of a second for; 0.001 s ended healthy runs.
+MIN_TIMEOUT_S = 1.0
 
 
 class ConfigError(ValueError):
@@ -226,7 +229,7 @@ class RunConfig:
     CUDA graph launched as torch instantiates it ignores the priorities of the streams it was captured from."""
     timeout_s: float = option(300.0, EXECUTION, "deadline on progress: a rank that completes no handoff, "
                               "collective or iteration for this many seconds ends the job naming the rank that "
-                              "stopped; also the start-up rendezvous deadline (default: %(default)s)",
+                              "stopped; also the start-up rendezvous deadline (at least 1; default: %(default)s)",
                               maximum=MAX_TIMEOUT_S)
     """Deadline on progress: the watchdog ends a rank that completes no handoff, collective or iteration for this
     long (a long iteration of quick handoffs is never cut); also the start-up rendezvous and the process-group
@@ -297,6 +300,12 @@ class RunConfig:
     skip_nonfinite: bool = option(False, FAILURES, "skip the optimizer step of an iteration with a NaN/inf loss "
                                   "(on every rank) instead of stopping", switch=True)
     """Skip the optimizer step of an iteration whose loss is NaN/inf (on every rank) instead of stopping."""
+    max_loss_growth: float = option(1000.0, FAILURES, "stop the run (one line, exit 1) when a logged loss exceeds "
+                                    "this many times the first logged one: a diverging run (--lr too high) ends "
+                                    "instead of training on; a NaN/inf loss always stops it (see --skip-nonfinite); "
+                                    "0: off (default: %(default)s)", metavar="F", maximum=1e300)
+    """Divergence guard (resilience/nonfinite.py): a logged loss above this factor times the run's first logged
+    loss stops every rank with one line and exit 1; 0 turns it off."""
     keep: int | None = option(None, FAILURES, "keep only the newest N checkpoints in --save DIR (default: all)",
                               metavar="N", minimum=1)
     """Checkpoints kept in the save directory: older ones are deleted after each complete save (None: all)."""
@@ -477,8 +486,13 @@ def _check_memory(cfg: RunConfig) -> None:
 def _check_numbers(cfg: RunConfig) -> None:
     if cfg.bucket_mb <= 0 or cfg.first_bucket_mb <= 0:
         raise ConfigError("--bucket-mb and --first-bucket-mb must be positive")
-    if cfg.timeout_s <= 0:
-        raise ConfigError(f"--timeout-s must be positive, got {cfg.timeout_s}")
+    if cfg.timeout_s < MIN_TIMEOUT_S:
+        raise ConfigError(f"--timeout-s {cfg.timeout_s:g} is too short: the deadline must be at least "
+                          f"{MIN_TIMEOUT_S:g} s (it bounds the start-up rendezvous and every handoff, collective and "
+                          "iteration, the first included: a shorter one ends healthy runs, blaming ranks that are "
+                          "only slow)")
+    if cfg.max_loss_growth != 0 and not cfg.max_loss_growth > 1:
+        raise ConfigError(f"--max-loss-growth must be above 1 (or 0: off), got {cfg.max_loss_growth:g}")
     if cfg.lr <= 0:
         raise ConfigError(f"--lr must be positive, got {cfg.lr}")
 

@@ -46,7 +46,7 @@ from peerline.distributed.resilience import checkpoint_store as ckpt_store
 from peerline.distributed.resilience import faults as faults_mod
 from peerline.distributed.resilience.async_checkpoint import AsyncSaver
 from peerline.distributed.resilience.exchange_watch import ExchangeWatch, attach_heartbeat, name_collective_waits
-from peerline.distributed.resilience.nonfinite import NonFiniteGuard, NonFiniteLossError, check_finite
+from peerline.distributed.resilience.nonfinite import NonFiniteGuard, NonFiniteLossError, check_finite, check_growth
 from peerline.distributed.resilience.oom import is_oom, oom_line, peaks_by_rank
 from peerline.distributed.resilience.run_state import RunState
 from peerline.distributed.resilience.watchdog import Watchdog
@@ -87,6 +87,7 @@ class Failsafe(IterationHooks):
         self.saver: AsyncSaver | None = None  # --save-async: the background writer (made in setup, collectively)
         self.resumed_from = 0  # iterations completed when training (re)started
         self._stash: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._first_loss: tuple[int, float] | None = None  # the first finite logged loss: (iteration, value)
         self._later: list[str] = []  # lines of a launch, said once its progress line is out (_say_held)
         self._signals = signals
         self._installed = False
@@ -237,11 +238,15 @@ class Failsafe(IterationHooks):
     def after_iteration(self, n: int) -> None:
         """Iteration `n` has been issued (on a GPU it may still be running)."""
         self.watchdog.iteration_done()
+        if self.faults:  # at=end faults: before the agreements that end an iteration (loss read, preemption check)
+            self.faults.after_iteration(self.rank, self.stage, n)
         # On a GPU the host has only issued the iteration; what it waits for next is the device, which waits on
         # the peers: name them, so a timeout there still points at the rank that was lost.
-        # On the CPU the next wait is the loss read, an all-reduce over every rank (on logged iterations).
-        self.watchdog.waiting_for(f"the device to finish iteration {n} ({self._peers}), or the loss all-reduce "
-                                  "with every rank", ranks=[r for r in range(self.world) if r != self.rank])
+        # On the CPU the next waits are the preemption check (a barrier in the store) and the loss read (an
+        # all-reduce), both over every rank.
+        self.watchdog.waiting_for(f"the device to finish iteration {n} ({self._peers}), or every rank at the end of "
+                                  "it (the preemption check, the loss all-reduce)",
+                                  ranks=[r for r in range(self.world) if r != self.rank])
         if self.saver is not None and self.saver.in_flight:  # one round: is the background write done everywhere?
             self._written(self.saver.poll())
         if self.save_dir and self.save_every and n % self.save_every == 0:
@@ -340,8 +345,11 @@ class Failsafe(IterationHooks):
     # the run
 
     def on_logged(self, rt: Any, stats: IterationStats) -> None:
-        """A non-finite logged loss stops every rank (or, with --skip-nonfinite, is logged as skipped)."""
+        """A non-finite logged loss stops every rank (or, with --skip-nonfinite, is logged as skipped); so does one
+        past --max-loss-growth times the first (the loss is agreed: every rank raises alike)."""
         if math.isfinite(stats.loss):
+            self._first_loss = self._first_loss or (stats.iteration, stats.loss)
+            check_growth(stats.loss, stats.iteration, self._first_loss, self.cfg.max_loss_growth)
             return
         # The logged loss is agreed across ranks, so every rank gets here together: the collective in
         # first_nonfinite() is safe, and check_finite raises (or logs the skip) on every rank alike.

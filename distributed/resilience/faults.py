@@ -12,21 +12,23 @@ Grammar: faults separated by ';', each `kind:key=value:key=value`:
                               (a slow disk: with --save-async, training goes on meanwhile)
   fail-save:rank=0:iter=4     rank 0's write of the checkpoint of iteration 4 fails (an I/O error) once its files
                               are written
+  kill:rank=3:iter=2:at=end   rank 3 dies right after iteration 2, before the end-of-iteration agreement with the
+                              others (the preemption check in the store, the loss read): they wait there for it
 
 Keys: `rank=` (global rank) and/or `stage=` select where the fault fires (at least one); `iter=` is the
 iteration number, counted from 1 as the progress lines print it (iter=3 fires before the third iteration runs,
-after the checkpoint of iteration 2 could have been written); `s=` the seconds of a delay; `code=` the exit code
-of a kill (default 9); `attempt=` the launcher restart count at which it fires (default 0, so that under
-`torchrun --max-restarts` the restarted job does not die again at the same place; `attempt=any` fires on every
-attempt).
+after the checkpoint of iteration 2 could have been written); `at=end` moves a kill, hang, stop or delay to the end
+of that iteration instead; `s=` the seconds of a delay; `code=` the exit code of a kill (default 9); `attempt=` the
+launcher restart count at which it fires (default 0, so that under `torchrun --max-restarts` the restarted job does
+not die again at the same place; `attempt=any` fires on every attempt).
 
 A bad specification raises `FaultSpecError` (a ConfigError) with one line naming the bad part; the entry point
 prints it and exits 2. So does a fault aimed at a rank the job does not have (`active()` checks the launcher's
-world size) or at a stage it does not have (`check_targets`, once the grid is known). The engine calls
-`before_iteration(rank, stage, it)` at each iteration boundary and passes each stage output of the forward through
-`poison_output(stage, it, tensor)`; with no faults both cost one attribute lookup. A NaN fault changes what an
-iteration computes, so a run with one must not replay a CUDA graph captured before the fault's iteration:
-`active().needs_eager()` tells the runtime.
+world size) or at a stage it does not have (`check_targets`, once the grid is known). The failsafe calls
+`before_iteration(rank, stage, it)` and `after_iteration(rank, stage, it)` at each iteration boundary; the engine
+passes each stage output of the forward through `poison_output(stage, it, tensor)`; with no faults each costs one
+attribute lookup. A NaN fault changes what an iteration computes, so a run with one must not replay a CUDA graph
+captured before the fault's iteration: `active().needs_eager()` tells the runtime.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ log = logging.getLogger(__name__)
 ENV = "PEERLINE_FAULT"
 KINDS = ("kill", "hang", "stop", "delay", "nan", "slow-save", "fail-save")
 SAVE_KINDS = ("slow-save", "fail-save")  # iter= names the checkpoint's iteration; they fire inside its write
+WHEN = ("start", "end")  # at=: before the iteration (default) or right after it
 EXIT_KILLED = 9
 
 
@@ -67,18 +70,19 @@ class Fault:
     seconds: float = 0.0
     code: int = EXIT_KILLED
     attempt: int | None = 0  # None: every attempt
+    at: str = "start"  # "end": right after the iteration instead of before it
 
-    def matches(self, rank: int | None, stage: int | None, iteration: int, attempt: int) -> bool:
-        if iteration != self.iteration or (self.attempt is not None and attempt != self.attempt):
+    def matches(self, rank: int | None, stage: int | None, iteration: int, attempt: int, at: str = "start") -> bool:
+        if iteration != self.iteration or at != self.at or (self.attempt is not None and attempt != self.attempt):
             return False
         if self.rank is not None and rank != self.rank:
             return False
         return self.stage is None or stage == self.stage
 
 
-_ALLOWED = {"kill": {"rank", "stage", "iter", "code", "attempt"}, "hang": {"rank", "stage", "iter", "attempt"},
-            "stop": {"rank", "stage", "iter", "attempt"},
-            "delay": {"rank", "stage", "iter", "s", "attempt"}, "nan": {"rank", "stage", "iter", "attempt"},
+_ALLOWED = {"kill": {"rank", "stage", "iter", "code", "attempt", "at"},
+            "hang": {"rank", "stage", "iter", "attempt", "at"}, "stop": {"rank", "stage", "iter", "attempt", "at"},
+            "delay": {"rank", "stage", "iter", "s", "attempt", "at"}, "nan": {"rank", "stage", "iter", "attempt"},
             "slow-save": {"rank", "iter", "s", "attempt"}, "fail-save": {"rank", "iter", "attempt"}}
 
 
@@ -114,6 +118,8 @@ def _parse_one(part: str) -> Fault:
     if kind in ("delay", "slow-save") and "s" not in values:
         raise FaultSpecError(f"{ENV}: {part!r} needs s=SECONDS")
     attempt_text = values.get("attempt", "0")
+    if values.get("at", "start") not in WHEN:
+        raise FaultSpecError(f"{ENV}: at={values['at']!r} in {part!r} must be {' or '.join(WHEN)}")
     return Fault(
         kind=kind,
         iteration=_int(values["iter"], "iter", part, low=1),
@@ -122,6 +128,7 @@ def _parse_one(part: str) -> Fault:
         seconds=_seconds(values.get("s", "0"), part),
         code=_int(values.get("code", str(EXIT_KILLED)), "code", part, low=1, high=255),
         attempt=None if attempt_text == "any" else _int(attempt_text, "attempt", part),
+        at=values.get("at", "start"),
     )
 
 
@@ -176,22 +183,14 @@ class Faults:
     def before_iteration(self, rank: int, stage: int | None, it: int) -> None:
         """Fire kill / hang / stop / delay faults due before iteration number `it` (from 1) on this rank."""
         for f in self._boundary:
-            if not f.matches(rank, stage, it, self.attempt):
-                continue
-            where = f"rank {rank}" + (f" (stage {stage})" if stage is not None else "")
-            if f.kind == "delay":
-                log.warning("fault injected: %s sleeps %.3g s before iteration %d", where, f.seconds, it)
-                time.sleep(f.seconds)
-            elif f.kind == "kill":
-                _say(f"peerline: fault injected: {where} killed before iteration {it} (exit {f.code})")
-                os._exit(f.code)
-            elif f.kind == "hang":
-                _say(f"peerline: fault injected: {where} hangs before iteration {it}")
-                while True:
-                    time.sleep(3600)
-            elif f.kind == "stop":
-                _say(f"peerline: fault injected: {where} stops (SIGSTOP) before iteration {it}")
-                os.kill(os.getpid(), signal.SIGSTOP)
+            if f.matches(rank, stage, it, self.attempt):
+                _fire(f, rank, stage, f"before iteration {it}")
+
+    def after_iteration(self, rank: int, stage: int | None, it: int) -> None:
+        """Fire the faults due right after iteration number `it` (`at=end`) on this rank."""
+        for f in self._boundary:
+            if f.matches(rank, stage, it, self.attempt, at="end"):
+                _fire(f, rank, stage, f"after iteration {it}")
 
     def during_save(self, rank: int, iteration: int) -> None:
         """Fire slow-save / fail-save faults of the checkpoint of `iteration` on this rank (its files written)."""
@@ -214,6 +213,24 @@ class Faults:
             if f.matches(rank, stage, it, self.attempt):
                 return tensor * float("nan")
         return tensor
+
+
+def _fire(f: Fault, rank: int, stage: int | None, when: str) -> None:
+    """Do what fault `f` says, now ('before iteration 3' / 'after iteration 2' names the moment)."""
+    where = f"rank {rank}" + (f" (stage {stage})" if stage is not None else "")
+    if f.kind == "delay":
+        log.warning("fault injected: %s sleeps %.3g s %s", where, f.seconds, when)
+        time.sleep(f.seconds)
+    elif f.kind == "kill":
+        _say(f"peerline: fault injected: {where} killed {when} (exit {f.code})")
+        os._exit(f.code)
+    elif f.kind == "hang":
+        _say(f"peerline: fault injected: {where} hangs {when}")
+        while True:
+            time.sleep(3600)
+    elif f.kind == "stop":
+        _say(f"peerline: fault injected: {where} stops (SIGSTOP) {when}")
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _say(line: str) -> None:

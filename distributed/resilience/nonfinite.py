@@ -1,4 +1,6 @@
-"""Non-finite loss policy: stop with the iteration number, or (--skip-nonfinite) skip the step on every rank.
+"""Non-finite loss policy: stop with the iteration number, or (--skip-nonfinite) skip the step on every rank; and
+the divergence guard: a logged loss above --max-loss-growth times the first logged one stops the run too
+(`check_growth`), since a run whose loss explodes (--lr too high) only trains garbage from there.
 
 Only the last stage sees the loss, but every rank must take the same decision, or the ranks that step and the
 ranks that do not drift apart (and the ones that stop leave the others hanging). `NonFiniteGuard` agrees on
@@ -45,6 +47,21 @@ def check_finite(loss_value: float, iteration: int, skip: bool, first_bad: int |
     at = first_bad if first_bad is not None else iteration
     raise NonFiniteLossError(f"non-finite loss ({loss_value:g}) at iteration {at}; "
                              "rerun with --skip-nonfinite to skip such steps")
+
+
+class LossDivergedError(NonFiniteLossError):
+    """A logged loss grew past --max-loss-growth times the first one; handled like a non-finite loss (every rank
+    sees the same agreed value and stops; rank 0 prints the line; exit 1)."""
+
+
+def check_growth(loss_value: float, iteration: int, first: tuple[int, float] | None, factor: float) -> None:
+    """Raise LossDivergedError when the agreed `loss_value` of `iteration` exceeds `factor` times the first logged
+    loss (`first`: its iteration and value; a positive value only). `factor` 0: off."""
+    if not factor or first is None or not first[1] > 0 or not loss_value > factor * first[1]:
+        return
+    raise LossDivergedError(f"the loss diverged: {loss_value:.4g} at iteration {iteration} is over {factor:g} times "
+                            f"the first logged loss ({first[1]:.4g} at iteration {first[0]}); lower --lr, or raise "
+                            "--max-loss-growth (0: off)")
 
 
 def _supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:

@@ -4,7 +4,8 @@ fault on pp=2 and pp=2 x dp=2.
 A case is a command line and what a clean outcome looks like; its check sorts what happened into one of
 clean / traceback / hang / silent wrong / misnamed / data lost (see OUTCOMES). More cases join the table from the
 modules of GROUPS that exist (each module's `cases(workdir)` returns more `Case`s): checkpoint attacks, output
-paths that are not regular files, export_checkpoint's bad inputs, --config against the command line.
+paths that are not regular files, export_checkpoint's bad inputs, --config against the command line, a rank killed
+or frozen on every grid the CPU runs.
 PEERLINE_RELIABILITY_CASES=<text>[,<text>...] keeps the cases whose name holds one of the texts (a group is built
 only when a text starts with its name): `PEERLINE_RELIABILITY_CASES=export: pytest tests/reliability`.
 """
@@ -27,7 +28,7 @@ from tests.helpers import PIPELINE, cpu_env, forkrun_cmd, mpirun_cmd, run_comman
 OUTCOMES = ("clean", "traceback", "hang", "silent wrong", "misnamed", "data lost")
 #: The modules whose cases join the table, by the name their cases start with.
 GROUPS = {"checkpoint": "checkpoint_cases.py", "output": "output_cases.py", "export": "export_cases.py",
-          "config": "config_cases.py"}
+          "config": "config_cases.py", "grid fault": "grid_fault_cases.py"}
 TINY = ["--hidden", "8", "--layers", "4", "--seq", "4", "--micro-batch-size", "2", "-m", "2", "--iters", "3",
         "--device", "cpu"]
 STARTUP_S = 90  # torch imports of every rank on a loaded 2-core machine, the rendezvous
@@ -71,6 +72,8 @@ BAD_INPUTS: list[tuple[str, list[str], dict[str, str]]] = [
     ("weight shared by two stages", ["--model", "bad_models:shared_across_stages"], {}),
     ("loss returns a vector", ["--loss", "bad_models:vector_loss"], {}),
     ("loss returns an int", ["--loss", "bad_models:int_loss"], {}),
+    ("lr 100 diverges", ["--lr", "100"], {}),
+    ("timeout 0.001", ["--timeout-s", "0.001"], {}),
 ]
 
 #: (name, PEERLINE_FAULT, the rank that stops): every rank out within the deadline, every line naming that rank.

@@ -1,5 +1,6 @@
 """Issue 31's bad inputs, checked without a job: a layer builder that raises (its rank named), a parameter shared
-by two stages, a user loss that returns something training cannot use."""
+by two stages, a user loss that returns something training cannot use, a diverging loss, an absurd deadline, and
+the `at=end` fault the grid-fault cases use."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch.nn as nn
 from peerline.distributed.config import ConfigError, RunConfig
 from peerline.distributed.env import RankConfigError
 from peerline.distributed.model import build_stages, check_loss, loss_check
+from peerline.distributed.resilience.faults import Fault, Faults, FaultSpecError, parse_faults
+from peerline.distributed.resilience.nonfinite import LossDivergedError, NonFiniteLossError, check_growth
 
 
 def _builders(hidden: int):
@@ -87,3 +90,32 @@ def test_the_start_up_loss_check_uses_the_runs_targets():
     cfg = RunConfig(model="gpt", loss="pkg.losses:ce", micro_batch_size=2, seq=4)
     loss_check(cfg, labels_loss)(torch.randn(2, 4, 16))  # next-token labels [B, T]: fine
     assert loss_check(RunConfig(), lambda o, t: o) is None  # built-in losses are not checked
+
+
+def test_a_diverging_loss_stops_the_run():
+    check_growth(1500.0, 3, (1, 2.0), 1000.0)  # 750 x: fine
+    check_growth(1e12, 3, (1, 2.0), 0.0)  # off
+    with pytest.raises(LossDivergedError, match=r"the loss diverged: 2500 at iteration 3 is over 1000 times the "
+                                                r"first logged loss \(2 at iteration 1\); lower --lr"):
+        check_growth(2500.0, 3, (1, 2.0), 1000.0)
+    assert issubclass(LossDivergedError, NonFiniteLossError)  # the failsafe stops every rank alike, rank 0 prints
+    with pytest.raises(ConfigError, match="--max-loss-growth must be above 1"):
+        RunConfig(max_loss_growth=0.5)
+
+
+@pytest.mark.parametrize("seconds", [0.001, 0.5])
+def test_an_absurd_deadline_is_refused_with_the_minimum(seconds):
+    with pytest.raises(ConfigError, match=rf"--timeout-s {seconds:g} is too short: the deadline must be at least 1 s"):
+        RunConfig(timeout_s=seconds)
+    assert RunConfig(timeout_s=1).timeout_s == 1
+
+
+def test_a_fault_at_the_end_of_an_iteration():
+    (f,) = parse_faults("kill:rank=3:iter=2:at=end")
+    assert f == Fault("kill", 2, rank=3, at="end")
+    assert f.matches(3, 1, 2, 0, at="end") and not f.matches(3, 1, 2, 0)
+    Faults([f]).before_iteration(3, 1, 2)  # not before it
+    with pytest.raises(FaultSpecError, match="at='middle'"):
+        parse_faults("stop:rank=0:iter=1:at=middle")
+    with pytest.raises(FaultSpecError, match="nan takes"):
+        parse_faults("nan:stage=0:iter=1:at=end")
