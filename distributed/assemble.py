@@ -404,7 +404,8 @@ def make_engine(cfg: RunConfig, grid: Grid, stages: list[LocalStage], program: l
     optimizer is grad_sync/sharded_adamw.py's ShardedAdamW (parameters named by `layer_offsets`); with --precision
     compact, grad_sync/compact_adamw.py's CompactAdamW."""
     on_gpu = grid.device.type == "cuda"
-    params = [p for stage in stages for layer in stage.module for p in layer.parameters()]
+    # Each parameter once: two layers of one stage may share a weight (AdamW would step it twice)
+    params = list(dict.fromkeys(p for stage in stages for layer in stage.module for p in layer.parameters()))
     names = full_param_names({s.index: s.module for s in stages}, layer_offsets or {s.index: 0 for s in stages})
     optimizer = make_adamw(params, [s.grad_sync for s in stages], names, lr=cfg.lr, on_gpu=on_gpu,
                            precision=cfg.precision)

@@ -119,3 +119,22 @@ def test_a_fault_at_the_end_of_an_iteration():
         parse_faults("stop:rank=0:iter=1:at=middle")
     with pytest.raises(FaultSpecError, match="nan takes"):
         parse_faults("nan:stage=0:iter=1:at=end")
+
+
+def test_a_weight_shared_within_one_stage_is_stepped_once(tmp_path, monkeypatch):
+    """Two layers of one stage sharing a weight train it as one parameter: the optimizer holds it once (torch's
+    AdamW would otherwise apply two updates a step)."""
+    from peerline.distributed.runtime import Runtime
+
+    monkeypatch.chdir(tmp_path)
+    rt = Runtime.create(RunConfig(model=f"{__name__}:_shared_within", hidden=8, layers=4, device="cpu", iters=2))
+    try:
+        params = [p for g in rt.engine.optimizer.param_groups for p in g["params"]]
+        assert len(params) == len({id(p) for p in params})
+        shared = rt.engine.stages[0].module[0].weight
+        assert sum(p is shared for p in params) == 1
+        before = shared.detach().clone()
+        rt.train(1)
+        assert not torch.equal(before, shared.detach())
+    finally:
+        rt.close()
