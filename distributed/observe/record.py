@@ -22,6 +22,7 @@ import peerline
 from peerline.distributed.config import ConfigError, RunConfig, flag_name
 from peerline.distributed.observe.tensorboard import require_tensorboard
 from peerline.distributed.observe.versions import versions
+from peerline.distributed.precision import compute_dtype
 from peerline.files import WRITTEN_INTO, atomic_write, special_kind
 from peerline.kernels import ops
 
@@ -125,7 +126,7 @@ def resolved_config(rt: Any) -> dict[str, object]:
     whether the iteration was a CUDA graph."""
     cfg = rt.cfg.to_dict()
     cfg.update(pp=rt.mesh.pp, device=rt.device.type, graph=rt.graph is not None,
-               dtype=rt.cfg.dtype or ("bf16" if rt.device.type == "cuda" else "fp32"),
+               dtype=compute_dtype(rt.cfg, rt.device),
                kernels=ops.resolve_impl(rt.cfg.kernels, rt.device))
     return cfg
 
