@@ -95,6 +95,8 @@ def measure_or_note(ctx: BenchContext, suite: str, case: str, measure: Callable[
         log.exception("%s %s failed", suite, case)
         failures.append(f"{case}: {type(exc).__name__}: {exc}")
         return None
+    finally:
+        _current = None  # a runtime opened outside a measurement is not noted as this one
     if isinstance(got, str):
         ctx.note(f"{suite} {case}: skipped: {got}")
         return None

@@ -49,5 +49,5 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, chunk_elements: in
     logits, the chunked Function for lower precisions (no fp32 copy of the logits)."""
     flat, labels = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     if flat.dtype in (torch.float32, torch.float64):
-        return F.cross_entropy(flat.float() if flat.dtype != torch.float64 else flat, labels)
+        return F.cross_entropy(flat, labels)
     return ChunkedCrossEntropy.apply(flat, labels, max(1, chunk_elements // flat.shape[1]))
