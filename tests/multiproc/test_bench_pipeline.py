@@ -133,5 +133,7 @@ def test_a_stuck_rank_ends_the_bench_with_one_line_and_a_noted_failure(tmp_path,
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("peerline: error:")]
     assert lines and any(f"rank {stuck} (stage {stuck})" in ln for ln in lines), proc.stderr[-3000:]
-    noted = (out / "results.md").read_text() if stuck == 0 else (out / f"failed-rank{stuck}.txt").read_text()
+    # Whichever rank's deadline passes first notes it (the two wait from about the same moment): rank 0 in
+    # results.md, another rank in its own file.
+    noted = "".join(f.read_text() for f in [out / "results.md", *sorted(out.glob("failed-rank*.txt"))] if f.exists())
     assert "FAILED pipeline quick" in noted and "the job ended here" in noted, noted
