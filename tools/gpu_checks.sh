@@ -48,7 +48,16 @@ if [ "${TESTS:-}" != none ]; then
   { echo "gpu_checks: $NGPU GPU(s); pytest -m \"$MARKERS\" $*: exit status $rc in $((SECONDS - t0)) s"
     [ "$rc" -eq 124 ] && echo "pytest ran past LIMIT=${LIMIT:-540} s (w/pytest.log in logs.tgz)"
     if grep -q "short test summary info" "$W/pytest.log"; then sed -n '/short test summary info/,$p' "$W/pytest.log"
-    else tail -n 15 "$W/pytest.log"; fi | head -n 60; } >> "$OUT/summary.txt"
+    else tail -n 15 "$W/pytest.log"; fi | head -n 60
+    # Each failure's message (its last lines), so a summary alone says why without unpacking logs.tgz.
+    python3 - "$OUT/gpu-tests.xml" <<'PY' 2>/dev/null
+import sys, xml.etree.ElementTree as ET
+for case in ET.parse(sys.argv[1]).iter("testcase"):
+    for bad in case:
+        if bad.tag in ("failure", "error"):
+            print(f"--- {case.get('name')} ({bad.tag}):\n" + "\n".join((bad.text or "").splitlines()[-25:]))
+PY
+  } >> "$OUT/summary.txt"
 fi
 if [ -n "${BENCH:-}" ]; then
   np=${BENCH_NPROC:-$((NGPU < 2 ? 1 : 2))}

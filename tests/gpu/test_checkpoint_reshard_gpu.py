@@ -1,7 +1,7 @@
 """Checkpoints reshard across grids on GPUs (NCCL, CUDA graphs, fused capturable AdamW): a run saved on one grid
 resumes on another and ends with the losses and every layer's parameters of the uninterrupted run within 1e-5.
 Two GPUs: pp=2 -> pp=1 and pp=1 -> pp=2; dp=2 with --shard-optimizer -> pp=1 unsharded. Four GPUs: pp=2 x dp=2
-sharded -> pp=2 x dp=1 on two of them and back. fp32 (--dtype fp32) so the bound is the CPU tests' one."""
+sharded -> pp=2 x dp=1 on two of them and back, pp=2 -> pp=4, pp=2 x dp=2 sharded -> pp=4, pp=4 -> dp=4 sharded. fp32 (--dtype fp32) so the bound is the CPU tests' one."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ MODEL = ["--hidden", "256", "--layers", "8", "--seq", "64", "--micro-batch-size"
 PIPELINE = str(REPO / "launch" / "pipeline.py")
 #: grid name -> (ranks, flags); the global batch is 4 microbatches everywhere
 GRIDS = {"pp1": (1, ["-m", "4"]), "pp2": (2, ["-m", "4"]), "dp2s": (2, ["--dp", "2", "-m", "2", "--shard-optimizer"]),
-         "pp2dp2s": (4, ["--pp", "2", "--dp", "2", "-m", "2", "--shard-optimizer"])}
+         "pp2dp2s": (4, ["--pp", "2", "--dp", "2", "-m", "2", "--shard-optimizer"]), "pp4": (4, ["-m", "4"]),
+         "dp4s": (4, ["--dp", "4", "-m", "1", "--shard-optimizer"])}
 
 
 def _job(out, grid: str, args: list[str], name: str) -> dict:
@@ -48,6 +49,7 @@ def test_reshard_two_gpus(gpu_out, saved: str, resumed: str) -> None:
 
 
 @pytest.mark.gpu4
-@pytest.mark.parametrize("saved, resumed", [("pp2dp2s", "pp2"), ("pp2", "pp2dp2s")])
+@pytest.mark.parametrize("saved, resumed", [("pp2dp2s", "pp2"), ("pp2", "pp2dp2s"), ("pp2", "pp4"), ("pp2dp2s", "pp4"),
+                                            ("pp4", "dp4s")])
 def test_reshard_four_gpus(gpu_out, saved: str, resumed: str) -> None:
     _check(gpu_out, f"{saved}_{resumed}", saved, resumed, "pp2")

@@ -189,7 +189,8 @@ def test_step_captured_in_a_cuda_graph_replays_with_new_gradients() -> None:
 def test_replay_reads_a_device_lr_and_found_inf() -> None:
     from peerline.distributed.grad_sync.compact_adamw import REMAINDER
 
-    _, gpu, _, opt = _pair()
+    cpu, gpu, _, opt = _pair()
+    _set_grads(cpu, gpu, 1)  # non-zero moments, so an lr of 1e-2 moves every parameter
     lr = torch.full((), 1e-2, device="cuda")
     opt.param_groups[0]["lr"] = lr
     found_inf = torch.zeros((), device="cuda")
@@ -241,7 +242,7 @@ def test_gpt_compact_one_gpu(pipeline_runs, check: str) -> None:
     got_run, ref_run, graph = ONE_GPU[check]
     got, ref = pipeline_runs.results(got_run, ref_run)
     assert_matches(got, ref, Expect(BF16_TOL, graph=graph))
-    assert got["optimizer_state_bytes"] > 0
+    assert min(got["optimizer_state_bytes"]) > 0, got["optimizer_state_bytes"]
 
 
 @pytest.mark.gpu2
