@@ -60,13 +60,15 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--modes", default="eager,compiled",
+                   help="blocks to time: eager, compiled, compiled-max-autotune-no-cudagraphs (minutes of autotuning)")
     a = p.parse_args()
     dev = torch.device("cuda")
     x = torch.randn(1, a.seq, a.hidden, device=dev, dtype=torch.bfloat16)
     original = plain_gpt.apply_rotary_emb
     for rope in ("complex", "rotate-half"):
         plain_gpt.apply_rotary_emb = original if rope == "complex" else rotate_half_rope
-        for blocks in ("eager", "compiled", "compiled-max-autotune-no-cudagraphs"):
+        for blocks in a.modes.split(","):
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             model = plain_gpt.PlainGPT(vocab=4096, hidden=a.hidden, heads=a.heads, layers=2 * a.blocks, seq=a.seq,
