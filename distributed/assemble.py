@@ -36,7 +36,7 @@ from peerline.distributed.model import (
 )
 from peerline.distributed.observe.timeline import Timeline
 from peerline.distributed.p2p.base import Links, TensorSpec, Transport
-from peerline.distributed.p2p.edges import describe_edges
+from peerline.distributed.p2p.edges import COPY_ENGINE, Edge, describe_edges
 from peerline.distributed.p2p.factory import make_edge_transport
 from peerline.distributed.pipeline import schedule as sched
 from peerline.distributed.pipeline.boundary import BoundarySpec
@@ -323,10 +323,12 @@ def make_checked_transport(cfg: RunConfig, grid: Grid, links: Links, streams: Ra
     simulated against its capacity. The edges' transports and hosts go to `notices` (the start-up lines)."""
     on_gpu = grid.device.type == "cuda"
     placed = grid.placed
+    ring = None if placed else sched.build(cfg.schedule, grid.n_stages, cfg.microbatches, rendezvous=False)
     # ring depth (copy engine): what the schedule needs plus one slot, so the next message's copy overlaps the
     # receiver's work instead of waiting for its release; never more than the messages of an edge
     ids = placed.ids if placed else cfg.microbatches
-    depth = min(ids, 1 + (placed.min_capacity() if placed else sched.min_capacity(grid.programs)))
+    need = placed.min_capacity() if placed else max(sched.min_capacity(grid.programs), sched.min_capacity(ring))
+    depth = min(ids, 1 + need)
     transport, edges = make_edge_transport(cfg.p2p, links, grid.device, ids,
                                            streams=streams, capture_safe=on_gpu and cfg.graph is not False,
                                            split=cfg.p2p_split, decoupled=cfg.p2p_decoupled, depth=depth)
@@ -335,8 +337,19 @@ def make_checked_transport(cfg: RunConfig, grid: Grid, links: Links, streams: Ra
     if placed is not None:
         placed.check(transport.capacity)
         return transport, placed.program_of(grid.mesh.stage)
+    grid.programs = programs_for_edges(grid.programs, ring, edges)
     order = sched.simulate(grid.programs, transport.capacity)
     return transport, [(s, step) for s, step in order if s in grid.stage_ids]
+
+
+def programs_for_edges(rendezvous: list[list[sched.Step]], ring: list[list[sched.Step]], edges: list[Edge]
+                       ) -> list[list[sched.Step]]:
+    """The ring-transport programs (schedule.zb_h1's order for the copy engine) when every edge of the job runs on
+    the copy engine, else the rendezvous-safe ones. Every rank computes the same plan of edges, so every rank picks
+    the same programs."""
+    if edges and all(e.transport == COPY_ENGINE for e in edges):
+        return ring
+    return rendezvous
 
 
 def make_grad_sync(cfg: RunConfig, params: list[list[nn.Parameter]], mesh: Mesh, device: torch.device,

@@ -1,8 +1,10 @@
 """Compute orders found by playing a pipeline in unit time steps (list scheduling), for the zero-bubble schedules.
 
 Every stage runs F (forward), B (input gradient) and, when the backward is split, W (weight gradient) of each
-microbatch. A stage is busy one time unit per action (`COSTS` scales them); F of stage s waits for F of s-1, B of
-s for B of s+1 (the last stage's B for its own F), W for its own B. When a rank is free it takes, in this order:
+microbatch. A stage is busy one time unit per action (`COSTS` scales them). With `first_stage_whole_w` the first
+stage of a split backward costs what it does in the engine: its input (the data) needs no gradient, so its B does
+nothing and its W is the whole backward (split_backward.py), B 0 units and W 2 (`action_cost`). F of stage s waits for F of s-1, B of s for B of s+1 (the
+last stage's B for its own F), W for its own B. When a rank is free it takes, in this order:
 a W when it already holds `w_limit` deferred ones; a ready B (the critical path); a ready F while fewer than
 `f_limit` microbatches sit between their F and B on the stage (1F1B's activation memory); any pending W (the
 bubble filler). The result is each stage's order of (op, microbatch); schedule.py adds the messages.
@@ -13,6 +15,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 COSTS = {"F": 1, "B": 1, "W": 1}
+
+
+def action_cost(op: str, s: int, split: bool, first_stage_whole_w: bool = False) -> int:
+    """Time units of (op, stage s): COSTS, a whole backward (B + W) for an unsplit B, and with
+    `first_stage_whole_w` on the first stage of a split backward nothing for B and the whole backward for W."""
+    if not split:
+        return COSTS["F"] if op == "F" else COSTS["B"] + COSTS["W"]
+    if first_stage_whole_w and s == 0 and op in ("B", "W"):
+        return 0 if op == "B" else COSTS["B"] + COSTS["W"]
+    return COSTS[op]
 
 
 def dependency(op: str, s: int, mb: int, n_stages: int) -> tuple[str, int, int] | None:
@@ -55,7 +67,7 @@ def _pick(s: int, st: _Stage, m: int, n_stages: int, done: dict, t: int, split: 
 
 
 def compute_orders(n_stages: int, m: int, *, split: bool, f_limit: Callable[[int], int],
-                   w_limit: Callable[[int], int]) -> list[list[tuple[str, int]]]:
+                   w_limit: Callable[[int], int], first_stage_whole_w: bool = False) -> list[list[tuple[str, int]]]:
     """Each stage's (op, microbatch) order, one stage per rank, played in unit time steps."""
     stages = [_Stage() for _ in range(n_stages)]
     done: dict[tuple[str, int, int], int] = {}
@@ -64,31 +76,28 @@ def compute_orders(n_stages: int, m: int, *, split: bool, f_limit: Callable[[int
     t = 0
     while len(done) < total:
         for s, st in enumerate(stages):
-            if busy_until[s] > t:
-                continue
-            act = _pick(s, st, m, n_stages, done, t, split, f_limit(s), w_limit(s))
-            if act is None:
-                continue
-            op, mb = act
-            cost = COSTS[op] * (1 if split or op != "B" else 2)
-            busy_until[s] = t + cost
-            done[(op, s, mb)] = t + cost
-            st.order.append(act)
-            if op == "F":
-                st.next_f += 1
-            elif op == "B":
-                st.next_b += 1
-                if split:
-                    st.pending_w.append(mb)
-            else:
-                st.pending_w.remove(mb)
+            while busy_until[s] <= t:  # a zero-cost action leaves the stage free to take another at once
+                act = _pick(s, st, m, n_stages, done, t, split, f_limit(s), w_limit(s))
+                if act is None:
+                    break
+                op, mb = act
+                busy_until[s] = done[(op, s, mb)] = t + action_cost(op, s, split, first_stage_whole_w)
+                st.order.append(act)
+                if op == "F":
+                    st.next_f += 1
+                elif op == "B":
+                    st.next_b += 1
+                    if split:
+                        st.pending_w.append(mb)
+                else:
+                    st.pending_w.remove(mb)
         t += 1
         if t > 4 * total + 16:  # cannot happen with the rules above; a guard against a wrong change
             raise RuntimeError("list scheduling made no progress")
     return [st.order for st in stages]
 
 
-def makespan(orders: list[list[tuple[str, int]]], split: bool = True) -> int:
+def makespan(orders: list[list[tuple[str, int]]], split: bool = True, first_stage_whole_w: bool = False) -> int:
     """Time units the orders take when each stage runs them in order as soon as dependencies allow."""
     n = len(orders)
     done: dict[tuple[str, int, int], int] = {}
@@ -104,7 +113,7 @@ def makespan(orders: list[list[tuple[str, int]]], split: bool = True) -> int:
                 if dep is not None and dep not in done:
                     break
                 start = max(free[s], done[dep] if dep is not None else 0)
-                free[s] = start + COSTS[op] * (1 if split or op != "B" else 2)
+                free[s] = start + action_cost(op, s, split, first_stage_whole_w)
                 done[(op, s, mb)] = free[s]
                 pcs[s] += 1
                 moved = True

@@ -15,10 +15,10 @@ import os
 
 def kernel_class(name: str) -> str:
     low = name.lower()
+    if any(k in low for k in ("flash", "fmha", "attention", "cudnn_generated")):  # before gemm: flash names cutlass
+        return "attention"
     if any(k in low for k in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")):
         return "gemm"
-    if any(k in low for k in ("flash", "fmha", "attention")):
-        return "attention"
     if "nccl" in low:
         return "nccl"
     return "other"
