@@ -3,8 +3,9 @@
 Every stage runs F (forward), B (input gradient) and, when the backward is split, W (weight gradient) of each
 microbatch. A stage is busy one time unit per action (`COSTS` scales them). With `first_stage_whole_w` the first
 stage of a split backward costs what it does in the engine: its input (the data) needs no gradient, so its B does
-nothing and its W is the whole backward (split_backward.py), B 0 units and W 2 (`action_cost`). F of stage s waits for F of s-1, B of s for B of s+1 (the
-last stage's B for its own F), W for its own B. When a rank is free it takes, in this order:
+nothing and its W is the whole backward (split_backward.py), B 0 units and W 2 (`action_cost`). F of stage s
+waits for F of s-1, B of s for B of s+1 (the last stage's B for its own F), W for its own B. When a rank is free
+it takes, in this order:
 a W when it already holds `w_limit` deferred ones; a ready B (the critical path); a ready F while fewer than
 `f_limit` microbatches sit between their F and B on the stage (1F1B's activation memory); any pending W (the
 bubble filler). The result is each stage's order of (op, microbatch); schedule.py adds the messages.

@@ -9,6 +9,7 @@ the error. One GPU; INFO lines only.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import statistics
 
 import torch
@@ -36,12 +37,12 @@ def main() -> None:
         for name, backend in BACKENDS.items():
             leaf = qkv.clone().requires_grad_(True)
 
-            def views() -> tuple[torch.Tensor, ...]:
+            def views(leaf: torch.Tensor = leaf, layout: str = layout) -> tuple[torch.Tensor, ...]:
                 q, k, v = leaf.unbind(2)
                 q, k, v = (x.transpose(1, 2) for x in (q, k, v))
                 return tuple(x.contiguous() for x in (q, k, v)) if layout == "contiguous" else (q, k, v)
 
-            def once() -> torch.Tensor:
+            def once(backend: SDPBackend = backend, views: Callable = views) -> torch.Tensor:
                 with sdpa_kernel([backend]):
                     y = F.scaled_dot_product_attention(*views(), is_causal=True)
                 y.backward(dout)
