@@ -9,8 +9,8 @@ the error. One GPU; INFO lines only.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 import statistics
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
