@@ -1,7 +1,8 @@
 """Checkpoints reshard across grids on GPUs (NCCL, CUDA graphs, fused capturable AdamW): a run saved on one grid
 resumes on another and ends with the losses and every layer's parameters of the uninterrupted run within 1e-5.
 Two GPUs: pp=2 -> pp=1 and pp=1 -> pp=2; dp=2 with --shard-optimizer -> pp=1 unsharded. Four GPUs: pp=2 x dp=2
-sharded -> pp=2 x dp=1 on two of them and back, pp=2 -> pp=4, pp=2 x dp=2 sharded -> pp=4, pp=4 -> dp=4 sharded. fp32 (--dtype fp32) so the bound is the CPU tests' one."""
+sharded -> pp=2 x dp=1 on two of them and back, pp=2 -> pp=4, pp=2 x dp=2 sharded -> pp=4, pp=4 -> dp=4 sharded.
+fp32 (--dtype fp32) so the bound is the CPU tests' one."""
 
 from __future__ import annotations
 
