@@ -75,6 +75,13 @@ PP2 = {
 # four-GPU grid -> (flags, dp); pp=2 x dp=2 runs M=4 per replica, pp=4 runs M=8: both against REF8
 GRIDS = {"pp4": (("--pp", "4", "-m", "8"), 1), "pp2dp2": (("--pp", "2", "--dp", "2", "-m", "4"), 2)}
 
+# zero-bubble GPT on four GPUs (the copy engine, graphs) -> (run, reference); zbv's 8 stages need 6 blocks
+FP32_L6 = (*FP32, "--layers", "6")
+ZB4 = {"zb-h1": (Run("gpt_pp4_zb_h1", (*FP32, "--pp", "4", "-m", "8", "--schedule", "zb-h1", "--graph"), nproc=4),
+                 REF8),
+       "zbv": (Run("gpt_pp4_zbv", (*FP32_L6, "--pp", "4", "--stages", "2", "-m", "8", "--schedule", "zbv", "--graph"),
+                   nproc=4), Run("gpt_l6_ref8", (*FP32_L6, "--no-graph", "-m", "8")))}
+
 
 def graph_flag(args: tuple[str, ...]) -> bool | None:
     """The graph state a run's flags ask for (None: the default, graphs on a GPU)."""
@@ -158,3 +165,11 @@ def test_gpt_suite_records_on_two_gpus(gpu_out) -> None:
         assert all(abs(a - b) <= BF16_TOL * abs(b) for a, b in zip(graph["losses"], cand["losses"])), (name, cand)
     full = by_case["compute-bound recompute full peak memory"]
     assert full["peerline"] < full["anchor"], full  # recomputing every layer holds less at its peak than off
+
+
+@pytest.mark.gpu4
+@pytest.mark.parametrize("schedule", list(ZB4))
+def test_gpt_zero_bubble_pp4_matches_one_gpu(pipeline_runs, schedule: str) -> None:
+    run, ref_run = ZB4[schedule]
+    got, ref = pipeline_runs.results(run, ref_run)
+    assert_matches(got, ref, Expect(FP32_TOL, world=4, graph=True))

@@ -10,10 +10,13 @@ own), which sum in another order (docs/benchmarks/h200-x4 records the difference
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from tests.gpu.compare import Expect, assert_matches
-from tests.gpu.jobs import Run
+from tests.gpu.jobs import REPO, Run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -129,3 +132,38 @@ def test_zbv_pp4_matches_one_gpu_bitwise(pipeline_runs, p2p: str, graph: str) ->
     r, want = _placed("zbv", 4, p2p, graph)
     got, ref = pipeline_runs.results(r, _placed_ref("zbv", 4))
     assert_matches(got, ref, want)
+
+
+
+# A user model (tests/multiproc/models/lm_models.py: nn.Embedding, two Linear + tanh body layers, a Linear head) on
+# token data, one layer a stage, against one GPU running it with 1F1B (1e-5: the schedules order the sums alike
+# per stage, the bound is the pipeline tests'). Zero-bubble and placed schedules over the copy engine with graphs.
+USER_ENV = (("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), str(REPO / "tests" / "multiproc" / "models"),
+                                                       os.environ.get("PYTHONPATH", "")) if p)),)
+USER_CASES = {"zb-h1-pp2": (2, ("--schedule", "zb-h1", "--pp", "2")),
+              "interleaved-pp2": (2, ("--schedule", "interleaved", "--pp", "2", "--stages", "2")),
+              "zbv-pp2": (2, ("--schedule", "zbv", "--pp", "2", "--stages", "2")),
+              "zb-h1-pp4": (4, ("--schedule", "zb-h1", "--pp", "4"))}
+
+
+@pytest.fixture(scope="module")
+def user_args(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
+    folder = tmp_path_factory.mktemp("user-text")
+    text = folder / "corpus.txt"
+    text.write_text(Path(REPO / "README.md").read_text() * 4)
+    return ("--model", "lm_models:embedding_lm", "--hidden", "64", "--seq", "32", "--micro-batch-size", "2",
+            "--iters", "4", "--warmup-iters", "2", "--dtype", "fp32", "--vocab", "512", "--data", str(text),
+            "--data-cache", str(folder / "cache"), "-m", "4")
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("case", list(USER_CASES))
+def test_user_model_schedules_match_one_gpu(pipeline_runs, user_args: tuple[str, ...], case: str) -> None:
+    nproc, flags = USER_CASES[case]
+    if nproc > pipeline_runs.gpus:
+        pytest.skip(f"needs {nproc} GPUs")
+    ref = Run("sched_user_ref", (*user_args, "--schedule", "1f1b", "--no-graph"), env=USER_ENV)
+    run = Run(f"sched_user_{case}", (*user_args, *flags, "--p2p", "copy-engine", "--graph"), nproc=nproc,
+              env=USER_ENV)
+    got, want = pipeline_runs.results(run, ref)
+    assert_matches(got, want, Expect(1e-5, world=nproc, graph=True, transport="copy-engine"))
