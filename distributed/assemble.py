@@ -414,8 +414,9 @@ def make_engine(cfg: RunConfig, grid: Grid, stages: list[LocalStage], program: l
     """The engine with its optimizer (fused, capturable AdamW on a GPU), its data feed (through pinned host
     staging with --staging pinned), its loss (--loss), the tied weights' gradient sum before the optimizer step
     (--tie-embeddings) and its timeline (recording only with --timeline). With --shard-optimizer over dp > 1 the
-    optimizer is grad_sync/sharded_adamw.py's ShardedAdamW (parameters named by `layer_offsets`); with --precision
-    compact, grad_sync/compact_adamw.py's CompactAdamW."""
+    optimizer is grad_sync/sharded_adamw.py's ShardedAdamW (parameters named by `layer_offsets`; with
+    --overlap-param-gather its all-gathers overlap the next forward); with --precision compact,
+    grad_sync/compact_adamw.py's CompactAdamW."""
     on_gpu = grid.device.type == "cuda"
     # Each parameter once: two layers of one stage may share a weight (AdamW would step it twice)
     params = list(dict.fromkeys(p for stage in stages for layer in stage.module for p in layer.parameters()))
@@ -435,7 +436,22 @@ def make_engine(cfg: RunConfig, grid: Grid, stages: list[LocalStage], program: l
     tied = tied_pair([s.module for s in stages], grid.stage_ids, grid.n_stages) if cfg.tie_embeddings else []
     if tied:
         engine.before_step.append(TiedGradSum(tied, grid.mesh.embedding_group if len(tied) == 1 else None))
+    if cfg.overlap_param_gather:
+        overlap_param_gathers(engine, stages)
     return engine
+
+
+def overlap_param_gathers(engine: Engine, stages: list[LocalStage]) -> None:
+    """--overlap-param-gather: each sharded stage's all-gathers start the next iteration and its forward waits per
+    bucket (grad_sync/param_gather.py); the engine's parameter barrier gathers between iterations."""
+    from peerline.distributed.grad_sync.param_gather import ParamGather
+    from peerline.distributed.grad_sync.sharded import ShardedGradBuckets
+
+    for stage in stages:
+        if isinstance(stage.grad_sync, ShardedGradBuckets):
+            gather = ParamGather(stage.grad_sync, list(stage.module))
+            engine.at_iteration_start.append(gather.start)
+            engine.parameter_barriers.append(gather.gather_now)
 
 
 def make_graph_policy(cfg: RunConfig, grid: Grid) -> GraphPolicy:

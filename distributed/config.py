@@ -214,6 +214,15 @@ class RunConfig:
     shards are all-gathered into the parameters after the step; all of it inside the captured graph. Optimizer
     memory per rank falls by about dp. Needs --grad-sync buckets and fp32 parameters, not --tie-embeddings;
     with dp=1 it does nothing (a notice says so)."""
+    overlap_param_gather: bool = option(False, EXECUTION, "with --shard-optimizer: each bucket's all-gather of the "
+                                        "updated parameters runs beside the next iteration's forward, which waits for "
+                                        "it only before the first layer that reads the bucket (default: off, until "
+                                        "measured on GPUs)", switch=True)
+    """With --shard-optimizer (grad_sync/param_gather.py): the all-gathers of the updated shards are not waited for
+    at the end of the step; they start the next iteration on the all-reduce stream, in the order the forward reads
+    the buckets, and the compute stream waits for one bucket before the first layer that reads it. Inside the
+    captured graph too. Checkpoints, checksums and the end of training gather first. Off by default until measured
+    on GPUs (goal: a sharded step within 3% of the unsharded one)."""
     nccl_max_ctas: int | None = option(16, EXECUTION, "cap on the CTAs (SMs) of the dp group's NCCL all-reduce "
                                        "kernels, 0 = NCCL's default (default: %(default)s, measured on H200; see "
                                        "docs/benchmarks)")
@@ -512,9 +521,13 @@ def _check_checkpointing(cfg: RunConfig) -> None:
 
 
 def _check_sharding(cfg: RunConfig) -> None:
-    """--shard-optimizer shards the bucketed gradients; the tied weights' sum needs whole gradients."""
+    """--shard-optimizer shards the bucketed gradients; the tied weights' sum needs whole gradients;
+    --overlap-param-gather overlaps the sharded step's all-gather."""
     if cfg.shard_optimizer and cfg.grad_sync != "buckets":
         raise ConfigError(f"--shard-optimizer needs --grad-sync buckets, got --grad-sync {cfg.grad_sync}")
+    if cfg.overlap_param_gather and not cfg.shard_optimizer:
+        raise ConfigError("--overlap-param-gather needs --shard-optimizer (it overlaps the sharded step's parameter "
+                          "all-gather with the next forward; unsharded runs have no such all-gather)")
     if cfg.shard_optimizer and cfg.tie_embeddings:
         raise ConfigError("--shard-optimizer does not support --tie-embeddings yet (the tied gradients are summed "
                           "after the gradient sync, which leaves only a shard of them)")

@@ -127,6 +127,7 @@ class Runtime:
                     hook.on_logged(self, stats)
                 if on_iteration is not None:
                     on_iteration(stats)
+            self.engine.finish_parameter_gathers()  # the last step's overlapped all-gathers, before anyone reads
             for hook in reversed(self.hooks):
                 hook.on_train_end(self)
         except BaseException as exc:
@@ -253,6 +254,7 @@ class Runtime:
         gathered to all ranks: equal checksums across replicas show the replicas stayed in step, and equal
         checksums against a single-process run show the same final parameters."""
         mine: dict[str, list[float]] = {}
+        self.engine.finish_parameter_gathers()  # collective: every rank reads its checksums here
         with use(self.engine.main_stream):  # after the optimizer steps queued there
             for sid, stage in self.engine.stages.items():
                 for i, layer in enumerate(stage.module):

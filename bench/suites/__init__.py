@@ -45,7 +45,8 @@ DESCRIPTIONS: dict[str, str] = {
     "gpt": "GPT LM on real text vs a plain torch GPT under torch.distributed.pipelining (fastest schedule, recipe, "
            "compile); recompute table",
     "eager": "--no-graph vs torch eager: 1F1B vs torch.distributed.pipelining (autocast, bf16), 1 GPU vs plain torch",
-    "optimizer": "--shard-optimizer (ZeRO-1) vs the all-reduce step and DDP + ZeroRedundancyOptimizer (2+ ranks)",
+    "optimizer": "--shard-optimizer (ZeRO-1; with and without --overlap-param-gather) vs the all-reduce step and DDP + "
+                 "ZeroRedundancyOptimizer (2+ ranks)",
     "checkpoint": "checkpoint save and load per GB (DCP format, verified) vs torch.save / torch.load (1 rank); "
                   "training time lost per save, --save-async vs a synchronous save, save / load GB/s per rank",
 }

@@ -10,11 +10,12 @@ Configurations (1F1B, AdamW, MSE on synthetic targets; graphs on a GPU):
   quick    2 blocks of h=32, fp32, micro-batch 2x8, M=2                          (--quick)
 
 Variants: `zero` (the anchor: torch.distributed.pipelining's 1F1B with DDP over the replicas, its AdamW wrapped in
-ZeroRedundancyOptimizer), `allreduce` (peerline, unsharded AdamW) and `sharded` (peerline --shard-optimizer).
-Each: step time (benchkit blocks, median), optimizer state bytes on every rank, peak device memory, the first
-losses (the three start from the same weights and data). Records: sharded vs allreduce and vs the anchor (ms/iter),
-and the optimizer state per rank (bytes, sharded vs allreduce: about dp). Goals on GPUs: within 3% of the all-reduce
-step, faster than the anchor, state about 1/dp.
+ZeroRedundancyOptimizer), `allreduce` (peerline, unsharded AdamW), `sharded` (peerline --shard-optimizer) and
+`overlap` (--shard-optimizer --overlap-param-gather: the all-gathers beside the next forward). Each: step time
+(benchkit blocks, median), optimizer state bytes on every rank, peak device memory, the first losses (all start from
+the same weights and data). Records: sharded and overlap vs allreduce and vs the anchor (ms/iter), and the optimizer
+state per rank (bytes, sharded vs allreduce: about dp). Goals on GPUs: within 3% of the all-reduce step, faster than
+the anchor, state about 1/dp.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ CONFIGS = {
                          dtype="bf16"),
     "quick": PipeShape("quick", layers=2, hidden=32, micro_batch_size=2, seq=8, microbatches=2, dtype="fp32"),
 }
-VARIANTS = ("zero", "allreduce", "sharded")
+VARIANTS = ("zero", "allreduce", "sharded", "overlap")
+#: the sharded variants: their flags
+SHARDED = {"sharded": {"shard_optimizer": True}, "overlap": {"shard_optimizer": True, "overlap_param_gather": True}}
 LOSS_CHECK_ITERS = 2
 #: goals on GPUs: sharded step time / all-reduce step time at most this; state per rank at most (1/dp) x this
 STEP_GOAL, MEMORY_SLACK = 1.03, 1.1
@@ -118,14 +121,15 @@ class OptimizerBench:
         return {"ms": timing.median_ms, "spread": timing.spread, "losses": losses, "peak_gb": peak_gb(self.ctx.device),
                 "state_bytes": _bytes_per_rank(optimizer_state_bytes(anchor.optimizer.optim))}
 
-    def peerline(self, sharded: bool) -> dict[str, Any] | str:
+    def peerline(self, variant: str) -> dict[str, Any] | str:
+        """A peerline variant: allreduce, or a sharded one (SHARDED's flags)."""
         from peerline.distributed.config import RunConfig
 
         s, graph = self.shape, self.ctx.device.type == "cuda"
         cfg = RunConfig(dp=self.dp, schedule="1f1b", microbatches=s.microbatches, micro_batch_size=s.micro_batch_size,
                         seq=s.seq, hidden=s.hidden, layers=s.layers, seed=s.seed, lr=s.lr, dtype=s.dtype,
                         device=self.ctx.device.type, graph=graph, iters=10**9, log_every=1,
-                        shard_optimizer=sharded)
+                        **SHARDED.get(variant, {}))
         with open_runtime(cfg) as rt:
             measured = time_captured(rt, graph, LOSS_CHECK_ITERS, self.timer)
             if isinstance(measured, str):
@@ -134,29 +138,35 @@ class OptimizerBench:
             return {"ms": timing.median_ms, "spread": timing.spread, "losses": losses,
                     "peak_gb": peak_gb(self.ctx.device), "state_bytes": rt.optimizer_state_bytes_per_rank()}
 
-    def report(self, results: dict[str, dict[str, Any]]) -> None:
-        """The records of the configuration, from what was measured."""
-        sharded, base, zero = results.get("sharded"), results.get("allreduce"), results.get("zero")
-        if sharded is None:
-            return
-        sizes = {**self.shape.sizes(), "pp": self.pp, "dp": self.dp}
-        extra = {f"{name}_{key}": value for name, r in results.items() for key, value in r.items()}
-        grid = f"{self.shape.name} pp={self.pp} dp={self.dp}"
-        for name, anchor, what in (("allreduce", base, "peerline bucketed all-reduce, unsharded AdamW"),
-                                   ("zero", zero, "DDP + ZeroRedundancyOptimizer (torch 1F1B)")):
+    def _step_records(self, variant: str, results: dict[str, dict[str, Any]], grid: str, sizes: dict[str, Any],
+                      extra: dict[str, Any]) -> None:
+        """A sharded variant's step time against the unsharded step and the anchor, with its GOAL lines."""
+        mine = results[variant]
+        for name, what in (("allreduce", "peerline bucketed all-reduce, unsharded AdamW"),
+                           ("zero", "DDP + ZeroRedundancyOptimizer (torch 1F1B)")):
+            anchor = results.get(name)
             if anchor is None:
                 continue
-            diff = max((abs(a - b) for a, b in zip(sharded["losses"], anchor["losses"], strict=False)),
-                       default=math.nan)
-            rec = self.ctx.record(Record(SUITE, f"{grid} sharded vs {name}", "ms/iter", sharded["ms"], anchor["ms"],
+            diff = max((abs(a - b) for a, b in zip(mine["losses"], anchor["losses"], strict=False)), default=math.nan)
+            rec = self.ctx.record(Record(SUITE, f"{grid} {variant} vs {name}", "ms/iter", mine["ms"], anchor["ms"],
                                          what, higher_is_better=False, sizes=sizes,
                                          extra={**extra, "max_loss_diff": diff}))
             goal = STEP_GOAL if name == "allreduce" else 1.0
             if self.ctx.device.type == "cuda":
                 met = rec.ratio >= 1 / goal
-                self.ctx.note(f"GOAL {'MET' if met else 'MISSED'} optimizer {grid}: sharded step {rec.ratio:.3f}x "
+                self.ctx.note(f"GOAL {'MET' if met else 'MISSED'} optimizer {grid}: {variant} step {rec.ratio:.3f}x "
                               f"{name} (goal >= {1 / goal:.3f}x)")
-        if base is not None:
+
+    def report(self, results: dict[str, dict[str, Any]]) -> None:
+        """The records of the configuration, from what was measured."""
+        sharded, base = results.get("sharded"), results.get("allreduce")
+        sizes = {**self.shape.sizes(), "pp": self.pp, "dp": self.dp}
+        extra = {f"{name}_{key}": value for name, r in results.items() for key, value in r.items()}
+        grid = f"{self.shape.name} pp={self.pp} dp={self.dp}"
+        for variant in SHARDED:
+            if variant in results:
+                self._step_records(variant, results, grid, sizes, extra)
+        if sharded is not None and base is not None:
             rec = self.ctx.record(Record(SUITE, f"{grid} optimizer state per rank", "bytes",
                                          max(sharded["state_bytes"]), max(base["state_bytes"]),
                                          "unsharded AdamW (peerline)", higher_is_better=False, sizes=sizes,
@@ -185,7 +195,7 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
         results: dict[str, dict[str, Any]] = {}
         for variant in VARIANTS:
             got = measure_or_note(ctx, "optimizer", f"{name} {variant}", lambda variant=variant, bench=bench: (
-                bench.zero_anchor() if variant == "zero" else bench.peerline(sharded=variant == "sharded")), failures)
+                bench.zero_anchor() if variant == "zero" else bench.peerline(variant)), failures)
             if got is None:
                 continue
             results[variant] = got

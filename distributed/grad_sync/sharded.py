@@ -13,7 +13,9 @@ One iteration, as the engine drives it (the hooks, arm() and finish() are GradBu
   step          the optimizer (sharded_adamw.py) updates only the shards: its parameters are views of this rank's
                 shard of each bucket's flat parameter buffer, their `.grad` the reduce-scattered shard
   gather        after the step, every bucket's updated shard is all-gathered in place into the flat parameter
-                buffer, i.e. into the parameters themselves (on the all-reduce stream, the main stream waiting)
+                buffer, i.e. into the parameters themselves (on the all-reduce stream, the main stream waiting);
+                with --overlap-param-gather param_gather.py issues them at the next iteration's start instead and
+                the forward waits per bucket (`overlap`)
 
 Every buffer is made once here; nothing allocates or synchronizes the host per iteration, so the iteration is
 captured in the CUDA graph as before (NCCL's reduce-scatter and all-gather are capturable; gloo runs eager).
@@ -73,7 +75,8 @@ class ShardedGradBuckets(GradBuckets):
     `param_shards[i]` / `grad_shards[i]`: this rank's shard of bucket i's parameters (a view: writing it writes the
     parameters) and its reduce-scattered, averaged gradient (a buffer of its own). `gather_params()` all-gathers
     the shards back into the parameters. Needs a dp group (dp > 1); the other arguments are GradBuckets'. The
-    all-gathers run on `tail_group` when given (NCCL's uncapped twin: nothing overlaps them), else on `group`.
+    all-gathers after the step run on `tail_group` when given (NCCL's uncapped twin: nothing overlaps them), else on
+    `group`; overlapped ones (param_gather.py) on each bucket's own group, as its reduce-scatter.
     """
 
     def __init__(self, layers: Sequence[Sequence[torch.nn.Parameter]], group: dist.ProcessGroup,
@@ -84,6 +87,8 @@ class ShardedGradBuckets(GradBuckets):
             raise ValueError("ShardedGradBuckets needs a data-parallel group of 2 or more ranks")
         self.gather_group = tail_group if tail_group is not None else group
         self.dp_rank = dist.get_rank(group)
+        #: param_gather.py's ParamGather once --overlap-param-gather attaches one: it gathers, not after_step()
+        self.overlap: Any = None
         super().__init__(layers, group, device, stream=stream, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                          timing=timing, tail_group=tail_group, tail_layers=tail_layers)
 
@@ -127,6 +132,19 @@ class ShardedGradBuckets(GradBuckets):
                                async_op=async_op)
         return work, out
 
+    def after_step(self) -> None:
+        """The optimizer's step post-hook: gather the updated shards now, unless an overlap (param_gather.py)
+        gathers them at the next iteration's start."""
+        if self.overlap is None:
+            self.gather_params()
+
+    def finish(self) -> None:
+        """GradBuckets.finish, after waiting for every overlapped all-gather no forward waited for (a bucket
+        whose layers did not run): each reads the shard that the step writes next."""
+        if self.overlap is not None:
+            self.overlap.wait_all()
+        super().finish()
+
     def gather_params(self) -> None:
         """All-gather every bucket's shard into its flat parameter buffer, in place (after the optimizer step).
         On a GPU on the all-reduce stream, ordered after the current stream's work and before its next."""
@@ -134,9 +152,14 @@ class ShardedGradBuckets(GradBuckets):
         stream = self.stream if self.on_cuda else None
         wait_stream(stream, current)
         with use(stream):
-            for bucket, shard in zip(self.param_buckets, self.param_shards, strict=True):
-                _all_gather(bucket, shard, group=self.gather_group)
+            for i in range(len(self.buckets)):
+                self.gather_bucket(i, self.gather_group)
         wait_stream(current, stream)
+
+    def gather_bucket(self, index: int, group: dist.ProcessGroup, async_op: bool = False) -> Any:
+        """All-gather bucket `index`'s shard into its flat parameter buffer, in place, on the current stream over
+        `group` (a dp group); gloo's Work when `async_op`, else None."""
+        return _all_gather(self.param_buckets[index], self.param_shards[index], group=group, async_op=async_op)
 
     def gather_shard(self, index: int, shard: torch.Tensor) -> torch.Tensor:
         """Bucket `index` whole, gathered from every rank's `shard` of it (collective over the dp group; a new

@@ -8,7 +8,8 @@ the non-finite guard), step hooks, `param_groups` (the learning rate), `state_di
 this rank's shards (a checkpoint resumed on the same grid). Its state per rank is about 1/dp of AdamW's.
 
 After every step, a step post-hook (registered first, so it runs inside every `step()` however step is wrapped)
-all-gathers the updated shards into the parameters: sharded.py's `gather_params`.
+all-gathers the updated shards into the parameters: sharded.py's `after_step` (with --overlap-param-gather the
+next iteration's start does, param_gather.py).
 
 Checkpoints that move between grids use the full, unsharded view (`full_state` / `load_full_state`, below),
 keyed by the full model's parameter names (`full_param_names`).
@@ -99,7 +100,7 @@ class ShardedAdamW(torch.optim.AdamW):
     @staticmethod
     def _gather(optimizer: ShardedAdamW, _args: Any, _kwargs: Any) -> None:
         for sync in optimizer.syncs:
-            sync.gather_params()
+            sync.after_step()
 
     def shard_state_bytes(self) -> int:
         """Bytes of this rank's optimizer state (optimizer_state_bytes)."""

@@ -220,6 +220,11 @@ class Engine:
         #: called on the main stream after every gradient is final and before the optimizer step (e.g. summing
         #: tied weights' gradients across stages); capturable work only
         self.before_step: list[Callable[[], None]] = []
+        #: called on the main stream first in every iteration, before any forward (--overlap-param-gather's
+        #: all-gathers of the parameters the last step updated, grad_sync/param_gather.py); capturable work only
+        self.at_iteration_start: list[Callable[[], None]] = []
+        #: called by `finish_parameter_gathers()`: what makes the parameters whole between iterations
+        self.parameter_barriers: list[Callable[[], None]] = []
         #: told of every exchange with another rank (None: nobody watches); set before any capture
         self.exchange_observer: ExchangeObserver | None = None
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -284,6 +289,8 @@ class Engine:
         fused_linear.new_iteration()  # weights changed since the last iteration: recast them once (fused_linear.py)
         with use(main):
             self.loss_sum.zero_()
+            for fn in self.at_iteration_start:
+                fn()
         for s in self.order:  # fork: every stage stream starts after the data load and the last step
             stage = self.stages[s]
             wait_stream(stage.stream, main)
@@ -315,6 +322,20 @@ class Engine:
             self.range_pop()
         for stage in self.stages.values():
             stage.clear()
+
+    def finish_parameter_gathers(self) -> None:
+        """Make every parameter whole before something reads it between iterations (checksums, checkpoints, the end
+        of training): with --overlap-param-gather the last step's all-gathers otherwise wait for the next
+        iteration's start. Collective over the dp group (every rank calls it at the same point); on a GPU the host
+        waits for the main stream (readers on other threads or streams see the result). Nothing without barriers."""
+        if not self.parameter_barriers:
+            return
+        main = self.main_stream
+        with use(main):
+            for fn in self.parameter_barriers:
+                fn()
+        if main is not None:
+            main.synchronize()
 
     def _step(self, stage: LocalStage, pos: int, step: Step) -> None:
         """Program step `pos` of `stage`, on its stream, inside the iteration's autocast region."""

@@ -40,6 +40,7 @@ class RunState:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Everything this rank saves (collective over the dp group with a sharded optimizer)."""
+        self.rt.engine.finish_parameter_gathers()  # --overlap-param-gather: the last step's gathers, first
         found = {names.MODEL + k: v for k, v in names.stage_modules(self.stages).items()}
         found.update(names.flatten_optimizer(names.optimizer_state(self.optimizer, self.param_names)))
         keys = ckpt.rng_keys(self.rank)

@@ -3,7 +3,8 @@ unsharded within 1e-6 per iteration (losses and every layer's parameters; fp32, 
 the same in both), the iteration is captured (graph=True in the record), every replica stays in step, and the
 optimizer state per rank is about half. Two GPUs: pp=1 x dp=2 with graphs and eager; four: pp=2 x dp=2 with the
 copy engine, 1F1B and ZB-H1 (the buckets fill in the deferred W steps), graphs on, and pp=1 x dp=4 (a quarter of the
-state per rank) with graphs."""
+state per rank) with graphs. With --overlap-param-gather (the all-gathers at the next iteration's start, the forward
+waiting per bucket, inside the captured graph) the same dp=2 and pp=2 x dp=2 runs equal their unsharded ones alike."""
 
 from __future__ import annotations
 
@@ -18,8 +19,14 @@ TINY = ("--hidden", "256", "--layers", "8", "--seq", "64", "--micro-batch-size",
         "--warmup-iters", "2", "--bucket-mb", "0.5", "--first-bucket-mb", "0.25")  # several buckets
 
 
-def _pair(pipeline_runs, name: str, args: tuple[str, ...], nproc: int) -> tuple[dict, dict]:
-    return pipeline_runs.results(Run(f"{name}_sharded", (*args, "--shard-optimizer"), nproc=nproc),
+OVERLAP = ("--shard-optimizer", "--overlap-param-gather")
+
+
+def _pair(pipeline_runs, name: str, args: tuple[str, ...], nproc: int, sharded: tuple[str, ...] = ("--shard-optimizer",)
+          ) -> tuple[dict, dict]:
+    """The sharded run (`sharded`: its flags) and the unsharded one (run once per session, shared by name)."""
+    kind = "overlap" if "--overlap-param-gather" in sharded else "sharded"
+    return pipeline_runs.results(Run(f"{name}_{kind}", (*args, *sharded), nproc=nproc),
                                  Run(f"{name}_plain", args, nproc=nproc))
 
 
@@ -53,3 +60,23 @@ def test_dp4_sharded_equals_unsharded(pipeline_runs) -> None:
     sharded, plain = _pair(pipeline_runs, "shard_dp4", args, 4)
     assert_matches(sharded, plain, Expect(1e-6, world=4, dp=4, graph=True))
     _state_halved(sharded, plain, dp=4)
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("dtype,graph", [("fp32", "--graph"), ("fp32", "--no-graph"), ("bf16", "--graph")])
+def test_dp2_overlapped_gather_equals_unsharded(pipeline_runs, dtype: str, graph: str) -> None:
+    args = (*TINY, "--dp", "2", "-m", "4", "--dtype", dtype, graph)
+    overlapped, plain = _pair(pipeline_runs, f"shard_dp2_{dtype}{graph.replace('-', '_')}", args, 2, OVERLAP)
+    assert overlapped["config"]["overlap_param_gather"] is True
+    assert_matches(overlapped, plain, Expect(1e-6, world=2, dp=2, graph=graph == "--graph"))
+    _state_halved(overlapped, plain)
+
+
+@pytest.mark.gpu4
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_pp2_dp2_overlapped_gather_equals_unsharded(pipeline_runs, schedule: str) -> None:
+    args = (*TINY, "--pp", "2", "--dp", "2", "-m", "4", "--dtype", "fp32", "--schedule", schedule,
+            "--p2p", "copy-engine", "--graph")
+    overlapped, plain = _pair(pipeline_runs, f"shard_pp2dp2_{schedule.replace('-', '_')}", args, 4, OVERLAP)
+    assert_matches(overlapped, plain, Expect(1e-6, world=4, dp=2, graph=True, transport="copy-engine"))
+    _state_halved(overlapped, plain)

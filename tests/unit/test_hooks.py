@@ -79,6 +79,9 @@ class FakeEngine:
     def iteration(self) -> None:
         self.events.append(("engine", "iteration"))
 
+    def finish_parameter_gathers(self) -> None:
+        """Nothing to gather (no --overlap-param-gather)."""
+
 
 class FakeGraph:
     """A captured iteration as the runtime uses it: load + replay one iteration, or run_loop K of them."""
