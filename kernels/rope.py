@@ -10,6 +10,12 @@ The rotation (rotate-half pairs, tables from models/rope.py):  a' = a c - b s,  
 `rope_attention` takes this path for CUDA bf16 tensors that flash attention accepts, and the unfused reference
 (`attention_reference`) everywhere else: fp32 runs, the CPU, --kernels torch. On the CPU the same Function runs
 with torch stand-ins for both kernels and the CPU flash-attention ops, so CI checks its autograd contract.
+
+The attention between the two rotations is flash attention's ops by default. PEERLINE_ATTENTION=cudnn runs cuDNN's
+instead, through torch's scaled_dot_product_attention restricted to that backend, its backward by autograd on a
+graph the forward keeps (an experiment: on an H200 cuDNN's attention read the packed qkv's strided views faster
+than flash's, docs/benchmarks/h200-x4/2026-11-27-session2). "math" is the same path on torch's reference backend,
+which the CPU tests run.
 """
 
 from __future__ import annotations
@@ -18,11 +24,26 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from peerline import overrides
 
 KERNEL_SOURCE = Path(__file__).resolve().parent / "rope.cu"
 _THREADS = 256
 _MAX_BLOCKS = 8192
 _SAVED = object()  # marks where a saved tensor goes back among flash attention's extras
+#: PEERLINE_ATTENTION -> the SDPA backend the fused path runs through (None: flash attention's ops directly)
+BACKENDS: dict[str, SDPBackend | None] = {"flash": None, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                                          "math": SDPBackend.MATH}
+
+
+def attention_backend() -> str:
+    """PEERLINE_ATTENTION (default flash); ValueError naming the choices for anything else."""
+    name = overrides.get_str("PEERLINE_ATTENTION", "flash").strip().lower()
+    if name not in BACKENDS:
+        raise ValueError(f"environment variable PEERLINE_ATTENTION={name!r} is not an attention backend; choose "
+                         f"one of {', '.join(BACKENDS)}")
+    return name
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -123,16 +144,40 @@ def _views(qkv5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return tuple(qkv5[:, :, i].transpose(1, 2) for i in range(3))
 
 
+def _sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: SDPBackend
+                  ) -> tuple[torch.Tensor, tuple]:
+    """Causal attention through torch's SDPA on one backend, recorded for autograd on detached leaves: (output,
+    (leaves, output with its graph)) for `_sdpa_backward`."""
+    with torch.enable_grad():
+        leaves = tuple(t.detach().requires_grad_(True) for t in (q, k, v))
+        with sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    return out.detach(), (leaves, out)
+
+
+def _sdpa_backward(dout: torch.Tensor, graph: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    leaves, out = graph
+    return torch.autograd.grad(out, leaves, dout)
+
+
 class FusedRopeAttention(torch.autograd.Function):
     """qkv [B, T, 3H] -> [B, T, H]. The input's memory is rotated in place (the qkv Linear saves its input, not its
-    output, so nothing else reads it) and kept for the backward, which needs the rotated q and k."""
+    output, so nothing else reads it) and kept for the backward, which needs the rotated q and k. `backend`: a
+    BACKENDS name (flash: flash attention's ops; cudnn, math: torch's SDPA on that backend)."""
 
     @staticmethod
-    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
+    def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                backend: str = "flash") -> torch.Tensor:
         batch, seq, three_h = qkv.shape
         qkv5 = qkv.view(batch, seq, 3, heads, three_h // (3 * heads))
         cos, sin = cos[:seq], sin[:seq]
         rope_forward_(qkv5, cos, sin)
+        ctx.heads = heads
+        if BACKENDS[backend] is not None:
+            out, ctx.graph = _sdpa_forward(*_views(qkv5), BACKENDS[backend])
+            ctx.save_for_backward(cos, sin)
+            return out.transpose(1, 2).reshape(batch, seq, three_h // 3)
+        ctx.graph = None
         out, saved = _flash_forward(*_views(qkv5))
         # flash attention's extras mix tensors (logsumexp, the RNG state) with ints and None (sequence bounds)
         tensors = [x for x in saved if isinstance(x, torch.Tensor)]
@@ -143,6 +188,14 @@ class FusedRopeAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        if ctx.graph is not None:
+            cos, sin = ctx.saved_tensors
+            leaves, _ = ctx.graph
+            batch, heads, seq, _dim = leaves[0].shape
+            dout = dy.reshape(batch, seq, heads, -1).transpose(1, 2)
+            dq, dk, dv = _sdpa_backward(dout, ctx.graph)
+            ctx.graph = None  # the kept graph's memory goes with this microbatch's backward
+            return rope_backward_pack(dq, dk, dv, cos, sin).view(batch, seq, -1), None, None, None, None
         qkv, out, cos, sin, *tensors = ctx.saved_tensors
         given = iter(tensors)
         saved = [next(given) if x is _SAVED else x for x in ctx.extras]
@@ -150,7 +203,7 @@ class FusedRopeAttention(torch.autograd.Function):
         qkv5 = qkv.view(batch, seq, 3, ctx.heads, three_h // (3 * ctx.heads))
         dout = dy.reshape(batch, seq, ctx.heads, -1).transpose(1, 2)
         dq, dk, dv = _flash_backward(dout, *_views(qkv5), out, tuple(saved))
-        return rope_backward_pack(dq, dk, dv, cos, sin).view(batch, seq, three_h), None, None, None
+        return rope_backward_pack(dq, dk, dv, cos, sin).view(batch, seq, three_h), None, None, None, None
 
 
 def fused_supported(qkv: torch.Tensor, heads: int) -> bool:
@@ -165,5 +218,5 @@ def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     """Causal self-attention with RoPE of qkv [B, T, 3H] -> [B, T, H]: fused where `impl` is not "torch" and the
     tensor qualifies (fused_supported), the unfused reference otherwise."""
     if impl != "torch" and fused_supported(qkv, heads):
-        return FusedRopeAttention.apply(qkv, cos, sin, heads)
+        return FusedRopeAttention.apply(qkv, cos, sin, heads, attention_backend())
     return attention_reference(qkv, cos, sin, heads)

@@ -25,7 +25,7 @@ from peerline.distributed.config import ConfigError
 from peerline.distributed.model import layer_seed
 from peerline.kernels import ops
 from peerline.kernels.fused_linear import FusedLinear
-from peerline.kernels.rope import rope_attention
+from peerline.kernels.rope import attention_backend, rope_attention
 from peerline.models.rope import rope_tables
 
 INIT_STD = 0.02  # GPT-2's initialisation: N(0, 0.02) weights, zero biases
@@ -67,6 +67,7 @@ class GPTBlock(nn.Module):
         super().__init__()
         check_shape(hidden, heads)
         self.heads, self.head_dim, self.kernels = heads, hidden // heads, kernels
+        attention_backend()  # a bad PEERLINE_ATTENTION fails here, while the model is built
         self.norm1 = nn.LayerNorm(hidden)
         self.qkv = FusedLinear(hidden, 3 * hidden, bias=False, impl=kernels)
         self.proj = FusedLinear(hidden, hidden, bias=False, impl=kernels)

@@ -177,13 +177,24 @@ class TorchGPTAnchor:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
+    @staticmethod
+    def _attention() -> contextlib.AbstractContextManager:
+        """PEERLINE_ATTENTION=cudnn restricts the anchor's SDPA to cuDNN too, so both sides of a measurement run
+        the same attention kernels; by default SDPA picks its own."""
+        from torch.nn.attention import sdpa_kernel
+
+        from peerline.kernels.rope import BACKENDS, attention_backend
+
+        backend = BACKENDS[attention_backend()]
+        return sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
+
     def step(self) -> None:
         """One training iteration: data, all microbatches through the schedule, AdamW."""
         self.batches.load(self.iteration)
         self.optimizer.zero_grad(set_to_none=True)
         self.losses = []
         inputs, labels = self.batches.dev.get("inputs"), self.batches.dev.get("labels")
-        with self._autocast():
+        with self._autocast(), self._attention():
             if self.is_first and self.is_last:
                 self.schedule.step(inputs, target=labels, losses=self.losses)
             elif self.is_first:

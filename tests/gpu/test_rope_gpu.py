@@ -64,8 +64,11 @@ def test_backward_pack_writes_every_element() -> None:
     assert got.data_ptr() == poisoned.data_ptr() and torch.isfinite(got.float()).all()
 
 
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
 @pytest.mark.parametrize("shape", [(2, 128, 4, 64), (1, 1024, 8, 128)])
-def test_fused_attention_matches_unfused(shape) -> None:
+def test_fused_attention_matches_unfused(shape, backend, monkeypatch) -> None:
+    """Both PEERLINE_ATTENTION backends of the fused path against float64."""
+    monkeypatch.setenv("PEERLINE_ATTENTION", backend)
     batch, seq, heads, dim = shape
     cos, sin = (t.cuda() for t in rope_tables(seq, dim))
     qkv = torch.randn(batch, seq, 3 * heads * dim, device="cuda").to(torch.bfloat16)

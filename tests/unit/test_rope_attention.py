@@ -61,3 +61,31 @@ def test_dispatch_takes_the_reference_off_the_gpu():
     cos, sin = rope_tables(4, 4)
     torch.testing.assert_close(rope.rope_attention(qkv, cos, sin, 2, "peerline"),
                                rope.attention_reference(qkv, cos, sin, 2))
+
+
+@pytest.mark.parametrize("batch,seq,heads,dim", [(2, 16, 4, 8), (1, 33, 2, 16)])
+def test_sdpa_backend_path_equals_reference(batch, seq, heads, dim):
+    """PEERLINE_ATTENTION=cudnn's path (SDPA on one backend, its backward by autograd on the graph the forward keeps),
+    run on the CPU with the math backend: the same outputs and input gradients as the reference, in float64."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    cos, sin = (t.double() for t in rope_tables(seq, dim))
+    qkv = torch.randn(batch, seq, 3 * heads * dim, dtype=torch.float64, generator=gen)
+    dy = torch.randn(batch, seq, heads * dim, dtype=torch.float64, generator=gen)
+    ref_in = qkv.clone().requires_grad_(True)
+    ref = rope.attention_reference(ref_in, cos, sin, heads)
+    ref.backward(dy)
+    fused_in = qkv.clone().requires_grad_(True)
+    out = rope.FusedRopeAttention.apply(fused_in.clone(), cos, sin, heads, "math")
+    out.backward(dy)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(fused_in.grad, ref_in.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_attention_backend_is_checked(monkeypatch):
+    monkeypatch.setenv("PEERLINE_ATTENTION", "cuDNN")
+    assert rope.attention_backend() == "cudnn"
+    monkeypatch.setenv("PEERLINE_ATTENTION", "fa3")
+    with pytest.raises(ValueError, match="PEERLINE_ATTENTION='fa3' is not an attention backend; choose one of flash"):
+        rope.attention_backend()
+    monkeypatch.delenv("PEERLINE_ATTENTION")
+    assert rope.attention_backend() == "flash"
