@@ -139,7 +139,8 @@ def attach_heartbeat(watchdog: Watchdog, mesh: Any, device: torch.device, info: 
         return
     store = own_connection(dist.distributed_c10d._get_default_store())  # never behind the main thread's calls
     watchdog.heartbeat = Heartbeat(store, mesh.rank, mesh.world_size, lambda r: describe_rank(r, mesh.pp, stages_of),
-                                   host=host_of, store_at=describe_store(info, mesh.pp, stages_of))
+                                   host=host_of, store_at=describe_store(info, mesh.pp, stages_of),
+                                   store_rank=None if _torchelastic_use_agent_store() else 0)
     if device.type == "cuda":
         watchdog.memory = lambda: torch.cuda.max_memory_allocated(device) / 2**30
 

@@ -26,11 +26,12 @@ one a window older):
   2. else ranks in no wait that made no progress: they stopped on their own (a hang in user code, a stuck kernel);
   3. else following "waits for" from this rank to a rank that waits for nobody, or around a cycle.
 
-When the table is stale (the store has not answered for a few polls: its host stopped, or this rank's node lost
-its network), the answer says so, names the store's host, and says when and where each rank was last seen
-(`name_unreachable`). The first rank that names who stopped also writes that sentence to `peerline/verdict`; every
-beat thread reads it and keeps it, so a rank that fails later, after the store's host has exited, still names the
-right rank.
+When the table is stale (the store has not answered for a few polls: its host stopped or exited, or this rank's
+node lost its network), the answer says so, names the store's host (a host rank whose last beat was its exit ended
+the store with it), and says when and where each rank was last seen (`name_unreachable`), after the node or ranks
+the older tables already show gone. The first rank that names who stopped also writes that sentence to
+`peerline/verdict`; every beat thread reads it and keeps it, so a rank that fails later, after the store's host has
+exited, still names the right rank.
 """
 
 from __future__ import annotations
@@ -97,13 +98,15 @@ def own_connection(store: Any) -> Any:
 
 class Heartbeat:
     """Publishes one rank's beats and caches everyone's; `name(r)` says 'rank r (stage s)', `host(r)` the node of
-    rank r when the job spans several (else None), `store_at` where the store is and who hosts it."""
+    rank r when the job spans several (else None), `store_at` where the store is and who hosts it, `store_rank` the
+    rank whose process hosts it (None: torchrun's agent)."""
 
     def __init__(self, store: Any, rank: int, world: int, name: Callable[[int], str],
                  host: Callable[[int], str | None] = lambda _r: None, store_at: str = "",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, store_rank: int | None = None) -> None:
         self.store, self.rank, self.world, self.name, self.host = store, rank, world, name, host
         self.store_at, self.clock = store_at, clock
+        self.store_rank = store_rank  # the rank whose process hosts the store (None: torchrun's agent)
         self.seq = 0
         self.verdict: str | None = None  # the job's first diagnosis, read from the store and kept
         self.ok_at: float | None = None  # local time of the last complete read of every rank's beat
@@ -255,7 +258,7 @@ class Heartbeat:
         if ok_at is not None and now - ok_at > stale_s:
             lost = name_stopped(before, after, self.rank, float("inf"), self.name, self.host, gone_only=True)
             return name_unreachable(after, self.seen, self.rank, now, now - ok_at, self.name, self.host,
-                                    self.store_at, lost)
+                                    self.store_at, lost, self.store_rank)
         return name_stopped(before, after, self.rank, stall_s, self.name, self.host, gone_only)
 
     def peaks(self) -> dict[int, float]:
@@ -322,8 +325,13 @@ def _name_gone(gone: list[int], after: Table, me: int, name: Callable[[int], str
     lost = sorted({hosts[r] for r in gone if hosts[r] and hosts[r] != hosts.get(me)
                    and all(x in gone for x in after if hosts[x] == hosts[r])})
     if lost:
-        return (f"{_join(lost)} lost: {_join(seen(gone))}, every rank on it, stopped responding: the node, its "
-                "network or its processes stopped")
+        # Only the lost nodes' ranks go under their name: a rank elsewhere whose beat also stopped (a survivor
+        # that reported and exited before its last beat went out) is named after them, apart.
+        on_lost = [r for r in gone if hosts[r] in lost]
+        rest = [r for r in gone if r not in on_lost]
+        text = (f"{_join(lost)} lost: {_join(seen(on_lost))}, every rank on {'it' if len(lost) == 1 else 'them'}, "
+                "stopped responding: the node, its network or its processes stopped")
+        return f"{text}; {_join(seen(rest))} stopped responding too" if rest else text
     # A rank that was only waiting for ranks that are gone too stopped because of them (the launcher ends the
     # others once one rank fails): name the ranks that were not.
     roots = [r for r in gone if not (after[r] and after[r].waiting_on and set(after[r].waiting_on) <= set(gone))]
@@ -337,9 +345,10 @@ def _name_gone(gone: list[int], after: Table, me: int, name: Callable[[int], str
 
 def name_unreachable(after: Table, seen: dict[int, tuple[int, float]], me: int, now: float, silent_s: float,
                      name: Callable[[int], str], host: Callable[[int], str | None], store_at: str,
-                     lost: str | None) -> str:
-    """The store has not answered for `silent_s`: say so, who hosts it, and where and when each rank was last
-    seen (ranks on one host, in one iteration, seen within a second of each other, grouped)."""
+                     lost: str | None, store_rank: int | None = None) -> str:
+    """The store has not answered for `silent_s`: say so, who hosts it (`store_rank`'s process, when a rank's), and
+    where and when each rank was last seen (ranks on one host, in one iteration, seen within a second of each other,
+    grouped). A host rank whose last beat says it was exiting ended the store with it: no network is blamed."""
     groups: dict[tuple[str | None, int, int], list[int]] = {}
     for r, b in sorted(after.items()):
         if r == me or b is None:
@@ -350,8 +359,10 @@ def name_unreachable(after: Table, seen: dict[int, tuple[int, float]], me: int, 
              + f" {ago} s ago in iteration {it}" for (h, it, ago), rs in groups.items()]
     mine = host(me)
     where = f" {store_at}" if store_at else ""
-    text = (f"the rendezvous store{where} has not answered for {silent_s:.0f} s: it stopped, or the network "
-            f"between it and this rank{f' (on {mine})' if mine else ''} is cut; last seen: "
+    hoster = after.get(store_rank) if store_rank is not None and store_rank != me else None
+    why = (f"{name(store_rank)}, which hosts it, exited after its own report" if hoster is not None and hoster.end
+           else f"it stopped, or the network between it and this rank{f' (on {mine})' if mine else ''} is cut")
+    text = (f"the rendezvous store{where} has not answered for {silent_s:.0f} s: {why}; last seen: "
             f"{'; '.join(parts) or 'no other rank'}")
     return f"{lost}; {text}" if lost else text
 

@@ -250,7 +250,10 @@ class Watchdog:
         if found and "rendezvous store" not in found:
             hb.post_verdict(found)  # written by the beat thread: for ranks failing later, after the store's host
         elif hb.verdict:
-            found = hb.verdict if not found else f"{hb.verdict}; {found}"
+            # The job's first diagnosis leads; what this rank named from its stale table before the store part
+            # says the same or less.
+            at = found.find("the rendezvous store") if found else -1
+            found = f"{hb.verdict}; {found[at:]}" if at >= 0 else f"{hb.verdict}; {found}" if found else hb.verdict
         return f"; {found}" if found else ""
 
     def add_last_words(self, fn: Callable[[str], None]) -> None:

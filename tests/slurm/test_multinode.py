@@ -16,6 +16,7 @@ Slurm fails under PEERLINE_REQUIRE_SLURM=1 as in those tests.
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import re
 import subprocess
@@ -30,6 +31,7 @@ from slurm_cluster import JobResult, SlurmUnavailable, ensure_installed, skip_or
 from peerline.distributed.resilience.watchdog import EXIT_MARGIN_S
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests import timeouts  # noqa: E402
 from tests.helpers import assert_same_run  # noqa: E402
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
@@ -87,10 +89,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def submit(cluster: MultiNodeCluster, args: list[str], tmp_path: Path, nodes: int = 2, timeout_s: float = 150,
-           **env: str) -> JobResult:
-    """multinode.sbatch in its CPU form on `nodes` nodes, one agent of 2 ranks each, gloo on each node's eth0."""
+           time_min: int = 4, **env: str) -> JobResult:
+    """multinode.sbatch in its CPU form on `nodes` nodes, one agent of 2 ranks each, gloo on each node's eth0;
+    `time_min` is the job's Slurm time limit, `timeout_s` how long `sbatch --wait` may take."""
     job_env = clean_env(PEERLINE_DEVICE="cpu", PEERLINE_PYTHON=sys.executable, PEERLINE_IFNAME="eth0", **env)
-    return cluster.sbatch(SCRIPT, args, options=["--time=4", f"--nodes={nodes}", "--ntasks-per-node=1",
+    return cluster.sbatch(SCRIPT, args, options=[f"--time={time_min}", f"--nodes={nodes}", "--ntasks-per-node=1",
                                                  "--gpus-per-node=0", f"--cpus-per-task={2}"],
                           env=job_env, cwd=REPO, log_dir=tmp_path, timeout_s=timeout_s)
 
@@ -133,8 +136,14 @@ def test_two_nodes_equal_single_process(grid: str, cluster: MultiNodeCluster, re
 
 
 #: seconds past --timeout-s within which every rank of the first attempt exits once node2 is cut off: the watchdog
-#: notices the deadline within a poll, and its report is bounded (EXIT_MARGIN_S) whatever the unreachable store does.
-MARGIN_S = 1.0 + EXIT_MARGIN_S + 3.0  # + 3 s for a loaded 2-core machine
+#: notices the deadline within a poll, and its report is bounded (EXIT_MARGIN_S) whatever the unreachable store does;
+#: plus LOADED_S times the load factor (tests/timeouts.py) for the processes' own ends on a loaded 2-core machine.
+MARGIN_S = 1.0 + EXIT_MARGIN_S
+LOADED_S = 3.0
+#: The whole job on a quiet machine takes about 45 s (two attempts' start-up, 100 iterations, the cut); its Slurm
+#: limit is this many minutes times the load factor, and `sbatch --wait` gets 30 s more, so a slow job ends by
+#: Slurm's limit with its log, not by the wait's.
+JOB_MIN = 4
 
 
 def _rank_processes(cluster: MultiNodeCluster, nodes: list[str]) -> list[int]:
@@ -170,9 +179,10 @@ def _exit_times(cluster: MultiNodeCluster, pids: dict[int, str], since: float, l
 def test_lost_node_ends_every_rank_then_the_job_resumes(cluster: MultiNodeCluster, tmp_path: Path) -> None:
     """pp=4 over node1 and node2 with PEERLINE_MAX_RESTARTS=1 and --save/--resume of one shared folder. Once the
     first checkpoint exists, node2's link is cut; every rank of the first attempt, on both nodes, ends within
-    --timeout-s + MARGIN_S of the cut (node2's cannot reach the rendezvous store, hosted by rank 0 on node1), and
-    node1's ranks name node2 and its ranks. Once the link is back, the agents meet again, the ranks restart,
-    resume from the checkpoint and finish with the losses and parameters of an uninterrupted single-process run."""
+    --timeout-s + MARGIN_S (+ LOADED_S per unit of load) of the cut (node2's cannot reach the rendezvous store,
+    hosted by rank 0 on node1), and node1's ranks name node2 and its ranks. Once the link is back, the agents meet
+    again, the ranks restart, resume from the checkpoint and finish with the losses and parameters of an
+    uninterrupted single-process run. Its limits grow with the load when it starts (tests/timeouts.py)."""
     import json
     import threading
     import time
@@ -180,6 +190,10 @@ def test_lost_node_ends_every_rank_then_the_job_resumes(cluster: MultiNodeCluste
     from tests.helpers import worst_difference
 
     iters, deadline_s = 100, 10
+    load = timeouts.scale()  # the machine's load per core now, at least 1: every limit below grows with it
+    margin_s = MARGIN_S + LOADED_S * load
+    job_min = math.ceil(JOB_MIN * load)
+    wait_s = job_min * 60 + 30
     model = [*MODEL, "--iters", str(iters), "--log-every", "10"]
     ck, out = tmp_path / "ck", tmp_path / "job.json"
     ref_out = tmp_path / "ref.json"
@@ -189,28 +203,32 @@ def test_lost_node_ends_every_rank_then_the_job_resumes(cluster: MultiNodeCluste
     job: dict[str, JobResult] = {}
     args = ["--pp", "4", "-m", "4", *model, "--timeout-s", str(deadline_s), "--save", str(ck), "--save-every", "10",
             "--resume", str(ck), "--json", str(out)]
-    submitter = threading.Thread(target=lambda: job.setdefault("r", submit(cluster, args, tmp_path, timeout_s=240,
-                                                                           PEERLINE_MAX_RESTARTS="1")))
+    submitter = threading.Thread(target=lambda: job.setdefault("r", submit(
+        cluster, args, tmp_path, timeout_s=wait_s, time_min=job_min, PEERLINE_MAX_RESTARTS="1")))
+    t0 = time.monotonic()
     submitter.start()
     try:
-        t0 = time.monotonic()
-        while not (ck / "latest").exists() and submitter.is_alive() and time.monotonic() - t0 < 120:
+        while not (ck / "latest").exists() and submitter.is_alive() and time.monotonic() - t0 < 120 * load:
             time.sleep(0.1)
         assert (ck / "latest").exists(), "no checkpoint before the job ended"
         before = {p: n for n in ("node1", "node2") for p in _rank_processes(cluster, [n])}
         assert len(before) == 4, before
+        cut_at = time.monotonic()
         cluster.set_link("node2", up=False)
-        ended = _exit_times(cluster, before, time.monotonic(), deadline_s + MARGIN_S + 5)
+        ended = _exit_times(cluster, before, cut_at, deadline_s + margin_s + 5)
     finally:
         cluster.set_link("node2", up=True)
-    submitter.join(timeout=300)
+    submitter.join(timeout=wait_s + 30)
+    assert "r" in job, f"sbatch --wait still running after {wait_s + 30:.0f} s"
     result = job["r"]
-    late = {p: before[p] for p in before if ended.get(p, float("inf")) > deadline_s + MARGIN_S}
-    print("ranks of the first attempt ended after the cut: "
+    late = {p: before[p] for p in before if ended.get(p, float("inf")) > deadline_s + margin_s}
+    print(f"load factor {load:.2f}; first checkpoint {cut_at - t0:.1f} s after sbatch; ranks of the first attempt "
+          "ended after the cut: "
           + ", ".join(f"{n} pid {p} at {ended.get(p, float('inf')):.1f} s" for p, n in sorted(before.items()))
-          + f" (--timeout-s {deadline_s}, margin {MARGIN_S:g} s)")
+          + f" (--timeout-s {deadline_s}, margin {margin_s:.1f} s); job done {time.monotonic() - t0:.1f} s after "
+          f"sbatch (Slurm limit {job_min} min)")
     # Every rank of the first attempt ends within the deadline and the margin, on both sides of the cut.
-    assert not late, f"ranks still running {deadline_s + MARGIN_S:g} s after the cut: {late}\n{result.describe()}"
+    assert not late, f"ranks still running {deadline_s + margin_s:.1f} s after the cut: {late}\n{result.describe()}"
     errors = [line for line in result.log.splitlines() if line.startswith("peerline: error: ")]
     print("\n".join(errors))
     # node1's ranks (they reach the store, hosted by rank 0) name node2 and its ranks; at least one of them says
@@ -224,7 +242,7 @@ def test_lost_node_ends_every_rank_then_the_job_resumes(cluster: MultiNodeCluste
         if line.startswith(("peerline: error: rank 2 ", "peerline: error: rank 3 ")):
             assert "node2 lost" in line or "the rendezvous store at " in line, line
     assert result.returncode == 0, result.describe()
-    assert ref.wait(timeout=120) == 0, ref.stderr.read()
+    assert ref.wait(timeout=120 * load) == 0, ref.stderr.read()
     got, want = json.loads(out.read_text()), json.loads(ref_out.read_text())
     resumed_at = got["iterations"][0]
     assert 10 < resumed_at < iters and got["iterations"][-1] == iters, got["iterations"]
