@@ -13,9 +13,9 @@ with torch stand-ins for both kernels and the CPU flash-attention ops, so CI che
 
 The attention between the two rotations is flash attention's ops by default. PEERLINE_ATTENTION=cudnn runs cuDNN's
 instead, through torch's scaled_dot_product_attention restricted to that backend, its backward by autograd on a
-graph the forward keeps (an experiment: on an H200 cuDNN's attention read the packed qkv's strided views faster
-than flash's, docs/benchmarks/h200-x4/2026-11-27-session2). "math" is the same path on torch's reference backend,
-which the CPU tests run.
+graph the forward keeps: an experiment until the gpt suite measures it (the SDPA probe in tools/gpu_probes times the
+backends on the packed qkv's strided views). "math" is the same path on torch's reference backend, which the CPU
+tests run.
 """
 
 from __future__ import annotations
