@@ -97,9 +97,17 @@ def print_schedule(cfg: RunConfig) -> None:
     n_stages = pp * cfg.stages
     placed = placed_schedule(cfg.schedule, pp, cfg.stages, cfg.microbatches)  # several stages per rank
     table = placed.render() if placed else schedule.render(schedule.build(cfg.schedule, n_stages, cfg.microbatches))
+    ring = None
+    if not placed and pp > 1:
+        ring_programs = schedule.build(cfg.schedule, n_stages, cfg.microbatches, rendezvous=False)
+        if ring_programs != schedule.build(cfg.schedule, n_stages, cfg.microbatches):
+            ring = schedule.render(ring_programs)
     if info.rank == 0:
         print(f"schedule {cfg.schedule}: {n_stages} stage(s) (pp={pp} x stages/rank={cfg.stages}), dp={cfg.dp}, "
               f"M={cfg.microbatches}\n{table}", flush=True)
+        if ring is not None:
+            print(f"where every edge runs on the copy engine (GPUs of one host), this order instead:\n{ring}",
+                  flush=True)
 
 
 def train(rt: Runtime) -> list[IterationStats]:
