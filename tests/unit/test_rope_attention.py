@@ -10,8 +10,11 @@ from peerline.kernels import rope
 from peerline.models.rope import rope_tables
 
 
+@pytest.mark.parametrize("backend", ["flash", "math"])
 @pytest.mark.parametrize("batch,seq,heads,dim", [(2, 16, 4, 8), (1, 33, 2, 16), (3, 7, 1, 6)])
-def test_fused_function_equals_reference(batch, seq, heads, dim):
+def test_fused_function_equals_reference(batch, seq, heads, dim, backend):
+    """flash: the default path (CPU flash ops as stand-ins); math: PEERLINE_ATTENTION=cudnn's path (SDPA on one
+    backend, its backward by autograd on the graph the forward keeps) on torch's reference backend."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
     cos, sin = (t.double() for t in rope_tables(seq + 5, dim))
     qkv = torch.randn(batch, seq, 3 * heads * dim, dtype=torch.float64, generator=gen)
@@ -20,7 +23,7 @@ def test_fused_function_equals_reference(batch, seq, heads, dim):
     ref = rope.attention_reference(ref_in, cos, sin, heads)
     ref.backward(dy)
     fused_in = qkv.clone().requires_grad_(True)
-    out = rope.FusedRopeAttention.apply(fused_in.clone(), cos, sin, heads)  # the Function rotates its input
+    out = rope.FusedRopeAttention.apply(fused_in.clone(), cos, sin, heads, backend)  # it rotates its input
     out.backward(dy)
     assert out.shape == ref.shape
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
@@ -61,24 +64,6 @@ def test_dispatch_takes_the_reference_off_the_gpu():
     cos, sin = rope_tables(4, 4)
     torch.testing.assert_close(rope.rope_attention(qkv, cos, sin, 2, "peerline"),
                                rope.attention_reference(qkv, cos, sin, 2))
-
-
-@pytest.mark.parametrize("batch,seq,heads,dim", [(2, 16, 4, 8), (1, 33, 2, 16)])
-def test_sdpa_backend_path_equals_reference(batch, seq, heads, dim):
-    """PEERLINE_ATTENTION=cudnn's path (SDPA on one backend, its backward by autograd on the graph the forward keeps),
-    run on the CPU with the math backend: the same outputs and input gradients as the reference, in float64."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
-    cos, sin = (t.double() for t in rope_tables(seq, dim))
-    qkv = torch.randn(batch, seq, 3 * heads * dim, dtype=torch.float64, generator=gen)
-    dy = torch.randn(batch, seq, heads * dim, dtype=torch.float64, generator=gen)
-    ref_in = qkv.clone().requires_grad_(True)
-    ref = rope.attention_reference(ref_in, cos, sin, heads)
-    ref.backward(dy)
-    fused_in = qkv.clone().requires_grad_(True)
-    out = rope.FusedRopeAttention.apply(fused_in.clone(), cos, sin, heads, "math")
-    out.backward(dy)
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(fused_in.grad, ref_in.grad, rtol=1e-10, atol=1e-10)
 
 
 def test_attention_backend_is_checked(monkeypatch):
