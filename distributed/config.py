@@ -154,21 +154,28 @@ class RunConfig:
     device: str = option("auto", EXECUTION, "default: $PEERLINE_DEVICE, else auto (CUDA when available)",
                          choices=DEVICES, env="PEERLINE_DEVICE")
     """auto (CUDA when available), cuda, or cpu."""
-    dtype: str | None = option(None, EXECUTION, "bf16 autocast (default on GPU) or fp32 (default on CPU)",
+    dtype: str | None = option(None, EXECUTION, "compute dtype: bf16 (default on GPU) or fp32 (default on CPU)",
                                choices=DTYPES)
-    """bf16 (autocast; default on GPU) or fp32 (default on CPU)."""
-    precision: str = option("master", EXECUTION, "where weights, gradients and AdamW state live: master (fp32 "
-                            "weights and state; with --dtype bf16 the compute runs under bf16 autocast), bf16 "
-                            "(bf16 weights, gradients and state, no autocast: the bf16-parameter recipe; needs "
-                            "--dtype bf16) or compact (the model as bf16; the optimizer keeps exact fp32 masters as "
-                            "int16 remainders and bf16 moments: 10 bytes per parameter; needs --dtype bf16, no "
-                            "--shard-optimizer) (default: %(default)s)", choices=PRECISIONS)
-    """master: fp32 parameters, gradients and AdamW state (16 bytes per parameter), bf16 compute by autocast where
-    --dtype bf16. bf16: parameters, gradients and AdamW moments in bf16 (8 bytes per parameter), the model runs in
-    bf16 throughout (residual stream, LayerNorm outputs with fp32 statistics, stage boundaries). compact: the model
-    as bf16; the optimizer (grad_sync/compact_adamw.py) keeps each parameter's fp32 master weight exactly, as an
-    int16 remainder beside the bf16 parameter, and AdamW's moments in bf16 (10 bytes per parameter): Transformer
-    Engine's FusedAdam with store_param_remainders. docs/PRECISION.md compares the recipes."""
+    """The compute dtype: bf16 (default on GPU; bf16 weights, or autocast over fp32 weights with --precision
+    autocast) or fp32 (default on CPU)."""
+    precision: str = option("master", EXECUTION, "where weights, gradients and AdamW state live: master (with "
+                            "bf16 compute: bf16 weights and gradients, fp32 master weights and AdamW moments in the "
+                            "optimizer, no autocast; with --dtype fp32: all fp32), autocast (fp32 weights, gradients "
+                            "and state; with --dtype bf16 the compute runs under bf16 autocast), bf16 (bf16 weights, "
+                            "gradients and state, no autocast; needs --dtype bf16) or compact (the model as bf16; the "
+                            "optimizer keeps exact fp32 masters as int16 remainders and bf16 moments: 10 bytes per "
+                            "parameter; needs --dtype bf16, no --shard-optimizer) (default: %(default)s)",
+                            choices=PRECISIONS)
+    """master: with bf16 compute the model of the bf16 recipe (bf16 parameters and gradients, the GEMMs read the
+    weights as they are, no autocast) and grad_sync/master_adamw.py's optimizer, which keeps an fp32 master copy of
+    every parameter and fp32 AdamW moments (16 bytes per parameter); with --dtype fp32 fp32 parameters, gradients
+    and AdamW state. autocast: fp32 parameters, gradients and AdamW state (16 bytes per parameter, and a bf16 copy
+    of each weight per iteration), bf16 compute by autocast where --dtype bf16 (torch's AMP recipe). bf16:
+    parameters, gradients and AdamW moments in bf16 (8 bytes per parameter), the model runs in bf16 throughout
+    (residual stream, LayerNorm outputs with fp32 statistics, stage boundaries). compact: the model as bf16; the
+    optimizer (grad_sync/compact_adamw.py) keeps each parameter's fp32 master weight exactly, as an int16 remainder
+    beside the bf16 parameter, and AdamW's moments in bf16 (10 bytes per parameter): Transformer Engine's
+    FusedAdam with store_param_remainders. docs/PRECISION.md compares the recipes."""
     kernels: str = option("auto", EXECUTION, "elementwise kernels (default: %(default)s = peerline on GPU, torch "
                           "on CPU)", choices=KERNELS)
     """Elementwise kernels: peerline (warp-specialized CUDA), torch, or auto (peerline on GPU)."""
@@ -535,13 +542,30 @@ def _check_sharding(cfg: RunConfig) -> None:
 
 def _check_precision(cfg: RunConfig) -> None:
     """--precision bf16 and compact keep the weights in bf16: the compute is bf16 too. compact's optimizer keeps
-    whole parameters' remainders: it does not shard them (yet)."""
+    whole parameters' remainders, and master's (with bf16 compute) whole fp32 masters: they do not shard them
+    (yet)."""
     if cfg.precision in ("bf16", "compact") and cfg.dtype == "fp32":
         raise ConfigError(f"--precision {cfg.precision} keeps the weights in bf16 and needs --dtype bf16 (the default "
                           "on a GPU), not --dtype fp32")
     if cfg.precision == "compact" and cfg.shard_optimizer:
         raise ConfigError("--precision compact does not support --shard-optimizer yet (its optimizer keeps every "
-                          "parameter's master remainder and moments whole); use --precision bf16 or master with it")
+                          "parameter's master remainder and moments whole); use --precision autocast with it")
+    if cfg.precision == "master" and cfg.shard_optimizer and _bf16_compute(cfg):
+        raise ConfigError("--precision master with bf16 compute does not support --shard-optimizer yet (its "
+                          "optimizer keeps every parameter's fp32 master and moments whole); use --precision "
+                          "autocast with it (fp32 weights under bf16 autocast, the state sharded)")
+
+
+def _bf16_compute(cfg: RunConfig) -> bool:
+    """Whether the run computes in bf16: --dtype bf16, or no --dtype on a GPU (--device cuda, or auto with CUDA
+    available: env.py's choice)."""
+    if cfg.dtype is not None:
+        return cfg.dtype == "bf16"
+    if cfg.device == "cpu":
+        return False
+    import torch  # here, not at the top: the configuration is read before torch is needed anywhere else
+
+    return cfg.device == "cuda" or torch.cuda.is_available()
 
 
 def _derive_batch(cfg: RunConfig) -> None:

@@ -5,7 +5,9 @@
 
 DIR is a --save folder (its newest checkpoint that verifies) or one `iter_NNNNNN` folder in it. The keys are the
 whole model's (`layers.17.fc1.weight`): a module whose `layers` is an nn.Sequential of the model's layers loads
-the file with `load_state_dict`. Only the model is exported, not the optimizer or RNG state. The checkpoint's files
+the file with `load_state_dict`. Only the model is exported, not the optimizer or RNG state, except that a
+checkpoint of `--precision master` over bf16 parameters exports each weight's fp32 master (`optim.<name>.master`)
+in place of its bf16 rounding. The checkpoint's files
 are checked against its manifest first, and its metadata is read by the restricted unpickler (resilience/dcp_io.py),
 which is why this does not call torch's `format_utils.dcp_to_torch_save`: that one unpickles `.metadata` with plain
 pickle and copies the optimizer state too. Bad input: one `peerline: error:` line, exit 2 (a missing or foreign
@@ -28,7 +30,7 @@ from peerline.distributed.observe.record import check_file
 from peerline.distributed.resilience import checkpoint as ckpt
 from peerline.distributed.resilience import checkpoint_store as store
 from peerline.distributed.resilience import dcp_io
-from peerline.distributed.resilience.checkpoint_names import MODEL
+from peerline.distributed.resilience.checkpoint_names import MASTER, MODEL, OPTIM
 from peerline.files import WRITTEN_INTO, atomic_write, special_kind
 
 #: --to's suffixes and the format each is written in.
@@ -61,13 +63,20 @@ def model_state(folder: Path) -> dict[str, torch.Tensor]:
     try:
         specs = dcp_io.tensor_specs(dcp_io.read_metadata(folder))
         state = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in specs.items() if k.startswith(MODEL)}
-        dcp_io.load(state, folder)
+        sources = {k: _master_of(k) if _master_of(k) in specs else k for k in state}  # master AdamW: fp32 weights
+        state.update({k: torch.empty(specs[src][0], dtype=specs[src][1]) for k, src in sources.items() if src != k})
+        dcp_io.load({sources[k]: v for k, v in state.items()}, folder)
     except Exception as exc:  # noqa: BLE001 - any reader failure of a verified folder means the same: one line
         first = (str(exc).strip().splitlines() or [""])[0]
         raise ckpt.CheckpointError(f"checkpoint {folder} cannot be read: {type(exc).__name__}: {first}") from None
     if not state:
         raise ckpt.CheckpointError(f"checkpoint {folder} holds no model tensors")
     return {k[len(MODEL):]: v for k, v in state.items()}
+
+
+def _master_of(model_key: str) -> str:
+    """The checkpoint key of a model tensor's fp32 master (`optim.<name>.master`; master AdamW's checkpoints)."""
+    return f"{OPTIM}{model_key[len(MODEL):]}.{MASTER}"
 
 
 def target_format(target: Path) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zbv")
 DTYPES = ("bf16", "fp32")
 #: --precision: where the weights, gradients and AdamW state live (docs/PRECISION.md)
-PRECISIONS = ("master", "bf16", "compact")
+PRECISIONS = ("master", "autocast", "bf16", "compact")
 DEVICES = ("auto", "cuda", "cpu")
 KERNEL_IMPLEMENTATIONS = ("peerline", "torch")
 KERNELS = ("auto", *KERNEL_IMPLEMENTATIONS)

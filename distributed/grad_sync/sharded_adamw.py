@@ -1,5 +1,6 @@
 """The optimizer of a run: torch's AdamW, or with `--shard-optimizer` `ShardedAdamW`, AdamW over this rank's shards,
-or with `--precision compact` grad_sync/compact_adamw.py's `CompactAdamW`.
+or with `--precision compact` grad_sync/compact_adamw.py's `CompactAdamW`, or with `--precision master` over bf16
+parameters grad_sync/master_adamw.py's `MasterAdamW`.
 
 `ShardedAdamW` is a `torch.optim.AdamW` whose parameters are the shard views of sharded.py's flat parameter
 buffers (one per bucket), whose gradients are the reduce-scattered shards. So everything that drives the run's
@@ -24,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from peerline.distributed.grad_sync.compact_adamw import CompactAdamW
+from peerline.distributed.grad_sync.master_adamw import MasterAdamW
 from peerline.distributed.grad_sync.sharded import ShardedGradBuckets
 
 FullState = dict[str, dict[str, torch.Tensor | int | float]]
@@ -44,14 +46,19 @@ def full_param_names(modules: Mapping[int, nn.Module], layer_offsets: Mapping[in
 def make_adamw(params: Sequence[nn.Parameter], syncs: Sequence[Any], names: Mapping[nn.Parameter, str], lr: float,
                on_gpu: bool, precision: str = "master") -> torch.optim.Optimizer:
     """The run's optimizer: with --precision compact, CompactAdamW (grad_sync/compact_adamw.py: bf16 parameters,
-    int16 master remainders, bf16 moments; one kernel per step on a GPU); else ShardedAdamW when every stage's
-    gradient sync is sharded (--shard-optimizer, dp > 1), else torch's AdamW over `params`; fused and capturable
-    on a GPU either way."""
+    int16 master remainders, bf16 moments; one kernel per step on a GPU); with --precision master over bf16
+    parameters (bf16 compute), MasterAdamW (grad_sync/master_adamw.py: fp32 masters and moments, torch's fused
+    AdamW on them); else ShardedAdamW when every stage's gradient sync is sharded (--shard-optimizer, dp > 1),
+    else torch's AdamW over `params` (fp32 master, autocast); fused and capturable on a GPU either way."""
     sharded = bool(syncs) and all(isinstance(s, ShardedGradBuckets) for s in syncs)
     if precision == "compact":
         if sharded:
             raise ValueError("--precision compact does not support --shard-optimizer")
         return CompactAdamW(params, lr=lr)
+    if precision == "master" and any(p.dtype == torch.bfloat16 for p in params):
+        if sharded:
+            raise ValueError("--precision master with bf16 compute does not support --shard-optimizer")
+        return MasterAdamW(params, lr=lr)
     if sharded:
         return ShardedAdamW(syncs, names, lr=lr, fused=on_gpu or None, capturable=on_gpu)
     return torch.optim.AdamW(params, lr=lr, fused=on_gpu or None, capturable=on_gpu)

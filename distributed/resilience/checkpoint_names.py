@@ -6,16 +6,19 @@ interleaved stages). A checkpoint's keys:
 
   model.layers.17.fc1.weight                     the parameter or persistent buffer
   optim.layers.17.fc1.weight.exp_avg             AdamW's state of that parameter (exp_avg, exp_avg_sq, step; with
-                                                 --precision compact also master_remainder, int16)
+                                                 --precision compact also master_remainder, int16; with master
+                                                 over bf16 parameters also master, the fp32 weight)
   rng.<rank>.torch / .cuda / .python / .numpy    a rank's RNG states (checkpoint.py encodes them as tensors)
 
 Optimizer state comes from torch's AdamW (`state_dict()` / `load_state_dict`) or, for an optimizer that keeps only
 a shard of it, from its `full_state()` / `load_full_state(state)`: per parameter name (its own names, translated
 through its `names` mapping of parameter -> name when it has one), AdamW's entries as a plain AdamW holds them,
 gathered over the data-parallel group (so calling it is collective over that group). An optimizer loads the
-entries it names in its `state_keys` (compact AdamW: the moments, the step and `master_remainder`), else AdamW's:
-a compact checkpoint resumed under another recipe leaves its remainders out, and a bf16 one resumed as compact
-starts its remainders at 0.
+entries it names in its `state_keys` (compact AdamW: the moments, the step and `master_remainder`; master AdamW:
+the moments, the step and `master`), else AdamW's: a compact checkpoint resumed under another recipe leaves its
+remainders out, and a bf16 one resumed as compact starts its remainders at 0. The load's template holds every
+moment in fp32 whatever the parameter's dtype (no stored moment is wider), so an fp32 state reaches master AdamW
+unrounded and a bf16 one is cast once, by the optimizer's own load.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ import torch
 import torch.nn as nn
 
 from peerline.distributed.grad_sync.compact_adamw import REMAINDER  # compact AdamW's int16 low half of each master
+from peerline.distributed.grad_sync.master_adamw import MASTER  # master AdamW's fp32 copy of each weight
 
 MODEL = "model."
 METADATA = ".metadata"  # DCP's file of which tensor is where (resilience/dcp_io.py reads it)
 OPTIM = "optim."
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
-STATE_KEYS = (*ADAM_KEYS, REMAINDER)  # every per-parameter entry a checkpoint may hold
+STATE_KEYS = (*ADAM_KEYS, REMAINDER, MASTER)  # every per-parameter entry a checkpoint may hold
 
 
 def global_name(local: str, offset: int) -> str:
@@ -116,12 +120,13 @@ def flatten_optimizer(full: Mapping[str, Mapping[str, Any]]) -> dict[str, torch.
 def optimizer_template(names: Iterable[tuple[str, torch.Tensor]], stored: Mapping[str, tuple[int, ...]]
                        ) -> dict[str, dict[str, torch.Tensor]]:
     """Empty CPU tensors for the optimizer entries the checkpoint holds of these (name, parameter) pairs, shaped
-    as stored (`stored`: key -> shape), to be filled by the load."""
+    as stored (`stored`: key -> shape), to be filled by the load: the step, masters and moments fp32 (or the
+    parameter's dtype when wider), the remainders int16."""
     template: dict[str, dict[str, torch.Tensor]] = {}
     for name, param in names:
         for key in STATE_KEYS:
             shape = stored.get(f"{OPTIM}{name}.{key}")
             if shape is not None:
-                dtype = {"step": torch.float32, REMAINDER: torch.int16}.get(key, param.dtype)
+                dtype = torch.int16 if key == REMAINDER else torch.promote_types(param.dtype, torch.float32)
                 template.setdefault(name, {})[key] = torch.zeros(shape, dtype=dtype)
     return template

@@ -7,6 +7,12 @@
   state.apply(loaded, say)   optimizer state into the optimizer (torch's AdamW or a sharded one), RNG states,
                              the iteration, and the notices of a changed --lr or data
 
+Master weights across recipes: an optimizer that keeps fp32 masters of bf16 parameters (master AdamW, whose
+`state_keys` name `master`) resumed from a checkpoint without masters (autocast, fp32 master, bf16, compact) loads
+each weight into an fp32 tensor of its own instead of the bf16 parameter; the weight becomes the master exactly and
+the parameter its bf16 rounding. A checkpoint with masters resumed into fp32 parameters (autocast) gives them the
+masters, not the bf16 weights.
+
 Nothing here depends on the grid: a rank names its layers by global index and takes whatever the checkpoint holds
 under those names, so a checkpoint of pp=2 loads into pp=1 and a dp=2 one into dp=1. The RNG states are per rank
 of the saving grid (`rng.<rank>.*`): a rank restores its own when the checkpoint has it; on another grid the ranks
@@ -37,6 +43,7 @@ class RunState:
         self.optimizer = engine.optimizer
         self.rank, self.device = rt.info.rank, rt.device
         self.param_names = names.param_names(self.stages)
+        self._weights: dict[str, torch.Tensor] = {}  # name -> fp32 weight loaded to become a master (see above)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Everything this rank saves (collective over the dp group with a sharded optimizer)."""
@@ -50,6 +57,8 @@ class RunState:
     def template(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
         """What this rank loads from a checkpoint of these stored shapes."""
         found = {names.MODEL + k: v for k, v in names.stage_modules(self.stages).items()}
+        self._weights = self._weights_for_masters(shapes)
+        found.update({names.MODEL + n: w for n, w in self._weights.items()})
         optim = names.optimizer_template(((n, p) for p, n in self.param_names.items()), shapes)
         found.update(names.flatten_optimizer(optim))
         for kind, key in ckpt.rng_keys(self.rank).items():
@@ -70,6 +79,7 @@ class RunState:
                     optim.setdefault(name, {})[key] = value
         if not optim and any(k.startswith(prefix) for k in loaded.tensors):
             raise ckpt.CheckpointError(f"checkpoint {loaded.folder} holds no optimizer state of this rank's layers")
+        self._place_masters(optim)
         try:
             names.load_optimizer_state(self.optimizer, self.param_names, optim)
         except (ValueError, KeyError, RuntimeError) as exc:
@@ -79,6 +89,34 @@ class RunState:
             ckpt.restore_rng(rng, self.device)
         resume_notices(loaded.manifest, manifest, lr, say)
         return loaded.iteration
+
+
+    def _weights_for_masters(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        """fp32 tensors to load this rank's bf16 weights into, when the optimizer keeps masters and the checkpoint
+        holds none of them (else nothing)."""
+        if names.MASTER not in getattr(self.optimizer, "state_keys", ()):
+            return {}
+        if any(f"{names.OPTIM}{n}.{names.MASTER}" in shapes for n in self.param_names.values()):
+            return {}
+        return {n: torch.zeros(p.shape, dtype=torch.float32) for p, n in self.param_names.items()
+                if p.dtype == torch.bfloat16 and names.MODEL + n in shapes}
+
+    def _place_masters(self, optim: dict[str, dict[str, torch.Tensor]]) -> None:
+        """The loaded fp32 weights become the masters and the parameters their rounding; a checkpoint's masters
+        become fp32 parameters (see the module doc)."""
+        params = {n: p for p, n in self.param_names.items()}
+        with torch.no_grad():
+            for name, weight in self._weights.items():
+                params[name].copy_(weight)
+                if name in optim:
+                    optim[name][names.MASTER] = weight
+            if names.MASTER in getattr(self.optimizer, "state_keys", ()):
+                return
+            for name, entries in optim.items():
+                master = entries.get(names.MASTER)
+                if master is not None and params[name].dtype == torch.float32:
+                    params[name].copy_(master.reshape(params[name].shape))
+        self._weights = {}
 
 
 def resume_notices(saved: dict[str, Any], current: dict[str, Any], lr: float, say: Callable[[str], None]

@@ -1,0 +1,254 @@
+"""`MasterAdamW`: the optimizer of `--precision master` with bf16 compute, AdamW on fp32 master copies of bf16
+parameters.
+
+The model holds bf16 parameters and bf16 gradients (the bf16 recipe's model: the GEMMs read the weights as they
+are, the weight-gradient GEMM accumulates into the bucket views); this optimizer keeps, per parameter, an fp32
+master copy and AdamW's moments in fp32: 16 bytes per parameter with the parameter and its gradient. The update is
+torch's own fused AdamW (`torch._fused_adamw_`) applied to the masters, so it is fp32 AdamW to the bit on fp32
+gradients (the bf16 gradients upcast exactly).
+
+  step()   per chunk of at most `chunk` elements (a parameter larger than that spans chunks as flat slices):
+           upcast the bf16 gradients into one fp32 scratch (allocated at the first step, reused by every chunk),
+           `torch._fused_adamw_` on the masters, copy the masters into the bf16 parameters (rounded to nearest
+           even, `torch._foreach_copy_`). The step count and, on a GPU, lr are device tensors; the chunk plan is
+           built at the first step, so every later step is capturable into a CUDA graph (no host sync, no
+           allocation). `found_inf` (set by the non-finite guard, as on torch's fused AdamW): when non-zero the
+           fused kernel leaves masters and moments as they were, the step count goes back, and the parameters are
+           rewritten with the roundings they already hold.
+
+State per parameter, as `state_dict()` shows it: `master`, `exp_avg`, `exp_avg_sq` (fp32, shaped like the
+parameter) and `step` (a 0-dim fp32 tensor on the parameter's device, one tensor shared by every parameter: they
+all step together). The state is created for every parameter at the first step (the master from the parameter); a
+parameter whose `.grad` is None then is skipped (it keeps its values), as torch's AdamW does. `load_state_dict`
+takes that layout back: moments of another dtype are cast to fp32; a missing `master` starts from the parameter as
+it is then (a bf16 or compact state loads: load the weights first); the parameters become the bf16 rounding of the
+masters. The state tensors stay where they are (loads copy into them), since the chunk plan holds views of them;
+the gradients must stay the same tensors (the run's bucket views), else the plan is rebuilt (refused during
+capture).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+MASTER = "master"
+_FP32_STATE = (MASTER, "exp_avg", "exp_avg_sq")
+#: elements per chunk: the fp32 gradient scratch is at most this long (64 MiB)
+CHUNK = 1 << 24
+
+
+@dataclass
+class _Chunk:
+    """One fused call's lists: flat slices of parameters, their gradients, masters and moments, and the scratch."""
+
+    group: int
+    params: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    masters: list[torch.Tensor] = field(default_factory=list)
+    exp_avgs: list[torch.Tensor] = field(default_factory=list)
+    exp_avg_sqs: list[torch.Tensor] = field(default_factory=list)
+    scratch: list[torch.Tensor] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+
+
+class MasterAdamW(torch.optim.Optimizer):
+    """AdamW over bf16 parameters with fp32 masters and fp32 moments (see the module doc); torch's AdamW's
+    arguments and defaults (amsgrad, maximize, foreach and fused are not offered). `chunk`: elements of fp32
+    gradient scratch per fused call."""
+
+    #: the non-finite guard's on-device skip: step() reads `found_inf` (resilience/nonfinite.py)
+    reads_found_inf = True
+    #: the per-parameter state entries a checkpoint keeps (resilience/checkpoint_names.py)
+    state_keys = ("exp_avg", "exp_avg_sq", "step", MASTER)
+
+    def __init__(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 chunk: int = CHUNK) -> None:
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1 element, got {chunk}")
+        self.chunk = chunk
+        self.step_count: torch.Tensor | None = None  # shared by every parameter's state
+        self._ready = False  # every parameter has its state
+        self._plan: list[_Chunk] | None = None
+        self._grads: list[list[torch.Tensor | None]] = []
+        self._lr: list[torch.Tensor] = []
+        self._lr_value: list[float | None] = []
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        devices = {p.device for p in self._params()}
+        if len(devices) > 1:
+            raise ValueError(f"master AdamW keeps its parameters on one device; got {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, for bf16 parameters only; the state and the chunk plan follow at the next step."""
+        super().add_param_group(param_group)
+        bad = [p for p in self.param_groups[-1]["params"] if p.dtype != torch.bfloat16]
+        if bad:
+            self.param_groups.pop()
+            raise ValueError(f"master AdamW updates bf16 parameters; got {bad[0].dtype} {tuple(bad[0].shape)}")
+        self._ready, self._plan, self._lr, self._lr_value = False, None, [], []
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One AdamW step of every parameter with a gradient (see the module doc)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._init_state()
+        grads = [[p.grad for p in group["params"]] for group in self.param_groups]
+        if self._plan is None or not _same(grads, self._grads):
+            self._build_plan(grads)
+        found_inf = getattr(self, "found_inf", None)
+        self.step_count.add_(1)
+        for chunk in self._plan:
+            group = self.param_groups[chunk.group]
+            beta1, beta2 = group["betas"]
+            torch._foreach_copy_(chunk.scratch, chunk.grads)
+            torch._fused_adamw_(chunk.masters, chunk.scratch, chunk.exp_avgs, chunk.exp_avg_sqs, [],
+                                [self.step_count] * len(chunk.masters), lr=self._lr_of(chunk.group, group),
+                                beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                                amsgrad=False, maximize=False, grad_scale=None, found_inf=found_inf)
+            torch._foreach_copy_(chunk.params, chunk.masters)
+        if found_inf is not None:
+            self.step_count.sub_(found_inf.to(self.step_count.dtype))
+        return loss
+
+    def _init_state(self) -> None:
+        """Masters from the parameters, moments at zero and the step count, once."""
+        if self._ready:
+            return
+        if self.step_count is None:
+            self.step_count = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in self._params():
+            state = self.state[p]
+            if not state:
+                state[MASTER] = p.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
+                state["exp_avg"] = torch.zeros_like(state[MASTER])
+                state["exp_avg_sq"] = torch.zeros_like(state[MASTER])
+            state["step"] = self.step_count
+        self._ready = True
+
+    def _build_plan(self, grads: list[list[torch.Tensor | None]]) -> None:
+        """Cut every group's parameters that have a gradient into chunks of at most `chunk` elements (flat slices)
+        over one fp32 scratch."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("master AdamW: the first step, or one whose gradient tensors changed, builds the "
+                               "chunk plan and cannot be captured into a CUDA graph; run it eagerly first")
+        plan: list[_Chunk] = []
+        for gi, group in enumerate(self.param_groups):
+            chunk = _Chunk(gi)
+            for p in group["params"]:
+                if p.grad is None or p.numel() == 0:
+                    continue
+                st = self.state[p]
+                flats = [_flat(t, what) for t, what in ((p, "parameter"), (p.grad, "gradient"), (st[MASTER], MASTER),
+                                                        (st["exp_avg"], "exp_avg"), (st["exp_avg_sq"], "exp_avg_sq"))]
+                start = 0
+                while start < p.numel():
+                    if sum(chunk.lengths) == self.chunk:
+                        plan.append(chunk)
+                        chunk = _Chunk(gi)
+                    stop = min(p.numel(), start + self.chunk - sum(chunk.lengths))
+                    for lst, t in zip((chunk.params, chunk.grads, chunk.masters, chunk.exp_avgs, chunk.exp_avg_sqs),
+                                      flats, strict=True):
+                        lst.append(t[start:stop])
+                    chunk.lengths.append(stop - start)
+                    start = stop
+            if chunk.lengths:
+                plan.append(chunk)
+        longest = max((sum(c.lengths) for c in plan), default=0)
+        scratch = torch.empty(longest, dtype=torch.float32, device=self.device)
+        for c in plan:
+            c.scratch = list(torch.split(scratch[:sum(c.lengths)], c.lengths))
+        self._plan, self._grads = plan, grads
+        if not self._lr:
+            self._lr = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in self.param_groups]
+            self._lr_value = [None] * len(self.param_groups)
+
+    def _lr_of(self, i: int, group: Mapping[str, Any]) -> torch.Tensor | float:
+        """The group's lr: a number on the CPU; on a GPU a device fp32 scalar, its own tensor when it is one, else
+        ours, refilled only when the number changes (a captured step reads it from memory at every replay)."""
+        lr = group["lr"]
+        if self.device.type != "cuda":
+            return float(lr)
+        if torch.is_tensor(lr) and lr.device == self.device and lr.dtype == torch.float32 and lr.dim() == 0:
+            return lr
+        value = float(lr)
+        if self._lr_value[i] != value:
+            self._lr[i].fill_(value)
+            self._lr_value[i] = value
+        return self._lr[i]
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Take a `state_dict()` back (see the module doc): hyperparameters per group, every parameter's state
+        (or none: a fresh start from the parameters), one step count."""
+        saved_groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("loaded state dict's parameter groups do not match the optimizer's")
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
+        params, saved_state = self._params(), state_dict["state"]
+        held = [i for i in range(len(params)) if i in saved_state]
+        if not held:
+            self._reset()
+            return
+        if len(held) != len(params):
+            raise ValueError(f"master AdamW steps every parameter together: the state holds {len(held)} of its "
+                             f"{len(params)} parameters")
+        steps = {float(saved_state[i]["step"]) for i in held}
+        if len(steps) != 1:
+            raise ValueError(f"master AdamW keeps one step count; the state has {sorted(steps)}")
+        self._init_state()
+        self.step_count.fill_(steps.pop())
+        for i, p in enumerate(params):
+            _load_entries(self.state[p], saved_state[i], p)
+
+    def _reset(self) -> None:
+        """No state: the next step starts fresh from the parameters (the tensors stay allocated, the plan valid)."""
+        if self.step_count is None:
+            return
+        self._init_state()
+        self.step_count.zero_()
+        for p in self._params():
+            self.state[p][MASTER].copy_(p.detach())
+            self.state[p]["exp_avg"].zero_()
+            self.state[p]["exp_avg_sq"].zero_()
+
+
+def _load_entries(state: dict[str, Any], entries: Mapping[str, Any], param: torch.Tensor) -> None:
+    """Copy one parameter's saved master and moments into its state tensors (in place: the plan stays), the
+    master from the parameter when absent; then the parameter is the master's bf16 rounding."""
+    for key in _FP32_STATE:
+        value = entries.get(key)
+        if value is None and key != MASTER:
+            raise KeyError(f"master AdamW state of a {tuple(param.shape)} parameter has no {key}")
+        if value is None:
+            state[key].copy_(param.detach())
+            continue
+        value = torch.as_tensor(value)
+        if value.numel() != param.numel():
+            raise ValueError(f"{key} of {value.numel()} elements for a parameter of {param.numel()}")
+        state[key].copy_(value.reshape(param.shape))
+    with torch.no_grad():
+        param.copy_(state[MASTER])
+
+
+def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
+    """A contiguous tensor as one flat view of its storage (writes through it reach the tensor)."""
+    if not t.is_contiguous():
+        raise ValueError(f"master AdamW needs contiguous tensors; a {tuple(t.shape)} {what} is not")
+    return t.detach().view(-1)
+
+
+def _same(a: list[list[torch.Tensor | None]], b: list[list[torch.Tensor | None]]) -> bool:
+    """The same gradient tensors (identity), group by group."""
+    return len(a) == len(b) and all(len(x) == len(y) and all(s is t for s, t in zip(x, y, strict=True))
+                                    for x, y in zip(a, b, strict=True))

@@ -1,0 +1,148 @@
+"""--precision master with bf16 compute on a GPU (grad_sync/master_adamw.py): MasterAdamW's step equals torch's fused
+AdamW on fp32 copies fed the same bf16 gradients, captured in a CUDA graph (replays with new gradients, a device lr
+and found_inf) without allocations after the first step, its parameters the bf16 rounding of its masters; and the
+GPT job (graph vs eager, master vs --precision bf16, master vs autocast, pp=2 vs one GPU).
+
+Tolerances: the step and torch's fused AdamW are the same kernel on the same fp32 numbers; chunking may cut the
+kernel's vector body and tail differently (a few fp32 ulps): 1e-6 relative. Jobs: bf16 compute, 2e-2
+(tests/gpu/test_gpt_gpu.py's bf16 bound).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.compare import Expect, assert_matches
+from tests.gpu.jobs import Run
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+BF16_TOL = 2e-2
+
+
+def _pair(lr: float = 1e-2, chunk: int = 1 << 20) -> tuple:
+    """bf16 parameters under MasterAdamW and fp32 copies under torch's fused AdamW, on the GPU, with static
+    gradient tensors (the captured step reads them)."""
+    from peerline.distributed.grad_sync.master_adamw import MasterAdamW
+
+    torch.manual_seed(0)
+    shapes = [(1024, 1024), (1024,), (3, 77), (4096, 257), (5,)]
+    ours = [torch.nn.Parameter(torch.randn(s, device="cuda").to(torch.bfloat16)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    for p in (*ours, *ref):
+        p.grad = torch.zeros_like(p)
+    return (ours, ref, MasterAdamW(ours, lr=lr, weight_decay=0.1, chunk=chunk),
+            torch.optim.AdamW(ref, lr=lr, weight_decay=0.1, fused=True, capturable=True))
+
+
+def _set_grads(ours, ref, seed: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for a, b in zip(ours, ref, strict=True):
+        grad = (torch.randn(a.shape, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
+        a.grad.copy_(grad)
+        b.grad.copy_(grad)
+
+
+def _assert_close(ours, ref, opt, opt_ref) -> None:
+    from peerline.distributed.grad_sync.master_adamw import MASTER
+
+    for a, b in zip(ours, ref, strict=True):
+        master = opt.state[a][MASTER]
+        torch.testing.assert_close(master, b.detach(), rtol=1e-6, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[a][key], opt_ref.state[b][key], rtol=1e-6, atol=1e-12)
+        assert torch.equal(a.detach(), master.to(torch.bfloat16)), "the parameter is the master's rounding"
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 100_003])
+def test_step_captured_in_a_cuda_graph_equals_fused_adamw(chunk: int) -> None:
+    ours, ref, opt, opt_ref = _pair(chunk=chunk)
+    _set_grads(ours, ref, 0)
+    opt.step()  # eager first: builds the chunk plan and the scratch
+    opt_ref.step()
+    _set_grads(ours, ref, 1)
+    opt_ref.step()
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()["allocation.all.allocated"]
+    opt.step()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == stats, "a later step allocated"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for seed in (2, 3, 4):
+        _set_grads(ours, ref, seed)
+        opt_ref.step()
+        graph.replay()
+    torch.cuda.synchronize()
+    _assert_close(ours, ref, opt, opt_ref)
+    assert float(opt.step_count) == 5
+
+
+def test_replay_reads_a_device_lr_and_found_inf() -> None:
+    from peerline.distributed.grad_sync.master_adamw import MASTER
+
+    ours, ref, opt, _ = _pair()
+    _set_grads(ours, ref, 1)
+    lr = torch.full((), 1e-2, device="cuda")
+    opt.param_groups[0]["lr"] = lr
+    found_inf = torch.zeros((), device="cuda")
+    opt.found_inf = found_inf
+    opt.step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+
+    def snapshot():
+        return [(p.detach().clone(), opt.state[p][MASTER].clone(), opt.state[p]["exp_avg"].clone()) for p in ours]
+
+    lr.fill_(0.0)  # no decay, no update: masters and parameters keep their bits; moments and the count move
+    first = snapshot()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(p, a) and torch.equal(opt.state[p][MASTER], w) for p, (a, w, _) in zip(ours, first))
+    assert float(opt.step_count) == 2
+    found_inf.fill_(1.0)  # skipped: nothing moves
+    second = snapshot()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(p, a) and torch.equal(opt.state[p]["exp_avg"], m) for p, (a, _, m) in zip(ours, second))
+    assert float(opt.step_count) == 2
+    found_inf.zero_()
+    lr.fill_(1e-2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert float(opt.step_count) == 3 and any(not torch.equal(p, a) for p, (a, _, _) in zip(ours, second))
+
+
+# ---- the job ----
+
+GPT = ("--model", "gpt", "--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--micro-batch-size",
+       "2", "--iters", "5", "--warmup-iters", "2", "--dtype", "bf16")
+MASTER = (*GPT, "--precision", "master")
+MASTER_REF4 = Run("gpt_master_ref4", (*MASTER, "--no-graph", "-m", "4"))
+PURE_REF4 = Run("gpt_pure_ref4", (*GPT, "--precision", "bf16", "--no-graph", "-m", "4"))
+AUTOCAST_REF4 = Run("gpt_autocast_ref4", (*GPT, "--precision", "autocast", "--no-graph", "-m", "4"))
+
+ONE_GPU = {
+    "master_graph_vs_eager": (Run("gpt_master_g1", (*MASTER, "--graph", "-m", "4")), MASTER_REF4, True),
+    "master_vs_pure_bf16": (MASTER_REF4, PURE_REF4, False),
+    "master_vs_autocast": (MASTER_REF4, AUTOCAST_REF4, False),
+}
+
+
+@pytest.mark.parametrize("check", list(ONE_GPU))
+def test_gpt_master_one_gpu(pipeline_runs, check: str) -> None:
+    got_run, ref_run, graph = ONE_GPU[check]
+    got, ref = pipeline_runs.results(got_run, ref_run)
+    assert_matches(got, ref, Expect(BF16_TOL, graph=graph))
+    assert min(got["optimizer_state_bytes"]) > 0, got["optimizer_state_bytes"]
+
+
+@pytest.mark.gpu2
+def test_gpt_master_pp2_matches_one_gpu(pipeline_runs) -> None:
+    run = Run("gpt_master_pp2", (*MASTER, "--pp", "2", "-m", "4", "--schedule", "1f1b", "--graph"), nproc=2)
+    got, ref = pipeline_runs.results(run, MASTER_REF4)
+    assert_matches(got, ref, Expect(BF16_TOL, world=2, graph=True))
