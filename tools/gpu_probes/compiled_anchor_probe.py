@@ -9,10 +9,10 @@ counters for each. One GPU; INFO lines only.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from peerline.bench.benchkit import time_fn
 from peerline.bench.suites import plain_gpt
 
 
@@ -38,18 +38,7 @@ def time_stage(model: torch.nn.Module, x: torch.Tensor, microbatches: int, reps:
             inp = x.detach().requires_grad_(True)
             model(inp).float().square().mean().backward()
 
-    for _ in range(3):
-        once()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        once()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return time_fn(once, warmup=3, reps=reps).median_ms
 
 
 def main() -> None:

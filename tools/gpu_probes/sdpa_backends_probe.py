@@ -9,12 +9,13 @@ the error. One GPU; INFO lines only.
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from peerline.bench.benchkit import time_fn
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -42,7 +43,9 @@ def main() -> None:
                 q, k, v = (x.transpose(1, 2) for x in (q, k, v))
                 return tuple(x.contiguous() for x in (q, k, v)) if layout == "contiguous" else (q, k, v)
 
-            def once(backend: SDPBackend = backend, views: Callable = views) -> torch.Tensor:
+            def once(backend: SDPBackend = backend, views: Callable = views, leaf: torch.Tensor = leaf
+                     ) -> torch.Tensor:
+                leaf.grad = None  # each repetition writes fresh gradients, as a training step does
                 with sdpa_kernel([backend]):
                     y = F.scaled_dot_product_attention(*views(), is_causal=True)
                 y.backward(dout)
@@ -57,19 +60,7 @@ def main() -> None:
                 q64, k64, v64 = (x.double() for x in qkv.unbind(2))
                 ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q64, k64, v64)), is_causal=True)
             err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
-            for _ in range(3):
-                leaf.grad = None
-                once()
-            times = []
-            for _ in range(a.reps):
-                leaf.grad = None
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                once()
-                e.record()
-                torch.cuda.synchronize()
-                times.append(s.elapsed_time(e))
-            ms = statistics.median(times)
+            ms = time_fn(once, warmup=3, reps=a.reps).median_ms
             print(f"INFO {layout} {name}: fwd+bwd {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s, max rel err vs fp64 "
                   f"{err:.2e}", flush=True)
 
