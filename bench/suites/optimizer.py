@@ -129,6 +129,7 @@ class OptimizerBench:
         cfg = RunConfig(dp=self.dp, schedule="1f1b", microbatches=s.microbatches, micro_batch_size=s.micro_batch_size,
                         seq=s.seq, hidden=s.hidden, layers=s.layers, seed=s.seed, lr=s.lr, dtype=s.dtype,
                         device=self.ctx.device.type, graph=graph, iters=10**9, log_every=1,
+                        precision="autocast",  # fp32 weights (bf16 autocast on bf16 shapes): what the sharding shards
                         **SHARDED.get(variant, {}))
         with open_runtime(cfg) as rt:
             measured = time_captured(rt, graph, LOSS_CHECK_ITERS, self.timer)

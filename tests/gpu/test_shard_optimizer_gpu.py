@@ -20,6 +20,8 @@ TINY = ("--hidden", "256", "--layers", "8", "--seq", "64", "--micro-batch-size",
 
 
 OVERLAP = ("--shard-optimizer", "--overlap-param-gather")
+#: fp32 weights (under bf16 autocast with --dtype bf16): --precision master shards fp32 weights only
+AUTOCAST = ("--precision", "autocast")
 
 
 def _pair(pipeline_runs, name: str, args: tuple[str, ...], nproc: int, sharded: tuple[str, ...] = ("--shard-optimizer",)
@@ -38,7 +40,7 @@ def _state_halved(sharded: dict, plain: dict, dp: int = 2) -> None:
 @pytest.mark.gpu2
 @pytest.mark.parametrize("dtype,graph", [("fp32", "--graph"), ("fp32", "--no-graph"), ("bf16", "--graph")])
 def test_dp2_sharded_equals_unsharded(pipeline_runs, dtype: str, graph: str) -> None:
-    args = (*TINY, "--dp", "2", "-m", "4", "--dtype", dtype, graph)
+    args = (*TINY, "--dp", "2", "-m", "4", "--dtype", dtype, *AUTOCAST, graph)
     sharded, plain = _pair(pipeline_runs, f"shard_dp2_{dtype}{graph.replace('-', '_')}", args, 2)
     assert_matches(sharded, plain, Expect(1e-6, world=2, dp=2, graph=graph == "--graph"))
     _state_halved(sharded, plain)
@@ -65,7 +67,7 @@ def test_dp4_sharded_equals_unsharded(pipeline_runs) -> None:
 @pytest.mark.gpu2
 @pytest.mark.parametrize("dtype,graph", [("fp32", "--graph"), ("fp32", "--no-graph"), ("bf16", "--graph")])
 def test_dp2_overlapped_gather_equals_unsharded(pipeline_runs, dtype: str, graph: str) -> None:
-    args = (*TINY, "--dp", "2", "-m", "4", "--dtype", dtype, graph)
+    args = (*TINY, "--dp", "2", "-m", "4", "--dtype", dtype, *AUTOCAST, graph)
     overlapped, plain = _pair(pipeline_runs, f"shard_dp2_{dtype}{graph.replace('-', '_')}", args, 2, OVERLAP)
     assert overlapped["config"]["overlap_param_gather"] is True
     assert_matches(overlapped, plain, Expect(1e-6, world=2, dp=2, graph=graph == "--graph"))
