@@ -215,12 +215,14 @@ class RunConfig:
     """Size of the first (last-layer) bucket, MiB, so the all-reduce starts early."""
     shard_optimizer: bool = option(False, EXECUTION, "ZeRO-1 over the dp group: gradients reduce-scattered, AdamW "
                                    "state and update on each rank's shard only, parameters all-gathered after the "
-                                   "step (optimizer memory / dp; a notice and no effect with dp=1)", switch=True)
+                                   "step (optimizer memory / dp; a notice and no effect with dp=1); it shards fp32 "
+                                   "weights, so --precision defaults to autocast with it", switch=True)
     """ZeRO-1 (grad_sync/sharded.py): each bucket's gradient is reduce-scattered over the dp group instead of
     all-reduced, AdamW keeps fp32 state for and updates only this rank's shard of every bucket, and the updated
     shards are all-gathered into the parameters after the step; all of it inside the captured graph. Optimizer
     memory per rank falls by about dp. Needs --grad-sync buckets and fp32 parameters (--precision autocast with
-    bf16 compute, or --dtype fp32), not --tie-embeddings; with dp=1 it does nothing (a notice says so)."""
+    bf16 compute, or --dtype fp32): on the command line, with no --precision given (flag or --config field),
+    --precision is autocast. Not with --tie-embeddings; with dp=1 it does nothing (a notice says so)."""
     overlap_param_gather: bool = option(False, EXECUTION, "with --shard-optimizer: each bucket's all-gather of the "
                                         "updated parameters runs beside the next iteration's forward, which waits for "
                                         "it only before the first layer that reads the bucket (default: off, until "
