@@ -7,6 +7,7 @@ kernels, p2p and batch_streams are declared here, in the same groups.
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import os
 import sys
@@ -32,6 +33,10 @@ examples:
 Results go to --out (default runs/bench-<UTC date-time>): results.jsonl (one JSON record per measurement, with
 card, driver and versions) and results.md (a table of peerline, the anchor and their ratio, then the notes).
 A suite that cannot run on this machine or with this many ranks is skipped with a one-line reason.
+A variant that fails on one rank or hangs ends the job within --deadline-s; with --isolate each measurement of the
+pipeline and gpt suites (and each other suite) is a job of its own, so the bench notes the failure and goes on:
+  torchrun --nproc_per_node=2 launch/bench.py pipeline gpt --isolate
+  python launch/bench.py pipeline --quick --isolate --ranks 2
 Exit status: 0 when no suite failed, 1 when one failed, 2 on a usage error."""
 
 
@@ -61,9 +66,43 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deadline-s", type=float, default=120.0,
                    help="deadline on a peerline measurement's progress: a variant that fails on one rank or waits "
                         "this long ends the job with one line naming the rank, noted in the results (default "
-                        "%(default)s)")
+                        "%(default)s); with --isolate that job is the measurement's own and the bench goes on")
     p.add_argument("--stem", default="results", help="file name stem of the results")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    _add_isolation(p)
+
+
+def _fault(text: str) -> tuple[str, str]:
+    """--inject-fault ID=SPEC -> (ID, SPEC), SPEC checked with PEERLINE_FAULT's grammar."""
+    from peerline.distributed.resilience.faults import FaultSpecError, parse_faults
+
+    mid, eq, spec = text.partition("=")
+    if not eq or not mid.strip() or not spec.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not MEASUREMENT=SPEC")
+    try:
+        parse_faults(spec)
+    except FaultSpecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return mid.strip(), spec.strip()
+
+
+def _add_isolation(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("isolation (bench/isolation.py)")
+    g.add_argument("--isolate", action="store_true",
+                   help="run every measurement of the pipeline and gpt suites (every other suite whole) as a job of "
+                        "its own: one that fails or hangs is ended with its whole process tree, noted with its "
+                        "rank's error line, and the bench goes on; the results merge into one results.jsonl / .md. "
+                        "Launch it as usual (torchrun --nproc_per_node=N launch/bench.py ... --isolate: rank 0 runs "
+                        "the jobs, each on N ranks of this host) or as one process with --ranks N")
+    g.add_argument("--ranks", type=int, default=None,
+                   help="with --isolate from one process: ranks of each job (default: torchrun's, else 1)")
+    g.add_argument("--isolate-timeout-s", type=float, default=1800.0,
+                   help="with --isolate: a job still running after this many seconds is ended and noted as not "
+                        "finished (default %(default)s; --deadline-s ends a stuck peerline variant sooner)")
+    g.add_argument("--inject-fault", type=_fault, action="append", default=[], metavar="MEASUREMENT=SPEC",
+                   help="for tests: PEERLINE_FAULT's SPEC in the runtimes of one measurement only, e.g. "
+                        "'pipeline quick 1f1b eager=raise:rank=1:iter=3' (repeatable)")
+    g.add_argument("--isolated-child", type=Path, default=None, help=argparse.SUPPRESS)
 
 
 def _group(p: argparse.ArgumentParser, groups: dict[str, argparse._ArgumentGroup], name: str
@@ -116,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
         except argparse.ArgumentError as exc:
             log.warning("suite %s: flag conflict, its flags are skipped: %s", name, exc)
     return p
+
+
+def result_dir(args: argparse.Namespace) -> Path:
+    """--out, or runs/bench-<UTC date-time>."""
+    return args.out or Path("runs") / f"bench-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}"
 
 
 def resolve_suites(names: list[str]) -> list[str]:

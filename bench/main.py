@@ -5,7 +5,9 @@
 
 The flags are in bench/cli.py (`--help`), the suites in bench/suites/. A suite that cannot run here (too few or
 too many ranks, no CUDA, an optional package missing) is skipped with a one-line reason; one that raises is
-reported as failed and the others still run.
+reported as failed and the others still run. A peerline variant that fails on one rank or hangs ends the whole job
+within --deadline-s (noted in the results); with --isolate this process runs every measurement as a job of its own
+instead (bench/isolation.py) and goes on after one fails; `--isolated-child DIR` makes it one of those jobs.
 """
 
 from __future__ import annotations
@@ -16,16 +18,16 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from peerline.bench import runtime_timing
+from peerline.bench import isolation, runtime_timing
 from peerline.bench import suites as registry
 from peerline.bench.benchkit import BenchContext
-from peerline.bench.cli import PROG, build_parser, check_counts, resolve_suites
+from peerline.bench.cli import PROG, build_parser, check_counts, resolve_suites, result_dir
 from peerline.bench.display import Display
+from peerline.bench.isolation_child import IsolatedChild
 from peerline.distributed.env import detect_launch, init_distributed
 
 log = logging.getLogger("peerline.bench")
@@ -99,9 +101,8 @@ def _prefixed(step: Callable[[str], None], name: str) -> Callable[[str], None]:
 
 def _context(args: argparse.Namespace, argv: list[str] | None, rank: int, world: int, device: torch.device
              ) -> BenchContext:
-    out = args.out or Path("runs") / f"bench-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}"
-    ctx = BenchContext(out_dir=out, device=device, is_writer=rank == 0, quick=args.quick,
-                       autosave_stem=args.stem)
+    ctx = BenchContext(out_dir=result_dir(args), device=device, is_writer=rank == 0, quick=args.quick,
+                       autosave_stem=None if args.isolated_child else args.stem)
     ctx.facts["world_size"] = world
     launcher = f"torchrun --nproc_per_node={world} " if world > 1 else "python "
     ctx.facts["command"] = launcher + "launch/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -122,12 +123,18 @@ def _finish(outcome: dict[str, str], ctx: BenchContext, stem: str, rank: int) ->
         print(f"{PROG}: wrote {paths[0]} and {paths[1]}", flush=True)
 
 
+def _say(line: str) -> None:
+    print(f"{PROG}: {line}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """peerline-bench's entry: 0 when no suite failed, 1 when one did, 2 on a usage error."""
     args = build_parser().parse_args(argv)
     try:
         names = resolve_suites(args.suites)
         check_counts(args)
+        if args.isolate and args.isolated_child is None:  # this process runs the jobs: no device, no group
+            return isolation.run_isolated(names, args, sys.argv[1:] if argv is None else list(argv), _say)
         rank, world, device = setup(args)
     except ValueError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
@@ -136,12 +143,20 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {PROG}[{rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S")
     ctx = _context(args, argv, rank, world, device)
     runtime_timing.DEADLINE_S = args.deadline_s
+    runtime_timing.INJECTED = dict(args.inject_fault)
+    child = None
+    if args.isolated_child is not None:  # one job of an isolated run: its suite, its one measurement
+        child = runtime_timing.ISOLATED = IsolatedChild.load(args.isolated_child, rank)
+        names = [child.suite]
     display = Display(enabled=rank == 0, total=len(names))
     outcome: dict[str, str] = {}
     try:
         with display.running():
             outcome = run_suites(names, args, ctx, display)
-        _finish(outcome, ctx, args.stem, rank)
+        if child is not None:
+            child.write_result(ctx, outcome[child.suite])
+        else:
+            _finish(outcome, ctx, args.stem, rank)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -5,9 +5,12 @@ A suite creates the runtime in the process group it already runs in and closes o
 (`Runtime.close` would end the process group the other measurements still use).
 
 Each runtime runs under the main job's failsafe (watchdog, heartbeat), armed for the whole measurement: a variant
-that fails on one rank or waits forever for one ends the job within the deadline (--timeout-s) with one line that
+that fails on one rank or waits forever for one ends the job within the deadline (--deadline-s) with one line that
 names the rank and the error, and the failure is noted in the results first (the bench's files are autosaved). The
 job does not go on to the next variant: the other ranks may be stuck in device-side waits no host can release.
+With `--isolate` every measurement is a job of its own (bench/isolation.py; `ISOLATED` is this job's part, from
+bench/isolation_child.py), so the bench goes on after one fails. `--inject-fault ID=SPEC` (for tests) gives one
+measurement's runtimes the faults SPEC (PEERLINE_FAULT's grammar; `INJECTED`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.distributed as dist
 from peerline.bench.benchkit import BenchContext, Timing, time_blocks
 from peerline.bench.ideal import IdealReport
 from peerline.distributed.resilience.failsafe import Failsafe
+from peerline.distributed.resilience.faults import Faults, parse_faults
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +83,22 @@ def free_device(device: torch.device) -> None:
 _current: tuple[BenchContext, str, str] | None = None
 #: the watchdog's deadline on a measurement's progress, seconds (launch/bench.py --deadline-s); None: the config's
 DEADLINE_S: float | None = None
+#: this job's part of an isolated run (bench/isolation_child.IsolatedChild), None when the bench runs whole
+ISOLATED: Any = None
+#: measurement id ("pipeline quick 1f1b eager") -> PEERLINE_FAULT specification for its runtimes (--inject-fault)
+INJECTED: dict[str, str] = {}
 
 
 def measure_or_note(ctx: BenchContext, suite: str, case: str, measure: Callable[[], Any], failures: list[str]) -> Any:
     """One measurement on a freed device. A failure is logged and kept in `failures` for the end of the suite (the
     other measurements still run); a string back (a reason not to measure) becomes a note. Either gives None.
-    The step announced is `case` alone: the bench's display prefixes the suite's name."""
+    The step announced is `case` alone: the bench's display prefixes the suite's name. In an isolated job only
+    the measurement it takes runs; the others give their earlier result (or None), and a failure ends the job."""
     global _current
+    mid = f"{suite} {case}"
+    isolated = ISOLATED if ISOLATED is not None and ISOLATED.per_measurement else None
+    if isolated is not None and not isolated.take(mid, ctx):
+        return isolated.replay(mid)
     ctx.step(case)
     free_device(ctx.device)
     _current = (ctx, suite, case)
@@ -94,13 +107,16 @@ def measure_or_note(ctx: BenchContext, suite: str, case: str, measure: Callable[
     except Exception as exc:  # noqa: BLE001 - the other measurements still run; the suite fails at the end
         log.exception("%s %s failed", suite, case)
         failures.append(f"{case}: {type(exc).__name__}: {exc}")
+        if isolated is not None:
+            isolated.fail(mid, f"{type(exc).__name__}: {exc}")  # ends this job
         return None
     finally:
         _current = None  # a runtime opened outside a measurement is not noted as this one
     if isinstance(got, str):
         ctx.note(f"{suite} {case}: skipped: {got}")
-        return None
-    return got
+    if isolated is not None:
+        isolated.finish(got, ctx)
+    return None if isinstance(got, str) else got
 
 
 def peak_gb_per_rank(device: torch.device) -> list[float]:
@@ -128,7 +144,9 @@ def open_runtime(cfg) -> Iterator[Any]:
 
     if DEADLINE_S is not None:
         cfg = replace(cfg, timeout_s=DEADLINE_S)
-    rt = Runtime.create(cfg, hooks=[BenchFailsafe.attach])
+    spec = INJECTED.get(f"{_current[1]} {_current[2]}") if _current is not None else None
+    faults = Faults(parse_faults(spec)) if spec else None  # None: PEERLINE_FAULT's, as in the main job
+    rt = Runtime.create(cfg, hooks=[lambda rt: BenchFailsafe.attach(rt, faults=faults)])
     failsafe = rt.hooks[-1]
     failsafe.watchdog.add_last_words(_note_failure)
     try:
@@ -147,6 +165,9 @@ def _note_failure(message: str) -> None:
         return
     ctx, suite, case = _current
     line = f"FAILED {suite} {case}: {message} (the job ended here)"
+    if ISOLATED is not None:  # the parent notes it in the results; the line goes beside this job's log
+        ISOLATED.note_failure(line)
+        return
     ctx.note(line)  # rank 0: into results.md / .jsonl's notes (autosaved)
     if not ctx.is_writer:  # another rank: its own file beside them, since rank 0 may be ended before it notes
         rank = dist.get_rank() if dist.is_initialized() else 0

@@ -2,6 +2,7 @@
 
     python launch/bench.py kernels graph single            (one GPU, or the CPU with --quick)
     torchrun --nproc_per_node=2 launch/bench.py all --quick
+    torchrun --nproc_per_node=2 launch/bench.py pipeline gpt --isolate   (each measurement a job of its own)
     python launch/bench.py --help                          (suites and their flags)
 
 The benchmarks are not part of the main job (launch/pipeline.py imports none of them); their extra packages come

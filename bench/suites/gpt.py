@@ -27,6 +27,9 @@ peak is known; `<configuration> torch-peerline-gpt` is peerline's GPT under torc
 recompute table: ms/iter and peak memory (max over ranks) of each setting against off.
 Timing is the pipeline suite's (bench/runtime_timing.py): blocks of --gpt-iters iterations, the slowest rank's time,
 median over --reps blocks after --warmup blocks.
+
+Every measurement goes through runtime_timing.measure_or_note, so with --isolate (bench/isolation.py) each one
+(the anchor with its candidates, each peerline variant) runs as a job of its own and the others replay its result.
 """
 
 from __future__ import annotations

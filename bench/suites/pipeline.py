@@ -25,6 +25,9 @@ together, the slowest rank's time per iteration; median over --reps blocks after
 the first two iterations' losses of every variant are read and compared with the anchor's (same weights, same
 data: they agree to rounding in fp32). The ideal time of each variant comes from its own stages' forward and
 backward times measured alone (bench/ideal.py).
+
+Every measurement goes through runtime_timing.measure_or_note, so with --isolate (bench/isolation.py) each one
+(the anchor with its candidates, each peerline variant) runs as a job of its own and the others replay its result.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Grammar: faults separated by ';', each `kind:key=value:key=value`:
 
   kill:rank=1:iter=3          rank 1 ends with os._exit(9) just before iteration 3 (no cleanup, like a crash)
   hang:rank=1:iter=3          rank 1 stops before iteration 3 and never continues (the watchdog must end it)
+  raise:rank=1:iter=3         rank 1 raises RuntimeError before iteration 3 (an error of the rank's own code; the
+                              others wait for it)
   stop:rank=0:iter=3          rank 0 freezes whole (SIGSTOP) before iteration 3: its watchdog, its beats and, on
                               the rank hosting it, the rendezvous store stop too (a lost node, as the others see it)
   delay:rank=0:iter=2:s=1.5   rank 0 sleeps 1.5 s before iteration 2 (a slow rank, not a failure)
@@ -17,10 +19,10 @@ Grammar: faults separated by ';', each `kind:key=value:key=value`:
 
 Keys: `rank=` (global rank) and/or `stage=` select where the fault fires (at least one); `iter=` is the
 iteration number, counted from 1 as the progress lines print it (iter=3 fires before the third iteration runs,
-after the checkpoint of iteration 2 could have been written); `at=end` moves a kill, hang, stop or delay to the end
-of that iteration instead; `s=` the seconds of a delay; `code=` the exit code of a kill (default 9); `attempt=` the
-launcher restart count at which it fires (default 0, so that under `torchrun --max-restarts` the restarted job does
-not die again at the same place; `attempt=any` fires on every attempt).
+after the checkpoint of iteration 2 could have been written); `at=end` moves a kill, hang, raise, stop or delay to
+the end of that iteration instead; `s=` the seconds of a delay; `code=` the exit code of a kill (default 9);
+`attempt=` the launcher restart count at which it fires (default 0, so that under `torchrun --max-restarts` the
+restarted job does not die again at the same place; `attempt=any` fires on every attempt).
 
 A bad specification raises `FaultSpecError` (a ConfigError) with one line naming the bad part; the entry point
 prints it and exits 2. So does a fault aimed at a rank the job does not have (`active()` checks the launcher's
@@ -51,7 +53,7 @@ from peerline.distributed.env import launch_rank_world
 log = logging.getLogger(__name__)
 
 ENV = "PEERLINE_FAULT"
-KINDS = ("kill", "hang", "stop", "delay", "nan", "slow-save", "fail-save")
+KINDS = ("kill", "hang", "raise", "stop", "delay", "nan", "slow-save", "fail-save")
 SAVE_KINDS = ("slow-save", "fail-save")  # iter= names the checkpoint's iteration; they fire inside its write
 WHEN = ("start", "end")  # at=: before the iteration (default) or right after it
 EXIT_KILLED = 9
@@ -59,6 +61,10 @@ EXIT_KILLED = 9
 
 class FaultSpecError(ConfigError):
     """PEERLINE_FAULT could not be parsed; one line for the user."""
+
+
+class FaultRaised(RuntimeError):
+    """What a `raise` fault raises: an error of the rank's own code, as a bug in a layer would be."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +87,8 @@ class Fault:
 
 
 _ALLOWED = {"kill": {"rank", "stage", "iter", "code", "attempt", "at"},
-            "hang": {"rank", "stage", "iter", "attempt", "at"}, "stop": {"rank", "stage", "iter", "attempt", "at"},
+            "hang": {"rank", "stage", "iter", "attempt", "at"}, "raise": {"rank", "stage", "iter", "attempt", "at"},
+            "stop": {"rank", "stage", "iter", "attempt", "at"},
             "delay": {"rank", "stage", "iter", "s", "attempt", "at"}, "nan": {"rank", "stage", "iter", "attempt"},
             "slow-save": {"rank", "iter", "s", "attempt"}, "fail-save": {"rank", "iter", "attempt"}}
 
@@ -228,6 +235,8 @@ def _fire(f: Fault, rank: int, stage: int | None, when: str) -> None:
         _say(f"peerline: fault injected: {where} hangs {when}")
         while True:
             time.sleep(3600)
+    elif f.kind == "raise":
+        raise FaultRaised(f"fault injected: {where} raised {when}")
     elif f.kind == "stop":
         _say(f"peerline: fault injected: {where} stops (SIGSTOP) {when}")
         os.kill(os.getpid(), signal.SIGSTOP)
