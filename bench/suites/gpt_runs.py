@@ -67,6 +67,9 @@ class GPTBench:
                 continue
             self.results[label] = got
             self.report.variant(got, self.results.get("torch"))
+        if "torch" in variants and "torch" not in self.results:
+            self.ctx.note(f"gpt {self.shape.name}: no anchor (the plain torch GPT under torch.distributed.pipelining "
+                          "failed or did not run, see above): the other variants get no records against it")
         return self.results
 
     # -- the anchor ----------------------------------------------------------------------------------------------

@@ -350,6 +350,9 @@ def run_configuration(args: argparse.Namespace, ctx: BenchContext, shape: PipeSh
         got = measure_or_note(ctx, SUITE, f"{shape.name} torch",
                               lambda: TorchAnchor(args, ctx, shape, pp, dp, groups).measure(failures), failures)
         anchor = got if isinstance(got, Measured) else None
+        if anchor is None:
+            ctx.note(f"pipeline {shape.name}: no anchor (torch.distributed.pipelining failed or did not run, see "
+                     "above): the peerline variants get no ratio records, only their ideal-time ones")
         if anchor is not None and anchor.ideal is not None:
             ctx.note(f"{shape.name} torch {anchor.extra['schedule']} {anchor.extra['recipe']}: "
                      f"{anchor.ideal.describe()}")

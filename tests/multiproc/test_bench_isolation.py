@@ -65,3 +65,27 @@ def test_failed_and_hung_variants_are_noted_and_the_bench_goes_on(tmp_path):
                  "pipeline 4/4: quick zb-h1 eager: ok"):
         assert line in proc.stdout, said
     assert running_with(str(out)) == []
+
+
+def test_a_failed_anchor_is_noted_and_the_variants_still_run(tmp_path):
+    """The anchor's job fails on every rank (an unknown precision recipe raises inside the measurement): it is noted
+    with the rank's line, the variant after it still runs (its ideal-time record), and the missing anchor is said."""
+    out = tmp_path / "out"
+    scale = timeouts.scale()
+    args = ["pipeline", "--quick", "--isolate", "--ranks", "2", "--out", str(out), "--schedules", "1f1b",
+            "--variants", "torch,eager", "--pipeline-anchor-recipes", "bogus",
+            "--isolate-timeout-s", f"{150 * scale:.0f}"]
+    env = dict(os.environ, PEERLINE_DEVICE="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, BENCH, *args], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=250 * scale)
+    said = proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 1, said
+    outcomes = [json.loads(line) for line in (out / "measurements.jsonl").read_text().splitlines()]
+    assert [(o["id"], o["status"]) for o in outcomes] == [("pipeline quick torch", "failed"),
+                                                          ("pipeline quick 1f1b eager", "ok")], said
+    assert outcomes[0]["error"].startswith("rank ") and "unknown precision recipe 'bogus'" in outcomes[0]["error"]
+    recs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["case"] for r in recs] == ["quick 1f1b eager vs ideal"]
+    md = (out / "results.md").read_text()
+    assert "FAILED pipeline quick torch: rank " in md and "pipeline quick: no anchor" in md, md
+    assert running_with(str(out)) == []
