@@ -29,46 +29,28 @@ from typing import Any
 
 import torch
 
+from peerline.distributed.grad_sync.bf16_adamw_base import Bf16AdamWBase
 from peerline.kernels.compact_adamw import CompactAdamWLaunch, advance_step, compact_adamw_step_
 
 REMAINDER = "master_remainder"
 _STATE_DTYPES = {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16, REMAINDER: torch.int16}
 
 
-class CompactAdamW(torch.optim.Optimizer):
+class CompactAdamW(Bf16AdamWBase):
     """AdamW over bf16 parameters with int16 master remainders and bf16 moments (see the module doc); torch's
     AdamW's arguments and defaults (amsgrad, maximize, foreach and fused are not offered)."""
 
-    #: the non-finite guard's on-device skip: step() reads `found_inf` (resilience/nonfinite.py)
-    reads_found_inf = True
+    name = "compact AdamW"
     #: the per-parameter state entries a checkpoint keeps (resilience/checkpoint_names.py)
     state_keys = ("exp_avg", "exp_avg_sq", "step", REMAINDER)
 
     def __init__(self, params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
-        self.step_count: torch.Tensor | None = None  # shared by every parameter's state
-        self._ready = False  # every parameter has its state
         self._launches: list[CompactAdamWLaunch | None] | None = None
-        self._grads: list[list[torch.Tensor | None]] = []
-        self._lr: list[torch.Tensor] = []
-        self._lr_value: list[float | None] = []
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
-        devices = {p.device for p in self._params()}
-        if len(devices) > 1:
-            raise ValueError(f"compact AdamW keeps its parameters on one device; got {sorted(map(str, devices))}")
-        self.device = devices.pop() if devices else torch.device("cpu")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's, for bf16 parameters only; the state and the CUDA tables follow at the next step."""
-        super().add_param_group(param_group)
-        bad = [p for p in self.param_groups[-1]["params"] if p.dtype != torch.bfloat16]
-        if bad:
-            self.param_groups.pop()
-            raise ValueError(f"compact AdamW updates bf16 parameters; got {bad[0].dtype} {tuple(bad[0].shape)}")
-        self._ready, self._launches, self._lr, self._lr_value = False, None, [], []
-
-    def _params(self) -> list[torch.nn.Parameter]:
-        return [p for group in self.param_groups for p in group["params"]]
+    def _invalidate(self) -> None:
+        self._launches = None
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -89,8 +71,7 @@ class CompactAdamW(torch.optim.Optimizer):
         """Moments and remainders at zero (the master is the bf16 parameter) and the step count, once."""
         if self._ready:
             return
-        if self.step_count is None:
-            self.step_count = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._new_step_count()
         for p in self._params():
             state = self.state[p]
             if not state:
@@ -121,8 +102,8 @@ class CompactAdamW(torch.optim.Optimizer):
 
     def _step_cuda(self, found_inf: torch.Tensor | None) -> None:
         """One kernel per group, then the step count: no host sync; tables rebuilt only when gradients moved."""
-        grads = [[p.grad for p in group["params"]] for group in self.param_groups]
-        if self._launches is None or not _same(grads, self._grads):
+        grads, same = self._grad_lists()
+        if self._launches is None or not same:
             self._build_launches(grads)
         for i, (group, launch) in enumerate(zip(self.param_groups, self._launches, strict=True)):
             if launch is None:
@@ -133,53 +114,16 @@ class CompactAdamW(torch.optim.Optimizer):
         advance_step(self.step_count, found_inf)
 
     def _build_launches(self, grads: list[list[torch.Tensor | None]]) -> None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("compact AdamW: the first step, or one whose gradient tensors changed, builds the "
-                               "kernel's tables and cannot be captured into a CUDA graph; run it eagerly first")
+        self._refuse_capture("the kernel's tables")
         launches = []
         for group in self.param_groups:
             lists = self._lists(group)
             launches.append(CompactAdamWLaunch(*lists) if lists[0] else None)
-        self._launches, self._grads = launches, grads
-        if not self._lr:
-            self._lr = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in self.param_groups]
-            self._lr_value = [None] * len(self.param_groups)
+        self._launches = launches
+        self._planned(grads)
 
-    def _lr_of(self, i: int, group: Mapping[str, Any]) -> torch.Tensor:
-        """The group's lr as a device fp32 scalar: its own tensor when it is one, else ours, refilled only when
-        the number changes (a captured step reads it from memory at every replay)."""
-        lr = group["lr"]
-        if torch.is_tensor(lr) and lr.device == self.device and lr.dtype == torch.float32 and lr.dim() == 0:
-            return lr
-        value = float(lr)
-        if self._lr_value[i] != value:
-            self._lr[i].fill_(value)
-            self._lr_value[i] = value
-        return self._lr[i]
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Take a `state_dict()` back (see the module doc): hyperparameters per group, every parameter's state
-        (or none: a fresh start), one step count."""
-        saved_groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("loaded state dict's parameter groups do not match the optimizer's")
-        for group, saved in zip(self.param_groups, saved_groups, strict=True):
-            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
-        params, saved_state = self._params(), state_dict["state"]
-        held = [i for i in range(len(params)) if i in saved_state]
-        if not held:
-            self._reset()
-            return
-        if len(held) != len(params):
-            raise ValueError(f"compact AdamW steps every parameter together: the state holds {len(held)} of its "
-                             f"{len(params)} parameters")
-        steps = {float(saved_state[i]["step"]) for i in held}
-        if len(steps) != 1:
-            raise ValueError(f"compact AdamW keeps one step count; the state has {sorted(steps)}")
-        self._init_state()
-        self.step_count.fill_(steps.pop())
-        for i, p in enumerate(params):
-            _load_entries(self.state[p], saved_state[i], p)
+    def _load_entries(self, state: dict[str, Any], entries: Mapping[str, Any], param: torch.Tensor) -> None:
+        _load_remainder_entries(state, entries, param)
 
     def _reset(self) -> None:
         """No state: the next step starts fresh (the tensors stay allocated, the tables valid)."""
@@ -192,7 +136,7 @@ class CompactAdamW(torch.optim.Optimizer):
                 self.state[p][key].zero_()
 
 
-def _load_entries(state: dict[str, Any], entries: Mapping[str, Any], param: torch.Tensor) -> None:
+def _load_remainder_entries(state: dict[str, Any], entries: Mapping[str, Any], param: torch.Tensor) -> None:
     """Copy one parameter's saved moments and remainder into its state tensors (in place: the tables stay)."""
     for key, dtype in _STATE_DTYPES.items():
         value = entries.get(key)
@@ -207,9 +151,3 @@ def _load_entries(state: dict[str, Any], entries: Mapping[str, Any], param: torc
         if key == REMAINDER and value.dtype != torch.int16:
             raise ValueError(f"{REMAINDER} must be int16, got {value.dtype}")
         state[key].copy_(value.reshape(param.shape).to(dtype))
-
-
-def _same(a: list[list[torch.Tensor | None]], b: list[list[torch.Tensor | None]]) -> bool:
-    """The same gradient tensors (identity), group by group."""
-    return len(a) == len(b) and all(len(x) == len(y) and all(s is t for s, t in zip(x, y, strict=True))
-                                    for x, y in zip(a, b, strict=True))

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from peerline.distributed.grad_sync.bf16_adamw_base import Bf16AdamWBase
+
 MASTER = "master"
 _FP32_STATE = (MASTER, "exp_avg", "exp_avg_sq")
 #: elements per chunk: the fp32 gradient scratch is at most this long (64 MiB)
@@ -55,13 +57,12 @@ class _Chunk:
     lengths: list[int] = field(default_factory=list)
 
 
-class MasterAdamW(torch.optim.Optimizer):
+class MasterAdamW(Bf16AdamWBase):
     """AdamW over bf16 parameters with fp32 masters and fp32 moments (see the module doc); torch's AdamW's
     arguments and defaults (amsgrad, maximize, foreach and fused are not offered). `chunk`: elements of fp32
     gradient scratch per fused call."""
 
-    #: the non-finite guard's on-device skip: step() reads `found_inf` (resilience/nonfinite.py)
-    reads_found_inf = True
+    name = "master AdamW"
     #: the per-parameter state entries a checkpoint keeps (resilience/checkpoint_names.py)
     state_keys = ("exp_avg", "exp_avg_sq", "step", MASTER)
 
@@ -71,29 +72,11 @@ class MasterAdamW(torch.optim.Optimizer):
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1 element, got {chunk}")
         self.chunk = chunk
-        self.step_count: torch.Tensor | None = None  # shared by every parameter's state
-        self._ready = False  # every parameter has its state
         self._plan: list[_Chunk] | None = None
-        self._grads: list[list[torch.Tensor | None]] = []
-        self._lr: list[torch.Tensor] = []
-        self._lr_value: list[float | None] = []
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
-        devices = {p.device for p in self._params()}
-        if len(devices) > 1:
-            raise ValueError(f"master AdamW keeps its parameters on one device; got {sorted(map(str, devices))}")
-        self.device = devices.pop() if devices else torch.device("cpu")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's, for bf16 parameters only; the state and the chunk plan follow at the next step."""
-        super().add_param_group(param_group)
-        bad = [p for p in self.param_groups[-1]["params"] if p.dtype != torch.bfloat16]
-        if bad:
-            self.param_groups.pop()
-            raise ValueError(f"master AdamW updates bf16 parameters; got {bad[0].dtype} {tuple(bad[0].shape)}")
-        self._ready, self._plan, self._lr, self._lr_value = False, None, [], []
-
-    def _params(self) -> list[torch.nn.Parameter]:
-        return [p for group in self.param_groups for p in group["params"]]
+    def _invalidate(self) -> None:
+        self._plan = None
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -103,8 +86,8 @@ class MasterAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._init_state()
-        grads = [[p.grad for p in group["params"]] for group in self.param_groups]
-        if self._plan is None or not _same(grads, self._grads):
+        grads, same = self._grad_lists()
+        if self._plan is None or not same:
             self._build_plan(grads)
         found_inf = getattr(self, "found_inf", None)
         self.step_count.add_(1)
@@ -125,8 +108,7 @@ class MasterAdamW(torch.optim.Optimizer):
         """Masters from the parameters, moments at zero and the step count, once."""
         if self._ready:
             return
-        if self.step_count is None:
-            self.step_count = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._new_step_count()
         for p in self._params():
             state = self.state[p]
             if not state:
@@ -139,9 +121,7 @@ class MasterAdamW(torch.optim.Optimizer):
     def _build_plan(self, grads: list[list[torch.Tensor | None]]) -> None:
         """Cut every group's parameters that have a gradient into chunks of at most `chunk` elements (flat slices)
         over one fp32 scratch."""
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("master AdamW: the first step, or one whose gradient tensors changed, builds the "
-                               "chunk plan and cannot be captured into a CUDA graph; run it eagerly first")
+        self._refuse_capture("the chunk plan")
         plan: list[_Chunk] = []
         for gi, group in enumerate(self.param_groups):
             chunk = _Chunk(gi)
@@ -168,48 +148,18 @@ class MasterAdamW(torch.optim.Optimizer):
         scratch = torch.empty(longest, dtype=torch.float32, device=self.device)
         for c in plan:
             c.scratch = list(torch.split(scratch[:sum(c.lengths)], c.lengths))
-        self._plan, self._grads = plan, grads
-        if not self._lr:
-            self._lr = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in self.param_groups]
-            self._lr_value = [None] * len(self.param_groups)
+        self._plan = plan
+        self._planned(grads)
 
     def _lr_of(self, i: int, group: Mapping[str, Any]) -> torch.Tensor | float:
-        """The group's lr: a number on the CPU; on a GPU a device fp32 scalar, its own tensor when it is one, else
-        ours, refilled only when the number changes (a captured step reads it from memory at every replay)."""
-        lr = group["lr"]
+        """The group's lr: a number on the CPU (torch's CPU fused AdamW takes one); on a GPU the base's device
+        scalar, which a captured step reads from memory at every replay."""
         if self.device.type != "cuda":
-            return float(lr)
-        if torch.is_tensor(lr) and lr.device == self.device and lr.dtype == torch.float32 and lr.dim() == 0:
-            return lr
-        value = float(lr)
-        if self._lr_value[i] != value:
-            self._lr[i].fill_(value)
-            self._lr_value[i] = value
-        return self._lr[i]
+            return float(group["lr"])
+        return super()._lr_of(i, group)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Take a `state_dict()` back (see the module doc): hyperparameters per group, every parameter's state
-        (or none: a fresh start from the parameters), one step count."""
-        saved_groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("loaded state dict's parameter groups do not match the optimizer's")
-        for group, saved in zip(self.param_groups, saved_groups, strict=True):
-            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names")})
-        params, saved_state = self._params(), state_dict["state"]
-        held = [i for i in range(len(params)) if i in saved_state]
-        if not held:
-            self._reset()
-            return
-        if len(held) != len(params):
-            raise ValueError(f"master AdamW steps every parameter together: the state holds {len(held)} of its "
-                             f"{len(params)} parameters")
-        steps = {float(saved_state[i]["step"]) for i in held}
-        if len(steps) != 1:
-            raise ValueError(f"master AdamW keeps one step count; the state has {sorted(steps)}")
-        self._init_state()
-        self.step_count.fill_(steps.pop())
-        for i, p in enumerate(params):
-            _load_entries(self.state[p], saved_state[i], p)
+    def _load_entries(self, state: dict[str, Any], entries: Mapping[str, Any], param: torch.Tensor) -> None:
+        _load_master_entries(state, entries, param)
 
     def _reset(self) -> None:
         """No state: the next step starts fresh from the parameters (the tensors stay allocated, the plan valid)."""
@@ -223,7 +173,7 @@ class MasterAdamW(torch.optim.Optimizer):
             self.state[p]["exp_avg_sq"].zero_()
 
 
-def _load_entries(state: dict[str, Any], entries: Mapping[str, Any], param: torch.Tensor) -> None:
+def _load_master_entries(state: dict[str, Any], entries: Mapping[str, Any], param: torch.Tensor) -> None:
     """Copy one parameter's saved master and moments into its state tensors (in place: the plan stays), the
     master from the parameter when absent; then the parameter is the master's bf16 rounding."""
     for key in _FP32_STATE:
@@ -246,9 +196,3 @@ def _flat(t: torch.Tensor, what: str) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError(f"master AdamW needs contiguous tensors; a {tuple(t.shape)} {what} is not")
     return t.detach().view(-1)
-
-
-def _same(a: list[list[torch.Tensor | None]], b: list[list[torch.Tensor | None]]) -> bool:
-    """The same gradient tensors (identity), group by group."""
-    return len(a) == len(b) and all(len(x) == len(y) and all(s is t for s, t in zip(x, y, strict=True))
-                                    for x, y in zip(a, b, strict=True))
