@@ -215,14 +215,14 @@ class RunConfig:
     """Size of the first (last-layer) bucket, MiB, so the all-reduce starts early."""
     shard_optimizer: bool = option(False, EXECUTION, "ZeRO-1 over the dp group: gradients reduce-scattered, AdamW "
                                    "state and update on each rank's shard only, parameters all-gathered after the "
-                                   "step (optimizer memory / dp; a notice and no effect with dp=1); it shards fp32 "
-                                   "weights, so --precision defaults to autocast with it", switch=True)
+                                   "step (optimizer memory / dp; a notice and no effect with dp=1)", switch=True)
     """ZeRO-1 (grad_sync/sharded.py): each bucket's gradient is reduce-scattered over the dp group instead of
     all-reduced, AdamW keeps fp32 state for and updates only this rank's shard of every bucket, and the updated
     shards are all-gathered into the parameters after the step; all of it inside the captured graph. Optimizer
-    memory per rank falls by about dp. Needs --grad-sync buckets and fp32 parameters (--precision autocast with
-    bf16 compute, or --dtype fp32): on the command line, with no --precision given (flag or --config field),
-    --precision is autocast. Not with --tie-embeddings; with dp=1 it does nothing (a notice says so)."""
+    memory per rank falls by about dp. With --precision master and bf16 compute the shards are bf16 and the
+    optimizer keeps fp32 masters and moments of its shards (sharded_adamw.py's ShardedMasterAdamW). Needs
+    --grad-sync buckets; not with --tie-embeddings or --precision compact; with dp=1 it does nothing (a notice
+    says so)."""
     overlap_param_gather: bool = option(False, EXECUTION, "with --shard-optimizer: each bucket's all-gather of the "
                                         "updated parameters runs beside the next iteration's forward, which waits for "
                                         "it only before the first layer that reads the bucket (default: off, until "
@@ -544,30 +544,13 @@ def _check_sharding(cfg: RunConfig) -> None:
 
 def _check_precision(cfg: RunConfig) -> None:
     """--precision bf16 and compact keep the weights in bf16: the compute is bf16 too. compact's optimizer keeps
-    whole parameters' remainders, and master's (with bf16 compute) whole fp32 masters: they do not shard them
-    (yet)."""
+    whole parameters' remainders: it does not shard them (yet)."""
     if cfg.precision in ("bf16", "compact") and cfg.dtype == "fp32":
         raise ConfigError(f"--precision {cfg.precision} keeps the weights in bf16 and needs --dtype bf16 (the default "
                           "on a GPU), not --dtype fp32")
     if cfg.precision == "compact" and cfg.shard_optimizer:
         raise ConfigError("--precision compact does not support --shard-optimizer yet (its optimizer keeps every "
-                          "parameter's master remainder and moments whole); use --precision autocast with it")
-    if cfg.precision == "master" and cfg.shard_optimizer and _bf16_compute(cfg):
-        raise ConfigError("--precision master with bf16 compute does not support --shard-optimizer yet (its "
-                          "optimizer keeps every parameter's fp32 master and moments whole); use --precision "
-                          "autocast with it (fp32 weights under bf16 autocast, the state sharded)")
-
-
-def _bf16_compute(cfg: RunConfig) -> bool:
-    """Whether the run computes in bf16: --dtype bf16, or no --dtype on a GPU (--device cuda, or auto with CUDA
-    available: env.py's choice)."""
-    if cfg.dtype is not None:
-        return cfg.dtype == "bf16"
-    if cfg.device == "cpu":
-        return False
-    import torch  # here, not at the top: the configuration is read before torch is needed anywhere else
-
-    return cfg.device == "cuda" or torch.cuda.is_available()
+                          "parameter's master remainder and moments whole); use --precision master with it")
 
 
 def _derive_batch(cfg: RunConfig) -> None:

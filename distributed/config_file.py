@@ -110,10 +110,7 @@ class ConfigFileParser(argparse.ArgumentParser):
         from_file = load_config_file(given.config) if given.config else {}
         self.set_defaults(**from_file)
         parsed, extra = super().parse_known_args(args, namespace)
-        given_flags = self.given_on_command_line(argv)
-        flags_win(parsed, from_file, given_flags)
-        if getattr(parsed, "shard_optimizer", False) and "precision" not in given_flags | set(from_file):
-            parsed.precision = "autocast"  # the sharded optimizer shards fp32 weights (config.py, shard_optimizer)
+        flags_win(parsed, from_file, self.given_on_command_line(argv))
         if getattr(parsed, "print_config", False):
             names = {f.name for f in dataclasses.fields(RunConfig)}
             cfg = RunConfig(**{k: v for k, v in vars(parsed).items() if k in names})

@@ -20,8 +20,8 @@ One iteration, as the engine drives it (the hooks, arm() and finish() are GradBu
 Every buffer is made once here; nothing allocates or synchronizes the host per iteration, so the iteration is
 captured in the CUDA graph as before (NCCL's reduce-scatter and all-gather are capturable; gloo runs eager).
 
-Only fp32 parameters are sharded (the AdamW state of the shards is fp32, as the parameters' own buffers are):
-the models run bf16 under autocast with fp32 parameters; a model with low-precision parameters is refused.
+The buffers keep the parameters' dtype: fp32 (autocast, fp32 master) or bf16 (master with bf16 compute, whose
+optimizer keeps fp32 masters of the shards; bf16). The optimizer (sharded_adamw.py) decides the state's dtype.
 """
 
 from __future__ import annotations
@@ -94,10 +94,10 @@ class ShardedGradBuckets(GradBuckets):
 
     def _build_flat(self) -> None:
         """Pad the buckets into equal shards, then GradBuckets' gradient buffers, then the parameter buffers."""
-        wrong = sorted({str(b.dtype) for b in self.buckets if b.dtype != torch.float32})
+        wrong = sorted({str(b.dtype) for b in self.buckets if b.dtype not in (torch.float32, torch.bfloat16)})
         if wrong:
-            raise ConfigError(f"--shard-optimizer shards fp32 parameters only; this stage has {', '.join(wrong)} "
-                             "parameters (keep parameters fp32 and train under --dtype bf16 autocast)")
+            raise ConfigError(f"--shard-optimizer shards fp32 and bf16 parameters; this stage has "
+                              f"{', '.join(wrong)} parameters")
         self.shard_numels = pad_for_shards(self.buckets, self.dp)
         super()._build_flat()
         self._build_param_flat()

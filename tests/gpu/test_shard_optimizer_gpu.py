@@ -38,10 +38,12 @@ def _state_halved(sharded: dict, plain: dict, dp: int = 2) -> None:
 
 
 @pytest.mark.gpu2
-@pytest.mark.parametrize("dtype,graph", [("fp32", "--graph"), ("fp32", "--no-graph"), ("bf16", "--graph")])
-def test_dp2_sharded_equals_unsharded(pipeline_runs, dtype: str, graph: str) -> None:
-    args = (*TINY, "--dp", "2", "-m", "4", "--dtype", dtype, *AUTOCAST, graph)
-    sharded, plain = _pair(pipeline_runs, f"shard_dp2_{dtype}{graph.replace('-', '_')}", args, 2)
+@pytest.mark.parametrize("dtype,graph,recipe", [("fp32", "--graph", "autocast"), ("fp32", "--no-graph", "autocast"),
+                                                ("bf16", "--graph", "autocast"), ("bf16", "--graph", "master")])
+def test_dp2_sharded_equals_unsharded(pipeline_runs, dtype: str, graph: str, recipe: str) -> None:
+    """master with bf16: bf16 shards, ShardedMasterAdamW's fp32 masters and moments of each shard."""
+    args = (*TINY, "--dp", "2", "-m", "4", "--dtype", dtype, "--precision", recipe, graph)
+    sharded, plain = _pair(pipeline_runs, f"shard_dp2_{dtype}_{recipe}{graph.replace('-', '_')}", args, 2)
     assert_matches(sharded, plain, Expect(1e-6, world=2, dp=2, graph=graph == "--graph"))
     _state_halved(sharded, plain)
 

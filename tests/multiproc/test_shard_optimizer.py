@@ -1,6 +1,8 @@
 """--shard-optimizer (ZeRO-1) on the CPU (gloo): dp=2 and pp=2 x dp=2 equal the same grid unsharded within 1e-6
 per iteration (losses and every layer's parameter checksums), with about 1/dp of the optimizer state per rank.
-pp=2 x dp=2 runs ZB-H1, whose gradients become final in the deferred W steps (the buckets' hooks fire there)."""
+pp=2 x dp=2 runs ZB-H1, whose gradients become final in the deferred W steps (the buckets' hooks fire there).
+--precision master with bf16 compute (bf16 shards, fp32 masters and moments of each shard: ShardedMasterAdamW)
+likewise, and its checkpoints resume across sharded and unsharded runs bit for bit."""
 
 import sys
 
@@ -53,3 +55,36 @@ def test_dp1_is_a_notice_and_no_op(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sharded["losses"] == plain["losses"] and sharded["layer_checksums"] == plain["layer_checksums"]
     assert sharded["optimizer_state_bytes"] == plain["optimizer_state_bytes"]
+
+
+MASTER_BF16 = [*ARGS, "--dtype", "bf16", "--precision", "master"]
+
+
+@pytest.mark.parametrize("recipe", ["master", "bf16"])
+def test_dp2_bf16_shards_equal_unsharded(tmp_path, recipe: str):
+    """bf16 shards: master's fp32 masters and moments of each shard, or bf16's own bf16 state."""
+    args = [*ARGS, "--dtype", "bf16", "--precision", recipe, "-m", "2", "--dp", "2"]
+    sharded, plain = _pair(tmp_path, 2, args, f"{recipe}-dp2")
+    assert sharded["config"]["precision"] == recipe
+    assert_same_run(sharded, plain, rtol=1e-6)
+    _check_memory(sharded, plain, 2)
+
+
+@pytest.mark.parametrize("first,then", [("sharded", "plain"), ("plain", "sharded")])
+def test_master_bf16_checkpoint_resumes_across_sharding(tmp_path, first: str, then: str):
+    """Three iterations saved one way, resumed the other for three more: the six-iteration run's losses and
+    parameters (the masters travel in the checkpoint, so the resumed run steps from them)."""
+    base = [*MASTER_BF16, "-m", "2", "--dp", "2"]
+    flag = {"sharded": ["--shard-optimizer"], "plain": []}
+    proc, full = run_job(forkrun_cmd(2), [*base, "--iters", "6"], tmp_path, "full", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ck = str(tmp_path / "ck")
+    proc, _ = run_job(forkrun_cmd(2), [*base, *flag[first], "--iters", "3", "--save", ck], tmp_path, "first",
+                      timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, resumed = run_job(forkrun_cmd(2), [*base, *flag[then], "--iters", "6", "--resume", ck], tmp_path,
+                            "second", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert resumed["iterations"] == [4, 5, 6]
+    assert resumed["losses"] == full["losses"][3:]
+    assert resumed["layer_checksums"] == full["layer_checksums"]

@@ -252,14 +252,10 @@ def test_bogus_log_level_is_one_line(monkeypatch):
     config_from_args(build_parser().parse_args([]))
 
 
-def test_shard_optimizer_defaults_precision_to_autocast(tmp_path):
-    """The sharded optimizer shards fp32 weights: with no --precision given, the command line picks autocast; a
-    --precision given (flag or --config field) is kept, and master with bf16 compute is refused in one line."""
-    assert _parse(["--dp", "2", "--shard-optimizer", "--dtype", "bf16"]).precision == "autocast"
-    assert _parse(["--dp", "2", "--dtype", "bf16"]).precision == "master"
-    assert _parse(["--dp", "2", "--shard-optimizer", "--dtype", "fp32", "--precision", "master"]).precision == "master"
-    with pytest.raises(ConfigError, match="--precision master with bf16 compute does not support --shard-optimizer"):
-        _parse(["--dp", "2", "--shard-optimizer", "--dtype", "bf16", "--precision", "master"])
-    file = tmp_path / "run.toml"
-    file.write_text('precision = "master"\ndtype = "fp32"\n')
-    assert _parse(["--config", str(file), "--dp", "2", "--shard-optimizer"]).precision == "master"
+def test_shard_optimizer_keeps_the_precision_given():
+    """master shards with bf16 compute too (ShardedMasterAdamW): --shard-optimizer changes no recipe."""
+    assert _parse(["--dp", "2", "--shard-optimizer", "--dtype", "bf16"]).precision == "master"
+    assert _parse(["--dp", "2", "--shard-optimizer", "--dtype", "bf16", "--precision", "autocast"]).precision == \
+        "autocast"
+    with pytest.raises(ConfigError, match="--precision compact does not support --shard-optimizer"):
+        _parse(["--dp", "2", "--shard-optimizer", "--dtype", "bf16", "--precision", "compact"])
