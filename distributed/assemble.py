@@ -108,7 +108,7 @@ def assemble(cfg: RunConfig, info: LaunchInfo | None = None) -> RunParts:
     start_process_groups(cfg, grid)
     streams = make_streams(cfg, grid.device)
     modules = [with_recompute(m.to(grid.device), cfg.recompute_layers) for m in work.modules]
-    apply_precision(cfg, modules, 0 if grid.stage_ids[0] == 0 else None)
+    apply_precision(cfg, modules, 0 if grid.stage_ids[0] == 0 else None, grid.device)
     autocast_dtype = resolve_autocast(cfg, grid.device)
     first_in = first_input_spec(cfg)
     in_specs, out_specs, links = probe_and_link(cfg, grid, modules, work, first_in, autocast_dtype)
