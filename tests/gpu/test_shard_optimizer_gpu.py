@@ -20,7 +20,7 @@ TINY = ("--hidden", "256", "--layers", "8", "--seq", "64", "--micro-batch-size",
 
 
 OVERLAP = ("--shard-optimizer", "--overlap-param-gather")
-#: fp32 weights (under bf16 autocast with --dtype bf16): --precision master shards fp32 weights only
+#: fp32 weights (under bf16 autocast with --dtype bf16), the recipe these cases were first measured with
 AUTOCAST = ("--precision", "autocast")
 
 
