@@ -137,10 +137,12 @@ def report(rt: Runtime, history: list[IterationStats]) -> None:
     cfg = rt.cfg
     checksums = rt.layer_checksums() if cfg.json else {}
     optimizer_bytes = rt.optimizer_state_bytes_per_rank() if cfg.json else None
+    held = rt.state_bytes_per_rank() if cfg.json else None
     if rt.info.rank != 0:
         return
     if cfg.json:
-        write_record(cfg.json, {**build_record(rt, history, checksums), "optimizer_state_bytes": optimizer_bytes})
+        write_record(cfg.json, {**build_record(rt, history, checksums), "optimizer_state_bytes": optimizer_bytes,
+                                "state_bytes": held})
     if history:
         print(f"peerline: final loss={history[-1].loss:.9g} iterations={rt.iteration}", flush=True)
 

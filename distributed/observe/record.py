@@ -1,5 +1,7 @@
 """The --json record of a run: its resolved configuration, what each logged iteration measured, the final loss,
 parameter checksums and the versions (peerline, its git commit, the libraries and card), written by rank 0.
+launch/pipeline.py adds every rank's `optimizer_state_bytes` and `state_bytes` (parameters, gradients and
+optimizer state by kind: memory/state_bytes.py); the peak memory less those is activations and workspaces.
 
 `check_outputs` runs at start-up on every rank, before anything is built: a --json, --metrics-jsonl or --timeline
 file whose folder is missing or that names a folder, a --tensorboard, --profile or --save folder that is a file,

@@ -66,6 +66,11 @@ def test_dp2_bf16_shards_equal_unsharded(tmp_path, recipe: str):
     args = [*ARGS, "--dtype", "bf16", "--precision", recipe, "-m", "2", "--dp", "2"]
     sharded, plain = _pair(tmp_path, 2, args, f"{recipe}-dp2")
     assert sharded["config"]["precision"] == recipe
+    # the record's state_bytes: optimizer state per bf16 parameter byte, fp32 master + moments (12 / 2) or bf16
+    # moments (4 / 2); the sharded run holds about half of it
+    held = plain["state_bytes"]
+    assert abs(held["optimizer_state"][0] / held["parameters"][0] - {"master": 6, "bf16": 2}[recipe]) < 0.05, held
+    assert sharded["state_bytes"]["optimizer_state"][0] <= held["optimizer_state"][0] / 2 * 1.25 + 4096
     assert_same_run(sharded, plain, rtol=1e-6)
     _check_memory(sharded, plain, 2)
 
