@@ -31,7 +31,7 @@ from peerline.distributed.cudagraph.capture import IterationGraph
 from peerline.distributed.env import LaunchInfo
 from peerline.distributed.grad_sync.sharded_adamw import optimizer_state_bytes
 from peerline.distributed.hooks import IterationHooks, IterationStats
-from peerline.distributed.memory.state_bytes import state_bytes
+from peerline.distributed.memory.state_bytes import per_rank, state_bytes
 from peerline.distributed.streams import use
 from peerline.models.flops import peak_bf16_tflops
 
@@ -274,12 +274,7 @@ class Runtime:
         """Every rank's parameters, gradients and optimizer state in bytes (memory/state_bytes.py), by kind and
         rank (collective: a small all-gather of Python objects)."""
         params = [p for stage in self.engine.stages.values() for p in stage.module.parameters()]
-        mine = state_bytes(params, self.engine.optimizer)
-        everyone: list[dict[str, int] | None] = [mine]
-        if dist.is_initialized() and self.info.world_size > 1:
-            everyone = [None] * self.info.world_size
-            dist.all_gather_object(everyone, mine)
-        return {kind: [int((d or {}).get(kind, 0)) for d in everyone] for kind in mine}
+        return per_rank(state_bytes(params, self.engine.optimizer))
 
     def optimizer_state_bytes_per_rank(self) -> list[int]:
         """Every rank's optimizer state in bytes (AdamW's moments and steps; about 1/dp with --shard-optimizer),

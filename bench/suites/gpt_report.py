@@ -19,6 +19,7 @@ from peerline.bench.benchkit import BenchContext, Record
 from peerline.bench.runtime_timing import Measured
 from peerline.bench.suites.gpt_anchor import GPTShape
 from peerline.bench.suites.torch_schedules import candidate_name
+from peerline.distributed.memory.state_bytes import describe_split
 from peerline.models.flops import gpt_flops_per_token, peak_bf16_tflops
 
 SUITE = "gpt"
@@ -59,7 +60,9 @@ class GPTReport:
         got = self.metrics(m)
         mfu = f", MFU {got['mfu']:.1f}%" if got["mfu"] is not None else ""
         mem = f", peak {max(m.peak_gb_per_rank):.1f} GiB" if m.peak_gb_per_rank else ""
-        return f"{got['ms_per_iter']:.2f} ms/iter, {got['tflops']:.3g} TFLOP/s per GPU{mfu}{mem}"
+        split = describe_split(m.extra.get("state_bytes") or {}, m.peak_gb_per_rank or [])
+        return f"{got['ms_per_iter']:.2f} ms/iter, {got['tflops']:.3g} TFLOP/s per GPU{mfu}{mem}" + \
+            (f" ({split})" if split else "")
 
     def candidates(self, measured: dict[str, Measured], best: Measured) -> None:
         """One note: every candidate's time of one model under torch and the one that won."""
@@ -79,7 +82,8 @@ class GPTReport:
                    default=math.nan)
         extra = {**mine, **{f"anchor_{k}": v for k, v in theirs.items()}, "max_loss_rel_diff": diff,
                  "anchor_model": a["model"], "anchor_schedule": a["schedule"], "anchor_recipe": a["recipe"],
-                 "anchor_blocks": a["blocks"], "anchor_candidates": a.get("candidates", {}), **m.extra}
+                 "anchor_blocks": a["blocks"], "anchor_candidates": a.get("candidates", {}),
+                 "anchor_state_bytes": a.get("state_bytes"), **m.extra}
         case = f"{self.shape.name} {m.name}"
         rec = self.ctx.record(Record(SUITE, case, "tokens/s", mine["tokens_per_s"], theirs["tokens_per_s"], name,
                                      sizes=self.sizes, extra=extra))

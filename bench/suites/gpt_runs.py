@@ -28,6 +28,8 @@ from peerline.bench.runtime_timing import (
 from peerline.bench.suites.gpt_anchor import MODELS, GPTShape, StageCache, TorchGPTAnchor, token_source
 from peerline.bench.suites.gpt_report import GPTReport
 from peerline.bench.suites.torch_schedules import AXES_WITH_BLOCKS, candidates, fastest, recipes_for, with_blocks
+from peerline.distributed.memory.state_bytes import per_rank as state_bytes_per_rank
+from peerline.distributed.memory.state_bytes import state_bytes
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +107,11 @@ class GPTBench:
                                 getattr(self.args, "gpt_compile_backend", None) or "inductor")
         losses, timing = time_anchor(anchor, LOSS_CHECK_ITERS, self.timer)
         per_rank = peak_gb_per_rank(self.device)
+        held = state_bytes_per_rank(state_bytes([p for m in anchor.modules for p in m.parameters()],
+                                                anchor.optimizer))
         return Measured(f"torch {schedule} {recipe} {blocks}", timing, losses, None, max(per_rank, default=0.0),
-                        {"model": MODELS[stages.model], "schedule": schedule, "recipe": recipe, "blocks": blocks},
-                        per_rank)
+                        {"model": MODELS[stages.model], "schedule": schedule, "recipe": recipe, "blocks": blocks,
+                         "state_bytes": held}, per_rank)
 
     # -- peerline ------------------------------------------------------------------------------------------------
     def peerline(self, graph: bool, recompute: str = "off", schedule: str = "1f1b", precision: str = "master"
@@ -123,7 +127,8 @@ class GPTBench:
             losses, timing = measured
             per_rank = peak_gb_per_rank(self.device)
             extra: dict[str, Any] = {"model": "peerline's GPT", "transport": rt.transport_name,
-                                     "recompute": recompute, "stage_layers": _most_stage_layers(rt, self.device)}
+                                     "recompute": recompute, "stage_layers": _most_stage_layers(rt, self.device),
+                                     "state_bytes": rt.state_bytes_per_rank()}
         name = (("graph" if graph else "eager") + ("" if schedule == "1f1b" else f" {schedule}")
                 + ("" if precision == "master" else f" {precision}"))
         extra["schedule"] = schedule

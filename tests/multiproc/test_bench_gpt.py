@@ -83,6 +83,11 @@ def test_gpt_suite_two_ranks_with_recompute_table(tmp_path):
     for name, cand in ex["anchor_candidates"].items():
         assert close(cand["losses"], reference, 1e-5), (name, cand["losses"], reference)
     assert close(ex["anchor_losses"], ex["losses"], 0.01)  # two models of the same shape from their own inits
+    # what each side holds per rank: the same parameter count (the same architecture), fp32 here on both sides
+    mine, theirs = ex["state_bytes"], ex["anchor_state_bytes"]
+    assert set(mine) == set(theirs) == {"parameters", "gradients", "optimizer_state"}
+    assert sum(mine["parameters"]) == sum(theirs["parameters"]) > 0, (mine, theirs)
+    assert all(o >= 2 * p for o, p in zip(theirs["optimizer_state"], theirs["parameters"], strict=True)), theirs
 
     row = by_case["quick torch-peerline-gpt"]
     assert row["anchor_name"] == eager["anchor_name"] and row["extra"]["model"] == PEERLINE_UNDER_TORCH

@@ -29,3 +29,12 @@ def test_a_sharded_optimizers_gradient_shards_count_beside_the_buckets() -> None
     shard.grad = torch.zeros(4)  # the reduce-scattered shard: a buffer of its own
     opt = torch.optim.AdamW([shard], lr=1e-3)
     assert state_bytes([p], opt) == {"parameters": 32, "gradients": 32 + 16, "optimizer_state": 0}
+
+
+def test_the_split_of_the_highest_peak() -> None:
+    from peerline.distributed.memory.state_bytes import describe_split
+
+    held = {"parameters": [2**30, 2**31], "gradients": [2**30, 2**31], "optimizer_state": [2**32, 2**33]}
+    assert describe_split(held, [8.0, 15.5]) == ("rank 1 (the highest peak): parameters 2.00, gradients 2.00, "
+                                                 "optimizer 8.00, the rest 3.50 GiB")
+    assert describe_split(held, []) == "" and describe_split({}, [1.0]) == ""
