@@ -3,8 +3,10 @@ bf16 parameters on one device, one step count for every parameter, lr as a devic
 plan of tensors built at the first step and kept while the gradients stay the same tensors, and the load of a
 `state_dict()` whose every parameter steps together.
 
-A subclass says its `name` (for messages), creates its state in `_init_state`, forgets its plan in `_invalidate`,
-copies one parameter's saved entries in `_load_entries` and starts afresh in `_reset`.
+`step()` runs the closure, creates every parameter's state once (`_new_state`, with the shared step count) and
+hands the update to `_update(found_inf)`. A subclass says its `name` (for messages), makes one parameter's state
+in `_new_state`, updates in `_update`, forgets its plan in `_invalidate`, copies one parameter's saved entries in
+`_load_entries` and clears one parameter's state for a fresh start in `_clear_state`.
 """
 
 from __future__ import annotations
@@ -86,10 +88,45 @@ class Bf16AdamWBase(torch.optim.Optimizer):
         if self.step_count is None:
             self.step_count = torch.zeros((), dtype=torch.float32, device=self.device)
 
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One AdamW step of every parameter with a gradient: the closure, the state (once), `_update`."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._init_state()
+        self._update(getattr(self, "found_inf", None))
+        return loss
+
     def _init_state(self) -> None:
-        raise NotImplementedError
+        """Every parameter's state (`_new_state`) and the one step count they share, once."""
+        if self._ready:
+            return
+        self._new_step_count()
+        for p in self._params():
+            state = self.state[p]
+            if not state:
+                state.update(self._new_state(p))
+            state["step"] = self.step_count
+        self._ready = True
 
     def _reset(self) -> None:
+        """No state: the next step starts fresh (the tensors stay allocated, the plan valid)."""
+        if self.step_count is None:
+            return
+        self._init_state()
+        self.step_count.zero_()
+        for p in self._params():
+            self._clear_state(p, self.state[p])
+
+    def _new_state(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _clear_state(self, param: torch.nn.Parameter, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _update(self, found_inf: torch.Tensor | None) -> None:
         raise NotImplementedError
 
     def _load_entries(self, state: dict[str, Any], entries: Mapping[str, Any], param: torch.Tensor) -> None:

@@ -52,33 +52,20 @@ class CompactAdamW(Bf16AdamWBase):
     def _invalidate(self) -> None:
         self._launches = None
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        """One AdamW step of every parameter with a gradient (see the module doc)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._init_state()
-        found_inf = getattr(self, "found_inf", None)
+    def _new_state(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        """Moments and remainder at zero: the master is the bf16 parameter."""
+        return {k: torch.zeros_like(param, dtype=dt, memory_format=torch.contiguous_format)
+                for k, dt in _STATE_DTYPES.items()}
+
+    def _clear_state(self, param: torch.nn.Parameter, state: dict[str, Any]) -> None:
+        for key in _STATE_DTYPES:
+            state[key].zero_()
+
+    def _update(self, found_inf: torch.Tensor | None) -> None:
         if self.device.type == "cuda":
             self._step_cuda(found_inf)
         else:
             self._step_torch(found_inf)
-        return loss
-
-    def _init_state(self) -> None:
-        """Moments and remainders at zero (the master is the bf16 parameter) and the step count, once."""
-        if self._ready:
-            return
-        self._new_step_count()
-        for p in self._params():
-            state = self.state[p]
-            if not state:
-                state.update({k: torch.zeros_like(p, dtype=dt, memory_format=torch.contiguous_format)
-                              for k, dt in _STATE_DTYPES.items()})
-            state["step"] = self.step_count
-        self._ready = True
 
     def _lists(self, group: Mapping[str, Any]) -> tuple[list[torch.Tensor], ...]:
         """(params, remainders, grads, exp_avgs, exp_avg_sqs) of the group's parameters that have a gradient."""
@@ -124,16 +111,6 @@ class CompactAdamW(Bf16AdamWBase):
 
     def _load_entries(self, state: dict[str, Any], entries: Mapping[str, Any], param: torch.Tensor) -> None:
         _load_remainder_entries(state, entries, param)
-
-    def _reset(self) -> None:
-        """No state: the next step starts fresh (the tensors stay allocated, the tables valid)."""
-        if self.step_count is None:
-            return
-        self._init_state()
-        self.step_count.zero_()
-        for p in self._params():
-            for key in _STATE_DTYPES:
-                self.state[p][key].zero_()
 
 
 def _load_remainder_entries(state: dict[str, Any], entries: Mapping[str, Any], param: torch.Tensor) -> None:

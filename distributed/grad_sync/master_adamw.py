@@ -78,18 +78,11 @@ class MasterAdamW(Bf16AdamWBase):
     def _invalidate(self) -> None:
         self._plan = None
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        """One AdamW step of every parameter with a gradient (see the module doc)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._init_state()
+    def _update(self, found_inf: torch.Tensor | None) -> None:
+        """Per chunk: upcast the gradients, torch's fused AdamW on the masters, round into the parameters."""
         grads, same = self._grad_lists()
         if self._plan is None or not same:
             self._build_plan(grads)
-        found_inf = getattr(self, "found_inf", None)
         self.step_count.add_(1)
         for chunk in self._plan:
             group = self.param_groups[chunk.group]
@@ -102,21 +95,11 @@ class MasterAdamW(Bf16AdamWBase):
             torch._foreach_copy_(chunk.params, chunk.masters)
         if found_inf is not None:
             self.step_count.sub_(found_inf.to(self.step_count.dtype))
-        return loss
 
-    def _init_state(self) -> None:
-        """Masters from the parameters, moments at zero and the step count, once."""
-        if self._ready:
-            return
-        self._new_step_count()
-        for p in self._params():
-            state = self.state[p]
-            if not state:
-                state[MASTER] = p.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
-                state["exp_avg"] = torch.zeros_like(state[MASTER])
-                state["exp_avg_sq"] = torch.zeros_like(state[MASTER])
-            state["step"] = self.step_count
-        self._ready = True
+    def _new_state(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        """The master from the parameter, moments at zero."""
+        master = param.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
+        return {MASTER: master, "exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
 
     def _build_plan(self, grads: list[list[torch.Tensor | None]]) -> None:
         """Cut every group's parameters that have a gradient into chunks of at most `chunk` elements (flat slices)
@@ -161,16 +144,11 @@ class MasterAdamW(Bf16AdamWBase):
     def _load_entries(self, state: dict[str, Any], entries: Mapping[str, Any], param: torch.Tensor) -> None:
         _load_master_entries(state, entries, param)
 
-    def _reset(self) -> None:
-        """No state: the next step starts fresh from the parameters (the tensors stay allocated, the plan valid)."""
-        if self.step_count is None:
-            return
-        self._init_state()
-        self.step_count.zero_()
-        for p in self._params():
-            self.state[p][MASTER].copy_(p.detach())
-            self.state[p]["exp_avg"].zero_()
-            self.state[p]["exp_avg_sq"].zero_()
+    def _clear_state(self, param: torch.nn.Parameter, state: dict[str, Any]) -> None:
+        """The master back to the parameter, moments at zero."""
+        state[MASTER].copy_(param.detach())
+        state["exp_avg"].zero_()
+        state["exp_avg_sq"].zero_()
 
 
 def _load_master_entries(state: dict[str, Any], entries: Mapping[str, Any], param: torch.Tensor) -> None:
