@@ -19,6 +19,7 @@ import torch
 
 from tests.gpu.compare import Expect, assert_matches
 from tests.gpu.jobs import Run
+from tests.gpu.optimizer_replay import check_replay_reads_a_device_lr_and_found_inf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -191,36 +192,7 @@ def test_replay_reads_a_device_lr_and_found_inf() -> None:
 
     cpu, gpu, _, opt = _pair()
     _set_grads(cpu, gpu, 1)  # non-zero moments, so an lr of 1e-2 moves every parameter
-    lr = torch.full((), 1e-2, device="cuda")
-    opt.param_groups[0]["lr"] = lr
-    found_inf = torch.zeros((), device="cuda")
-    opt.found_inf = found_inf
-    opt.step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
-
-    def snapshot():
-        return [(p.detach().clone(), opt.state[p][REMAINDER].clone(), opt.state[p]["exp_avg"].clone()) for p in gpu]
-
-    lr.fill_(0.0)  # no decay, no update: parameters and remainders keep their bits; moments and the count move
-    first = snapshot()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(p, a) and torch.equal(opt.state[p][REMAINDER], r) for p, (a, r, _) in zip(gpu, first))
-    assert float(opt.step_count) == 2
-    found_inf.fill_(1.0)  # skipped: nothing moves
-    second = snapshot()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(p, a) and torch.equal(opt.state[p]["exp_avg"], m) for p, (a, _, m) in zip(gpu, second))
-    assert float(opt.step_count) == 2
-    found_inf.zero_()
-    lr.fill_(1e-2)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert float(opt.step_count) == 3 and any(not torch.equal(p, a) for p, (a, _, _) in zip(gpu, second))
+    check_replay_reads_a_device_lr_and_found_inf(opt, gpu, REMAINDER)
 
 
 # ---- the job ----

@@ -15,6 +15,7 @@ import torch
 
 from tests.gpu.compare import Expect, assert_matches
 from tests.gpu.jobs import Run
+from tests.gpu.optimizer_replay import check_replay_reads_a_device_lr_and_found_inf
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -85,36 +86,7 @@ def test_replay_reads_a_device_lr_and_found_inf() -> None:
 
     ours, ref, opt, _ = _pair()
     _set_grads(ours, ref, 1)
-    lr = torch.full((), 1e-2, device="cuda")
-    opt.param_groups[0]["lr"] = lr
-    found_inf = torch.zeros((), device="cuda")
-    opt.found_inf = found_inf
-    opt.step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
-
-    def snapshot():
-        return [(p.detach().clone(), opt.state[p][MASTER].clone(), opt.state[p]["exp_avg"].clone()) for p in ours]
-
-    lr.fill_(0.0)  # no decay, no update: masters and parameters keep their bits; moments and the count move
-    first = snapshot()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(p, a) and torch.equal(opt.state[p][MASTER], w) for p, (a, w, _) in zip(ours, first))
-    assert float(opt.step_count) == 2
-    found_inf.fill_(1.0)  # skipped: nothing moves
-    second = snapshot()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(p, a) and torch.equal(opt.state[p]["exp_avg"], m) for p, (a, _, m) in zip(ours, second))
-    assert float(opt.step_count) == 2
-    found_inf.zero_()
-    lr.fill_(1e-2)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert float(opt.step_count) == 3 and any(not torch.equal(p, a) for p, (a, _, _) in zip(ours, second))
+    check_replay_reads_a_device_lr_and_found_inf(opt, ours, MASTER)
 
 
 # ---- the job ----

@@ -1,0 +1,43 @@
+"""The captured-step check both bf16 AdamWs share (compact and master, grad_sync/bf16_adamw_base.py): a step captured
+into a CUDA graph reads the lr and `found_inf` from device memory at every replay."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_replay_reads_a_device_lr_and_found_inf(opt: torch.optim.Optimizer, params: list[torch.Tensor],
+                                                 master_key: str) -> None:
+    """`params` hold non-zero gradients (so an lr of 1e-2 moves every one); `master_key`: the state entry that,
+    with the parameter, is the exact fp32 master (an lr of 0 leaves both bit for bit)."""
+    lr = torch.full((), 1e-2, device="cuda")
+    opt.param_groups[0]["lr"] = lr
+    found_inf = torch.zeros((), device="cuda")
+    opt.found_inf = found_inf
+    opt.step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+
+    def snapshot():
+        return [(p.detach().clone(), opt.state[p][master_key].clone(), opt.state[p]["exp_avg"].clone())
+                for p in params]
+
+    lr.fill_(0.0)  # no decay, no update: parameters and masters keep their bits; moments and the count move
+    first = snapshot()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(p, a) and torch.equal(opt.state[p][master_key], r) for p, (a, r, _) in zip(params, first))
+    assert float(opt.step_count) == 2
+    found_inf.fill_(1.0)  # skipped: nothing moves
+    second = snapshot()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(p, a) and torch.equal(opt.state[p]["exp_avg"], m) for p, (a, _, m) in zip(params, second))
+    assert float(opt.step_count) == 2
+    found_inf.zero_()
+    lr.fill_(1e-2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert float(opt.step_count) == 3 and any(not torch.equal(p, a) for p, (a, _, _) in zip(params, second))
