@@ -213,10 +213,11 @@ def fused_supported(qkv: torch.Tensor, heads: int) -> bool:
     return qkv.is_cuda and qkv.dtype == torch.bfloat16 and dim % 8 == 0 and dim <= 256 and qkv.is_contiguous()
 
 
-def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, impl: str = "torch"
-                   ) -> torch.Tensor:
+def rope_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, impl: str = "torch",
+                   backend: str | None = None) -> torch.Tensor:
     """Causal self-attention with RoPE of qkv [B, T, 3H] -> [B, T, H]: fused where `impl` is not "torch" and the
-    tensor qualifies (fused_supported), the unfused reference otherwise."""
+    tensor qualifies (fused_supported), the unfused reference otherwise. `backend`: a BACKENDS name, read from
+    PEERLINE_ATTENTION when None (a model reads it once, when it is built)."""
     if impl != "torch" and fused_supported(qkv, heads):
-        return FusedRopeAttention.apply(qkv, cos, sin, heads, attention_backend())
+        return FusedRopeAttention.apply(qkv, cos, sin, heads, backend or attention_backend())
     return attention_reference(qkv, cos, sin, heads)

@@ -67,7 +67,7 @@ class GPTBlock(nn.Module):
         super().__init__()
         check_shape(hidden, heads)
         self.heads, self.head_dim, self.kernels = heads, hidden // heads, kernels
-        attention_backend()  # a bad PEERLINE_ATTENTION fails here, while the model is built
+        self.attention_impl = attention_backend()  # read once: a bad PEERLINE_ATTENTION fails while the model is built
         self.norm1 = nn.LayerNorm(hidden)
         self.qkv = FusedLinear(hidden, 3 * hidden, bias=False, impl=kernels)
         self.proj = FusedLinear(hidden, hidden, bias=False, impl=kernels)
@@ -88,7 +88,8 @@ class GPTBlock(nn.Module):
         seq = x.shape[1]
         if seq > self.rope_cos.shape[0]:
             raise ValueError(f"sequence of {seq} tokens is longer than the block's max_seq {self.rope_cos.shape[0]}")
-        y = rope_attention(self.qkv(x), self.rope_cos, self.rope_sin, self.heads, self.kernels)
+        y = rope_attention(self.qkv(x), self.rope_cos, self.rope_sin, self.heads, self.kernels,
+                           self.attention_impl)
         return self.proj(y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
