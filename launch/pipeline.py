@@ -96,11 +96,12 @@ def print_schedule(cfg: RunConfig) -> None:
     pp = cfg.pp if info.world_size == 1 and cfg.pp is not None else cfg.resolved_pp(info.world_size)
     n_stages = pp * cfg.stages
     placed = placed_schedule(cfg.schedule, pp, cfg.stages, cfg.microbatches)  # several stages per rank
-    table = placed.render() if placed else schedule.render(schedule.build(cfg.schedule, n_stages, cfg.microbatches))
+    programs = None if placed else schedule.build(cfg.schedule, n_stages, cfg.microbatches)
+    table = placed.render() if placed else schedule.render(programs)
     ring = None
-    if not placed and pp > 1:
+    if programs is not None and pp > 1:
         ring_programs = schedule.build(cfg.schedule, n_stages, cfg.microbatches, rendezvous=False)
-        if ring_programs != schedule.build(cfg.schedule, n_stages, cfg.microbatches):
+        if ring_programs != programs:
             ring = schedule.render(ring_programs)
     if info.rank == 0:
         print(f"schedule {cfg.schedule}: {n_stages} stage(s) (pp={pp} x stages/rank={cfg.stages}), dp={cfg.dp}, "
