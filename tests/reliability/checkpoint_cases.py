@@ -27,8 +27,10 @@ MODEL = ["--hidden", "8", "--layers", "4", "--seq", "4", "--micro-batch-size", "
 LIMIT_S = STARTUP_S + 60
 
 
-def _digests(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+def folder_digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file below `folder`, by its path relative to it (what a run must leave as it is)."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def _flip(f: Path) -> None:
@@ -144,7 +146,7 @@ def _check(workdir: Path, start: int | None, needle: str, kept: dict[str, str], 
     def check(r: Result) -> str:
         if worker_traceback(r.out):
             return "traceback"
-        if _digests(workdir / "ck" / "iter_000002") != kept:
+        if folder_digests(workdir / "ck" / "iter_000002") != kept:
             return "data lost"
         if needle not in r.out:
             return "misnamed"
@@ -171,7 +173,7 @@ def cases(workdir: Path) -> list[Case]:
         here = root / f"case{i:02d}"
         shutil.copytree(root / "base", here / "ck")
         damage(here / "ck")
-        kept = _digests(here / "ck" / "iter_000002")  # what the run must leave as it is
+        kept = folder_digests(here / "ck" / "iter_000002")  # what the run must leave as it is
         resume = [] if "--no-resume" in extra or "--resume" in extra else ["--resume", "ck"]
         args = [a for a in extra if a != "--no-resume"]
         cmd = [*forkrun_cmd(2), PIPELINE, *MODEL, "--iters", "6", "--save", "ck", "--save-every", "2", *resume,

@@ -9,7 +9,6 @@ the problem, exit 2, and the checkpoint byte for byte as it was. A --to that is 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 from tests.helpers import PIPELINE, cpu_env, run_command
 from tests.reliability.cases import STARTUP_S, Case, Result
-from tests.reliability.checkpoint_cases import MODEL
+from tests.reliability.checkpoint_cases import MODEL, folder_digests
 from tests.reliability.output_cases import kind_of, make, written_into
 
 EXPORT = [sys.executable, "-m", "peerline.launch.export_checkpoint"]
@@ -32,11 +31,6 @@ def _prepare(root: Path) -> Path:
                     timeout=STARTUP_S + 60)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return root / "base"
-
-
-def _digests(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def _flip(f: Path) -> None:
@@ -83,11 +77,11 @@ INPUTS: list[tuple[str, Callable[[Path], None], str, str | None, str | None]] = 
 
 def _kept(check: Callable[[Result], str], ck: Path) -> Callable[[Result], str]:
     """`check`, and "data lost" when the checkpoint folder changed."""
-    before = _digests(ck) if ck.exists() else {}
+    before = folder_digests(ck) if ck.exists() else {}
 
     def kept(r: Result) -> str:
         outcome = check(r)
-        return "data lost" if outcome == "clean" and before and _digests(ck) != before else outcome
+        return "data lost" if outcome == "clean" and before and folder_digests(ck) != before else outcome
     return kept
 
 
