@@ -78,8 +78,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="peerline's schedules for the eager and graph variants, e.g. 1f1b,zb-h1 (default 1f1b)")
     group.add_argument("--gpt-precisions", type=_csv, default=None,
                        help="peerline's --precision recipes for the eager and graph variants: master, autocast "
-                            "(the fp32-weight AMP recipe master was before), bf16, compact, e.g. master,autocast,bf16 "
-                            "(default master); each is compared with the anchor's fastest recipe")
+                            "(fp32 weights under bf16 autocast: torch's AMP recipe), bf16, compact, e.g. "
+                            "master,autocast,bf16 (default master); each is compared with the anchor's fastest recipe")
     group.add_argument("--gpt-anchor-schedules", type=_csv, default=None,
                        help="the anchor's torch schedules to try: 1f1b,gpipe,interleaved-1f1b,interleaved-zb,zbv,"
                             "dualpipev (default all that apply)")

@@ -158,8 +158,8 @@ def test_render_shows_b_and_w():
 @pytest.mark.parametrize("stages,m", [(2, 4), (2, 8), (2, 16)])
 def test_zb_h1_first_stage_runs_a_weight_pass_before_waiting_for_the_next_gradient(stages, m):
     """The first stage's B does nothing (its input is the data) and its W is the whole backward, so its W(j) runs in
-    the time the next gradient takes to come back: it comes before the receive of gradient j + 1. (Measured on
-    2 x H200: waiting for RG(j + 1) first left rank 0 idle for 4 ms per iteration.)"""
+    the time the next gradient takes to come back: it comes before the receive of gradient j + 1 (waiting for that
+    receive first leaves the first stage idle for a backward pass of the next stage)."""
     programs = S.build("zb-h1", stages, m, rendezvous=False)
     S.simulate(programs, S.min_capacity(programs))
     steps = [S.step_str(st) for st in programs[0]]
