@@ -23,7 +23,8 @@ one a window older):
      (all the ranks of one host: the host is named); a process on this rank's node that is stopped (SIGSTOP, a
      debugger) is named as such, with what the job now waits for: its launcher ends the job only once that
      process is gone, and a stopped process ignores SIGTERM (torchrun waits 30 s, then sends SIGKILL);
-  2. else ranks in no wait that made no progress: they stopped on their own (a hang in user code, a stuck kernel);
+  2. else ranks in no wait that made no progress (ended since, or not): they stopped on their own (a hang in user
+     code, a stuck kernel); of those, the ones in the earliest iteration (graphs let the others' hosts run ahead);
   3. else following "waits for" from this rank to a rank that waits for nobody, or around a cycle.
 
 When the table is stale (the store has not answered for a few polls: its host stopped or exited, or this rank's
@@ -303,9 +304,13 @@ def name_stopped(before: Table, after: Table, me: int, stall_s: float, name: Cal
         return _name_gone(gone, after, me, name, host, stopped or process_stopped)
     if gone_only:
         return None
-    stuck = [r for r, b in after.items() if b is not None and b.end is None and b.waiting_on is None
-             and b.idle_s >= stall_s]
+    # A rank in no wait that made no progress stopped on its own; one that has since ended, timed out on itself,
+    # counts too. Only the earliest iteration's are named: with CUDA graphs the others' hosts ran on into a later
+    # iteration and stopped there, their devices waiting for the rank that is behind.
+    stuck = [r for r, b in after.items() if b is not None and b.waiting_on is None and b.idle_s >= stall_s]
     if stuck:
+        first = min(after[r].iteration for r in stuck)
+        stuck = [r for r in stuck if after[r].iteration == first]
         who = _join([name(r) for r in stuck])
         its = _join(sorted({str(after[r].iteration) for r in stuck}))
         return (f"{who} stopped in iteration {its}: no progress for {max(after[r].idle_s for r in stuck):.0f} s, "

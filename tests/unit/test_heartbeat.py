@@ -221,3 +221,15 @@ def test_a_stopped_process_is_named_as_such_with_what_the_job_waits_for():
         child.wait()
     assert not process_stopped(frozen)  # gone
     assert name_stopped(before, after, 0, 5.0, name).endswith("stopped responding: its process died or froze")
+
+
+def test_a_hung_rank_that_ended_itself_is_named_not_the_ranks_that_ran_ahead_under_graphs():
+    """pp=2 x dp=2 with CUDA graphs, rank 1's host hangs before iteration 6 and its own watchdog ends it; the other
+    hosts enqueued iteration 6's replay and stopped in iteration 7, in no wait the beats know (their devices spin
+    on rank 1's flags). Rank 1 is named, alone."""
+    before = {0: beat(1, None, 10.0, it=7), 1: beat(4, None, 11.0, it=6, end="timed out; this rank stopped"),
+              2: beat(1, None, 10.0, it=7), 3: beat(1, None, 10.0, it=7)}
+    after = {r: Beat(b.seq + (0 if b.end else 1), b.iteration, None, "", b.idle_s + 2, b.end)
+             for r, b in before.items()}
+    got = name_stopped(before, after, 0, 5.0, name)
+    assert got == "rank 1 (stage 1) stopped in iteration 6: no progress for 13 s, waiting for no other rank", got
