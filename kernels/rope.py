@@ -67,8 +67,26 @@ def attention_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 # ---- the two rotations: CUDA kernels, torch stand-ins on the CPU ----
 
-def _grid(pairs: int) -> tuple[int]:
-    return (max(1, min(-(-pairs // _THREADS), _MAX_BLOCKS)),)
+def _grid(rows: int, dim: int) -> tuple[int]:
+    """Blocks for `rows` rows of head width `dim`: each thread takes four pairs, a block _THREADS // (dim // 8)
+    rows per step (rope.cu)."""
+    per_block = _THREADS // (dim // 8)
+    return (max(1, min(-(-rows // per_block), _MAX_BLOCKS)),)
+
+
+def _aligned(t: torch.Tensor, nbytes: int) -> bool:
+    return t.data_ptr() % nbytes == 0
+
+
+def _check_kernel_shapes(dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """What rope.cu's vector loads assume: D % 8 == 0 and at most 8 * _THREADS, fp32 tables contiguous and 16-byte
+    aligned (fused_supported admits no other qkv; a violation here is a caller's bug)."""
+    if dim % 8 or dim > 8 * _THREADS:
+        raise ValueError(f"fused RoPE needs a head width that is a multiple of 8 (at most {8 * _THREADS}), not {dim}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dtype != torch.float32 or not table.is_contiguous() or not _aligned(table, 16) \
+                or table.shape[-1] != dim:
+            raise ValueError(f"fused RoPE needs the {name} table fp32, contiguous, 16-byte aligned, [seq, {dim}]")
 
 
 def rope_forward_(qkv5: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -83,10 +101,13 @@ def rope_forward_(qkv5: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> N
     from peerline.kernels.compile import load_kernel
     from peerline.kernels.elementwise import launch_raw
 
-    pairs = batch * seq * 2 * heads * (dim // 2)
+    _check_kernel_shapes(dim, cos, sin)
+    if not (qkv5.is_contiguous() and _aligned(qkv5, 8)):
+        raise ValueError("fused RoPE rotates a contiguous, 8-byte aligned qkv in place")
+    rows = batch * seq * 2 * heads
     kernel, _ = load_kernel(KERNEL_SOURCE, "pl_rope_forward", qkv5.device.index)
-    launch_raw(kernel, _grid(pairs), (_THREADS,),
-               (np.uint64(qkv5.data_ptr()), np.uint64(cos.data_ptr()), np.uint64(sin.data_ptr()), np.int64(pairs),
+    launch_raw(kernel, _grid(rows, dim), (_THREADS,),
+               (np.uint64(qkv5.data_ptr()), np.uint64(cos.data_ptr()), np.uint64(sin.data_ptr()), np.int64(rows),
                 np.int32(seq), np.int32(heads), np.int32(dim)), 0, qkv5.device)
 
 
@@ -103,16 +124,22 @@ def rope_backward_pack(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos
     from peerline.kernels.compile import load_kernel
     from peerline.kernels.elementwise import launch_raw
 
-    if not (dq.stride() == dk.stride() == dv.stride() and dq.stride(-1) == 1):
+    _check_kernel_shapes(dim, cos, sin)
+    # The kernel reads four elements (8 bytes) at a time: one stride set for the three, the last dimension dense,
+    # every stride a multiple of 4 elements and every pointer 8-byte aligned; anything else is copied first.
+    if not (dq.stride() == dk.stride() == dv.stride() and dq.stride(-1) == 1
+            and all(x % 4 == 0 for x in dq.stride()[:3]) and all(_aligned(g, 8) for g in (dq, dk, dv))):
         dq, dk, dv = dq.contiguous(), dk.contiguous(), dv.contiguous()
     if out is None:
         out = torch.empty(batch, seq, 3, heads, dim, dtype=dq.dtype, device=dq.device)
-    pairs = batch * seq * 3 * heads * (dim // 2)
+    if not (out.is_contiguous() and _aligned(out, 8)):
+        raise ValueError("fused RoPE writes dqkv into a contiguous, 8-byte aligned tensor")
+    rows = batch * seq * 3 * heads
     kernel, _ = load_kernel(KERNEL_SOURCE, "pl_rope_backward_pack", dq.device.index)
     sb, sh, st, _ = dq.stride()
-    launch_raw(kernel, _grid(pairs), (_THREADS,),
+    launch_raw(kernel, _grid(rows, dim), (_THREADS,),
                (np.uint64(dq.data_ptr()), np.uint64(dk.data_ptr()), np.uint64(dv.data_ptr()),
-                np.uint64(out.data_ptr()), np.uint64(cos.data_ptr()), np.uint64(sin.data_ptr()), np.int64(pairs),
+                np.uint64(out.data_ptr()), np.uint64(cos.data_ptr()), np.uint64(sin.data_ptr()), np.int64(rows),
                 np.int32(seq), np.int32(heads), np.int32(dim), np.int64(sb), np.int64(sh), np.int64(st)),
                0, dq.device)
     return out

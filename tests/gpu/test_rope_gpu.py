@@ -11,7 +11,9 @@ from peerline.models.rope import rope_tables
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
-SHAPES = [(2, 128, 4, 64), (1, 2048, 16, 128), (3, 77, 6, 32), (1, 256, 2, 256)]
+# (4, 4096, 16, 128): more rows than the grid's blocks take at once (the kernels' grid-stride loop); head width 96:
+# 12 threads a row, 21 rows a block, 4 threads idle.
+SHAPES = [(2, 128, 4, 64), (1, 2048, 16, 128), (3, 77, 6, 32), (1, 256, 2, 256), (4, 4096, 16, 128), (2, 100, 3, 96)]
 
 
 def _rotate64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,10 @@ torch stand-ins for its two CUDA kernels and torch's CPU flash-attention ops, ag
 (view, rotate, scaled_dot_product_attention), outputs and input gradients in float64. The kernels themselves are
 checked against float64 on a GPU (tests/gpu/test_rope_gpu.py)."""
 
+import re
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -74,3 +78,37 @@ def test_attention_backend_is_checked(monkeypatch):
         rope.attention_backend()
     monkeypatch.delenv("PEERLINE_ATTENTION")
     assert rope.attention_backend() == "flash"
+
+
+@pytest.mark.parametrize("dim", [12, 4, 8 * rope._THREADS + 8])
+def test_kernel_rejects_head_widths_its_vector_loads_cannot_take(dim):
+    cos, sin = rope_tables(4, dim)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        rope._check_kernel_shapes(dim, cos, sin)
+
+
+def test_kernel_rejects_tables_it_cannot_read_as_fp32_vectors():
+    cos, sin = rope_tables(8, 16)
+    for bad in (cos.bfloat16(), cos.t().contiguous().t(), torch.empty(8 * 16 + 1)[1:].view(8, 16)):
+        with pytest.raises(ValueError, match="cos table fp32, contiguous, 16-byte aligned"):
+            rope._check_kernel_shapes(16, bad, sin)
+    rope._check_kernel_shapes(16, cos, sin)
+
+
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_kernels_build_with_vector_memory_access(tmp_path):
+    """Both kernels compile for sm_90 and move bf16 as 8-byte words and the tables as 16-byte vectors (no 2-byte
+    global loads or stores): the bandwidth the layout allows."""
+    ptx = tmp_path / "rope.ptx"
+    subprocess.run([NVCC, "-ptx", "-arch=sm_90", "-o", str(ptx), str(rope.KERNEL_SOURCE)], check=True,
+                   capture_output=True, text=True, timeout=150)
+    text = ptx.read_text()
+    for name in ("pl_rope_forward", "pl_rope_backward_pack"):
+        body = text[text.index(f".entry {name}"):]
+        body = body[:body.index("\n}\n")]
+        assert re.search(r"ld\.global(\.nc)?\.v4\.f32", body), name
+        assert re.search(r"ld\.global(\.nc)?\.v2\.u32", body) and "st.global.v2.u32" in body, name
+        assert not re.search(r"(ld|st)\.global(\.nc)?\.(u16|b16)", body), name
