@@ -11,11 +11,12 @@ The rotation (rotate-half pairs, tables from models/rope.py):  a' = a c - b s,  
 (`attention_reference`) everywhere else: fp32 runs, the CPU, --kernels torch. On the CPU the same Function runs
 with torch stand-ins for both kernels and the CPU flash-attention ops, so CI checks its autograd contract.
 
-The attention between the two rotations is flash attention's ops by default. PEERLINE_ATTENTION=cudnn runs cuDNN's
-instead, through torch's scaled_dot_product_attention restricted to that backend, its backward by autograd on a
-graph the forward keeps: an experiment until the gpt suite measures it (the SDPA probe in tools/gpu_probes times the
-backends on the packed qkv's strided views). "math" is the same path on torch's reference backend, which the CPU
-tests run.
+The attention between the two rotations is, by default (PEERLINE_ATTENTION=auto), the backend torch's own
+scaled_dot_product_attention picks for these q, k, v (torch._fused_sdp_choice): the same kernels a plain torch model
+runs on this build and card (torch 2.11 with its bundled cuDNN puts cuDNN first on sm90 and sm100). Flash runs
+flash attention's ops directly; any other backend runs through SDPA restricted to it, its backward by autograd on a
+graph the forward keeps. PEERLINE_ATTENTION=flash or cudnn forces one ("math", torch's reference backend, is what
+the CPU tests run).
 """
 
 from __future__ import annotations
@@ -32,18 +33,35 @@ KERNEL_SOURCE = Path(__file__).resolve().parent / "rope.cu"
 _THREADS = 256
 _MAX_BLOCKS = 8192
 _SAVED = object()  # marks where a saved tensor goes back among flash attention's extras
-#: PEERLINE_ATTENTION -> the SDPA backend the fused path runs through (None: flash attention's ops directly)
-BACKENDS: dict[str, SDPBackend | None] = {"flash": None, "cudnn": SDPBackend.CUDNN_ATTENTION,
+#: PEERLINE_ATTENTION -> the SDPA backend the fused path runs through (None: flash attention's ops directly;
+#: "auto" is resolved per call by `resolve_backend`)
+BACKENDS: dict[str, SDPBackend | None] = {"auto": None, "flash": None, "cudnn": SDPBackend.CUDNN_ATTENTION,
                                           "math": SDPBackend.MATH}
+#: torch._fused_sdp_choice's answer (an SDPBackend value) -> a BACKENDS name, or the backend itself
+_TORCH_CHOICE: dict[int, str | SDPBackend] = {int(SDPBackend.FLASH_ATTENTION): "flash",
+                                               int(SDPBackend.CUDNN_ATTENTION): "cudnn",
+                                               int(SDPBackend.MATH): "math",
+                                               int(SDPBackend.EFFICIENT_ATTENTION): SDPBackend.EFFICIENT_ATTENTION}
 
 
 def attention_backend() -> str:
-    """PEERLINE_ATTENTION (default flash); ValueError naming the choices for anything else."""
-    name = overrides.get_str("PEERLINE_ATTENTION", "flash").strip().lower()
+    """PEERLINE_ATTENTION (default auto); ValueError naming the choices for anything else."""
+    name = overrides.get_str("PEERLINE_ATTENTION", "auto").strip().lower()
     if name not in BACKENDS:
         raise ValueError(f"environment variable PEERLINE_ATTENTION={name!r} is not an attention backend; choose "
                          f"one of {', '.join(BACKENDS)}")
     return name
+
+
+def resolve_backend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> SDPBackend | None:
+    """The SDPA backend the fused path runs for `name` (None: flash attention's ops directly). "auto" asks torch
+    which backend its own causal SDPA would pick for these tensors (a host-side check, no device work)."""
+    if name != "auto":
+        return BACKENDS[name]
+    # Asked as the plain model asks: with tensors that require grad (some backends' limits are training-only).
+    leaves = (t.detach().requires_grad_(True) for t in (q, k, v))
+    choice = _TORCH_CHOICE.get(int(torch._fused_sdp_choice(*leaves, is_causal=True)), "flash")
+    return BACKENDS[choice] if isinstance(choice, str) else choice
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -190,18 +208,20 @@ def _sdpa_backward(dout: torch.Tensor, graph: tuple) -> tuple[torch.Tensor, torc
 class FusedRopeAttention(torch.autograd.Function):
     """qkv [B, T, 3H] -> [B, T, H]. The input's memory is rotated in place (the qkv Linear saves its input, not its
     output, so nothing else reads it) and kept for the backward, which needs the rotated q and k. `backend`: a
-    BACKENDS name (flash: flash attention's ops; cudnn, math: torch's SDPA on that backend)."""
+    BACKENDS name (auto: torch's own pick for these tensors; flash: flash attention's ops; cudnn, math: torch's
+    SDPA on that backend)."""
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                backend: str = "flash") -> torch.Tensor:
+                backend: str = "auto") -> torch.Tensor:
         batch, seq, three_h = qkv.shape
         qkv5 = qkv.view(batch, seq, 3, heads, three_h // (3 * heads))
         cos, sin = cos[:seq], sin[:seq]
         rope_forward_(qkv5, cos, sin)
         ctx.heads = heads
-        if BACKENDS[backend] is not None:
-            out, ctx.graph = _sdpa_forward(*_views(qkv5), BACKENDS[backend])
+        sdpa = resolve_backend(backend, *_views(qkv5))
+        if sdpa is not None:
+            out, ctx.graph = _sdpa_forward(*_views(qkv5), sdpa)
             ctx.save_for_backward(cos, sin)
             return out.transpose(1, 2).reshape(batch, seq, three_h // 3)
         ctx.graph = None

@@ -179,14 +179,16 @@ class TorchGPTAnchor:
 
     @staticmethod
     def _attention() -> contextlib.AbstractContextManager:
-        """PEERLINE_ATTENTION=cudnn restricts the anchor's SDPA to cuDNN too, so both sides of a measurement run
-        the same attention kernels; by default SDPA picks its own."""
-        from torch.nn.attention import sdpa_kernel
+        """PEERLINE_ATTENTION=flash or cudnn restricts the anchor's SDPA to that backend too, so both sides of a
+        measurement run the same attention kernels; by default (auto) SDPA picks its own, as peerline's does."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
         from peerline.kernels.rope import BACKENDS, attention_backend
 
-        backend = BACKENDS[attention_backend()]
-        return sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
+        name = attention_backend()
+        if name == "auto":
+            return contextlib.nullcontext()
+        return sdpa_kernel([BACKENDS[name] or SDPBackend.FLASH_ATTENTION])
 
     def step(self) -> None:
         """One training iteration: data, all microbatches through the schedule, AdamW."""

@@ -9,16 +9,18 @@ import subprocess
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend
 
 from peerline.kernels import rope
 from peerline.models.rope import rope_tables
 
 
-@pytest.mark.parametrize("backend", ["flash", "math"])
+@pytest.mark.parametrize("backend", ["auto", "flash", "math"])
 @pytest.mark.parametrize("batch,seq,heads,dim", [(2, 16, 4, 8), (1, 33, 2, 16), (3, 7, 1, 6)])
 def test_fused_function_equals_reference(batch, seq, heads, dim, backend):
-    """flash: the default path (CPU flash ops as stand-ins); math: PEERLINE_ATTENTION=cudnn's path (SDPA on one
-    backend, its backward by autograd on the graph the forward keeps) on torch's reference backend."""
+    """flash: flash attention's ops (CPU flash ops as stand-ins); math: the path of every SDPA backend other than
+    flash (SDPA on one backend, its backward by autograd on the graph the forward keeps) on torch's reference
+    backend; auto: whichever of the two torch's own choice leads to."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
     cos, sin = (t.double() for t in rope_tables(seq + 5, dim))
     qkv = torch.randn(batch, seq, 3 * heads * dim, dtype=torch.float64, generator=gen)
@@ -74,10 +76,29 @@ def test_attention_backend_is_checked(monkeypatch):
     monkeypatch.setenv("PEERLINE_ATTENTION", "cuDNN")
     assert rope.attention_backend() == "cudnn"
     monkeypatch.setenv("PEERLINE_ATTENTION", "fa3")
-    with pytest.raises(ValueError, match="PEERLINE_ATTENTION='fa3' is not an attention backend; choose one of flash"):
+    with pytest.raises(ValueError, match="PEERLINE_ATTENTION='fa3' is not an attention backend; choose one of auto, flash"):
         rope.attention_backend()
     monkeypatch.delenv("PEERLINE_ATTENTION")
-    assert rope.attention_backend() == "flash"
+    assert rope.attention_backend() == "auto"
+
+
+def test_auto_runs_the_backend_torch_would_pick(monkeypatch):
+    """auto asks torch._fused_sdp_choice, with tensors that require grad, as the plain model's SDPA call would."""
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    want = {SDPBackend.FLASH_ATTENTION: None, SDPBackend.CUDNN_ATTENTION: SDPBackend.CUDNN_ATTENTION,
+            SDPBackend.EFFICIENT_ATTENTION: SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH: SDPBackend.MATH}
+    native = int(torch._fused_sdp_choice(q, q, q, is_causal=True))
+    assert rope.resolve_backend("auto", q, q, q) == want[SDPBackend(native)]
+    asked = []
+    for picked, expected in want.items():
+        def fake(*args, picked=picked, **kwargs):
+            asked.append((all(t.requires_grad for t in args[:3]), kwargs.get("is_causal")))
+            return int(picked)
+        monkeypatch.setattr(torch, "_fused_sdp_choice", fake)
+        assert rope.resolve_backend("auto", q, q, q) == expected, picked
+    assert asked == [(True, True)] * len(want)
+    assert rope.resolve_backend("cudnn", q, q, q) == SDPBackend.CUDNN_ATTENTION
+    assert rope.resolve_backend("flash", q, q, q) is None
 
 
 @pytest.mark.parametrize("dim", [12, 4, 8 * rope._THREADS + 8])
