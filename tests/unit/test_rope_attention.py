@@ -76,7 +76,8 @@ def test_attention_backend_is_checked(monkeypatch):
     monkeypatch.setenv("PEERLINE_ATTENTION", "cuDNN")
     assert rope.attention_backend() == "cudnn"
     monkeypatch.setenv("PEERLINE_ATTENTION", "fa3")
-    with pytest.raises(ValueError, match="PEERLINE_ATTENTION='fa3' is not an attention backend; choose one of auto, flash"):
+    with pytest.raises(ValueError, match="PEERLINE_ATTENTION='fa3' is not an attention backend; choose one of "
+                                         "auto, flash"):
         rope.attention_backend()
     monkeypatch.delenv("PEERLINE_ATTENTION")
     assert rope.attention_backend() == "auto"
@@ -133,3 +134,29 @@ def test_kernels_build_with_vector_memory_access(tmp_path):
         assert re.search(r"ld\.global(\.nc)?\.v4\.f32", body), name
         assert re.search(r"ld\.global(\.nc)?\.v2\.u32", body) and "st.global.v2.u32" in body, name
         assert not re.search(r"(ld|st)\.global(\.nc)?\.(u16|b16)", body), name
+
+
+@pytest.mark.parametrize("backend", ["flash", "math"])
+def test_fused_function_under_non_reentrant_recompute(backend):
+    """--recompute wraps blocks in torch.utils.checkpoint (non-reentrant): both paths of the fused Function (flash's
+    ops; an SDPA backend with the graph its forward keeps) give the reference's gradients when recomputed."""
+    from torch.utils.checkpoint import checkpoint
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    batch, seq, heads, dim = 2, 12, 2, 8
+    cos, sin = (t.double() for t in rope_tables(seq, dim))
+    qkv = torch.randn(batch, seq, 3 * heads * dim, dtype=torch.float64, generator=gen)
+    weight = torch.randn(3 * heads * dim, 3 * heads * dim, dtype=torch.float64, generator=gen) / 8
+    dy = torch.randn(batch, seq, heads * dim, dtype=torch.float64, generator=gen)
+
+    def block(x, fused):
+        h = x @ weight  # a fresh qkv each call, as the block's Linear gives the Function
+        return rope.FusedRopeAttention.apply(h, cos, sin, heads, backend) if fused else \
+            rope.attention_reference(h, cos, sin, heads)
+
+    ref_in = qkv.clone().requires_grad_(True)
+    block(ref_in, False).backward(dy)
+    got_in = qkv.clone().requires_grad_(True)
+    out = checkpoint(block, got_in, True, use_reentrant=False)
+    out.backward(dy)
+    torch.testing.assert_close(got_in.grad, ref_in.grad, rtol=1e-10, atol=1e-10)
