@@ -1,0 +1,199 @@
+"""Where one pipeline stage of the plain torch GPT (bench/suites/plain_gpt.py, the gpt suite's anchor) and the same
+stage of peerline's GPT (models/gpt.py, built as --model gpt --precision bf16 builds it) spend device time, kernel
+by kernel: forward + backward of M microbatches through the same blocks with bf16 parameters, under torch.profiler.
+Per side: device time per iteration by class (top_kernels.kernel_class) and the top kernels; then the classes side
+by side, and the attention backend each side runs. One GPU; on the CPU the rows are aten ops by self CPU time (what
+the unit test runs). INFO lines only.
+
+    PYTHONPATH=$PWD python3 tools/gpu_probes/stage_kernels_probe.py [--blocks 12 --hidden 2048 --microbatches 8 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from top_kernels import kernel_class
+from torch.autograd import DeviceType
+from torch.nn.attention import SDPBackend
+from torch.profiler import ProfilerActivity, profile
+
+from peerline.bench.suites import plain_gpt
+from peerline.distributed.config import RunConfig
+from peerline.distributed.precision import apply_precision
+from peerline.kernels import ops
+from peerline.kernels.rope import attention_backend, fused_supported, resolve_backend
+from peerline.models.gpt import build_gpt_layers
+
+SIDES = ("torch", "peerline")
+CLASSES = ("gemm", "attention", "other", "copies")
+CPU_GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+VOCAB = 4096  # no embedding or head in a middle stage: the vocabulary only sizes layers that are not built
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Defaults: the gpt bench's compute shape of one stage at pp=2.")
+    p.add_argument("--blocks", type=int, default=12, help="blocks in the stage (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=2048, help="hidden size (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=16, help="attention heads (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per microbatch (default: %(default)s)")
+    p.add_argument("--microbatches", type=int, default=8,
+                   help="forward + backward passes per iteration (default: %(default)s)")
+    p.add_argument("--iters", type=int, default=3,
+                   help="profiled iterations, after as many timed unprofiled (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="iterations before profiling (default: %(default)s)")
+    p.add_argument("--top", type=int, default=15, help="kernels listed per side (default: %(default)s)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   choices=("cuda", "cpu"),
+                   help="default: %(default)s")
+    return p.parse_args(argv)
+
+
+def build_torch(a: argparse.Namespace, device: torch.device) -> tuple[nn.Module, list[nn.Module]]:
+    """plain_gpt's blocks 1..blocks of a 2 x blocks model, cast as the bench's bf16-params recipe casts them (the
+    RoPE table stays complex64). Returns the model and its blocks."""
+    model = plain_gpt.PlainGPT(vocab=VOCAB, hidden=a.hidden, heads=a.heads, layers=2 * a.blocks, seq=a.seq,
+                               start=1, stop=a.blocks + 1).to(device, torch.bfloat16)
+    return model, list(model.layers.values())
+
+
+def peerline_config(a: argparse.Namespace) -> RunConfig:
+    return RunConfig(model="gpt", precision="bf16", hidden=a.hidden, heads=a.heads, layers=2 * a.blocks, seq=a.seq,
+                     micro_batch_size=a.micro_batch, microbatches=a.microbatches)
+
+
+def build_peerline(a: argparse.Namespace, device: torch.device) -> tuple[nn.Module, list[nn.Module]]:
+    """peerline's blocks 1..blocks of a 2 x blocks GPT as the engine builds them (distributed/assemble.py): kernels
+    resolved for the device, moved there, parameters cast by the bf16 recipe (RoPE tables stay fp32)."""
+    cfg = peerline_config(a)
+    kernels = ops.resolve_impl(cfg.kernels, device)
+    model = nn.Sequential(*build_gpt_layers(vocab=VOCAB, hidden=a.hidden, heads=a.heads, layers=cfg.layers,
+                                            seq=a.seq, seed=cfg.seed, kernels=kernels, start=1,
+                                            stop=a.blocks + 1)).to(device)
+    apply_precision(cfg, [model], None, device)
+    return model, list(model)
+
+
+BUILDERS: dict[str, Callable[[argparse.Namespace, torch.device], tuple[nn.Module, list[nn.Module]]]] = {
+    "torch": build_torch, "peerline": build_peerline}
+
+
+def block_params(blocks: list[nn.Module]) -> list[int]:
+    return [sum(p.numel() for p in b.parameters()) for b in blocks]
+
+
+def stage_iteration(model: nn.Module, x: torch.Tensor, microbatches: int) -> None:
+    """One stage's work of an iteration: fresh gradients, forward + backward of every microbatch."""
+    model.zero_grad(set_to_none=True)
+    for _ in range(microbatches):
+        inp = x.detach().requires_grad_(True)
+        model(inp).float().square().mean().backward()
+
+
+def op_class(name: str) -> str:
+    """A GPU kernel's class (top_kernels.kernel_class; copies and memsets: copies); on the CPU, aten's matmuls are
+    gemm."""
+    if name.startswith(("Memcpy", "Memset")):
+        return "copies"
+    return "gemm" if name in CPU_GEMMS else kernel_class(name)
+
+
+def device_rows(prof: profile, on_gpu: bool) -> tuple[collections.Counter, collections.Counter]:
+    """(us by name, calls by name): GPU kernels, copies and memsets by duration; on the CPU, ops by self time."""
+    us: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    for e in prof.events():
+        if on_gpu and e.device_type == DeviceType.CUDA:
+            us[e.name] += e.time_range.elapsed_us()
+        elif not on_gpu and e.device_type == DeviceType.CPU and not e.is_async \
+                and not getattr(e, "is_user_annotation", False) and not e.name.startswith("["):
+            us[e.name] += e.self_cpu_time_total
+        else:
+            continue
+        calls[e.name] += 1
+    return us, calls
+
+
+def profile_side(name: str, a: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """Builds one side, times `iters` iterations unprofiled and profiles `iters` more; prints its lines and returns
+    its ms per iteration by class."""
+    model, blocks = BUILDERS[name](a, device)
+    x = torch.randn(a.micro_batch, a.seq, a.hidden, device=device, dtype=torch.bfloat16)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(a.warmup):
+        stage_iteration(model, x, a.microbatches)
+    sync()
+    start = time.perf_counter()
+    for _ in range(a.iters):
+        stage_iteration(model, x, a.microbatches)
+    sync()
+    wall_ms = (time.perf_counter() - start) * 1e3 / a.iters
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        for _ in range(a.iters):
+            stage_iteration(model, x, a.microbatches)
+        sync()
+    us, calls = device_rows(prof, on_gpu)
+    per_it = a.iters * 1000.0  # us -> ms per iteration
+    classes: collections.Counter = collections.Counter()
+    for kernel, t in us.items():
+        classes[op_class(kernel)] += t / per_it
+    params = block_params(blocks)
+    print(f"INFO {name}: {len(blocks)} blocks of {params[0]} parameters; {'device' if on_gpu else 'self CPU'} time "
+          f"{sum(classes.values()):.2f} ms per iteration (wall {wall_ms:.2f} ms unprofiled): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in classes.most_common()), flush=True)
+    for kernel, t in us.most_common(a.top):
+        print(f"INFO {name:8s} {t / per_it:8.2f} ms  x{calls[kernel] / a.iters:6.0f}  {kernel[:100]}")
+    return dict(classes)
+
+
+def attention_choices(a: argparse.Namespace, device: torch.device) -> str:
+    """The SDPA backend torch picks for the plain model's q, k, v (RoPE'd q and k contiguous [B, T, heads, D], v a
+    view of the packed qkv, all transposed to [B, heads, T, D]) and what PEERLINE_ATTENTION resolves to for
+    peerline's views of its packed qkv."""
+    head_dim = a.hidden // a.heads
+    qkv = torch.zeros(a.micro_batch, a.seq, 3 * a.hidden, device=device, dtype=torch.bfloat16)
+    qkv5 = qkv.view(a.micro_batch, a.seq, 3, a.heads, head_dim)
+    xq, xk, xv = qkv5.unbind(2)
+    plain = [t.transpose(1, 2).detach().requires_grad_(True) for t in (xq.contiguous(), xk.contiguous(), xv)]
+    picked = SDPBackend(int(torch._fused_sdp_choice(*plain, is_causal=True))).name
+    name = attention_backend()
+    resolved = resolve_backend(name, *(qkv5[:, :, i].transpose(1, 2) for i in range(3)))
+    kernels = ops.resolve_impl(peerline_config(a).kernels, device)
+    fused = kernels != "torch" and fused_supported(qkv, a.heads)
+    ours = "flash attention's ops" if resolved is None else resolved.name
+    path = f"the fused RoPE path runs {ours}" if fused else "the unfused reference path runs torch's SDPA"
+    return (f"INFO attention: torch's SDPA picks {picked} for the plain model; peerline (kernels {kernels}, "
+            f"PEERLINE_ATTENTION={name}): {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    device = torch.device(a.device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"INFO {where}, torch {torch.__version__}: {a.blocks} blocks, hidden {a.hidden}, {a.heads} heads, seq "
+          f"{a.seq}, micro-batch {a.micro_batch}, {a.microbatches} microbatches; per side {a.warmup} warm-up "
+          f"iterations, {a.iters} timed, {a.iters} profiled", flush=True)
+    by_side = {}
+    for name in SIDES:
+        by_side[name] = profile_side(name, a, device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    extra = sorted({k for c in by_side.values() for k in c} - set(CLASSES))
+    print(f"INFO {'class':10s} {'torch':>9s} {'peerline':>9s} {'peerline-torch':>15s}  (ms per iteration)")
+    for cls in (*CLASSES, *extra, "total"):
+        t, p = (sum(by_side[s].values()) if cls == "total" else by_side[s].get(cls, 0.0) for s in SIDES)
+        print(f"INFO {cls:10s} {t:9.2f} {p:9.2f} {p - t:+15.2f}")
+    print(attention_choices(a, device), flush=True)
+
+
+if __name__ == "__main__":
+    main()
