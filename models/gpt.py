@@ -8,9 +8,10 @@
                                   compute dtype (the loss upcasts them a chunk at a time, kernels/cross_entropy.py)
 
 Positions come from RoPE inside attention, so every boundary between layers carries one tensor, [B, T, H].
-The Linears are FusedLinear and the bias+GELU and residual adds go through peerline.kernels.ops, as in the
-residual-MLP model. Every layer is initialised under its own seed (distributed/model.py's layer_seed), so any
-split builds the weights the single-process model has.
+The Linears are FusedLinear, the LayerNorms FusedLayerNorm (bf16 kernels, kernels/layer_norm.py), and the
+bias+GELU and residual adds go through peerline.kernels.ops, as in the residual-MLP model. Every layer is
+initialised under its own seed (distributed/model.py's layer_seed), so any split builds the weights the
+single-process model has.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from peerline.distributed.config import ConfigError
 from peerline.distributed.model import layer_seed
 from peerline.kernels import ops
 from peerline.kernels.fused_linear import FusedLinear
+from peerline.kernels.layer_norm import FusedLayerNorm
 from peerline.kernels.rope import attention_backend, rope_attention
 from peerline.models.rope import rope_tables
 
@@ -68,10 +70,10 @@ class GPTBlock(nn.Module):
         check_shape(hidden, heads)
         self.heads, self.head_dim, self.kernels = heads, hidden // heads, kernels
         self.attention_impl = attention_backend()  # read once: a bad PEERLINE_ATTENTION fails while the model is built
-        self.norm1 = nn.LayerNorm(hidden)
+        self.norm1 = FusedLayerNorm(hidden, impl=kernels)
         self.qkv = FusedLinear(hidden, 3 * hidden, bias=False, impl=kernels)
         self.proj = FusedLinear(hidden, hidden, bias=False, impl=kernels)
-        self.norm2 = nn.LayerNorm(hidden)
+        self.norm2 = FusedLayerNorm(hidden, impl=kernels)
         self.fc1 = FusedLinear(hidden, 4 * hidden, bias=False, impl=kernels)
         self.fc1_bias = nn.Parameter(torch.zeros(4 * hidden))
         self.fc2 = FusedLinear(4 * hidden, hidden, impl=kernels)
@@ -109,7 +111,7 @@ class LMHead(nn.Module):
                  ) -> None:
         super().__init__()
         self.tied = tied
-        self.norm = nn.LayerNorm(hidden)
+        self.norm = FusedLayerNorm(hidden, impl=kernels)
         self.out = FusedLinear(hidden, vocab, bias=False, impl=kernels)
         with torch.no_grad():
             if tied:

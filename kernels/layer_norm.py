@@ -1,0 +1,142 @@
+"""LayerNorm over the last dimension with bf16 input, output and parameters and fp32 statistics, as one kernel
+forward and one backward plus a small reduction (kernels/layer_norm.cu; Transformer Engine's and Apex's fused
+LayerNorm do the same: each row's statistics in registers, the weight and bias gradients summed from per-block
+partials).
+
+  forward   one block per row at a time reads x once (16-byte loads), takes the mean and variance from registers,
+            writes y and keeps mean and rstd [rows] (fp32) for the backward
+  backward  reads x and dy once: dx, and each block's partial sums of dg and db over the rows it took, which
+            pl_ln_reduce adds in block order (a repeatable sum: graph and eager runs agree to the bit)
+
+`FusedLayerNorm` is nn.LayerNorm (same parameters, state_dict and init) whose forward takes this path for CUDA bf16
+inputs and bf16 parameters with a width the kernels take (`fused_supported`), and torch's layer_norm everywhere
+else: fp32 runs, the CPU, `--kernels torch`. On the CPU the same autograd Function runs with torch's native layer
+norm ops standing in for the kernels, so CI checks its contract; the kernels are checked against float64 on a GPU
+(tests/gpu/test_layer_norm_gpu.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+KERNEL_SOURCE = Path(__file__).resolve().parent / "layer_norm.cu"
+THREADS = 256  # PL_LN_THREADS in layer_norm.cu
+VECTORS = (1, 2, 4)  # the kernels' register capacities: 16-byte vectors per thread
+MAX_WIDTH = 8 * THREADS * VECTORS[-1]
+
+
+def fused_supported(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+    """Whether the kernels take this LayerNorm: CUDA, x, weight and bias all bf16, a width that is a multiple of 8
+    and at most MAX_WIDTH."""
+    width = x.shape[-1]
+    return (x.is_cuda and x.dtype == torch.bfloat16 and weight is not None and bias is not None
+            and weight.dtype == bias.dtype == torch.bfloat16 and width % 8 == 0 and 0 < width <= MAX_WIDTH)
+
+
+def vectors_for(width: int) -> int:
+    """The smallest register capacity (16-byte vectors per thread) that holds a row of `width` elements."""
+    for v in VECTORS:
+        if width <= 8 * THREADS * v:
+            return v
+    raise ValueError(f"fused LayerNorm takes rows of at most {MAX_WIDTH} elements, not {width}")
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _kernel(name: str, device: torch.device):
+    from peerline.kernels.compile import load_kernel
+
+    return load_kernel(KERNEL_SOURCE, name, device.index)[0]
+
+
+def layer_norm_forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x2 [rows, H] -> (y [rows, H], mean [rows], rstd [rows]); the kernel on CUDA, torch's op on the CPU."""
+    rows, width = x2.shape
+    if not x2.is_cuda:
+        y, mean, rstd = torch.native_layer_norm(x2, [width], weight, bias, eps)
+        return y, mean.view(rows), rstd.view(rows)
+    import numpy as np
+
+    from peerline.kernels.elementwise import launch_raw
+
+    y = torch.empty_like(x2)
+    mean = torch.empty(rows, dtype=torch.float32, device=x2.device)
+    rstd = torch.empty_like(mean)
+    if rows:
+        kernel = _kernel(f"pl_ln_forward_{vectors_for(width)}", x2.device)
+        launch_raw(kernel, (min(rows, 65535),), (THREADS,),
+                   (np.uint64(x2.data_ptr()), np.uint64(weight.data_ptr()), np.uint64(bias.data_ptr()),
+                    np.uint64(y.data_ptr()), np.uint64(mean.data_ptr()), np.uint64(rstd.data_ptr()),
+                    np.int64(rows), np.int32(width), np.float32(eps)), 0, x2.device)
+    return y, mean, rstd
+
+
+def layer_norm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                        mean: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx [rows, H], dweight [H], dbias [H]) in the parameters' dtype; the kernels on CUDA, torch's op on the
+    CPU. The partial sums: one fp32 row of dg and one of db per block, at most two blocks per multiprocessor."""
+    rows, width = x2.shape
+    if not x2.is_cuda:
+        return torch.ops.aten.native_layer_norm_backward(dy2, x2, [width], mean.view(rows, 1), rstd.view(rows, 1),
+                                                         weight, bias, [True, True, True])
+    import numpy as np
+
+    from peerline.kernels.elementwise import launch_raw
+
+    dx = torch.empty_like(x2)
+    dweight = torch.empty_like(weight)
+    dbias = torch.empty_like(bias)
+    parts = max(1, min(rows, 2 * _sm_count(x2.device.index)))
+    partials = torch.zeros(2, parts, width, dtype=torch.float32, device=x2.device)  # no rows: zero sums
+    if rows:
+        kernel = _kernel(f"pl_ln_backward_{vectors_for(width)}", x2.device)
+        launch_raw(kernel, (parts,), (THREADS,),
+                   (np.uint64(dy2.data_ptr()), np.uint64(x2.data_ptr()), np.uint64(weight.data_ptr()),
+                    np.uint64(mean.data_ptr()), np.uint64(rstd.data_ptr()), np.uint64(dx.data_ptr()),
+                    np.uint64(partials[0].data_ptr()), np.uint64(partials[1].data_ptr()), np.int64(rows),
+                    np.int32(width)), 0, x2.device)
+    launch_raw(_kernel("pl_ln_reduce", x2.device), (-(-width // THREADS),), (THREADS,),
+               (np.uint64(partials[0].data_ptr()), np.uint64(partials[1].data_ptr()), np.uint64(dweight.data_ptr()),
+                np.uint64(dbias.data_ptr()), np.int32(parts), np.int32(width)), 0, x2.device)
+    return dx, dweight, dbias
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """x [..., H] -> LayerNorm(x) with weight and bias [H]; keeps x, mean and rstd for the backward (what torch's
+    layer norm keeps)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y, mean, rstd = layer_norm_forward(x2, weight, bias, eps)
+        ctx.save_for_backward(x2, weight, bias, mean, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x2, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dweight, dbias = layer_norm_backward(dy.reshape(x2.shape).contiguous(), x2, weight, bias, mean, rstd)
+        return dx.view(dy.shape), dweight, dbias, None
+
+
+class FusedLayerNorm(nn.LayerNorm):
+    """nn.LayerNorm whose forward runs the fused kernels where they apply (see the module doc); `impl` "torch"
+    always runs torch's layer_norm."""
+
+    def __init__(self, width: int, eps: float = 1e-5, impl: str = "torch") -> None:
+        super().__init__(width, eps=eps)
+        self.impl = impl
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl != "torch" and fused_supported(x, self.weight, self.bias):
+            return LayerNormFunction.apply(x, self.weight, self.bias, self.eps)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
