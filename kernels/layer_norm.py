@@ -96,7 +96,8 @@ def layer_norm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tenso
     dweight = torch.empty_like(weight)
     dbias = torch.empty_like(bias)
     parts = max(1, min(rows, 2 * _sm_count(x2.device.index)))
-    partials = torch.zeros(2, parts, width, dtype=torch.float32, device=x2.device)  # no rows: zero sums
+    # Every block writes its whole partial row; with no rows no block runs and the sums are zeros.
+    partials = (torch.empty if rows else torch.zeros)(2, parts, width, dtype=torch.float32, device=x2.device)
     if rows:
         kernel = _kernel(f"pl_ln_backward_{vectors_for(width)}", x2.device)
         launch_raw(kernel, (parts,), (THREADS,),
