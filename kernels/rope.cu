@@ -76,6 +76,24 @@ __device__ __forceinline__ void pl_angles(const float* cos_t, const float* sin_t
     s[0] = sv.x; s[1] = sv.y; s[2] = sv.z; s[3] = sv.w;
 }
 
+// Rotate four pairs read from src (halves at i and i + h) into dst: a' = a c - b s', b' = b c + a s' with s' = sign s
+// (the forward's rotation with sign 1, the backward's transposed one with sign -1: the angle negated).
+__device__ __forceinline__ void pl_rotate4(const bf16_bits* src, bf16_bits* dst, const float* cos_t,
+                                           const float* sin_t, int t, int dim, int i, int h, float sign) {
+    float a[4], b[4], c[4], s[4], ra[4], rb[4];
+    pl_angles(cos_t, sin_t, t, dim, i, c, s);
+    pl_load4(src + i, a);
+    pl_load4(src + i + h, b);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float sk = sign * s[k];
+        ra[k] = a[k] * c[k] - b[k] * sk;
+        rb[k] = b[k] * c[k] + a[k] * sk;
+    }
+    pl_store4(dst + i, ra);
+    pl_store4(dst + i + h, rb);
+}
+
 // cos / sin: fp32 tables [seq, D] (the second half repeats the first); rows = B * T * 2 * heads (q and k).
 extern "C" __global__ void pl_rope_forward(bf16_bits* __restrict__ qkv, const float* __restrict__ cos_t,
                                            const float* __restrict__ sin_t, long long rows, int seq, int heads,
@@ -86,17 +104,7 @@ extern "C" __global__ void pl_rope_forward(bf16_bits* __restrict__ qkv, const fl
     for (long long r = (long long)blockIdx.x * per_block + slot; r < rows; r += (long long)gridDim.x * per_block) {
         const PlRow x = pl_row(r, heads, 2, seq);  // part 0: q, 1: k
         bf16_bits* row = qkv + ((x.bt * 3 + x.part) * heads + x.head) * (long long)dim;
-        float a[4], b[4], c[4], s[4], ra[4], rb[4];
-        pl_angles(cos_t, sin_t, x.t, dim, i, c, s);
-        pl_load4(row + i, a);
-        pl_load4(row + i + h, b);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            ra[k] = a[k] * c[k] - b[k] * s[k];
-            rb[k] = b[k] * c[k] + a[k] * s[k];
-        }
-        pl_store4(row + i, ra);
-        pl_store4(row + i + h, rb);
+        pl_rotate4(row, row, cos_t, sin_t, x.t, dim, i, h, 1.f);
     }
 }
 
@@ -119,16 +127,6 @@ extern "C" __global__ void pl_rope_backward_pack(const bf16_bits* __restrict__ d
             *reinterpret_cast<uint2*>(dst + i + h) = *reinterpret_cast<const uint2*>(src + i + h);
             continue;
         }
-        float da[4], db[4], c[4], s[4], ra[4], rb[4];
-        pl_angles(cos_t, sin_t, x.t, dim, i, c, s);
-        pl_load4(src + i, da);
-        pl_load4(src + i + h, db);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            ra[k] = da[k] * c[k] + db[k] * s[k];
-            rb[k] = db[k] * c[k] - da[k] * s[k];
-        }
-        pl_store4(dst + i, ra);
-        pl_store4(dst + i + h, rb);
+        pl_rotate4(src, dst, cos_t, sin_t, x.t, dim, i, h, -1.f);
     }
 }
