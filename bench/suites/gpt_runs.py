@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from peerline.bench.benchkit import BenchContext
+from peerline.bench.ideal import PLACED
 from peerline.bench.runtime_timing import (
     BlockTimer,
     Measured,
@@ -119,7 +120,8 @@ class GPTBench:
         """peerline with `schedule` and `precision` (--precision) on the same shape and data; why not, when the
         iteration was not captured."""
         cfg = self.shape.run_config(None, device=self.device.type, graph=graph, recompute=recompute,
-                                    schedule=schedule, iters=10**9, log_every=1, precision=precision)
+                                    schedule=schedule, stages=2 if schedule in PLACED else 1, iters=10**9,
+                                    log_every=1, precision=precision)
         with open_runtime(cfg) as rt:
             measured = time_captured(rt, graph, LOSS_CHECK_ITERS, self.timer)
             if isinstance(measured, str):

@@ -1,9 +1,9 @@
 """CPU smoke test of launch/bench.py's gpt suite (gloo, torchrun with 2 ranks: pp=2): a tiny fp32 GPT on the
-default corpus, peerline eager against every torch.distributed.pipelining candidate of the anchor (the plain torch
-GPT of bench/suites/plain_gpt.py: each torch schedule, 1F1B, GPipe, Interleaved1F1B, InterleavedZeroBubble,
-ZBVZeroBubble, DualPipeV, with its blocks eager and, where the schedule allows, compiled: torch.compile with the
-aot_eager backend, which traces as inductor would without generating code), the second torch row (peerline's GPT
-under torch), and the recompute table.
+default corpus, peerline eager (1F1B, and zbv and interleaved with two stages per rank) against every
+torch.distributed.pipelining candidate of the anchor (the plain torch GPT of bench/suites/plain_gpt.py: each torch
+schedule, 1F1B, GPipe, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, with its blocks eager and,
+where the schedule allows, compiled: torch.compile with the aot_eager backend, which traces as inductor would without
+generating code), the second torch row (peerline's GPT under torch), and the recompute table.
 
 The records must validate with finite ratios and name their models. Every plain candidate must compute the losses
 of the plain model trained in this process on the same tokens (the anchor shares only the text feed and the stage
@@ -64,8 +64,8 @@ def plain_losses(shape: GPTShape, iters: int = 2) -> list[float]:
 
 def test_gpt_suite_two_ranks_with_recompute_table(tmp_path):
     out = tmp_path / "gpt"
-    proc = run_bench(2, ["--gpt-recompute", "--gpt-anchor-compile", "both", "--gpt-compile-backend", "aot_eager"],
-                     out, suites=("gpt",))
+    proc = run_bench(2, ["--gpt-recompute", "--gpt-anchor-compile", "both", "--gpt-compile-backend", "aot_eager",
+                         "--gpt-schedules", "1f1b,zbv,interleaved"], out, suites=("gpt",))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     by_case = {r["case"]: r for r in gpt_records(out)}
     eager = by_case["quick eager"]
@@ -94,6 +94,10 @@ def test_gpt_suite_two_ranks_with_recompute_table(tmp_path):
     assert set(row["extra"]["candidates"]) == {f"{s} fp32 eager" for s in TORCH_SCHEDULES}
     for name, cand in row["extra"]["candidates"].items():  # peerline's weights under torch: peerline's losses
         assert close(cand["losses"], ex["losses"], 1e-5), (name, cand["losses"], ex["losses"])
+
+    for placed in ("zbv", "interleaved"):  # two stages per rank: the suite gives them --stages 2
+        rec = by_case[f"quick eager {placed}"]
+        assert rec["extra"]["schedule"] == placed and close(rec["extra"]["losses"], ex["losses"], 1e-5), rec["extra"]
 
     half = ex["stage_layers"] // 2
     assert half >= 1
