@@ -282,6 +282,8 @@ class FusedLinear(nn.Linear):
         self._cast_cache = CastCache()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "torch":  # what `linear` runs for "torch", one call per microbatch less
+            return F.linear(x, self.weight, self.bias)
         return linear(x, self.weight, self.bias, self.impl, self._cast_cache)
 
     def extra_repr(self) -> str:
