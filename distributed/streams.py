@@ -125,14 +125,19 @@ def own_streams() -> bool:
     return _pool_reason is None
 
 
-@contextlib.contextmanager
-def use(stream: torch.cuda.Stream | None) -> Iterator[None]:
+#: `use(None)`: one shared no-op context (reentrant), not a generator made and run per call
+_NO_STREAM = contextlib.nullcontext()
+
+
+def use(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
     """`torch.cuda.stream(stream)` on a GPU, nothing on the CPU."""
-    if stream is None:
+    return _NO_STREAM if stream is None else _use_cuda(stream)
+
+
+@contextlib.contextmanager
+def _use_cuda(stream: torch.cuda.Stream) -> Iterator[None]:
+    with torch.cuda.stream(stream):
         yield
-    else:
-        with torch.cuda.stream(stream):
-            yield
 
 
 def wait_stream(waiter: torch.cuda.Stream | None, producer: torch.cuda.Stream | None) -> None:
