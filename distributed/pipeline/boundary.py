@@ -95,9 +95,10 @@ class BoundarySpec:
         return cls(treedef, tuple(TensorSpec(tuple(t.shape), t.dtype) for _, t in flat))
 
     # -- what travels --------------------------------------------------------------------------------------
-    @property
+    @cached_property
     def is_tensor(self) -> bool:
-        """A single tensor, not a structure: the engine's original path."""
+        """A single tensor, not a structure: the engine's original path (asked several times per microbatch; the
+        spec is frozen, so it is worked out once)."""
         return self.treedef.is_leaf()
 
     @cached_property

@@ -281,6 +281,13 @@ class Engine:
         """The timeline's span of an action, or one shared no-op context when the timeline records nothing."""
         return self.timeline.span(lane, label, stream) if self.timeline.enabled else _NO_SPAN
 
+    def _compute_span(self, stage: LocalStage, op: str, mb: int) -> contextlib.AbstractContextManager:
+        """The span of compute action `op` of microbatch `mb` on the stage's lane; its lane and label are made
+        only when the timeline records (every forward and backward asks)."""
+        if not self.timeline.enabled:
+            return _NO_SPAN
+        return self.timeline.span(self._lane(stage.index), f"{op}{mb}", stage.stream)
+
     # -- one iteration -------------------------------------------------------------------------------------
     def iteration(self) -> None:
         """Issue one whole training iteration. No host synchronization on GPUs."""
@@ -300,13 +307,14 @@ class Engine:
         # its outermost region ends, so the weights are cast once per iteration instead of once per microbatch
         # (the weights only change in the optimizer step, after the region). Non-forward steps run in a nested
         # disabled region, which keeps the cache.
+        push, pop, names, run_step = self.range_push, self.range_pop, self._range_names, self._step
         with self._autocast():
             for stage, steps in self._runs:
                 with use(stage.stream):
                     for pos, step in steps:
-                        self.range_push(self._range_names[pos])
-                        self._step(stage, pos, step)
-                        self.range_pop()
+                        push(names[pos])
+                        run_step(stage, pos, step)
+                        pop()
         for s in self.order:
             stage = self.stages[s]
             with use(stage.stream):
@@ -317,7 +325,7 @@ class Engine:
             for fn in self.before_step:
                 fn()
             self.range_push("optimizer")
-            with self.timeline.span(self._lane(self.order[0]), "optimizer", main):
+            with self._span(self._lane(self.order[0]), "optimizer", main):
                 self.optimizer.step()
             self.range_pop()
         for stage in self.stages.values():
@@ -359,7 +367,7 @@ class Engine:
 
     def _forward(self, stage: LocalStage, mb: int) -> None:
         x = self.feed.inputs[mb] if stage.is_first else stage.inputs[mb]
-        with self._span(self._lane(stage.index), f"F{mb}", stage.stream):
+        with self._compute_span(stage, "F", mb):
             out = stage.module(x)  # inside iteration()'s autocast region
         if self.check_shapes:
             self._check_output(stage, mb, out)
@@ -387,7 +395,7 @@ class Engine:
                               f"{problem} (the first gave {spec.describe()})")
 
     def _backward(self, stage: LocalStage, mb: int) -> None:
-        with self._span(self._lane(stage.index), f"B{mb}", stage.stream):
+        with self._compute_span(stage, "B", mb):
             if stage.index in self._split:
                 self._backward_input(stage, mb)
             elif stage.is_last:
@@ -417,7 +425,7 @@ class Engine:
 
     def _weight(self, stage: LocalStage, mb: int) -> None:
         """W of a split backward: the weight gradients B left; then the received slots are free."""
-        with self._span(self._lane(stage.index), f"W{mb}", stage.stream):
+        with self._compute_span(stage, "W", mb):
             split_backward.backward_weight(stage.pending_w.pop(mb), self._params[stage.index])
         stage.grads_in.pop(mb, None)
         self._release(stage, mb)
