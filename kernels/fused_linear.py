@@ -169,8 +169,9 @@ def accumulate_deferred(queue: list[tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def _call_post_accumulate_hooks(param: torch.Tensor) -> None:
     hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-    for hook in (hooks or {}).values():
-        hook(param)
+    if hooks:
+        for hook in hooks.values():
+            hook(param)
 
 
 def _accumulate_weight_grad(weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
@@ -221,7 +222,8 @@ class _LinearAccumulate(torch.autograd.Function):
             dy2 = dy2.to(w_c.dtype)
         dx = db = None
         rerun = getattr(ctx, "deferred", False)  # dx and dW were done (or queued) by the input-gradient pass
-        if ctx.needs_input_grad[0] and not rerun:
+        needs = ctx.needs_input_grad  # a tuple made per read
+        if needs[0] and not rerun:
             dx = (dy2 @ w_c).view(*dy.shape[:-1], w_c.shape[1])
         weight = ctx.weight
         if weight.requires_grad and not rerun:
@@ -230,7 +232,7 @@ class _LinearAccumulate(torch.autograd.Function):
             else:
                 _accumulate_weight_grad(weight, dy2, x2)
                 _call_post_accumulate_hooks(weight)
-        if ctx.has_bias and ctx.needs_input_grad[3]:
+        if ctx.has_bias and needs[3]:
             db = dy2.sum(0, dtype=ctx.bias_dtype)
         ctx.deferred = rerun or _deferred is not None
         return dx, None, None, db, None
@@ -249,11 +251,11 @@ def linear_accumulate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         dtype = torch.get_autocast_dtype(device_type)
     else:
         dtype = weight.dtype
-    if x.is_cuda and dtype != weight.dtype and _dtype_out_ok is None:
-        probe(x.device)
     if dtype == weight.dtype:
         w_c, b_c = weight.detach(), None if bias is None else bias.detach()
     else:
+        if _dtype_out_ok is None and x.is_cuda:
+            probe(x.device)
         w_c, b_c = cache.get(weight, bias, dtype)
     if x.dtype != dtype:
         x = x.to(dtype)  # autograd's own cast (ToCopyBackward casts dx back), as autocast does
@@ -282,9 +284,12 @@ class FusedLinear(nn.Linear):
         self._cast_cache = CastCache()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.impl == "torch":  # what `linear` runs for "torch", one call per microbatch less
-            return F.linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias, self.impl, self._cast_cache)
+        # What `linear` runs, without its call per microbatch: F.linear for "torch" or a weight that gets no
+        # gradient here, else the accumulating linear with this module's cast cache.
+        weight = self.weight
+        if self.impl == "torch" or not (weight.requires_grad and torch.is_grad_enabled()):
+            return F.linear(x, weight, self.bias)
+        return linear_accumulate(x, weight, self.bias, self._cast_cache)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, impl={self.impl}"
