@@ -147,7 +147,34 @@ def profile_peerline(model: str, args: argparse.Namespace) -> str:
     out.write(f"== {model}: {args.iters} iterations, {calls / args.iters:.0f} Python calls per iteration ==\n")
     for key in ("cumulative", "tottime"):
         stats.sort_stats(key).print_stats(args.top)
+    out.write(own_time_by_place(stats.stats, args.iters))  # type: ignore[attr-defined]
     return out.getvalue()
+
+
+def own_time_by_place(stats: dict, iters: int) -> str:
+    """Own (exclusive) time and calls per iteration, summed by where the function lives: a folder of this
+    checkout (distributed/pipeline, kernels, models, ...), torch's Python, other Python, or builtins (torch's
+    ops and C calls). Profiled time: the profiler's cost per call inflates Python next to the ops."""
+    places: dict[str, list[float]] = {}
+    for (path, _line, _name), (_cc, calls, own, _cum, _callers) in stats.items():
+        if path == "~":
+            place = "builtins (torch ops, C calls)"
+        elif path.startswith(REPO + os.sep):
+            parts = os.path.relpath(path, REPO).split(os.sep)
+            place = "/".join(parts[:2]) if parts[0] == "distributed" and len(parts) > 2 else parts[0]
+        elif f"{os.sep}torch{os.sep}" in path:
+            place = "torch (Python)"
+        else:
+            place = "other Python"
+        acc = places.setdefault(place, [0.0, 0.0])
+        acc[0] += own
+        acc[1] += calls
+    total = sum(v[0] for v in places.values()) or 1.0
+    lines = [f"own time per iteration by place ({iters} iterations, profiled):",
+             f"  {'place':32} {'ms/iter':>8} {'share':>6} {'calls/iter':>10}"]
+    for place, (own, calls) in sorted(places.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"  {place:32} {own / iters * 1e3:8.2f} {own / total:6.1%} {calls / iters:10.0f}")
+    return "\n".join(lines) + "\n"
 
 
 # -- plain torch --------------------------------------------------------------------------------------------------
