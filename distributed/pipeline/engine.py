@@ -179,6 +179,7 @@ def direct_route(kind: str, boundary: int, mb: int) -> tuple[str, int]:
 
 
 _NO_SPAN = contextlib.nullcontext()  # reentrant and reusable: the span of every action when no timeline records
+_NO_AUTOCAST = contextlib.nullcontext()  # the same, for the autocast regions of a run without autocast
 
 
 def no_range_push(name: str) -> None:
@@ -272,7 +273,7 @@ class Engine:
 
     def _autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         if not enabled:
             return self._no_autocast
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
@@ -308,13 +309,16 @@ class Engine:
         # (the weights only change in the optimizer step, after the region). Non-forward steps run in a nested
         # disabled region, which keeps the cache.
         push, pop, names, run_step = self.range_push, self.range_pop, self._range_names, self._step
+        marked = push is not no_range_push or pop is not no_range_pop  # else the marks are not called at all
         with self._autocast():
             for stage, steps in self._runs:
                 with use(stage.stream):
                     for pos, step in steps:
-                        push(names[pos])
+                        if marked:
+                            push(names[pos])
                         run_step(stage, pos, step)
-                        pop()
+                        if marked:
+                            pop()
         for s in self.order:
             stage = self.stages[s]
             with use(stage.stream):
