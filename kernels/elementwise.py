@@ -103,38 +103,14 @@ def _check_out(out: torch.Tensor, n: int, dtype: torch.dtype, device: torch.devi
     return out
 
 
-def _stream(device: torch.device) -> Any:
-    import cupy
-
-    return cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
-
-
-def _p(t: torch.Tensor) -> Any:
-    import numpy as np
-
-    return np.uint64(t.data_ptr())
-
-
-def _i64(v: int) -> Any:
-    import numpy as np
-
-    return np.int64(v)
-
-
-def _i32(v: int) -> Any:
-    import numpy as np
-
-    return np.int32(v)
-
-
-def launch_raw(fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple, smem: int,
-               device: torch.device) -> None:
-    """Launch a CuPy kernel on torch's current stream of `device` (so it follows the engine's streams and can be
-    captured into a CUDA graph). Also used by the runtime's own NVRTC kernels (distributed/data/counter.py)."""
-    import cupy
-
-    with cupy.cuda.Device(device.index):
-        fn(grid, block, args, shared_mem=smem, stream=_stream(device))
+def launch_raw(fn: Any, grid: tuple[int], block: tuple[int], args: tuple, smem: int, device: torch.device) -> None:
+    """Launch a CuPy kernel (1-D grid and block, numpy scalar arguments) on torch's current stream of `device`, so
+    it follows the engine's streams and can be captured into a CUDA graph, through launch.py's pre-packed launcher
+    (a few microseconds of host time, where CuPy's own call packs and wraps a stream per launch). The runtime's
+    small kernels (RoPE, LayerNorm, compact AdamW, distributed/data/counter.py) launch this way."""
+    if len(grid) != 1 or len(block) != 1:
+        raise ValueError(f"launch_raw takes a 1-D grid and block, not {grid} x {block}")
+    launch.launch_numpy_args(fn, grid[0], block[0], args, smem, launch.raw_stream(device.index))
 
 
 _GRID_KEYS = (*plan.GRID_KEYS, "grid_cap")

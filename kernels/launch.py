@@ -25,15 +25,16 @@ import torch
 LAUNCHERS = ("auto", "cuda-bindings", "ctypes", "cupy")
 # The launcher of every kernel of elementwise.py; the host-cost bench sets it to compare them.
 LAUNCHER = "auto"
-# ArgPack slot kinds: a device pointer, a 64-bit and a 32-bit signed integer (the kernels' parameter types)
-_CTYPES = {"p": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int32}
+# ArgPack slot kinds: a device pointer, a 64-bit and a 32-bit signed integer, a 32-bit float (the kernels'
+# parameter types)
+_CTYPES = {"p": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int32, "f": ctypes.c_float}
 
 
 class ArgPack:
     """A kernel's arguments as ctypes values and the `void**` array of their addresses, built once.
 
-    `kinds` names each parameter: "p" pointer, "q" int64, "i" int32 (e.g. "pppqqq" for residual add's vector
-    kernel). `set(i, v)` writes one value; `address` is what cuLaunchKernel takes as kernelParams."""
+    `kinds` names each parameter: "p" pointer, "q" int64, "i" int32, "f" float32 (e.g. "pppqqq" for residual
+    add's vector kernel). `set(i, v)` writes one value; `address` is what cuLaunchKernel takes as kernelParams."""
 
     __slots__ = ("kinds", "values", "params", "address")
 
@@ -127,7 +128,7 @@ def _cupy_launcher() -> Callable[[Kernel, int, tuple[int, int], int, int, ArgPac
     import cupy
     import numpy as np
 
-    numpy_types = {"p": np.uint64, "q": np.int64, "i": np.int32}
+    numpy_types = {"p": np.uint64, "q": np.int64, "i": np.int32, "f": np.float32}
     streams: dict[int, Any] = {}
 
     def call(k: Kernel, grid: int, block: tuple[int, int], smem: int, stream: int, pack: ArgPack) -> None:
@@ -167,3 +168,26 @@ def launch(k: Kernel, grid: int, block: tuple[int, int], smem: int, stream: int,
     if fn is None:
         fn = _made[LAUNCHER] = launcher(LAUNCHER)
     fn(k, grid, block, smem, stream, pack)
+
+
+#: numpy scalar type name -> ArgPack kind, for `launch_numpy_args`
+_NUMPY_KINDS = {"uint64": "p", "int64": "q", "int32": "i", "float32": "f"}
+# (kernel object id, kinds, thread) -> (the kernel object, kept alive; its Kernel; its ArgPack): a pack is reused
+# only by the thread that made it (autograd's backward runs on a worker thread of its own)
+_raw_packs: dict[tuple[int, str, int], tuple[Any, Kernel, ArgPack]] = {}
+
+
+def launch_numpy_args(raw: Any, grid: int, block: int, args: Sequence[Any], smem: int, stream: int) -> None:
+    """Launch a CuPy RawKernel whose arguments are numpy scalars (uint64 pointers, int64, int32, float32) through
+    `launch`: one driver call on arguments packed in place, not CuPy's per-call packing and stream wrapping."""
+    import threading
+
+    kinds = "".join(_NUMPY_KINDS[a.dtype.name] for a in args)
+    key = (id(raw), kinds, threading.get_ident())
+    entry = _raw_packs.get(key)
+    if entry is None or entry[0] is not raw:
+        entry = _raw_packs[key] = (raw, Kernel(raw), ArgPack(kinds))
+    _, kernel, pack = entry
+    for slot, a in zip(pack.values, args):
+        slot.value = a.item()
+    launch(kernel, grid, (block, 1), smem, stream, pack)
