@@ -68,6 +68,11 @@ def stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> li
 PLACED = ("interleaved", "zbv")  # several stages per rank: rank orders (distributed/pipeline/rank_schedule.py)
 
 
+def stages_per_rank(schedule: str) -> int:
+    """The --stages a bench variant of `schedule` runs with: two for the placed schedules, else one."""
+    return 2 if schedule in PLACED else 1
+
+
 def rank_orders(schedule: str, stages: int, microbatches: int, per_rank: int = 2) -> list[list[tuple[str, int, int]]]:
     """Each rank's (op, stage, mb) order of a placed schedule over `stages` global stages."""
     from peerline.distributed.pipeline import rank_schedule

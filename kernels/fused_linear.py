@@ -284,12 +284,7 @@ class FusedLinear(nn.Linear):
         self._cast_cache = CastCache()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # What `linear` runs, without its call per microbatch: F.linear for "torch" or a weight that gets no
-        # gradient here, else the accumulating linear with this module's cast cache.
-        weight = self.weight
-        if self.impl == "torch" or not (weight.requires_grad and torch.is_grad_enabled()):
-            return F.linear(x, weight, self.bias)
-        return linear_accumulate(x, weight, self.bias, self._cast_cache)
+        return linear(x, self.weight, self.bias, self.impl, self._cast_cache)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, impl={self.impl}"

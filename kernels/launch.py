@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -180,8 +181,6 @@ _raw_packs: dict[tuple[int, str, int], tuple[Any, Kernel, ArgPack]] = {}
 def launch_numpy_args(raw: Any, grid: int, block: int, args: Sequence[Any], smem: int, stream: int) -> None:
     """Launch a CuPy RawKernel whose arguments are numpy scalars (uint64 pointers, int64, int32, float32) through
     `launch`: one driver call on arguments packed in place, not CuPy's per-call packing and stream wrapping."""
-    import threading
-
     kinds = "".join(_NUMPY_KINDS[a.dtype.name] for a in args)
     key = (id(raw), kinds, threading.get_ident())
     entry = _raw_packs.get(key)

@@ -70,6 +70,18 @@ def build_cubin(spec: kc.KernelSpec, nvcc: str, arch: str, workdir: Path) -> Pat
     return cubin
 
 
+def ptx_of(source: Path, nvcc: str, arch: str = "sm_90") -> str:
+    """The PTX nvcc makes of a standalone CUDA source file (RoPE, LayerNorm: the tests read their memory accesses)."""
+    return subprocess.run([nvcc, "-ptx", f"-arch={arch}", "-o", "-", str(source)], check=True, capture_output=True,
+                          text=True, timeout=300).stdout
+
+
+def ptx_entry(ptx: str, name: str) -> str:
+    """The body of kernel `name` in PTX text: from its `.entry` line to the brace that closes it."""
+    body = ptx[ptx.index(f".entry {name}("):]
+    return body[:body.index("\n}\n")]
+
+
 def split_functions(text: str, marker: str) -> dict[str, str]:
     """cuobjdump output -> {function name: its section}; sections start at lines like `<marker> pl_main`."""
     out: dict[str, str] = {}

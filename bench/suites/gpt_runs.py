@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from peerline.bench.benchkit import BenchContext
-from peerline.bench.ideal import PLACED
+from peerline.bench.ideal import stages_per_rank
 from peerline.bench.runtime_timing import (
     BlockTimer,
     Measured,
@@ -120,7 +120,7 @@ class GPTBench:
         """peerline with `schedule` and `precision` (--precision) on the same shape and data; why not, when the
         iteration was not captured."""
         cfg = self.shape.run_config(None, device=self.device.type, graph=graph, recompute=recompute,
-                                    schedule=schedule, stages=2 if schedule in PLACED else 1, iters=10**9,
+                                    schedule=schedule, stages=stages_per_rank(schedule), iters=10**9,
                                     log_every=1, precision=precision)
         with open_runtime(cfg) as rt:
             measured = time_captured(rt, graph, LOSS_CHECK_ITERS, self.timer)

@@ -41,7 +41,7 @@ from typing import Any
 import torch.distributed as dist
 
 from peerline.bench.benchkit import BenchContext, Record, Timing
-from peerline.bench.ideal import PLACED, IdealReport
+from peerline.bench.ideal import IdealReport, stages_per_rank
 from peerline.bench.runtime_timing import (
     BlockTimer,
     Measured,
@@ -203,7 +203,7 @@ class PipelineBench:
         except ImportError as exc:
             return f"peerline runtime not available ({exc})"
         s = self.shape
-        cfg = RunConfig(dp=self.dp, schedule=self.schedule, stages=2 if self.schedule in PLACED else 1,
+        cfg = RunConfig(dp=self.dp, schedule=self.schedule, stages=stages_per_rank(self.schedule),
                         microbatches=s.microbatches,
                         micro_batch_size=s.micro_batch_size, seq=s.seq, hidden=s.hidden, layers=s.layers,
                         seed=s.seed, lr=s.lr, dtype=s.dtype, device=self.device.type, graph=graph,

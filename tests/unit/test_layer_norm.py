@@ -6,7 +6,6 @@ and no spills. The kernels themselves are checked against float64 on a GPU (test
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from peerline.bench.kernel_tools import inspect_sass
 from peerline.kernels import layer_norm as ln
 
 
@@ -99,18 +99,16 @@ def test_which_tensors_the_kernels_take():
         ln.vectors_for(8200)
 
 
-NVCC = shutil.which("nvcc")
+NVCC = inspect_sass.find_tool("nvcc")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 def test_kernels_build_with_16_byte_accesses_and_no_spills(tmp_path):
     src = str(ln.KERNEL_SOURCE)
-    ptx = subprocess.run([NVCC, "-ptx", "-arch=sm_90", "-o", "-", src], check=True, capture_output=True, text=True,
-                         timeout=150).stdout
+    ptx = inspect_sass.ptx_of(ln.KERNEL_SOURCE, NVCC)
     for v in ln.VECTORS:
         for name in (f"pl_ln_forward_{v}", f"pl_ln_backward_{v}"):
-            body = ptx[ptx.index(f".entry {name}("):]
-            body = body[:body.index("\n}\n")]
+            body = inspect_sass.ptx_entry(ptx, name)
             assert re.search(r"ld\.global(\.nc)?\.v4\.u32", body) and "st.global.v4.u32" in body, name
             assert not re.search(r"(ld|st)\.global(\.nc)?\.(u16|b16)", body), name
     r = subprocess.run([NVCC, "-cubin", "-arch=sm_90", "-Xptxas", "-v", "-o", str(tmp_path / "ln.cubin"), src],

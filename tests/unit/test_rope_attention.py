@@ -4,13 +4,12 @@ torch stand-ins for its two CUDA kernels and torch's CPU flash-attention ops, ag
 checked against float64 on a GPU (tests/gpu/test_rope_gpu.py)."""
 
 import re
-import shutil
-import subprocess
 
 import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
+from peerline.bench.kernel_tools import inspect_sass
 from peerline.kernels import rope
 from peerline.models.rope import rope_tables
 
@@ -117,20 +116,16 @@ def test_kernel_rejects_tables_it_cannot_read_as_fp32_vectors():
     rope._check_kernel_shapes(16, cos, sin)
 
 
-NVCC = shutil.which("nvcc")
+NVCC = inspect_sass.find_tool("nvcc")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-def test_kernels_build_with_vector_memory_access(tmp_path):
+def test_kernels_build_with_vector_memory_access():
     """Both kernels compile for sm_90 and move bf16 as 8-byte words and the tables as 16-byte vectors (no 2-byte
     global loads or stores): the bandwidth the layout allows."""
-    ptx = tmp_path / "rope.ptx"
-    subprocess.run([NVCC, "-ptx", "-arch=sm_90", "-o", str(ptx), str(rope.KERNEL_SOURCE)], check=True,
-                   capture_output=True, text=True, timeout=150)
-    text = ptx.read_text()
+    text = inspect_sass.ptx_of(rope.KERNEL_SOURCE, NVCC)
     for name in ("pl_rope_forward", "pl_rope_backward_pack"):
-        body = text[text.index(f".entry {name}"):]
-        body = body[:body.index("\n}\n")]
+        body = inspect_sass.ptx_entry(text, name)
         assert re.search(r"ld\.global(\.nc)?\.v4\.f32", body), name
         assert re.search(r"ld\.global(\.nc)?\.v2\.u32", body) and "st.global.v2.u32" in body, name
         assert not re.search(r"(ld|st)\.global(\.nc)?\.(u16|b16)", body), name
