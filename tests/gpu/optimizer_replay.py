@@ -1,9 +1,39 @@
-"""The captured-step check both bf16 AdamWs share (compact and master, grad_sync/bf16_adamw_base.py): a step captured
-into a CUDA graph reads the lr and `found_inf` from device memory at every replay."""
+"""The captured-step checks both bf16 AdamWs share (compact and master, grad_sync/bf16_adamw_base.py): a step
+captured into a CUDA graph follows a reference optimizer with new gradients at every replay, allocates nothing after
+its first step, and reads the lr and `found_inf` from device memory."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+
+def check_captured_steps_follow_reference(opt: torch.optim.Optimizer, opt_ref: torch.optim.Optimizer,
+                                          set_grads: Callable[[int], None], assert_close: Callable[[], None]) -> None:
+    """Two eager steps (the first builds what the step keeps), a third that must allocate nothing, then one step
+    captured and replayed on three new gradients (`set_grads(seed)` writes both sides'), the reference stepping
+    beside it; `assert_close` compares the two sides, and the step count must be 5."""
+    set_grads(0)
+    opt.step()
+    opt_ref.step()
+    set_grads(1)
+    opt_ref.step()
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()["allocation.all.allocated"]
+    opt.step()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == stats, "a later step allocated"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for seed in (2, 3, 4):
+        set_grads(seed)
+        opt_ref.step()
+        graph.replay()
+    torch.cuda.synchronize()
+    assert_close()
+    assert float(opt.step_count) == 5
 
 
 def check_replay_reads_a_device_lr_and_found_inf(opt: torch.optim.Optimizer, params: list[torch.Tensor],

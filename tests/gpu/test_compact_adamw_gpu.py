@@ -19,7 +19,10 @@ import torch
 
 from tests.gpu.compare import Expect, assert_matches
 from tests.gpu.jobs import Run
-from tests.gpu.optimizer_replay import check_replay_reads_a_device_lr_and_found_inf
+from tests.gpu.optimizer_replay import (
+    check_captured_steps_follow_reference,
+    check_replay_reads_a_device_lr_and_found_inf,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -165,26 +168,8 @@ def _assert_close(cpu, gpu, opt_cpu, opt_gpu) -> None:
 
 def test_step_captured_in_a_cuda_graph_replays_with_new_gradients() -> None:
     cpu, gpu, opt_cpu, opt_gpu = _pair()
-    _set_grads(cpu, gpu, 0)
-    opt_cpu.step()
-    opt_gpu.step()  # eager first: builds the tables, compiles the kernel
-    _set_grads(cpu, gpu, 1)
-    opt_cpu.step()
-    torch.cuda.synchronize()
-    stats = torch.cuda.memory_stats()["allocation.all.allocated"]
-    opt_gpu.step()
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_stats()["allocation.all.allocated"] == stats, "a later step allocated"
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt_gpu.step()
-    for seed in (2, 3, 4):
-        _set_grads(cpu, gpu, seed)
-        opt_cpu.step()
-        graph.replay()
-    torch.cuda.synchronize()
-    _assert_close(cpu, gpu, opt_cpu, opt_gpu)
-    assert float(opt_gpu.step_count) == 5
+    check_captured_steps_follow_reference(opt_gpu, opt_cpu, lambda seed: _set_grads(cpu, gpu, seed),
+                                          lambda: _assert_close(cpu, gpu, opt_cpu, opt_gpu))
 
 
 def test_replay_reads_a_device_lr_and_found_inf() -> None:

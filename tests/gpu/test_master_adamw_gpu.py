@@ -15,7 +15,10 @@ import torch
 
 from tests.gpu.compare import Expect, assert_matches
 from tests.gpu.jobs import Run
-from tests.gpu.optimizer_replay import check_replay_reads_a_device_lr_and_found_inf
+from tests.gpu.optimizer_replay import (
+    check_captured_steps_follow_reference,
+    check_replay_reads_a_device_lr_and_found_inf,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -59,26 +62,8 @@ def _assert_close(ours, ref, opt, opt_ref) -> None:
 @pytest.mark.parametrize("chunk", [1 << 24, 100_003])
 def test_step_captured_in_a_cuda_graph_equals_fused_adamw(chunk: int) -> None:
     ours, ref, opt, opt_ref = _pair(chunk=chunk)
-    _set_grads(ours, ref, 0)
-    opt.step()  # eager first: builds the chunk plan and the scratch
-    opt_ref.step()
-    _set_grads(ours, ref, 1)
-    opt_ref.step()
-    torch.cuda.synchronize()
-    stats = torch.cuda.memory_stats()["allocation.all.allocated"]
-    opt.step()
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_stats()["allocation.all.allocated"] == stats, "a later step allocated"
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
-    for seed in (2, 3, 4):
-        _set_grads(ours, ref, seed)
-        opt_ref.step()
-        graph.replay()
-    torch.cuda.synchronize()
-    _assert_close(ours, ref, opt, opt_ref)
-    assert float(opt.step_count) == 5
+    check_captured_steps_follow_reference(opt, opt_ref, lambda seed: _set_grads(ours, ref, seed),
+                                          lambda: _assert_close(ours, ref, opt, opt_ref))
 
 
 def test_replay_reads_a_device_lr_and_found_inf() -> None:

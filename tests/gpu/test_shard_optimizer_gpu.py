@@ -49,11 +49,13 @@ def test_dp2_sharded_equals_unsharded(pipeline_runs, dtype: str, graph: str, rec
 
 
 @pytest.mark.gpu4
+@pytest.mark.parametrize("flags", [("--shard-optimizer",), OVERLAP], ids=["sharded", "overlapped-gather"])
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_pp2_dp2_sharded_equals_unsharded(pipeline_runs, schedule: str) -> None:
+def test_pp2_dp2_sharded_equals_unsharded(pipeline_runs, schedule: str, flags: tuple[str, ...]) -> None:
+    """--shard-optimizer, and with --overlap-param-gather, at pp=2 x dp=2 over the copy engine."""
     args = (*TINY, "--pp", "2", "--dp", "2", "-m", "4", "--dtype", "fp32", "--schedule", schedule,
             "--p2p", "copy-engine", "--graph")
-    sharded, plain = _pair(pipeline_runs, f"shard_pp2dp2_{schedule.replace('-', '_')}", args, 4)
+    sharded, plain = _pair(pipeline_runs, f"shard_pp2dp2_{schedule.replace('-', '_')}", args, 4, flags)
     assert_matches(sharded, plain, Expect(1e-6, world=4, dp=2, graph=True, transport="copy-engine"))
     _state_halved(sharded, plain)
 
@@ -73,14 +75,4 @@ def test_dp2_overlapped_gather_equals_unsharded(pipeline_runs, dtype: str, graph
     overlapped, plain = _pair(pipeline_runs, f"shard_dp2_{dtype}{graph.replace('-', '_')}", args, 2, OVERLAP)
     assert overlapped["config"]["overlap_param_gather"] is True
     assert_matches(overlapped, plain, Expect(1e-6, world=2, dp=2, graph=graph == "--graph"))
-    _state_halved(overlapped, plain)
-
-
-@pytest.mark.gpu4
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_pp2_dp2_overlapped_gather_equals_unsharded(pipeline_runs, schedule: str) -> None:
-    args = (*TINY, "--pp", "2", "--dp", "2", "-m", "4", "--dtype", "fp32", "--schedule", schedule,
-            "--p2p", "copy-engine", "--graph")
-    overlapped, plain = _pair(pipeline_runs, f"shard_pp2dp2_{schedule.replace('-', '_')}", args, 4, OVERLAP)
-    assert_matches(overlapped, plain, Expect(1e-6, world=4, dp=2, graph=True, transport="copy-engine"))
     _state_halved(overlapped, plain)
