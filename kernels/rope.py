@@ -15,8 +15,8 @@ The attention between the two rotations is, by default (PEERLINE_ATTENTION=auto)
 scaled_dot_product_attention picks for these q, k, v (torch._fused_sdp_choice): the same kernels a plain torch model
 runs on this build and card (torch's sdp_utils puts cuDNN first on sm90 and sm100 once its bundled cuDNN is
 recent enough). Flash runs flash attention's ops directly; any other backend runs through SDPA restricted to it, its
-backward by autograd on a graph the forward keeps. PEERLINE_ATTENTION=flash or cudnn forces one ("math", torch's reference backend, is what
-the CPU tests run).
+backward by autograd on a graph the forward keeps. PEERLINE_ATTENTION=flash or cudnn forces one ("math", torch's
+reference backend, is what the CPU tests run).
 """
 
 from __future__ import annotations
