@@ -43,8 +43,15 @@ if [ "${TESTS:-}" != none ]; then
   sid=$!
   wait "$sid"
   rc=$?
-  # A test cut by LIMIT leaves its ranks holding GPU memory; end them before anything else runs on these GPUs.
+  # A test cut by LIMIT leaves its ranks holding GPU memory and cores; end them before anything else runs on this
+  # host. tests/gpu/jobs.py starts each job in a session of its own, so they are found by the PEERLINE_GPU_OUT
+  # this run gave them, not by pytest's session.
   pkill -9 -s "$sid" 2>/dev/null
+  for env in /proc/[0-9]*/environ; do
+    if { tr '\0' '\n' < "$env"; } 2>/dev/null | grep -qxF "PEERLINE_GPU_OUT=$W/runs"; then
+      pid=${env#/proc/}; kill -9 "${pid%/environ}" 2>/dev/null
+    fi
+  done
   { echo "gpu_checks: $NGPU GPU(s); pytest -m \"$MARKERS\" $*: exit status $rc in $((SECONDS - t0)) s"
     [ "$rc" -eq 124 ] && echo "pytest ran past LIMIT=${LIMIT:-540} s (w/pytest.log in logs.tgz)"
     if grep -q "short test summary info" "$W/pytest.log"; then sed -n '/short test summary info/,$p' "$W/pytest.log"

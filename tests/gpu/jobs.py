@@ -40,6 +40,17 @@ def gpu_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def fault_env(fault: str = "") -> dict[str, str]:
+    """The environment of ranks spawned by hand (tests.multiproc.failures_util.spawn) on GPUs: this one's without
+    the CPU forcing, with PEERLINE_FAULT set. A non-empty CUDA_VISIBLE_DEVICES stays, so a test run on a pair of a
+    larger machine keeps to its pair; an empty one (hidden by a CPU helper) goes."""
+    env = {k: v for k, v in os.environ.items() if k != "PEERLINE_DEVICE"}
+    if not env.get("CUDA_VISIBLE_DEVICES", "").strip():
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.update(PEERLINE_FAULT=fault, OMP_NUM_THREADS="1")
+    return env
+
+
 def launcher(nproc: int) -> list[str]:
     """A plain process for one rank, torchrun (standalone rendezvous) for more."""
     if nproc == 1:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 
 from peerline.distributed.resilience import checkpoint as ckpt
 from peerline.distributed.resilience.nonfinite import NonFiniteGuard
+from tests.gpu.jobs import fault_env
 from tests.multiproc.failures_util import STARTUP_S, losses, spawn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -28,14 +28,10 @@ MODEL = ["--hidden", "256", "--layers", "4", "--seq", "64", "--micro-batch-size"
 DEADLINE = 10
 
 
-def gpu_env(fault: str = "") -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PEERLINE_DEVICE", "CUDA_VISIBLE_DEVICES")}
-    env.update(PEERLINE_FAULT=fault, OMP_NUM_THREADS="1")
-    return env
 
 
 def run2(args: list[str], tmp: Path, fault: str = "", limit_s: float = STARTUP_S + 90):
-    return spawn(2, [*MODEL, *args], tmp, gpu_env(fault), limit_s)
+    return spawn(2, [*MODEL, *args], tmp, fault_env(fault), limit_s)
 
 
 @needs_cuda

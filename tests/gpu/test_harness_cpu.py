@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.gpu.compare import Expect, bench_problems, run_problems, timeline_problems
-from tests.gpu.jobs import PIPELINE, REPO, Run, RunCache, device_of
+from tests.gpu.jobs import PIPELINE, REPO, Run, RunCache, device_of, fault_env
 from tests.helpers import TINY
 
 pytestmark = pytest.mark.timeout(300)
@@ -107,6 +107,18 @@ def test_device_of_respects_visible_devices(monkeypatch: pytest.MonkeyPatch) -> 
     assert device_of(1) == "1"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     assert [device_of(0), device_of(1)] == ["2", "3"]
+
+
+def test_fault_env_keeps_a_pair_and_drops_a_hidden_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hand-spawned GPU ranks keep the pair they were given; an empty list left by a CPU helper does not hide
+    the GPUs; the CPU forcing never reaches them."""
+    monkeypatch.setenv("PEERLINE_DEVICE", "cpu")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    env = fault_env("kill:rank=1:iter=6")
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["PEERLINE_FAULT"] == "kill:rank=1:iter=6"
+    assert "PEERLINE_DEVICE" not in env
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert "CUDA_VISIBLE_DEVICES" not in fault_env()
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ with the signal sent to rank 3 (the last stage of the second replica), which the
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from peerline.distributed.resilience.preemption import EXIT_PREEMPTED
+from tests.gpu.jobs import fault_env
 from tests.helpers import PIPELINE
 from tests.multiproc.failures_util import STARTUP_S, losses
 from tests.ports import free_port
@@ -30,16 +30,13 @@ MODEL = ["--hidden", "256", "--layers", "4", "--seq", "64", "--micro-batch-size"
          "--timeout-s", "120"]
 
 
-def _env(fault: str = "") -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PEERLINE_DEVICE", "CUDA_VISIBLE_DEVICES")}
-    return dict(env, PEERLINE_FAULT=fault, OMP_NUM_THREADS="1")
 
 
 def _ranks(world: int, args: list[str], cwd: Path, fault: str = "") -> list[subprocess.Popen]:
     port = str(free_port())
     return [subprocess.Popen([sys.executable, PIPELINE, *MODEL, *args], cwd=cwd, text=True, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE,
-                             env=dict(_env(fault), RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
+                             env=dict(fault_env(fault), RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
                                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
             for r in range(world)]
 

@@ -4,11 +4,11 @@ line per failing rank naming the rank, the allocation, every rank's peak memory 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from tests.gpu.jobs import fault_env
 from tests.multiproc.failures_util import STARTUP_S, spawn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(400)]
@@ -17,10 +17,6 @@ MODEL = ["--hidden", "256", "--layers", "4", "--seq", "64", "--micro-batch-size"
 DEADLINE = 10
 
 
-def gpu_env(fault: str = "") -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PEERLINE_DEVICE", "CUDA_VISIBLE_DEVICES")}
-    env.update(PEERLINE_FAULT=fault, OMP_NUM_THREADS="1")
-    return env
 
 
 @pytest.mark.gpu4
@@ -29,7 +25,7 @@ def test_pp2_dp2_names_the_rank_that_stopped(tmp_path: Path, fault: str):
     """Rank 1 stops after the graph is captured (iteration 6 > 3 warm-up iterations): rank 0 waits for its
     gradient, rank 3 for its all-reduce, rank 2 for rank 3; every survivor's line names rank 1."""
     ranks = spawn(4, [*MODEL, "--dp", "2", "--iters", "10", "--timeout-s", str(DEADLINE)], tmp_path,
-                  gpu_env(fault), limit_s=STARTUP_S + DEADLINE + 90)
+                  fault_env(fault), limit_s=STARTUP_S + DEADLINE + 90)
     for i in (0, 2, 3):
         r = ranks[i]
         assert r.rc != 0 and len(r.errors()) == 1, (i, r.err)
@@ -46,7 +42,7 @@ def test_out_of_memory_is_one_line_with_peaks_and_remedies(tmp_path: Path):
     args = ["--hidden", "4096", "--layers", "8", "--seq", "8192", "--micro-batch-size", "8", "-m", "8",
             "--schedule", "gpipe", "--dtype", "fp32", "--kernels", "torch", "--no-graph", "--iters", "2",
             "--timeout-s", "60"]
-    ranks = spawn(2, args, tmp_path, gpu_env(), limit_s=STARTUP_S + 200)
+    ranks = spawn(2, args, tmp_path, fault_env(), limit_s=STARTUP_S + 200)
     lines = [line for r in ranks for line in r.errors()]
     assert all(r.rc != 0 for r in ranks), [r.err[-2000:] for r in ranks]
     oom = [line for line in lines if "ran out of GPU memory" in line]
