@@ -61,13 +61,29 @@ def spawn(n: int, args: list[str], cwd: Path, env: dict[str, str], limit_s: floa
             out, err = p.communicate(timeout=left)
             ranks.append(Rank(p.returncode, out, err, time.monotonic() - t0))
     except subprocess.TimeoutExpired:
-        raise Hang(f"ranks still running after {limit_s} s: {' '.join(args)}") from None
+        raise Hang(f"ranks still running after {limit_s} s: {' '.join(args)}\n{_tails(procs, ranks)}") from None
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
     return ranks
+
+
+def _tails(procs: list[subprocess.Popen], done: list[Rank], chars: int = 1500) -> str:
+    """Kill the ranks still running and return what each rank wrote last (those already ended included), so a
+    hang's report says where every rank stood."""
+    parts = []
+    for r, p in enumerate(procs):
+        if r < len(done):
+            rc, text = done[r].rc, done[r].out + done[r].err
+        else:
+            if p.poll() is None:
+                p.kill()
+            out, err = p.communicate()
+            rc, text = p.returncode, out + err
+        parts.append(f"--- rank {r} (exit {rc}), last output:\n{text[-chars:]}")
+    return "\n".join(parts)
 
 
 def losses(path: Path) -> list[float]:

@@ -1,9 +1,10 @@
 """Where one pipeline stage of the plain torch GPT (bench/suites/plain_gpt.py, the gpt suite's anchor) and the same
 stage of peerline's GPT (models/gpt.py, built as --model gpt --precision bf16 builds it) spend device time, kernel
 by kernel: forward + backward of M microbatches through the same blocks with bf16 parameters, under torch.profiler.
-Per side: device time per iteration by class (top_kernels.kernel_class) and the top kernels; then the classes side
-by side, and the attention backend each side runs. One GPU; on the CPU the rows are aten ops by self CPU time (what
-the unit test runs). INFO lines only.
+Per side: device time per iteration by class (top_kernels.kernel_class) and the top kernels, on a GPU also the host
+ops by self CPU time (where an eager side's wall time above its device time goes); then the classes side by side,
+and the attention backend each side runs. One GPU; on the CPU the rows are aten ops by self CPU time (what the unit
+test runs). INFO lines only.
 
     PYTHONPATH=$PWD python3 tools/gpu_probes/stage_kernels_probe.py [--blocks 12 --hidden 2048 --microbatches 8 ...]
 """
@@ -152,6 +153,12 @@ def profile_side(name: str, a: argparse.Namespace, device: torch.device) -> dict
           + ", ".join(f"{k} {v:.2f}" for k, v in classes.most_common()), flush=True)
     for kernel, t in us.most_common(a.top):
         print(f"INFO {name:8s} {t / per_it:8.2f} ms  x{calls[kernel] / a.iters:6.0f}  {kernel[:100]}")
+    if on_gpu:  # where the host's time goes, for an eager run slower than its device time
+        host_us, host_calls = device_rows(prof, False)
+        print(f"INFO {name} host: self CPU {sum(host_us.values()) / per_it:.2f} ms per iteration over "
+              f"{sum(host_calls.values()) / a.iters:.0f} op calls", flush=True)
+        for op, t in host_us.most_common(a.top):
+            print(f"INFO {name:8s} host {t / per_it:8.2f} ms  x{host_calls[op] / a.iters:6.0f}  {op[:100]}")
     return dict(classes)
 
 
