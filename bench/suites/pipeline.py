@@ -325,6 +325,9 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
         if unknown:
             raise ValueError(f"pipeline: unknown {what} {unknown[0]!r}; choose from {', '.join(allowed)}")
     variants = sorted(set(variants), key=VARIANTS.index)  # the anchor first: each variant is recorded against it
+    if getattr(args, "pipeline_timeline", False) and "eager" not in variants:
+        # The timeline is drawn from an eager iteration's events; without one the run would end with nothing drawn.
+        raise ValueError("pipeline: --pipeline-timeline draws an eager iteration: add eager to --variants")
     if ctx.device.type != "cuda" and "graph" in variants:
         variants = [v for v in variants if v != "graph"]
         ctx.note("pipeline: no CUDA: the graph variant is skipped")

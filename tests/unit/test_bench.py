@@ -4,6 +4,7 @@ not-available and skipped suites, failing suites, records."""
 import ast
 import json
 import math
+import re
 import subprocess
 import sys
 import types
@@ -162,16 +163,20 @@ def test_parser_carries_the_suites_own_flags():
     assert args.variants == ["torch", "graph"] and args.graph_microbatches == 4 and args.reps == 3
 
 
-def test_pipeline_suite_rejects_unknown_names_before_running(tmp_path):
+@pytest.mark.parametrize("argv, message", [
+    (["--schedules", "zigzag"], "unknown schedule 'zigzag'"),
+    (["--variants", "torch,graph", "--pipeline-timeline"], "--pipeline-timeline draws an eager iteration"),
+])
+def test_pipeline_suite_rejects_bad_requests_before_running(tmp_path, argv: list[str], message: str):
     import torch.distributed as dist
 
     from peerline.bench.suites import pipeline
 
-    args = cli.build_parser().parse_args(["pipeline", "--schedules", "zigzag"])
+    args = cli.build_parser().parse_args(["pipeline", *argv])
     ctx = BenchContext(out_dir=tmp_path, device=torch.device("cpu"), quick=True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
+        with pytest.raises(ValueError, match=re.escape(message)):
             pipeline.run(args, ctx)
     finally:
         dist.destroy_process_group()
