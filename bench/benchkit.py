@@ -37,6 +37,9 @@ class Timing:
     p10_ms: float
     p90_ms: float
     reps: int
+    #: time_blocks only: device work still queued when the host had issued a whole block (ms, the least over ranks,
+    #: median over blocks). Near 0 the device waited for the host, so the time follows the host's speed.
+    host_lead_ms: float | None = None
 
     @property
     def spread(self) -> float:
@@ -49,9 +52,10 @@ def _quantile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-def summarize(samples_ms: list[float]) -> Timing:
+def summarize(samples_ms: list[float], host_leads_ms: list[float] | None = None) -> Timing:
+    lead = statistics.median(host_leads_ms) if host_leads_ms else None
     return Timing(statistics.median(samples_ms), _quantile(samples_ms, 0.1), _quantile(samples_ms, 0.9),
-                  len(samples_ms))
+                  len(samples_ms), lead)
 
 
 def time_fn(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 20,
@@ -107,13 +111,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _slowest_rank(value: float, device: torch.device, group: dist.ProcessGroup | None) -> float:
-    """The maximum of `value` over the ranks of `group` (the value itself without a process group)."""
+def _slowest_rank(ms: float, lead_ms: float, device: torch.device, group: dist.ProcessGroup | None
+                  ) -> tuple[float, float]:
+    """(the maximum of `ms`, the minimum of `lead_ms`) over the ranks of `group`, in one all-reduce; the values
+    themselves without a process group."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+        return ms, lead_ms
+    t = torch.tensor([ms, -lead_ms], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
+    return float(t[0]), -float(t[1])
 
 
 def time_blocks(run: Callable[[int], Any], *, iters: int = 5, reps: int = 5, warmup: int = 1,
@@ -122,21 +128,25 @@ def time_blocks(run: Callable[[int], Any], *, iters: int = 5, reps: int = 5, war
 
     Each repetition starts all ranks together (barrier + device synchronize), runs `iters` iterations without any
     host sync of ours in between (so the host may run ahead, as in training), synchronizes, and takes the slowest
-    rank's time divided by `iters`. `warmup` blocks are run first and discarded.
+    rank's time divided by `iters`. `warmup` blocks are run first and discarded. The time from the host's last
+    launch to the device's end is the block's host lead (Timing.host_lead_ms).
     """
     in_group = dist.is_available() and dist.is_initialized()
-    samples = []
+    samples, leads = [], []
     for rep in range(warmup + reps):
         if in_group:
             dist.barrier(group=group)
         _sync(device)
         t0 = time.perf_counter()
         run(iters)
+        issued = time.perf_counter()
         _sync(device)
-        ms = _slowest_rank((time.perf_counter() - t0) * 1e3 / iters, device, group)
+        done = time.perf_counter()
+        ms, lead = _slowest_rank((done - t0) * 1e3 / iters, (done - issued) * 1e3, device, group)
         if rep >= warmup:
             samples.append(ms)
-    return summarize(samples)
+            leads.append(lead)
+    return summarize(samples, leads)
 
 
 @dataclass(slots=True)

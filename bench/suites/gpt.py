@@ -26,7 +26,9 @@ GPU and MFU from models/flops.py, peak memory of every rank, the first losses of
 peak is known; `<configuration> torch-peerline-gpt` is peerline's GPT under torch against the plain anchor. The
 recompute table: ms/iter and peak memory (max over ranks) of each setting against off.
 Timing is the pipeline suite's (bench/runtime_timing.py): blocks of --gpt-iters iterations, the slowest rank's time,
-median over --reps blocks after --warmup blocks.
+median over --reps blocks after --warmup blocks. Each time comes with its host lead (benchkit.Timing.host_lead_ms):
+the device work still queued when the host had issued a block. An eager anchor with a lead near 0 is host-bound,
+and its time follows the host it runs on (the same eager GPT took 166.5 ms on one H200 machine and 220 on another).
 
 Every measurement goes through runtime_timing.measure_or_note, so with --isolate (bench/isolation.py) each one
 (the anchor with its candidates, each peerline variant) runs as a job of its own and the others replay its result.

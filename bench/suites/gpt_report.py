@@ -18,7 +18,7 @@ import torch
 from peerline.bench.benchkit import BenchContext, Record
 from peerline.bench.runtime_timing import Measured
 from peerline.bench.suites.gpt_anchor import GPTShape
-from peerline.bench.suites.torch_schedules import candidate_name
+from peerline.bench.suites.torch_schedules import candidate_name, candidate_times, host_lead
 from peerline.distributed.memory.state_bytes import describe_split
 from peerline.models.flops import gpt_flops_per_token, peak_bf16_tflops
 
@@ -54,21 +54,21 @@ class GPTReport:
         tflops = self.flops_per_token * self.tokens / (ms / 1e3) / self.pp / 1e12
         mfu = 100.0 * tflops / self.peak_tflops if self.peak_tflops else None
         return {"ms_per_iter": ms, "tokens_per_s": m.tokens_per_s(self.tokens), "tflops": tflops, "mfu": mfu,
-                "spread": m.timing.spread, "peak_mem_gb_per_rank": m.peak_gb_per_rank, "losses": m.losses}
+                "spread": m.timing.spread, "host_lead_ms": m.timing.host_lead_ms,
+                "peak_mem_gb_per_rank": m.peak_gb_per_rank, "losses": m.losses}
 
     def describe(self, m: Measured) -> str:
         got = self.metrics(m)
         mfu = f", MFU {got['mfu']:.1f}%" if got["mfu"] is not None else ""
         mem = f", peak {max(m.peak_gb_per_rank):.1f} GiB" if m.peak_gb_per_rank else ""
         split = describe_split(m.extra.get("state_bytes") or {}, m.peak_gb_per_rank or [])
-        return f"{got['ms_per_iter']:.2f} ms/iter, {got['tflops']:.3g} TFLOP/s per GPU{mfu}{mem}" + \
-            (f" ({split})" if split else "")
+        return f"{got['ms_per_iter']:.2f} ms/iter{host_lead(m.timing)}, {got['tflops']:.3g} TFLOP/s per GPU{mfu}" \
+            f"{mem}" + (f" ({split})" if split else "")
 
     def candidates(self, measured: dict[str, Measured], best: Measured) -> None:
         """One note: every candidate's time of one model under torch and the one that won."""
-        parts = [f"{name} {m.timing.median_ms:.2f}" for name, m in measured.items()]
         self.ctx.note(f"gpt {self.shape.name} pp={self.pp}: torch.distributed.pipelining candidates, "
-                      f"{best.extra['model']} (ms/iter): {'; '.join(parts)}; fastest: "
+                      f"{best.extra['model']} (ms/iter): {candidate_times(measured)}; fastest: "
                       f"{candidate_name(measured, best)} ({self.describe(best)})")
 
     def variant(self, m: Measured, anchor: Measured | None) -> None:

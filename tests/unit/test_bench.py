@@ -142,6 +142,18 @@ def test_time_blocks_on_cpu_without_process_group():
     calls = []
     t = benchkit.time_blocks(lambda n: calls.append(n), iters=3, reps=4, warmup=2, device=torch.device("cpu"))
     assert calls == [3] * 6 and t.reps == 4 and math.isfinite(t.median_ms) and t.median_ms >= 0
+    # the CPU has no queue: the device's work ends with the host's, so the lead is about nothing
+    assert t.host_lead_ms is not None and 0 <= t.host_lead_ms < 50
+
+
+def test_slowest_rank_takes_the_longest_time_and_the_least_lead(monkeypatch: pytest.MonkeyPatch):
+    """One all-reduce (MAX) gives both: the lead goes in negated. Ranks simulated: this one 4 ms with a lead of 9,
+    the other 6 ms with a lead of 1."""
+    other = torch.tensor([6.0, -1.0], dtype=torch.float64)
+    monkeypatch.setattr(benchkit.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(benchkit.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(benchkit.dist, "all_reduce", lambda t, op, group=None: t.copy_(torch.maximum(t, other)))
+    assert benchkit._slowest_rank(4.0, 9.0, torch.device("cpu"), None) == (6.0, 1.0)
 
 
 def test_record_ratio_direction():

@@ -110,3 +110,5 @@ def test_fastest_names_every_axis_of_a_candidate():
     assert (best.extra["schedule"], best.extra["recipe"], best.extra["blocks"]) == ("1f1b", "fp32", "compiled")
     assert ts.candidate_name(measured, best) == "1f1b fp32 compiled"
     assert ts.describe_candidates(measured, best).endswith("fastest: 1f1b fp32 compiled")
+    measured["gpipe fp32 eager"].timing = Timing(4.0, 4.0, 4.0, 1, host_lead_ms=0.25)
+    assert "gpipe fp32 eager 4.00 (host lead 0.2 ms); fastest" in ts.describe_candidates(measured, best)
