@@ -28,7 +28,7 @@ recompute table: ms/iter and peak memory (max over ranks) of each setting agains
 Timing is the pipeline suite's (bench/runtime_timing.py): blocks of --gpt-iters iterations, the slowest rank's time,
 median over --reps blocks after --warmup blocks. Each time comes with its host lead (benchkit.Timing.host_lead_ms):
 the device work still queued when the host had issued a block. An eager anchor with a lead near 0 is host-bound,
-and its time follows the host it runs on (the same eager GPT took 166.5 ms on one H200 machine and 220 on another).
+and its time follows the speed of the host it runs on, so compare such figures only within one machine.
 
 Every measurement goes through runtime_timing.measure_or_note, so with --isolate (bench/isolation.py) each one
 (the anchor with its candidates, each peerline variant) runs as a job of its own and the others replay its result.

@@ -24,9 +24,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from peerline.bench.benchkit import Timing
 
 log = logging.getLogger(__name__)
 
@@ -199,10 +202,9 @@ def candidate_times(measured: dict[str, Any]) -> str:
     return "; ".join(f"{name} {m.timing.median_ms:.2f}" + host_lead(m.timing) for name, m in measured.items())
 
 
-def host_lead(timing: Any) -> str:
-    """' (host lead 0.4 ms)' where the timing measured it, else ''."""
-    lead = getattr(timing, "host_lead_ms", None)
-    return "" if lead is None else f" (host lead {lead:.1f} ms)"
+def host_lead(timing: Timing) -> str:
+    """' (host lead 0.4 ms)' where the timing measured it (benchkit.time_blocks), else ''."""
+    return "" if timing.host_lead_ms is None else f" (host lead {timing.host_lead_ms:.1f} ms)"
 
 
 def candidate_name(measured: dict[str, Any], best: Any) -> str:

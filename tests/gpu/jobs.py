@@ -32,8 +32,11 @@ def cuda_devices() -> int:
 
 def gpu_env(**extra: str) -> dict[str, str]:
     """The environment of a GPU subprocess: this one's, with the checkout importable, mpirun allowed as root, and
-    no CPU or device forcing left over from the CPU tests."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PEERLINE_DEVICE",)}
+    no CPU or device forcing left over from the CPU tests. A non-empty CUDA_VISIBLE_DEVICES stays, so a test run on
+    a pair of a larger machine keeps to its pair; an empty one (hidden by a CPU helper) goes."""
+    env = {k: v for k, v in os.environ.items() if k != "PEERLINE_DEVICE"}
+    if not env.get("CUDA_VISIBLE_DEVICES", "").strip():
+        env.pop("CUDA_VISIBLE_DEVICES", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.update(OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.update(extra)
@@ -41,14 +44,8 @@ def gpu_env(**extra: str) -> dict[str, str]:
 
 
 def fault_env(fault: str = "") -> dict[str, str]:
-    """The environment of ranks spawned by hand (tests.multiproc.failures_util.spawn) on GPUs: this one's without
-    the CPU forcing, with PEERLINE_FAULT set. A non-empty CUDA_VISIBLE_DEVICES stays, so a test run on a pair of a
-    larger machine keeps to its pair; an empty one (hidden by a CPU helper) goes."""
-    env = {k: v for k, v in os.environ.items() if k != "PEERLINE_DEVICE"}
-    if not env.get("CUDA_VISIBLE_DEVICES", "").strip():
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-    env.update(PEERLINE_FAULT=fault, OMP_NUM_THREADS="1")
-    return env
+    """`gpu_env` of ranks spawned by hand (tests.multiproc.failures_util.spawn), with PEERLINE_FAULT set."""
+    return gpu_env(PEERLINE_FAULT=fault)
 
 
 def launcher(nproc: int) -> list[str]:
