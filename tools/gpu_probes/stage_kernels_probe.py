@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -106,20 +107,37 @@ def op_class(name: str) -> str:
     return "gemm" if name in CPU_GEMMS else kernel_class(name)
 
 
-def device_rows(prof: profile, on_gpu: bool) -> tuple[collections.Counter, collections.Counter]:
-    """(us by name, calls by name): GPU kernels, copies and memsets by duration; on the CPU, ops by self time."""
+def _host_ops(prof: profile, aten_only: bool) -> Iterator[Any]:
+    """The profile's host ops (not async events, user annotations or Python frames); aten's ops alone with
+    `aten_only`."""
+    for e in prof.events():
+        if e.device_type == DeviceType.CPU and not e.is_async and not getattr(e, "is_user_annotation", False) \
+                and not e.name.startswith("[") and (not aten_only or e.name.startswith("aten::")):
+            yield e
+
+
+def _tally(events: Iterable[Any], time_us: Callable[[Any], float]) -> tuple[collections.Counter, collections.Counter]:
     us: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
-    for e in prof.events():
-        if on_gpu and e.device_type == DeviceType.CUDA:
-            us[e.name] += e.time_range.elapsed_us()
-        elif not on_gpu and e.device_type == DeviceType.CPU and not e.is_async \
-                and not getattr(e, "is_user_annotation", False) and not e.name.startswith("["):
-            us[e.name] += e.self_cpu_time_total
-        else:
-            continue
+    for e in events:
+        us[e.name] += time_us(e)
         calls[e.name] += 1
     return us, calls
+
+
+def device_rows(prof: profile, on_gpu: bool) -> tuple[collections.Counter, collections.Counter]:
+    """(us by name, calls by name): GPU kernels, copies and memsets by duration; on the CPU, aten's ops by self
+    time (the stage's work: the autograd engine's own events would carry the host's scheduling stalls)."""
+    if on_gpu:
+        return _tally((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                      lambda e: e.time_range.elapsed_us())
+    return _tally(_host_ops(prof, aten_only=True), lambda e: e.self_cpu_time_total)
+
+
+def host_rows(prof: profile) -> tuple[collections.Counter, collections.Counter]:
+    """(us by name, calls by name) of every host op by self CPU time, the autograd engine's included: where an
+    eager run's host time goes."""
+    return _tally(_host_ops(prof, aten_only=False), lambda e: e.self_cpu_time_total)
 
 
 def profile_side(name: str, a: argparse.Namespace, device: torch.device) -> dict[str, float]:
@@ -154,7 +172,7 @@ def profile_side(name: str, a: argparse.Namespace, device: torch.device) -> dict
     for kernel, t in us.most_common(a.top):
         print(f"INFO {name:8s} {t / per_it:8.2f} ms  x{calls[kernel] / a.iters:6.0f}  {kernel[:100]}")
     if on_gpu:  # where the host's time goes, for an eager run slower than its device time
-        host_us, host_calls = device_rows(prof, False)
+        host_us, host_calls = host_rows(prof)
         print(f"INFO {name} host: self CPU {sum(host_us.values()) / per_it:.2f} ms per iteration over "
               f"{sum(host_calls.values()) / a.iters:.0f} op calls", flush=True)
         for op, t in host_us.most_common(a.top):
