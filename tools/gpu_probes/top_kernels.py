@@ -1,7 +1,11 @@
 """Top GPU kernels of a `--profile DIR` trace: device time per iteration by kernel name, with totals by class
 (GEMM, attention, elementwise / other, copies). INFO lines only.
 
-    python3 tools/gpu_probes/top_kernels.py DIR/rank0 [--iterations 3] [--top 25]
+    python3 tools/gpu_probes/top_kernels.py DIR/rank0 [--iterations 3] [--top 25] [--host]
+
+--host lists where the host time goes instead: host ops (cpu_op, python_function, cuda_runtime, cuda_driver events;
+annotations and device events left out) by self time per iteration, with calls per iteration, and their total.
+An op's self time is its duration less its direct children's, nesting by time containment on its own thread.
 """
 
 from __future__ import annotations
@@ -24,17 +28,50 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def main() -> None:
+HOST_CATS = ("cpu_op", "python_function", "cuda_runtime", "cuda_driver")
+
+
+def host_self_times(events: list[dict]) -> tuple[collections.Counter, collections.Counter]:
+    """(self us by name, calls by name) of the host ops among a chrome trace's events."""
+    threads: dict[tuple, list[dict]] = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in HOST_CATS:
+            threads[(e.get("pid"), e.get("tid"))].append(e)
+    self_us: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    for evs in threads.values():
+        stack: list[dict] = []  # the open ancestors of the next event
+        for e in sorted(evs, key=lambda e: (e["ts"], -e.get("dur", 0))):
+            while stack and e["ts"] >= stack[-1]["ts"] + stack[-1].get("dur", 0):
+                stack.pop()
+            if stack:
+                self_us[stack[-1]["name"]] -= e.get("dur", 0)
+            self_us[e["name"]] += e.get("dur", 0)
+            calls[e["name"]] += 1
+            stack.append(e)
+    return self_us, calls
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("folder")
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
-    a = p.parse_args()
+    p.add_argument("--host", action="store_true", help="host ops by self time instead of GPU kernels")
+    a = p.parse_args(argv)
     files = sorted(glob.glob(os.path.join(a.folder, "*.json")))
     if not files:
         raise SystemExit(f"top_kernels: error: no trace JSON in {a.folder}")
     with open(files[-1]) as f:
         events = json.load(f)["traceEvents"]
+    per_it = a.iterations * 1000.0  # us -> ms per iteration
+    if a.host:
+        self_us, calls = host_self_times(events)
+        print(f"INFO {files[-1]}: self CPU {sum(self_us.values()) / per_it:.2f} ms per iteration over "
+              f"{sum(calls.values()) / a.iterations:.0f} op calls")
+        for name, us in self_us.most_common(a.top):
+            print(f"INFO host {us / per_it:8.2f} ms  x{calls[name] / a.iterations:6.0f}  {name[:150]}")
+        return
     by_name: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
     for e in events:
@@ -42,7 +79,6 @@ def main() -> None:
             name = e["name"] if e["cat"] == "kernel" else e["cat"]
             by_name[name] += e.get("dur", 0)
             counts[name] += 1
-    per_it = a.iterations * 1000.0  # us -> ms per iteration
     classes: collections.Counter = collections.Counter()
     for name, us in by_name.items():
         classes[kernel_class(name) if not name.startswith("gpu_") else "copies"] += us
