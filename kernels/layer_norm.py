@@ -10,9 +10,12 @@ partials).
 
 `FusedLayerNorm` is nn.LayerNorm (same parameters, state_dict and init) whose forward takes this path for CUDA bf16
 inputs and bf16 parameters with a width the kernels take (`fused_supported`), and torch's layer_norm everywhere
-else: fp32 runs, the CPU, `--kernels torch`. On the CPU the same autograd Function runs with torch's native layer
-norm ops standing in for the kernels, so CI checks its contract; the kernels are checked against float64 on a GPU
-(tests/gpu/test_layer_norm_gpu.py).
+else: fp32 runs, the CPU, `--kernels torch`. Under `--kernels auto` an eager launch (no graph capture) below the
+card's `eager_torch_below` bytes for "layer_norm" (card_table.py; 64 MiB where unmeasured) runs torch's op too:
+there the autograd Function's host time (Python, three launches) costs more than the kernels save on the device,
+while a captured launch pays no host time at replay. On the CPU the same autograd Function runs with torch's native
+layer norm ops standing in for the kernels, so CI checks its contract; the kernels are checked against float64 on a
+GPU (tests/gpu/test_layer_norm_gpu.py).
 """
 
 from __future__ import annotations
@@ -129,15 +132,37 @@ class LayerNormFunction(torch.autograd.Function):
         return dx.view(dy.shape), dweight, dbias, None
 
 
+# (elements, device index) -> whether an eager --kernels auto launch runs the kernels
+_EAGER_CHOICE: dict[tuple[int, int], bool] = {}
+
+
+def eager_takes_kernels(x: torch.Tensor) -> bool:
+    """--kernels auto, eager: the kernels at or above the card's eager threshold for "layer_norm" (bytes read and
+    written, 4 per element in bf16), torch's op below it. Cached per size; a size that turns to torch still loads
+    the kernels once, so a later capture of the same size finds them built (no compiling inside a capture)."""
+    key = (x.numel(), x.device.index)
+    hit = _EAGER_CHOICE.get(key)
+    if hit is None:
+        from peerline.kernels.elementwise import card_table
+
+        hit = _EAGER_CHOICE[key] = 4 * x.numel() >= card_table(x.device.index).eager_threshold("layer_norm")
+        width = x.shape[-1]
+        for name in (f"pl_ln_forward_{vectors_for(width)}", f"pl_ln_backward_{vectors_for(width)}", "pl_ln_reduce"):
+            _kernel(name, x.device)
+    return hit
+
+
 class FusedLayerNorm(nn.LayerNorm):
-    """nn.LayerNorm whose forward runs the fused kernels where they apply (see the module doc); `impl` "torch"
-    always runs torch's layer_norm."""
+    """nn.LayerNorm whose forward runs the fused kernels where they apply (see the module doc): `impl` "peerline"
+    wherever they take the tensors, "auto" there too except eager launches below the card's threshold, "torch"
+    never."""
 
     def __init__(self, width: int, eps: float = 1e-5, impl: str = "torch") -> None:
         super().__init__(width, eps=eps)
         self.impl = impl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.impl != "torch" and fused_supported(x, self.weight, self.bias):
+        if self.impl != "torch" and fused_supported(x, self.weight, self.bias) and (
+                self.impl == "peerline" or torch.cuda.is_current_stream_capturing() or eager_takes_kernels(x)):
             return LayerNormFunction.apply(x, self.weight, self.bias, self.eps)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)

@@ -53,15 +53,23 @@ def attention_backend() -> str:
     return name
 
 
+# (shape, strides, dtype, device) of q -> torch's pick for "auto": one host-side query per shape, not per call
+_AUTO_PICKS: dict[tuple, SDPBackend | None] = {}
+
+
 def resolve_backend(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> SDPBackend | None:
     """The SDPA backend the fused path runs for `name` (None: flash attention's ops directly). "auto" asks torch
-    which backend its own causal SDPA would pick for these tensors (a host-side check, no device work)."""
+    which backend its own causal SDPA would pick for these tensors (a host-side check, no device work), once per
+    shape: the views of a packed qkv of one shape have one set of strides."""
     if name != "auto":
         return BACKENDS[name]
-    # Asked as the plain model asks: with tensors that require grad (some backends' limits are training-only).
-    leaves = (t.detach().requires_grad_(True) for t in (q, k, v))
-    choice = _TORCH_CHOICE.get(int(torch._fused_sdp_choice(*leaves, is_causal=True)), "flash")
-    return BACKENDS[choice] if isinstance(choice, str) else choice
+    key = (q.shape, q.stride(), q.dtype, q.device)
+    if key not in _AUTO_PICKS:
+        # Asked as the plain model asks: with tensors that require grad (some backends' limits are training-only).
+        leaves = (t.detach().requires_grad_(True) for t in (q, k, v))
+        choice = _TORCH_CHOICE.get(int(torch._fused_sdp_choice(*leaves, is_causal=True)), "flash")
+        _AUTO_PICKS[key] = BACKENDS[choice] if isinstance(choice, str) else choice
+    return _AUTO_PICKS[key]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -189,13 +197,17 @@ def _views(qkv5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return tuple(qkv5[:, :, i].transpose(1, 2) for i in range(3))
 
 
-def _sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: SDPBackend
+def _sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: SDPBackend, restrict: bool
                   ) -> tuple[torch.Tensor, tuple]:
     """Causal attention through torch's SDPA on one backend, recorded for autograd on detached leaves: (output,
-    (leaves, output with its graph)) for `_sdpa_backward`."""
+    (leaves, output with its graph)) for `_sdpa_backward`. `restrict` limits SDPA to `backend`; without it SDPA
+    picks for itself, which is `backend` where that came from torch's own pick for these tensors ("auto")."""
     with torch.enable_grad():
         leaves = tuple(t.detach().requires_grad_(True) for t in (q, k, v))
-        with sdpa_kernel([backend]):
+        if restrict:
+            with sdpa_kernel([backend]):
+                out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        else:
             out = F.scaled_dot_product_attention(*leaves, is_causal=True)
     return out.detach(), (leaves, out)
 
@@ -219,13 +231,14 @@ class FusedRopeAttention(torch.autograd.Function):
         cos, sin = cos[:seq], sin[:seq]
         rope_forward_(qkv5, cos, sin)
         ctx.heads = heads
-        sdpa = resolve_backend(backend, *_views(qkv5))
+        views = _views(qkv5)
+        sdpa = resolve_backend(backend, *views)
         if sdpa is not None:
-            out, ctx.graph = _sdpa_forward(*_views(qkv5), sdpa)
+            out, ctx.graph = _sdpa_forward(*views, sdpa, restrict=backend != "auto")
             ctx.save_for_backward(cos, sin)
             return out.transpose(1, 2).reshape(batch, seq, three_h // 3)
         ctx.graph = None
-        out, saved = _flash_forward(*_views(qkv5))
+        out, saved = _flash_forward(*views)
         # flash attention's extras mix tensors (logsumexp, the RNG state) with ints and None (sequence bounds)
         tensors = [x for x in saved if isinstance(x, torch.Tensor)]
         ctx.save_for_backward(qkv, out, cos, sin, *tensors)

@@ -54,6 +54,8 @@ if [ "${TESTS:-}" != none ]; then
   done
   { echo "gpu_checks: $NGPU GPU(s); pytest -m \"$MARKERS\" $*: exit status $rc in $((SECONDS - t0)) s"
     [ "$rc" -eq 124 ] && echo "pytest ran past LIMIT=${LIMIT:-540} s (w/pytest.log in logs.tgz)"
+    # A cut run has no summary of its own: the failures tests/gpu/conftest.py wrote as they happened.
+    [ "$rc" -eq 124 ] && [ -s "$W/runs/failures.txt" ] && { echo "failures before the cut:"; tail -n 60 "$W/runs/failures.txt"; }
     if grep -q "short test summary info" "$W/pytest.log"; then sed -n '/short test summary info/,$p' "$W/pytest.log"
     else tail -n 15 "$W/pytest.log"; fi | head -n 60
     # Each failure's message (its last lines), so a summary alone says why without unpacking logs.tgz.

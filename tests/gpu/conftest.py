@@ -1,5 +1,7 @@
 """GPU tests: tests marked gpu / gpu2 / gpu4 skip, with the reason, where fewer CUDA devices than they need are
-present; the session's output folder ($PEERLINE_GPU_OUT, else a temporary one) and its pipeline-run cache."""
+present; the session's output folder ($PEERLINE_GPU_OUT, else a temporary one) and its pipeline-run cache; each
+failure's text written to $PEERLINE_GPU_OUT/failures.txt as it happens, so a run cut by its time limit (before
+pytest's own summary) still shows why a test failed."""
 
 from __future__ import annotations
 
@@ -26,6 +28,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if have < need:
             reason = "needs CUDA" if need == 1 else f"needs {need} CUDA devices"
             item.add_marker(pytest.mark.skip(reason=f"{reason} (found {have})"))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    env = os.environ.get("PEERLINE_GPU_OUT")
+    if env and report.failed:
+        Path(env).mkdir(parents=True, exist_ok=True)
+        with open(Path(env) / "failures.txt", "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when}) FAILED\n{report.longreprtext}\n")
 
 
 @pytest.fixture(scope="session")

@@ -178,3 +178,19 @@ def test_peerline_imports_of_gpu_code_resolve(path: Path) -> None:
 
 def test_runner_script_parses() -> None:
     assert subprocess.run(["bash", "-n", str(REPO / "tools" / "gpu_checks.sh")]).returncode == 0
+
+
+def test_failures_are_written_as_they_happen(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """conftest's hook appends each failed report's text to $PEERLINE_GPU_OUT/failures.txt (what a run cut by
+    gpu_checks.sh's LIMIT still has), and nothing for a passed one."""
+    from types import SimpleNamespace
+
+    from tests.gpu import conftest
+
+    monkeypatch.setenv("PEERLINE_GPU_OUT", str(tmp_path / "runs"))
+    for nodeid, failed in (("t.py::a", True), ("t.py::b", False), ("t.py::c", True)):
+        conftest.pytest_runtest_logreport(SimpleNamespace(
+            nodeid=nodeid, when="call", failed=failed, longreprtext=f"AssertionError: {nodeid} {failed}"))
+    text = (tmp_path / "runs" / "failures.txt").read_text()
+    assert text == ("==== t.py::a (call) FAILED\nAssertionError: t.py::a True\n"
+                    "==== t.py::c (call) FAILED\nAssertionError: t.py::c True\n")

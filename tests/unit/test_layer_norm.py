@@ -115,3 +115,37 @@ def test_kernels_build_with_16_byte_accesses_and_no_spills(tmp_path):
                        check=True, capture_output=True, text=True, timeout=150)
     props = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", r.stderr)
     assert len(props) == 2 * len(ln.VECTORS) + 1 and all(p == ("0", "0") for p in props), r.stderr
+
+
+def test_auto_runs_torch_for_small_eager_launches_and_the_kernels_elsewhere(monkeypatch: pytest.MonkeyPatch):
+    """--kernels auto: an eager launch below the card's "layer_norm" threshold runs torch's op (having loaded the
+    kernels once, for a later capture), a launch at or above it and any captured launch run the Function, and
+    impl "peerline" always does. The device parts are stood in for: this checks the rule, not the kernels."""
+    from peerline.kernels import card_table as ct
+    from peerline.kernels import elementwise as ew
+
+    width = 16
+    threshold = 4 * 8 * width  # bytes: 8 rows in bf16 (read and written)
+    monkeypatch.setattr(ew, "card_table", lambda index: ct.CardTable("NVIDIA H200",
+                                                                     eager_torch_below={"layer_norm": threshold}))
+    monkeypatch.setattr(ln, "_EAGER_CHOICE", {})
+    monkeypatch.setattr(ln, "fused_supported", lambda x, w, b: True)
+    loaded, ran = [], []
+    monkeypatch.setattr(ln, "_kernel", lambda name, device: loaded.append(name))
+    monkeypatch.setattr(ln.LayerNormFunction, "apply", lambda x, w, b, eps: ran.append(x.shape) or x * 0)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    auto, pinned = ln.FusedLayerNorm(width, impl="auto"), ln.FusedLayerNorm(width, impl="peerline")
+    small, large = torch.randn(7, width), torch.randn(2, 4, width)  # 7 rows below the threshold, 8 at it
+
+    torch.testing.assert_close(auto(small), F.layer_norm(small, (width,), auto.weight, auto.bias), rtol=0, atol=0)
+    assert ran == [] and loaded == ["pl_ln_forward_1", "pl_ln_backward_1", "pl_ln_reduce"]
+    auto(small)
+    assert ran == [] and len(loaded) == 3  # the choice and the loads happen once per size
+    auto(large)
+    assert ran == [large.shape]
+    capturing[0] = True
+    auto(small)
+    capturing[0] = False
+    pinned(small)
+    assert ran == [large.shape, small.shape, small.shape]

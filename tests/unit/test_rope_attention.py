@@ -83,7 +83,9 @@ def test_attention_backend_is_checked(monkeypatch):
 
 
 def test_auto_runs_the_backend_torch_would_pick(monkeypatch):
-    """auto asks torch._fused_sdp_choice, with tensors that require grad, as the plain model's SDPA call would."""
+    """auto asks torch._fused_sdp_choice, with tensors that require grad, as the plain model's SDPA call would,
+    once per shape."""
+    monkeypatch.setattr(rope, "_AUTO_PICKS", {})
     q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
     want = {SDPBackend.FLASH_ATTENTION: None, SDPBackend.CUDNN_ATTENTION: SDPBackend.CUDNN_ATTENTION,
             SDPBackend.EFFICIENT_ATTENTION: SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH: SDPBackend.MATH}
@@ -95,8 +97,13 @@ def test_auto_runs_the_backend_torch_would_pick(monkeypatch):
             asked.append((all(t.requires_grad for t in args[:3]), kwargs.get("is_causal")))
             return int(picked)
         monkeypatch.setattr(torch, "_fused_sdp_choice", fake)
+        monkeypatch.setattr(rope, "_AUTO_PICKS", {})
         assert rope.resolve_backend("auto", q, q, q) == expected, picked
+        assert rope.resolve_backend("auto", q, q, q) == expected, picked  # the same shape: from the cache
     assert asked == [(True, True)] * len(want)
+    longer = torch.randn(1, 2, 16, 16, dtype=torch.bfloat16)
+    rope.resolve_backend("auto", longer, longer, longer)
+    assert len(asked) == len(want) + 1  # another shape asks again
     assert rope.resolve_backend("cudnn", q, q, q) == SDPBackend.CUDNN_ATTENTION
     assert rope.resolve_backend("flash", q, q, q) is None
 
