@@ -15,6 +15,11 @@ allocation, so the backward stays safe to capture in a CUDA graph.
             the parameter's post-accumulate-grad hooks (bucketed all-reduce) are called here instead, once per
             backward, after the accumulation is queued.
 
+Under `--kernels auto`, an eager forward (no graph capture) whose weight is already in the compute dtype (bf16 or
+fp16 weights: the bf16, master and compact recipes) runs plain F.linear: torch's C++ autograd node costs less host
+time per microbatch than this Python Function saves on the device (an add of dW into `.grad`), and eager runs are
+where the host is the bottleneck. Captured forwards, fp32 weights and `--kernels peerline` keep the fused path.
+
 The fp32 `addmm.dtype_out` path is checked once per process by `probe()` on a tiny exact problem, outside any
 graph capture; if the op is missing or wrong, the backward falls back to `weight.grad.add_(dy.T @ x)` (one
 logged line). `.grad` must already exist for a captured backward (peerline's gradient syncs create them).
@@ -262,12 +267,25 @@ def linear_accumulate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return _LinearAccumulate.apply(x, (weight,), w_c, bias, b_c)
 
 
+def eager_plain(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """--kernels auto: whether this forward runs plain F.linear (see the module doc): low-precision weights already
+    in the compute dtype, outside a graph capture."""
+    if weight.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != weight.dtype:
+        return False
+    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, impl: str = "torch",
            cache: CastCache | None = None) -> torch.Tensor:
     """F.linear; with impl="peerline" or "auto" (and a weight that will get a gradient) the weight's gradient is
     accumulated in place into weight.grad by `linear_accumulate`, and its low-precision copy comes from `cache` once per
-    iteration. ops.linear is this function."""
-    if impl != "torch" and weight.requires_grad and torch.is_grad_enabled():
+    iteration, except where "auto" picks F.linear for an eager forward (`eager_plain`). ops.linear is this
+    function."""
+    if impl != "torch" and weight.requires_grad and torch.is_grad_enabled() and not (
+            impl == "auto" and eager_plain(x, weight)):
         if cache is None:
             cache = CastCache()  # no reuse across microbatches: the caller should keep one
         return linear_accumulate(x, weight, bias, cache)

@@ -120,6 +120,30 @@ def test_ops_linear_dispatch() -> None:
     assert not fused_linear.probe(torch.device("cpu"))
 
 
+def test_auto_runs_plain_linear_for_eager_low_precision_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--kernels auto: bf16 weights already in the compute dtype, eager, run F.linear (torch's own node, the weight
+    a leaf with its AccumulateGrad); fp32 weights, autocast to another dtype, a capture and impl "peerline" keep
+    the fused Function. The gradients are nn.Linear's either way."""
+    torch.manual_seed(int(torch.randint(0, 1 << 30, ())))
+    w = torch.randn(40, 24, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(4, 24, dtype=torch.bfloat16, requires_grad=True)
+    fused_name = "_LinearAccumulateBackward"
+    y = ops.linear(x, w, None, "auto")
+    assert type(y.grad_fn).__name__ != fused_name
+    y.float().square().sum().backward()
+    ref_w, ref_x = w.detach().clone().requires_grad_(True), x.detach().clone().requires_grad_(True)
+    nn.functional.linear(ref_x, ref_w).float().square().sum().backward()
+    assert torch.equal(w.grad, ref_w.grad) and torch.equal(x.grad, ref_x.grad)
+    assert type(ops.linear(x, w, None, "peerline").grad_fn).__name__ == fused_name
+    w32 = torch.randn(40, 24, requires_grad=True)
+    assert type(ops.linear(x.float(), w32, None, "auto").grad_fn).__name__ == fused_name
+    with torch.autocast("cpu", dtype=torch.float16):  # the compute dtype differs from the weight's
+        assert type(ops.linear(x, w, None, "auto").grad_fn).__name__ == fused_name
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not fused_linear.eager_plain(x, w)  # a captured forward keeps the fused path
+
+
 def _train(kernels: str, iters: int = 3, microbatches: int = 3) -> tuple[list[float], list[torch.Tensor]]:
     torch.manual_seed(11)
     blocks = nn.Sequential(*[ResidualMLPBlock(16, kernels) for _ in range(2)])
