@@ -16,7 +16,10 @@ scaled_dot_product_attention picks for these q, k, v (torch._fused_sdp_choice): 
 runs on this build and card (torch's sdp_utils puts cuDNN first on sm90 and sm100 once its bundled cuDNN is
 recent enough). Flash runs flash attention's ops directly; any other backend runs through SDPA restricted to it, its
 backward by autograd on a graph the forward keeps. PEERLINE_ATTENTION=flash or cudnn forces one ("math", torch's
-reference backend, is what the CPU tests run).
+reference backend, is what the CPU tests run). PEERLINE_ATTENTION=cudnn-ops runs cuDNN attention's own ops directly,
+as flash does (no kept graph, no nested autograd call in the backward: less host time per microbatch); on the CPU
+the flash stand-ins take its place, so the CPU tests check the Function's contract and tests/gpu/test_rope_gpu.py
+checks the ops.
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ from peerline import overrides
 KERNEL_SOURCE = Path(__file__).resolve().parent / "rope.cu"
 _THREADS = 256
 _MAX_BLOCKS = 8192
-_SAVED = object()  # marks where a saved tensor goes back among flash attention's extras
+_SAVED = object()  # marks where a saved tensor goes back among an attention op's extras
 #: PEERLINE_ATTENTION -> the SDPA backend the fused path runs through (None: flash attention's ops directly;
 #: "auto" is resolved per call by `resolve_backend`)
 BACKENDS: dict[str, SDPBackend | None] = {"auto": None, "flash": None, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                                          "math": SDPBackend.MATH}
+                                          "cudnn-ops": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+#: PEERLINE_ATTENTION names whose backend runs through its aten ops directly rather than SDPA and nested autograd
+DIRECT_OPS = frozenset({"cudnn-ops"})
 #: torch._fused_sdp_choice's answer (an SDPBackend value) -> a BACKENDS name, or the backend itself
 _TORCH_CHOICE: dict[int, str | SDPBackend] = {int(SDPBackend.FLASH_ATTENTION): "flash",
                                                int(SDPBackend.CUDNN_ATTENTION): "cudnn",
@@ -192,6 +197,33 @@ def _flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                                                                                True)
 
 
+# ---- cuDNN attention: torch's CUDA ops; on the CPU the flash stand-ins (the Function's contract tests) ----
+
+def _cudnn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    if not q.is_cuda:
+        return _flash_forward(q, k, v)
+    # (query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask)
+    out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, True, False)
+    return out, (lse, cq, ck, mq, mk, seed, offset)
+
+
+def _cudnn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    saved: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not q.is_cuda:
+        return _flash_backward(dout, q, k, v, out, saved)
+    lse, cq, ck, mq, mk, seed, offset = saved
+    # (grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k,
+    #  max_q, max_k, dropout_p, is_causal): what torch's own autograd formula passes
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, seed, offset, None, cq, ck, mq, mk, 0.0, True)
+
+
+#: the routes that call an attention's aten ops directly: resolve_backend's answer -> (forward, backward)
+_DIRECT_ROUTES = {None: (_flash_forward, _flash_backward),
+                  SDPBackend.CUDNN_ATTENTION: (_cudnn_forward, _cudnn_backward)}
+
+
 def _views(qkv5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v [B, heads, T, D] as strided views of the packed qkv5 [B, T, 3, heads, D]."""
     return tuple(qkv5[:, :, i].transpose(1, 2) for i in range(3))
@@ -220,8 +252,8 @@ def _sdpa_backward(dout: torch.Tensor, graph: tuple) -> tuple[torch.Tensor, torc
 class FusedRopeAttention(torch.autograd.Function):
     """qkv [B, T, 3H] -> [B, T, H]. The input's memory is rotated in place (the qkv Linear saves its input, not its
     output, so nothing else reads it) and kept for the backward, which needs the rotated q and k. `backend`: a
-    BACKENDS name (auto: torch's own pick for these tensors; flash: flash attention's ops; cudnn, math: torch's
-    SDPA on that backend)."""
+    BACKENDS name (auto: torch's own pick for these tensors; flash, cudnn-ops: that attention's ops; cudnn, math:
+    torch's SDPA on that backend)."""
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
@@ -233,13 +265,14 @@ class FusedRopeAttention(torch.autograd.Function):
         ctx.heads = heads
         views = _views(qkv5)
         sdpa = resolve_backend(backend, *views)
-        if sdpa is not None:
+        if sdpa is not None and backend not in DIRECT_OPS:
             out, ctx.graph = _sdpa_forward(*views, sdpa, restrict=backend != "auto")
             ctx.save_for_backward(cos, sin)
             return out.transpose(1, 2).reshape(batch, seq, three_h // 3)
         ctx.graph = None
-        out, saved = _flash_forward(*views)
-        # flash attention's extras mix tensors (logsumexp, the RNG state) with ints and None (sequence bounds)
+        forward, ctx.backward_op = _DIRECT_ROUTES[sdpa]
+        out, saved = forward(*views)
+        # the ops' extras mix tensors (logsumexp, the RNG state) with ints and None (sequence bounds)
         tensors = [x for x in saved if isinstance(x, torch.Tensor)]
         ctx.save_for_backward(qkv, out, cos, sin, *tensors)
         ctx.extras = [_SAVED if isinstance(x, torch.Tensor) else x for x in saved]
@@ -262,7 +295,7 @@ class FusedRopeAttention(torch.autograd.Function):
         batch, seq, three_h = qkv.shape
         qkv5 = qkv.view(batch, seq, 3, ctx.heads, three_h // (3 * ctx.heads))
         dout = dy.reshape(batch, seq, ctx.heads, -1).transpose(1, 2)
-        dq, dk, dv = _flash_backward(dout, *_views(qkv5), out, tuple(saved))
+        dq, dk, dv = ctx.backward_op(dout, *_views(qkv5), out, tuple(saved))
         return rope_backward_pack(dq, dk, dv, cos, sin).view(batch, seq, three_h), None, None, None, None
 
 

@@ -66,7 +66,7 @@ def test_backward_pack_writes_every_element() -> None:
     assert got.data_ptr() == poisoned.data_ptr() and torch.isfinite(got.float()).all()
 
 
-@pytest.mark.parametrize("backend", ["auto", "flash", "cudnn"])
+@pytest.mark.parametrize("backend", ["auto", "flash", "cudnn", "cudnn-ops"])
 @pytest.mark.parametrize("shape", [(2, 128, 4, 64), (1, 1024, 8, 128)])
 def test_fused_attention_matches_unfused(shape, backend, monkeypatch) -> None:
     """Every PEERLINE_ATTENTION backend of the fused path against float64 (auto: the one torch picks here, printed

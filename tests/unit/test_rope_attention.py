@@ -14,12 +14,12 @@ from peerline.kernels import rope
 from peerline.models.rope import rope_tables
 
 
-@pytest.mark.parametrize("backend", ["auto", "flash", "math"])
+@pytest.mark.parametrize("backend", ["auto", "flash", "cudnn-ops", "math"])
 @pytest.mark.parametrize("batch,seq,heads,dim", [(2, 16, 4, 8), (1, 33, 2, 16), (3, 7, 1, 6)])
 def test_fused_function_equals_reference(batch, seq, heads, dim, backend):
-    """flash: flash attention's ops (CPU flash ops as stand-ins); math: the path of every SDPA backend other than
-    flash (SDPA on one backend, its backward by autograd on the graph the forward keeps) on torch's reference
-    backend; auto: whichever of the two torch's own choice leads to."""
+    """flash, cudnn-ops: an attention's ops called directly (CPU flash ops as stand-ins); math: the path of every
+    SDPA backend other than those (SDPA on one backend, its backward by autograd on the graph the forward keeps) on
+    torch's reference backend; auto: whichever torch's own choice leads to."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
     cos, sin = (t.double() for t in rope_tables(seq + 5, dim))
     qkv = torch.randn(batch, seq, 3 * heads * dim, dtype=torch.float64, generator=gen)
@@ -138,7 +138,7 @@ def test_kernels_build_with_vector_memory_access():
         assert not re.search(r"(ld|st)\.global(\.nc)?\.(u16|b16)", body), name
 
 
-@pytest.mark.parametrize("backend", ["flash", "math"])
+@pytest.mark.parametrize("backend", ["flash", "cudnn-ops", "math"])
 def test_fused_function_under_non_reentrant_recompute(backend):
     """--recompute wraps blocks in torch.utils.checkpoint (non-reentrant): both paths of the fused Function (flash's
     ops; an SDPA backend with the graph its forward keeps) give the reference's gradients when recomputed."""
@@ -162,3 +162,42 @@ def test_fused_function_under_non_reentrant_recompute(backend):
     out = checkpoint(block, got_in, True, use_reentrant=False)
     out.backward(dy)
     torch.testing.assert_close(got_in.grad, ref_in.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_cudnn_ops_are_called_as_their_schemas_name_the_arguments(monkeypatch):
+    """The cudnn-ops route's CUDA branch binds each argument to the parameter torch's schema names: the forward asks
+    for the logsumexp, causal, no bias or dropout; the backward gets the forward's extras in their places. The ops
+    are stood in for (no CUDA here), each call read back through its real schema."""
+    calls = {}
+
+    def fake(op_name, result):
+        schema = getattr(torch.ops.aten, op_name).default._schema
+
+        def op(*args, **kwargs):
+            assert not kwargs and len(args) <= len(schema.arguments), (op_name, len(args))
+            calls[op_name] = dict(zip((a.name for a in schema.arguments), args))
+            return result
+        return op
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    q, k, v, out, lse, dout = (torch.randn(1, 2, 8, 16, generator=gen) for _ in range(6))
+    cq, ck, seed, offset = (torch.randn(1, generator=gen) for _ in range(4))
+    grads = tuple(torch.randn(1, 2, 8, 16, generator=gen) for _ in range(3))
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention",
+                        fake("_scaled_dot_product_cudnn_attention", (out, lse, cq, ck, 8, 9, seed, offset, None)))
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention_backward",
+                        fake("_scaled_dot_product_cudnn_attention_backward", grads))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    got, saved = rope._cudnn_forward(q, k, v)
+    fwd = calls["_scaled_dot_product_cudnn_attention"]
+    assert got is out and fwd["query"] is q and fwd["key"] is k and fwd["value"] is v
+    assert fwd["attn_bias"] is None and fwd["compute_log_sumexp"] is True and fwd["dropout_p"] == 0.0
+    assert fwd["is_causal"] is True and fwd["return_debug_mask"] is False
+    assert rope._cudnn_backward(dout, q, k, v, out, saved) is grads
+    bwd = calls["_scaled_dot_product_cudnn_attention_backward"]
+    expected = {"grad_out": dout, "query": q, "key": k, "value": v, "out": out, "logsumexp": lse,
+                "philox_seed": seed, "philox_offset": offset, "cum_seq_q": cq, "cum_seq_k": ck}
+    assert all(bwd[name] is t for name, t in expected.items()), sorted(n for n, t in expected.items()
+                                                                       if bwd[n] is not t)
+    assert bwd["attn_bias"] is None and (bwd["max_q"], bwd["max_k"]) == (8, 9)
+    assert bwd["dropout_p"] == 0.0 and bwd["is_causal"] is True
