@@ -137,15 +137,18 @@ _EAGER_CHOICE: dict[tuple[int, int], bool] = {}
 
 
 def eager_takes_kernels(x: torch.Tensor) -> bool:
-    """--kernels auto, eager: the kernels at or above the card's eager threshold for "layer_norm" (bytes read and
-    written, 4 per element in bf16), torch's op below it. Cached per size; a size that turns to torch still loads
-    the kernels once, so a later capture of the same size finds them built (no compiling inside a capture)."""
+    """--kernels auto, eager: the card table's pick for "layer_norm" (card_table.CardTable.pick: torch below its
+    eager threshold, by bytes read and written, 4 per element in bf16). Cached per size; a size that turns to torch
+    still loads the kernels once, so a later capture of the same size finds them built (no compiling inside a
+    capture)."""
     key = (x.numel(), x.device.index)
     hit = _EAGER_CHOICE.get(key)
     if hit is None:
+        from peerline.kernels.card_table import PEERLINE
         from peerline.kernels.elementwise import card_table
 
-        hit = _EAGER_CHOICE[key] = 4 * x.numel() >= card_table(x.device.index).eager_threshold("layer_norm")
+        hit = _EAGER_CHOICE[key] = card_table(x.device.index).pick("layer_norm", "bf16", 4 * x.numel(),
+                                                                   eager=True) == PEERLINE
         width = x.shape[-1]
         for name in (f"pl_ln_forward_{vectors_for(width)}", f"pl_ln_backward_{vectors_for(width)}", "pl_ln_reduce"):
             _kernel(name, x.device)
