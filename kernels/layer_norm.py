@@ -132,8 +132,8 @@ class LayerNormFunction(torch.autograd.Function):
         return dx.view(dy.shape), dweight, dbias, None
 
 
-# (elements, device index) -> whether an eager --kernels auto launch runs the kernels
-_EAGER_CHOICE: dict[tuple[int, int], bool] = {}
+# (elements, width, device index) -> whether an eager --kernels auto launch runs the kernels
+_EAGER_CHOICE: dict[tuple[int, int, int], bool] = {}
 
 
 def eager_takes_kernels(x: torch.Tensor) -> bool:
@@ -141,7 +141,7 @@ def eager_takes_kernels(x: torch.Tensor) -> bool:
     eager threshold, by bytes read and written, 4 per element in bf16). Cached per size; a size that turns to torch
     still loads the kernels once, so a later capture of the same size finds them built (no compiling inside a
     capture)."""
-    key = (x.numel(), x.device.index)
+    key = (x.numel(), x.shape[-1], x.device.index)  # the width picks which kernels get loaded
     hit = _EAGER_CHOICE.get(key)
     if hit is None:
         from peerline.kernels.card_table import PEERLINE

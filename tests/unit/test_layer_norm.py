@@ -149,3 +149,8 @@ def test_auto_runs_torch_for_small_eager_launches_and_the_kernels_elsewhere(monk
     capturing[0] = False
     pinned(small)
     assert ran == [large.shape, small.shape, small.shape]
+    del loaded[:]
+    auto(torch.randn(1, 2 * 8 * ln.THREADS))  # as many elements as another size, wider: its own kernels load
+    auto(torch.randn(2, 8 * ln.THREADS))
+    assert loaded == ["pl_ln_forward_2", "pl_ln_backward_2", "pl_ln_reduce",
+                      "pl_ln_forward_1", "pl_ln_backward_1", "pl_ln_reduce"]
