@@ -1,23 +1,25 @@
 """Benchmark suite `eager`: peerline without CUDA graphs (--no-graph) against torch eager on the same model, data
 and schedule: what a user gets when the iteration cannot be captured.
 
-    torchrun --nproc_per_node=2 launch/bench.py eager [--eager-configs launch,mid] [--eager-variants ...]
+    torchrun --nproc_per_node=2 launch/bench.py eager [--eager-configs launch,mid,compute] [--eager-variants ...]
         [--eager-single | --no-eager-single]
 
 Pipeline part, pp = world size, 1F1B, per configuration (the pipeline suite's CONFIGS: launch = 32 blocks h=512,
-micro-batch 2x256, M=16; mid = 24 blocks h=1024, 4x512, M=12):
-  torch             torch.distributed.pipelining Schedule1F1B, fp32 parameters + bf16 autocast (peerline's recipe)
+micro-batch 2x256, M=16; mid = 24 blocks h=1024, 4x512, M=12; compute, the pipeline suite's compute-bound one):
+  torch             torch.distributed.pipelining Schedule1F1B, fp32 parameters + bf16 autocast
   torch-bf16        the same schedule with bf16 parameters and inputs, no autocast
-  peerline          peerline --no-graph, defaults (--kernels auto, the copy engine where it works)
+  peerline          peerline --no-graph, defaults (--precision master, --kernels auto, the copy engine where it works)
+  peerline-autocast --no-graph --precision autocast           (torch's recipe: fp32 parameters + bf16 autocast)
+  peerline-bf16     --no-graph --precision bf16               (torch-bf16's recipe: bf16 parameters)
   peerline-torch-kernels   --no-graph --kernels torch         (diagnostic: what peerline's kernels are worth)
   peerline-nccl     --no-graph --p2p nccl                     (diagnostic: the transport)
-Every peerline variant is recorded against both torch variants (goals: >= 1.0x torch with autocast, >= 1/1.3x
-torch with bf16 parameters).
+Every peerline variant is recorded against both torch variants. The goals compare one recipe with the same recipe:
+peerline-autocast >= 1.0x torch, peerline-bf16 >= 1.0x torch-bf16.
 
 One-GPU part (--eager-single, on by default): a fresh process on rank 0's GPU (the other ranks wait) trains the
-whole model as one stage: plain torch eager (per microbatch forward + loss + backward under autocast, then AdamW)
-against peerline --stages 1 --no-graph (goal: >= 1.0x). The model is built from the same seeds; the first losses
-of each are noted.
+whole model as one stage, per recipe: plain torch eager (per microbatch forward + loss + backward, then fused
+AdamW; fp32 parameters under autocast, and bf16 parameters) against peerline --stages 1 --no-graph with the same
+recipe (goal: >= 1.0x each). The model is built from the same seeds; the first losses of each are noted.
 
 Timing: benchkit.time_blocks (blocks of iterations without host syncs, the slowest rank, median over --reps).
 """
@@ -53,11 +55,16 @@ log = logging.getLogger(__name__)
 
 SUITE = "eager"
 #: variant -> RunConfig overrides of the peerline variants (all --no-graph)
-PEERLINE_VARIANTS = {"peerline": {}, "peerline-torch-kernels": {"kernels": "torch"}, "peerline-nccl": {"p2p": "nccl"}}
+PEERLINE_VARIANTS = {"peerline": {}, "peerline-autocast": {"precision": "autocast"},
+                     "peerline-bf16": {"precision": "bf16"}, "peerline-torch-kernels": {"kernels": "torch"},
+                     "peerline-nccl": {"p2p": "nccl"}}
 TORCH_VARIANTS = ("torch", "torch-bf16")
 VARIANTS = (*TORCH_VARIANTS, *PEERLINE_VARIANTS)
-#: goals against each torch variant (the eager targets: the same recipe, and within 1.3x of bf16 parameters)
-GOALS = {"torch": 1.0, "torch-bf16": 1 / 1.3}
+#: the recipe-matched pairs the goal is measured on: peerline variant -> torch variant of the same recipe
+MATCHED = {"peerline-autocast": "torch", "peerline-bf16": "torch-bf16"}
+GOAL = 1.0
+#: the one-GPU part's recipes: name -> (plain torch's parameter dtype, peerline's --precision)
+SINGLE_RECIPES = {"autocast": (None, "autocast"), "bf16": (torch.bfloat16, "bf16")}
 LOSS_CHECK_ITERS = 2
 
 
@@ -67,8 +74,8 @@ def _csv(text: str) -> list[str]:
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--eager-configs", type=_csv, default=None,
-                       help="comma-separated configurations of the pipeline suite (default launch,mid; quick with "
-                            "--quick)")
+                       help="comma-separated configurations of the pipeline suite (default launch,mid,compute; "
+                            "quick with --quick)")
     group.add_argument("--eager-variants", type=_csv, default=None,
                        help=f"comma-separated, of {', '.join(VARIANTS)} (default all)")
     group.add_argument("--eager-single", action=argparse.BooleanOptionalAction, default=True,
@@ -93,10 +100,13 @@ def _peerline_variant(name: str, shape: PipeShape, ctx: BenchContext, timer: Blo
                       ) -> tuple[list[float], Any] | str:
     from peerline.distributed.config import RunConfig
 
+    overrides = {**PEERLINE_VARIANTS.get(name, {}), **extra}
+    if overrides.get("precision") == "bf16" and ctx.device.type != "cuda":
+        return "--precision bf16 needs bf16 compute (a GPU)"
     cfg = RunConfig(schedule="1f1b", microbatches=shape.microbatches, micro_batch_size=shape.micro_batch_size,
                     seq=shape.seq, hidden=shape.hidden, layers=shape.layers, seed=shape.seed, lr=shape.lr,
                     dtype=shape.dtype, device=ctx.device.type, graph=False, iters=10**9, log_every=1,
-                    **{**PEERLINE_VARIANTS.get(name, {}), **extra})
+                    **overrides)
     with open_runtime(cfg) as rt:
         got = time_captured(rt, False, LOSS_CHECK_ITERS, timer)
         if not isinstance(got, str):
@@ -118,10 +128,9 @@ def _report(ctx: BenchContext, shape: PipeShape, results: dict[str, tuple[list[f
                                 higher_is_better=False, sizes={**shape.sizes(), "pp": world},
                                 extra={"losses": losses, "anchor_losses": a_losses, "spread": timing.spread,
                                        "anchor_spread": a_timing.spread}))
-        if name == "peerline" and ctx.device.type == "cuda":
-            goal = GOALS[anchor_name]
-            ctx.note(f"GOAL {'MET' if rec.ratio >= goal else 'MISSED'} eager {shape.name}: peerline --no-graph "
-                     f"{rec.ratio:.2f}x torch {_recipe(anchor_name)} (goal >= {goal:.2f}x)")
+        if MATCHED.get(name) == anchor_name and ctx.device.type == "cuda":
+            ctx.note(f"GOAL {'MET' if rec.ratio >= GOAL else 'MISSED'} eager {shape.name}: {name} --no-graph "
+                     f"{rec.ratio:.2f}x torch {_recipe(anchor_name)} (goal >= {GOAL:.2f}x)")
 
 
 def _recipe(anchor_name: str) -> str:
@@ -151,18 +160,19 @@ def _pipeline_part(args: argparse.Namespace, ctx: BenchContext, configs: list[st
 
 
 class PlainTorch:
-    """The whole model in plain torch eager on one device: per microbatch forward, loss / M and backward under
-    autocast (fp32 parameters), then fused AdamW; the data of peerline's feed (same seeds)."""
+    """The whole model in plain torch eager on one device: per microbatch forward, loss / M and backward, then fused
+    AdamW; fp32 parameters under the shape's autocast, or (param_dtype) parameters and inputs in that dtype with no
+    autocast. The data of peerline's feed (same seeds)."""
 
-    def __init__(self, shape: PipeShape, device: torch.device) -> None:
+    def __init__(self, shape: PipeShape, device: torch.device, param_dtype: torch.dtype | None = None) -> None:
         self.shape, self.device = shape, device
-        self.module = build_stage_module(shape, 1, 0).to(device)
+        self.module = build_stage_module(shape, 1, 0).to(device, dtype=param_dtype)
         self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=shape.lr, fused=device.type == "cuda" or None)
         size = (shape.micro_batch_size, shape.seq, shape.hidden)
-        self.inputs = [torch.empty(size, device=device) for _ in range(shape.microbatches)]
+        self.inputs = [torch.empty(size, device=device, dtype=param_dtype) for _ in range(shape.microbatches)]
         self.targets = [torch.empty(size, device=device) for _ in range(shape.microbatches)]
         self.generator = torch.Generator(device=device)
-        self.dtype = torch.bfloat16 if shape.dtype == "bf16" else None
+        self.dtype = torch.bfloat16 if shape.dtype == "bf16" and param_dtype is None else None
         self.iteration, self.loss = 0, torch.zeros((), device=device)
 
     def step(self) -> None:
@@ -185,24 +195,31 @@ class PlainTorch:
 
 
 def single_child(config: str, quick: bool, out_path: str, iters: int | None = None) -> None:
-    """The one-GPU part, in a process of its own (one rank, this process's first visible device): plain torch
-    eager, then peerline --stages 1 --no-graph; writes their ms/iter and first losses to `out_path` (JSON)."""
+    """The one-GPU part, in a process of its own (one rank, this process's first visible device): per recipe of
+    SINGLE_RECIPES, plain torch eager, then peerline --stages 1 --no-graph with the same recipe; writes their
+    ms/iter and first losses to `out_path` (JSON: {"config", "recipes": {recipe: {...}}})."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     shape = CONFIGS[config]
     ctx = BenchContext(out_dir=Path(out_path).parent, device=device, quick=quick)
     timer = BlockTimer.from_args(argparse.Namespace(), quick, device, iters)
-    plain_losses, plain = time_anchor(PlainTorch(shape, device), LOSS_CHECK_ITERS, timer)
-    free_device(device)
-    got = _peerline_variant("peerline", shape, ctx, timer, stages=1)
-    out: dict[str, Any] = {"config": config, "plain_ms": plain.median_ms, "plain_losses": plain_losses,
-                           "plain_spread": plain.spread}
-    if isinstance(got, str):
-        out["peerline_skipped"] = got
-    else:
-        out.update(peerline_ms=got[1].median_ms, peerline_losses=got[0], peerline_spread=got[1].spread)
-    Path(out_path).write_text(json.dumps(out))
+    recipes: dict[str, dict[str, Any]] = {}
+    for recipe, (param_dtype, precision) in SINGLE_RECIPES.items():
+        if param_dtype is not None and device.type != "cuda":
+            continue  # bf16 parameters need bf16 compute: a GPU
+        plain_losses, plain = time_anchor(PlainTorch(shape, device, param_dtype), LOSS_CHECK_ITERS, timer)
+        free_device(device)
+        got = _peerline_variant("peerline", shape, ctx, timer, stages=1, precision=precision)
+        free_device(device)
+        out: dict[str, Any] = {"plain_ms": plain.median_ms, "plain_losses": plain_losses,
+                               "plain_spread": plain.spread}
+        if isinstance(got, str):
+            out["peerline_skipped"] = got
+        else:
+            out.update(peerline_ms=got[1].median_ms, peerline_losses=got[0], peerline_spread=got[1].spread)
+        recipes[recipe] = out
+    Path(out_path).write_text(json.dumps({"config": config, "recipes": recipes}))
 
 
 def _single_part(args: argparse.Namespace, ctx: BenchContext, configs: list[str]) -> None:
@@ -227,20 +244,22 @@ def _run_single_child(args: argparse.Namespace, ctx: BenchContext, key: str) -> 
     if proc.returncode != 0 or not path.exists():
         ctx.note(f"eager one-GPU {key} failed (rc {proc.returncode}): {proc.stderr.strip()[-800:]}")
         return
-    r = json.loads(path.read_text())
-    if "peerline_ms" not in r:
-        ctx.note(f"eager one-GPU {key}: peerline skipped: {r.get('peerline_skipped')}")
-        return
     shape = CONFIGS[key]
-    rec = ctx.record(Record(SUITE, f"{shape.name} 1 GPU peerline --stages 1 --no-graph vs plain torch", "ms/iter",
-                            r["peerline_ms"], r["plain_ms"], "plain torch eager, fp32 parameters + autocast",
-                            higher_is_better=False, sizes=shape.sizes(), extra=r))
-    ctx.note(f"eager one-GPU {shape.name}: peerline {r['peerline_ms']:.2f} ms/iter (losses "
-             f"{', '.join(f'{v:.6g}' for v in r['peerline_losses'])}), plain torch {r['plain_ms']:.2f} ms/iter "
-             f"(losses {', '.join(f'{v:.6g}' for v in r['plain_losses'])})")
-    if ctx.device.type == "cuda":
-        ctx.note(f"GOAL {'MET' if rec.ratio >= 1.0 else 'MISSED'} eager one-GPU {shape.name}: peerline "
-                 f"{rec.ratio:.2f}x plain torch (goal >= 1.00x)")
+    for recipe, r in json.loads(path.read_text())["recipes"].items():
+        if "peerline_ms" not in r:
+            ctx.note(f"eager one-GPU {key} {recipe}: peerline skipped: {r.get('peerline_skipped')}")
+            continue
+        label = "bf16 parameters" if recipe == "bf16" else "fp32 parameters + autocast"
+        rec = ctx.record(Record(SUITE, f"{shape.name} 1 GPU peerline --stages 1 --no-graph --precision {recipe} vs "
+                                f"plain torch", "ms/iter", r["peerline_ms"], r["plain_ms"],
+                                f"plain torch eager, {label}", higher_is_better=False, sizes=shape.sizes(),
+                                extra={"recipe": recipe, **r}))
+        ctx.note(f"eager one-GPU {shape.name} {recipe}: peerline {r['peerline_ms']:.2f} ms/iter (losses "
+                 f"{', '.join(f'{v:.6g}' for v in r['peerline_losses'])}), plain torch {r['plain_ms']:.2f} ms/iter "
+                 f"(losses {', '.join(f'{v:.6g}' for v in r['plain_losses'])})")
+        if ctx.device.type == "cuda":
+            ctx.note(f"GOAL {'MET' if rec.ratio >= GOAL else 'MISSED'} eager one-GPU {shape.name} {recipe}: "
+                     f"peerline {rec.ratio:.2f}x plain torch (goal >= {GOAL:.2f}x)")
 
 
 def _visible_device(device: torch.device) -> str:
@@ -252,7 +271,7 @@ def _visible_device(device: torch.device) -> str:
 
 def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     """The pipeline part on pp = world, then the one-GPU part; see the module docstring."""
-    configs = getattr(args, "eager_configs", None) or (["quick"] if ctx.quick else ["launch", "mid"])
+    configs = getattr(args, "eager_configs", None) or (["quick"] if ctx.quick else ["launch", "mid", "compute"])
     variants = getattr(args, "eager_variants", None) or list(VARIANTS)
     for bad, allowed, what in ((configs, CONFIGS, "configuration"), (variants, VARIANTS, "variant")):
         unknown = [v for v in bad if v not in allowed]

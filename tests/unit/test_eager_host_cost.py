@@ -79,6 +79,8 @@ def test_hostcost_and_eager_suites_run_on_the_cpu(tmp_path: Path) -> None:
         cases[r["suite"]].append(r["case"])
     for action in ("F", "B", "iteration (host)", "engine own (host, per iteration)"):
         assert any(c.startswith(f"engine {action} (") for c in cases["hostcost"]), (action, cases["hostcost"])
-    assert any("1 GPU peerline --stages 1 --no-graph vs plain torch" in c for c in cases["eager"]), cases["eager"]
-    single = next(r for r in records if r["suite"] == "eager")
+    assert any("1 GPU peerline --stages 1 --no-graph --precision autocast vs plain torch" in c
+               for c in cases["eager"]), cases["eager"]
+    single = next(r for r in records if r["suite"] == "eager" and "1 GPU" in r["case"])
+    assert single["extra"]["recipe"] == "autocast"
     assert single["extra"]["peerline_losses"] == single["extra"]["plain_losses"]  # same model, data, fp32 on the CPU
