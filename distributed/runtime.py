@@ -33,6 +33,7 @@ from peerline.distributed.grad_sync.sharded_adamw import optimizer_state_bytes
 from peerline.distributed.hooks import IterationHooks, IterationStats
 from peerline.distributed.memory.state_bytes import per_rank, state_bytes
 from peerline.distributed.streams import use
+from peerline.kernels.capture_state import eager_only
 from peerline.models.flops import peak_bf16_tflops
 
 log = logging.getLogger(__name__)
@@ -207,7 +208,8 @@ class Runtime:
                 graph.replay()
             else:
                 self.engine.feed.load(self.iteration)
-                self.engine.iteration()
+                with eager_only():  # nothing captures here: the kernels skip the driver's capture query
+                    self.engine.iteration()
         self.iteration += n
         self.iterations_run += n
         for hook in reversed(self.hooks):

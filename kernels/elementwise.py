@@ -31,6 +31,7 @@ import torch
 from peerline import overrides
 from peerline.kernels import compile as kc
 from peerline.kernels import launch, plan
+from peerline.kernels.capture_state import capturing
 from peerline.kernels.card_table import PEERLINE, CardTable, table_for
 from peerline.kernels.reference import bias_gelu_reference, residual_add_reference
 
@@ -482,7 +483,7 @@ def auto_bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     inside a graph capture is not allowed)."""
     if not _supported(x, bias) or x.device != bias.device or bias.dim() != 1 or x.dim() == 0:
         return bias_gelu(x, bias)  # the checks and the fallback of the explicit path
-    eager = not torch.cuda.is_current_stream_capturing()
+    eager = not capturing()
     n, dev = x.numel(), x.get_device()
     key = ("bias_gelu", x.dtype, bias.dtype, n, x.shape[-1], dev, eager)
     if _chosen(key, "bias_gelu", x.dtype, 2 * n * x.element_size(), dev, eager, ("bias_gelu_fwd", "bias_gelu_bwd")):
@@ -498,7 +499,7 @@ def auto_residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """residual_add for --kernels auto (see auto_bias_gelu)."""
     if not _supported(x, y) or x.shape != y.shape or x.device != y.device:
         return residual_add_reference(x, y)
-    eager = not torch.cuda.is_current_stream_capturing()
+    eager = not capturing()
     n, dev = x.numel(), x.get_device()
     nbytes = n * (x.element_size() + y.element_size() + torch.promote_types(x.dtype, y.dtype).itemsize)
     key = ("residual_add", x.dtype, y.dtype, n, 0, dev, eager)

@@ -34,6 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from peerline.kernels.capture_state import capturing
+
 log = logging.getLogger(__name__)
 
 _epoch = 0
@@ -275,7 +277,7 @@ def eager_plain(x: torch.Tensor, weight: torch.Tensor) -> bool:
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != weight.dtype:
         return False
-    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    return not (x.is_cuda and capturing())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, impl: str = "torch",

@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from peerline.kernels.capture_state import capturing
+
 KERNEL_SOURCE = Path(__file__).resolve().parent / "layer_norm.cu"
 THREADS = 256  # PL_LN_THREADS in layer_norm.cu
 VECTORS = (1, 2, 4)  # the kernels' register capacities: 16-byte vectors per thread
@@ -166,6 +168,6 @@ class FusedLayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl != "torch" and fused_supported(x, self.weight, self.bias) and (
-                self.impl == "peerline" or torch.cuda.is_current_stream_capturing() or eager_takes_kernels(x)):
+                self.impl == "peerline" or capturing() or eager_takes_kernels(x)):
             return LayerNormFunction.apply(x, self.weight, self.bias, self.eps)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)

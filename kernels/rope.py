@@ -14,12 +14,12 @@ with torch stand-ins for both kernels and the CPU flash-attention ops, so CI che
 The attention between the two rotations is, by default (PEERLINE_ATTENTION=auto), the backend torch's own
 scaled_dot_product_attention picks for these q, k, v (torch._fused_sdp_choice): the same kernels a plain torch model
 runs on this build and card (torch's sdp_utils puts cuDNN first on sm90 and sm100 once its bundled cuDNN is
-recent enough). Flash runs flash attention's ops directly; any other backend runs through SDPA restricted to it, its
-backward by autograd on a graph the forward keeps. PEERLINE_ATTENTION=flash or cudnn forces one ("math", torch's
-reference backend, is what the CPU tests run). PEERLINE_ATTENTION=cudnn-ops runs cuDNN attention's own ops directly,
-as flash does (no kept graph, no nested autograd call in the backward: less host time per microbatch); on the CPU
-the flash stand-ins take its place, so the CPU tests check the Function's contract and tests/gpu/test_rope_gpu.py
-checks the ops.
+recent enough). Flash and cuDNN run their attention's aten ops directly (no kept graph, no nested autograd call in
+the backward: less host time per microbatch); any other backend runs through SDPA restricted to it, its backward by
+autograd on a graph the forward keeps. PEERLINE_ATTENTION=flash or cudnn-ops forces one of the direct routes,
+cudnn forces cuDNN through SDPA, and math is torch's reference backend (what the CPU tests run). On the CPU the flash
+stand-ins take the direct routes' place, so the CPU tests check the Function's contract and
+tests/gpu/test_rope_gpu.py checks the ops.
 """
 
 from __future__ import annotations
@@ -224,6 +224,12 @@ _DIRECT_ROUTES = {None: (_flash_forward, _flash_backward),
                   SDPBackend.CUDNN_ATTENTION: (_cudnn_forward, _cudnn_backward)}
 
 
+def runs_direct(backend: str, sdpa: SDPBackend | None) -> bool:
+    """Whether the fused path calls the attention's aten ops itself (no kept graph, no nested autograd): flash and
+    cudnn-ops always; auto wherever torch's pick has such a route (flash, cuDNN); cudnn and math go through SDPA."""
+    return backend in DIRECT_OPS or (backend == "auto" and sdpa in _DIRECT_ROUTES)
+
+
 def _views(qkv5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v [B, heads, T, D] as strided views of the packed qkv5 [B, T, 3, heads, D]."""
     return tuple(qkv5[:, :, i].transpose(1, 2) for i in range(3))
@@ -252,8 +258,8 @@ def _sdpa_backward(dout: torch.Tensor, graph: tuple) -> tuple[torch.Tensor, torc
 class FusedRopeAttention(torch.autograd.Function):
     """qkv [B, T, 3H] -> [B, T, H]. The input's memory is rotated in place (the qkv Linear saves its input, not its
     output, so nothing else reads it) and kept for the backward, which needs the rotated q and k. `backend`: a
-    BACKENDS name (auto: torch's own pick for these tensors; flash, cudnn-ops: that attention's ops; cudnn, math:
-    torch's SDPA on that backend)."""
+    BACKENDS name (auto: torch's own pick for these tensors, by its direct route where it has one; flash, cudnn-ops:
+    that attention's ops; cudnn, math: torch's SDPA on that backend)."""
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
@@ -265,7 +271,7 @@ class FusedRopeAttention(torch.autograd.Function):
         ctx.heads = heads
         views = _views(qkv5)
         sdpa = resolve_backend(backend, *views)
-        if sdpa is not None and backend not in DIRECT_OPS:
+        if sdpa is not None and not runs_direct(backend, sdpa):
             out, ctx.graph = _sdpa_forward(*views, sdpa, restrict=backend != "auto")
             ctx.save_for_backward(cos, sin)
             return out.transpose(1, 2).reshape(batch, seq, three_h // 3)

@@ -49,6 +49,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from peerline.kernels.capture_state import capturing
+
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
@@ -439,7 +441,7 @@ class _Timers:
         if not self.enabled:
             return
         if self.on_cuda:
-            self._events = self._sets.get(torch.cuda.is_current_stream_capturing())
+            self._events = self._sets.get(capturing())
         else:
             self._host = {"launch": [None] * self.n}
 

@@ -69,6 +69,7 @@ from peerline.distributed.p2p import flag_ops, ipc
 from peerline.distributed.p2p import handoff_protocol as handoff
 from peerline.distributed.p2p.base import ACT, GRAD, Links, TensorSpec, Transport
 from peerline.distributed.streams import RankStreams, create_rank_streams
+from peerline.kernels.capture_state import capturing
 
 log = logging.getLogger(__name__)
 
@@ -375,7 +376,7 @@ class CopyEngineTransport(Transport):
 
     def _send_on_lanes(self, cur: torch.cuda.Stream, staged: list) -> None:
         """Sends with the flag operations on the copy lanes (module docstring, split=False / split=True)."""
-        capture = self.capture_safe or torch.cuda.is_current_stream_capturing()
+        capture = self.capture_safe or capturing()
         waited: list[torch.cuda.Stream] = []
         for kind, mb, t, (_peer, peer_dev, ring) in staged:
             slot = handoff.slot_of(mb, self.depth)
@@ -418,7 +419,7 @@ class CopyEngineTransport(Transport):
 
     def _send_decoupled(self, cur: torch.cuda.Stream, staged: list) -> None:
         """Sends with the flag operations on their own streams (module docstring, decoupled=True)."""
-        capture = self.capture_safe or torch.cuda.is_current_stream_capturing()
+        capture = self.capture_safe or capturing()
         free, full = self._free_lane, self._full_lane
         # Only the FREE stream waits for the producer (and so joins a capture): the copy lanes follow it through
         # E_free, which keeps one more wait off the copy streams.

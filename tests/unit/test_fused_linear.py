@@ -140,6 +140,7 @@ def test_auto_runs_plain_linear_for_eager_low_precision_weights(monkeypatch: pyt
     with torch.autocast("cpu", dtype=torch.float16):  # the compute dtype differs from the weight's
         assert type(ops.linear(x, w, None, "auto").grad_fn).__name__ == fused_name
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert not fused_linear.eager_plain(x, w)  # a captured forward keeps the fused path
 

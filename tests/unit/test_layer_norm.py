@@ -134,6 +134,7 @@ def test_auto_runs_torch_for_small_eager_launches_and_the_kernels_elsewhere(monk
     monkeypatch.setattr(ln, "_kernel", lambda name, device: loaded.append(name))
     monkeypatch.setattr(ln.LayerNormFunction, "apply", lambda x, w, b, eps: ran.append(x.shape) or x * 0)
     capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     auto, pinned = ln.FusedLayerNorm(width, impl="auto"), ln.FusedLayerNorm(width, impl="peerline")
     small, large = torch.randn(7, width), torch.randn(2, 4, width)  # 7 rows below the threshold, 8 at it
