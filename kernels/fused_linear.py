@@ -15,10 +15,12 @@ allocation, so the backward stays safe to capture in a CUDA graph.
             the parameter's post-accumulate-grad hooks (bucketed all-reduce) are called here instead, once per
             backward, after the accumulation is queued.
 
-Under `--kernels auto`, an eager forward (no graph capture) whose weight is already in the compute dtype (bf16 or
-fp16 weights: the bf16, master and compact recipes) runs plain F.linear: torch's C++ autograd node costs less host
-time per microbatch than this Python Function saves on the device (an add of dW into `.grad`), and eager runs are
-where the host is the bottleneck. Captured forwards, fp32 weights and `--kernels peerline` keep the fused path.
+Under `--kernels auto`, an eager forward (no graph capture) runs plain F.linear where this Python Function's host
+time costs more than it saves on the device: a weight already in the compute dtype (bf16 or fp16 weights: the
+bf16, master and compact recipes; the saving is one add of dW into `.grad`), and an fp32 weight under autocast below
+the card's eager threshold for "linear" (the saving, a weight cast and dW's cast and add per microbatch, grows
+with the weight; the GEMMs, and with them the host's lead, grow too). Eager runs are where the host is the
+bottleneck. Captured forwards, larger fp32 weights and `--kernels peerline` keep the fused path.
 
 The fp32 `addmm.dtype_out` path is checked once per process by `probe()` on a tiny exact problem, outside any
 graph capture; if the op is missing or wrong, the backward falls back to `weight.grad.add_(dy.T @ x)` (one
@@ -270,14 +272,35 @@ def linear_accumulate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def eager_plain(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """--kernels auto: whether this forward runs plain F.linear (see the module doc): low-precision weights already
-    in the compute dtype, outside a graph capture."""
-    if weight.dtype not in (torch.bfloat16, torch.float16):
+    """--kernels auto: whether this forward runs plain F.linear (see the module doc), outside a graph capture only:
+    low-precision weights already in the compute dtype; fp32 weights under autocast on a GPU where the weight is
+    below the card's eager threshold for "linear" (`small_for_eager`)."""
+    if x.is_cuda and capturing():
         return False
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) != weight.dtype:
-        return False
-    return not (x.is_cuda and capturing())
+    autocast = torch.is_autocast_enabled(device_type)
+    if weight.dtype in (torch.bfloat16, torch.float16):
+        return not (autocast and torch.get_autocast_dtype(device_type) != weight.dtype)
+    return autocast and weight.dtype == torch.float32 and x.is_cuda and small_for_eager(weight)
+
+
+# (weight elements, device index) -> whether an eager autocast forward of that weight runs plain F.linear
+_EAGER_SMALL: dict[tuple[int, int], bool] = {}
+
+
+def small_for_eager(weight: torch.Tensor) -> bool:
+    """The card table's pick for "linear" (card_table.CardTable.pick) by the fp32 weight's bytes: torch below the
+    eager threshold (64 MiB where unmeasured). Below it the GEMMs are short and the host is the bottleneck: autocast's
+    per-microbatch weight cast and torch's C++ nodes cost less host time than this module's Python Function, whose
+    saving (no cast, dW added in the GEMM) is device traffic. Cached per size and device."""
+    key = (weight.numel(), weight.device.index or 0)
+    hit = _EAGER_SMALL.get(key)
+    if hit is None:
+        from peerline.kernels.card_table import TORCH
+        from peerline.kernels.elementwise import card_table
+
+        hit = _EAGER_SMALL[key] = card_table(key[1]).pick("linear", "fp32", 4 * key[0], eager=True) == TORCH
+    return hit
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, impl: str = "torch",

@@ -145,6 +145,43 @@ def test_auto_runs_plain_linear_for_eager_low_precision_weights(monkeypatch: pyt
     assert not fused_linear.eager_plain(x, w)  # a captured forward keeps the fused path
 
 
+def test_auto_runs_plain_linear_for_small_fp32_weights_under_eager_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--kernels auto, eager, fp32 weights under autocast: F.linear below the card's eager threshold for "linear"
+    (by the fp32 weight's bytes), the fused Function at and above it, in a capture, and without autocast. The pick
+    is asked once per size. CUDA is mocked (the rule is for GPUs; the tensors stay on the CPU)."""
+    from peerline.kernels import card_table as ct
+    from peerline.kernels import elementwise as ew
+
+    threshold = 4 * 40 * 24  # bytes: a [40, 24] fp32 weight sits exactly at it
+    asked = []
+    monkeypatch.setattr(ew, "card_table", lambda index: asked.append(index) or ct.CardTable(
+        "NVIDIA H200", eager_torch_below={"linear": threshold}))
+    monkeypatch.setattr(fused_linear, "_EAGER_SMALL", {})
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    x = torch.randn(4, 24)
+    small, at = torch.randn(39, 24, requires_grad=True), torch.randn(40, 24, requires_grad=True)
+    assert not fused_linear.eager_plain(x, small)  # no autocast: the weights are the compute dtype's, fused
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fused_linear.eager_plain(x, small)
+        assert fused_linear.eager_plain(x, small)
+        assert not fused_linear.eager_plain(x, at)
+        capturing[0] = True
+        assert not fused_linear.eager_plain(x, small)
+    assert asked == [0, 0]  # once per size
+    capturing[0] = False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ops.linear(x.requires_grad_(True), small, None, "auto")
+        ref_w = small.detach().clone().requires_grad_(True)
+        ref = nn.functional.linear(x.detach(), ref_w)
+    assert type(y.grad_fn).__name__ != "_LinearAccumulateBackward"
+    y.float().sum().backward()
+    ref.float().sum().backward()
+    assert torch.equal(y, ref) and torch.equal(small.grad, ref_w.grad)
+
+
 def _train(kernels: str, iters: int = 3, microbatches: int = 3) -> tuple[list[float], list[torch.Tensor]]:
     torch.manual_seed(11)
     blocks = nn.Sequential(*[ResidualMLPBlock(16, kernels) for _ in range(2)])
