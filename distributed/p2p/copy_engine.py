@@ -231,10 +231,13 @@ class CopyEngineTransport(Transport):
         # Host sync at set-up only: peers may write our flags as soon as the exchange below returns.
         self.p2p.synchronize()
         if self._ops.batching:  # rewrite one FULL word (0, nobody writes it yet): does the driver take batches?
-            self._ops.probe_batch(self.p2p.cuda_stream, self._flags.ptr + flag_offset(ACT, handoff.FULL, 0,
-                                                                                      self.depth),
-                                  handoff.INITIAL[handoff.FULL])
+            offset = flag_offset(ACT, handoff.FULL, 0, self.depth)
+            word, initial = self._flags.ptr + offset, handoff.INITIAL[handoff.FULL]
+            self._ops.probe_batch(self.p2p.cuda_stream, word, initial)
             self.p2p.synchronize()
+            # the pre-packed batches: a packed write of that word must read back (flag_ops.FlagOps.probe_packed)
+            self._ops.probe_packed(self.p2p.cuda_stream, word, initial, sync=self.p2p.synchronize,
+                                   read=lambda: int(self._flags.tensor.view(torch.int32)[offset // 4].item()))
 
     def _ring_info(self, kind: str) -> _Ring:
         spec: TensorSpec = self.links.act_in if kind == ACT else self.links.grad_in

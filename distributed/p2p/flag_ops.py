@@ -22,11 +22,19 @@ in the order they appear in the array"; CUDA driver API, Stream Memory Operation
 avoiding "some performance overhead in both the API call and the device execution". A graph captures it as one
 batch-memop node (CU_GRAPH_NODE_TYPE_BATCH_MEM_OP, the node type single wait/write operations become too). If the
 driver refuses a batch (`probe_batch`), FlagOps falls back to one call per operation.
+
+Pre-packed batches: each distinct operation tuple is packed once into a C array of `BatchMemOpParams` (the
+CUstreamBatchMemOpParams union of cuda.h, 48 bytes) and issued by libcuda's cuStreamBatchMemOp_v2 through ctypes
+with that array's address: no per-call conversion of a Python list of cuda-bindings structs (which copies each
+element into a fresh C array per call). `probe_packed` checks the packing once at set-up (a packed write, read
+back); where it fails, or libcuda lacks the symbol, batches go through cuda-bindings as before.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+from collections.abc import Callable
 
 from peerline import overrides
 
@@ -40,6 +48,50 @@ except ImportError:  # pragma: no cover - exercised on machines without CUDA Pyt
 _WAIT_EQ = 1  # CU_STREAM_WAIT_VALUE_EQ
 _WRITE_DEFAULT = 0  # CU_STREAM_WRITE_VALUE_DEFAULT: fenced write
 MAX_BATCH = 255  # cuStreamBatchMemOp: "count ... must be less than 256"
+OP_WAIT_32 = 1  # CU_STREAM_MEM_OP_WAIT_VALUE_32
+OP_WRITE_32 = 2  # CU_STREAM_MEM_OP_WRITE_VALUE_32
+PROBE_SENTINEL = 0x5EED  # the value `probe_packed` writes and reads back
+
+
+class BatchMemOpParams(ctypes.Structure):
+    """One CUstreamBatchMemOpParams of cuda.h as a wait or write of a 32-bit value: the union's waitValue /
+    writeValue member (operation, address, value, flags, alias; the two share one layout), padded to the union's 48
+    bytes (`pad[6]`)."""
+
+    _fields_ = [("operation", ctypes.c_uint32), ("_pad0", ctypes.c_uint32), ("address", ctypes.c_uint64),
+                ("value", ctypes.c_uint64), ("flags", ctypes.c_uint32), ("_pad1", ctypes.c_uint32),
+                ("alias", ctypes.c_uint64), ("_pad2", ctypes.c_uint64)]
+
+
+if ctypes.sizeof(BatchMemOpParams) != 48:  # pragma: no cover - the union's size on every 64-bit ABI
+    raise ImportError(f"BatchMemOpParams is {ctypes.sizeof(BatchMemOpParams)} bytes, expected 48")
+
+
+def pack_ops(ops: tuple[tuple[str, int, int], ...]) -> ctypes.Array:
+    """`ops` [("wait" | "write", addr, value)] as a C array of BatchMemOpParams: a wait is WAIT_VALUE_32 with the
+    EQ flag, a write WRITE_VALUE_32 with the default (fenced) flag."""
+    array = (BatchMemOpParams * len(ops))()
+    for entry, (action, addr, value) in zip(array, ops):
+        if action == "wait":
+            entry.operation, entry.flags = OP_WAIT_32, _WAIT_EQ
+        elif action == "write":
+            entry.operation, entry.flags = OP_WRITE_32, _WRITE_DEFAULT
+        else:
+            raise ValueError(f"unknown flag operation {action!r}")
+        entry.address, entry.value = addr, value
+    return array
+
+
+def _libcuda_batch() -> Callable[[int, int, int, int], int] | None:
+    """libcuda's cuStreamBatchMemOp_v2 (stream, count, params address, flags) -> CUresult, or None where it is not
+    loadable (the v1 symbol needs a kernel-module option: never used)."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuStreamBatchMemOp_v2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 def available() -> bool:
@@ -68,6 +120,9 @@ class FlagOps:
         self._ptrs: dict[int, object] = {}
         self._batches: dict[tuple[tuple[str, int, int], ...], list] = {}  # op tuple -> CUstreamBatchMemOpParams
         self.batching = True  # one cuStreamBatchMemOp per group of operations; False after a failed probe
+        # op tuple -> (packed array, its address): the pre-packed path, while `packed_call` is set
+        self._packed: dict[tuple[tuple[str, int, int], ...], tuple[ctypes.Array, int]] = {}
+        self.packed_call = _libcuda_batch()
         self._wait_eq = int(_cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ.value)
         if self._wait_eq != _WAIT_EQ:  # defensive: the enum value is part of the ABI, but check once
             raise RuntimeError(f"unexpected CU_STREAM_WAIT_VALUE_EQ = {self._wait_eq}")
@@ -127,7 +182,42 @@ class FlagOps:
             return
         if len(ops) > MAX_BATCH:
             raise ValueError(f"{len(ops)} operations in one batch; at most {MAX_BATCH}")
+        if self.packed_call is not None:
+            hit = self._packed.get(ops)
+            if hit is None:
+                array = pack_ops(ops)
+                hit = self._packed[ops] = (array, ctypes.addressof(array))
+            err = self.packed_call(stream, len(ops), hit[1], 0)
+            if err:
+                raise RuntimeError(f"cuStreamBatchMemOp_v2 failed: CUresult {err}")
+            return
         _check(_cu.cuStreamBatchMemOp(self._stream(stream), len(ops), self._params(ops), 0), "cuStreamBatchMemOp")
+
+    def probe_packed(self, stream: int, addr: int, value: int, read: Callable[[], int],
+                     sync: Callable[[], None]) -> bool:
+        """Check the pre-packed path once, outside any capture: a packed batch writes PROBE_SENTINEL twice to the
+        word at `addr` (which holds `value` and nobody else writes yet), `read()` must see it after `sync()`, then
+        the word gets `value` back through cuda-bindings. A refusal or a wrong word turns the packed path off.
+        Returns whether it stays on."""
+        if self.packed_call is None or not self.batching:
+            return False
+        reason = ""
+        try:
+            self.batch(stream, (("write", addr, PROBE_SENTINEL), ("write", addr, PROBE_SENTINEL)))
+            sync()
+            got = read()
+            if got != PROBE_SENTINEL:
+                reason = f"the word read {got:#x}, not {PROBE_SENTINEL:#x}"
+        except RuntimeError as exc:
+            reason = str(exc)
+        finally:
+            self.write(stream, addr, value)
+            sync()
+        if reason:
+            log.warning("pre-packed cuStreamBatchMemOp unusable (%s): batches go through cuda-bindings", reason)
+            self.packed_call = None
+            self._packed.clear()
+        return self.packed_call is not None
 
     def probe_batch(self, stream: int, addr: int, value: int) -> bool:
         """Try one batch (two writes of `value` to the word at `addr`, which must already hold it) on `stream`
@@ -146,6 +236,7 @@ class FlagOps:
         self._streams.clear()
         self._ptrs.clear()
         self._batches.clear()
+        self._packed.clear()
 
 
 def check_connections() -> None:

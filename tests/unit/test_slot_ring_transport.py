@@ -185,6 +185,9 @@ def sim(monkeypatch: pytest.MonkeyPatch) -> Sim:
         def probe_batch(self, stream: int, addr: int, value: int) -> bool:
             return True
 
+        def probe_packed(self, stream: int, addr: int, value: int, read, sync) -> bool:
+            return False  # the simulation's streams take the operations as tuples
+
         def forget(self) -> None:
             pass
 
