@@ -4,6 +4,9 @@ and schedule: what a user gets when the iteration cannot be captured.
     torchrun --nproc_per_node=2 launch/bench.py eager [--eager-configs launch,mid,compute] [--eager-variants ...]
         [--eager-single | --no-eager-single]
 
+Every torch variant runs the default model written in plain PyTorch (bench/suites/plain_mlp.py), from peerline's
+initial weights.
+
 Pipeline part, pp = world size, 1F1B, per configuration (the pipeline suite's CONFIGS: launch = 32 blocks h=512,
 micro-batch 2x256, M=16; mid = 24 blocks h=1024, 4x512, M=12; compute, the pipeline suite's compute-bound one):
   torch             torch.distributed.pipelining Schedule1F1B, fp32 parameters + bf16 autocast

@@ -13,6 +13,9 @@ one stage per rank) under bf16 parameters and under fp32 parameters + bf16 autoc
 with the gpt suite (bench/suites/torch_schedules.py). Every peerline (schedule, variant) is recorded against it,
 and `<configuration> best` records peerline's fastest against it, each naming what won.
 
+The anchor's model is the default residual MLP written in plain PyTorch (bench/suites/plain_mlp.py: nn.Linear
+with its bias, F.gelu), holding peerline's initial weights.
+
 Configurations (bf16 autocast, AdamW, MSE on synthetic targets):
   compute  16 blocks of h=2048, micro-batch 8x512 tokens, M=8   (GEMM-bound: headroom is the bubble and fusion)
   compute16  the same at M=16 (a smaller bubble: 1F1B's idle share falls from (p-1)/(M+p-1))

@@ -3,8 +3,9 @@
 replicas when dp > 1 (schedules of one stage per rank). This is what a user would otherwise run; the suite tries
 every schedule and precision recipe and keeps the fastest.
 
-Same model: peerline's default block stack (distributed/model.py, torch kernels), built layer by layer from the
-same seeds and split into the same contiguous stages, so the anchor's weights equal peerline's. Same data:
+Same model: the default block stack written as a PyTorch user writes it (bench/suites/plain_mlp.py: nn.LayerNorm,
+nn.Linear with its bias, F.gelu), holding the weights of peerline's default layers built from the same seeds and
+split into the same contiguous stages, so both start from the same weights. Same data:
 distributed/model.py `fill_batch` (replica r's microbatch m is global microbatch r*M+m). Same numerics: bf16
 autocast on GPU (fp32 on CPU), MSE loss in fp32, AdamW (fused on GPU). torch's schedules divide the summed
 microbatch gradients by M (scale_grads), which is peerline's mean over microbatches.
@@ -61,16 +62,18 @@ def _run_config(shape: PipeShape, **overrides):
 
 
 def build_stage_module(shape: PipeShape, n_stages: int, stage: int) -> nn.Sequential:
-    """The layers of `stage`, exactly as peerline builds them (torch kernels)."""
+    """The plain layers of `stage` (see build_stage_modules)."""
     return build_stage_modules(shape, n_stages, [stage])[0]
 
 
 def build_stage_modules(shape: PipeShape, n_stages: int, stages: list[int]) -> list[nn.Sequential]:
-    """The layers of each of `stages` (of `n_stages`), exactly as peerline builds them (torch kernels)."""
+    """The layers of each of `stages` (of `n_stages`) as plain PyTorch modules (plain_mlp.PlainMLPBlock) with the
+    weights peerline's default model has there."""
+    from peerline.bench.suites.plain_mlp import from_default_layers
     from peerline.distributed.model import build_stages
 
     modules, _ = build_stages(_run_config(shape), n_stages, list(stages), "torch")
-    return list(modules)
+    return [from_default_layers(m) for m in modules]
 
 
 def fill(out: torch.Tensor, shape: PipeShape, iteration: int, global_mb: int, stream: int,
