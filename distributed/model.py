@@ -43,7 +43,7 @@ class ResidualMLPBlock(nn.Module):
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = ops.bias_gelu(self.fc1(self.norm(x)), self.fc1_bias, self.kernels)
+        h = ops.linear_bias_gelu(self.fc1, self.norm(x), self.fc1_bias, self.kernels)
         return ops.residual_add(x, self.fc2(h), self.kernels)
 
 

@@ -478,21 +478,35 @@ def _chosen(key: tuple, op: str, dtype: torch.dtype, nbytes: int, dev: int, eage
 
 
 def auto_bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """bias_gelu for --kernels auto: the kernel where the card's table says it wins, torch's ops elsewhere. An eager
-    launch that turns to torch still builds the kernel a captured launch of the same size would use (compiling
-    inside a graph capture is not allowed)."""
+    """bias_gelu for --kernels auto: the kernel where the card's table says it wins, torch's ops elsewhere."""
     if not _supported(x, bias) or x.device != bias.device or bias.dim() != 1 or x.dim() == 0:
         return bias_gelu(x, bias)  # the checks and the fallback of the explicit path
-    eager = not capturing()
-    n, dev = x.numel(), x.get_device()
-    key = ("bias_gelu", x.dtype, bias.dtype, n, x.shape[-1], dev, eager)
-    if _chosen(key, "bias_gelu", x.dtype, 2 * n * x.element_size(), dev, eager, ("bias_gelu_fwd", "bias_gelu_bwd")):
+    if _bias_gelu_pick(x.dtype, bias.dtype, x.numel(), x.shape[-1], x.get_device(), not capturing()):
         return BiasGelu.apply(x, bias)
-    if eager and n and _chosen(key[:-1] + (False,), "bias_gelu", x.dtype, 2 * n * x.element_size(), dev, False,
-                               ("bias_gelu_fwd", "bias_gelu_bwd")):
-        _warm(key, lambda: (prepare_bias_gelu_forward(x.dtype, bias.dtype, n, x.shape[-1], 0, 0, -1, dev),
-                            prepare_bias_gelu_backward(x.dtype, bias.dtype, n, x.shape[-1], 0, 0, 0, -1, dev)))
     return bias_gelu_reference(x, bias)
+
+
+def eager_bias_gelu_on_torch(dtype: torch.dtype, bias_dtype: torch.dtype, n: int, width: int, dev: int) -> bool:
+    """--kernels auto, an eager launch: whether gelu(x + bias) of an n-element x [..., width] of `dtype` runs as
+    torch's ops here (the caller may then add the bias in its GEMM's epilogue instead)."""
+    if dtype not in _DTYPES or bias_dtype not in _DTYPES:
+        return True
+    return not _bias_gelu_pick(dtype, bias_dtype, n, width, dev, True)
+
+
+def _bias_gelu_pick(dtype: torch.dtype, bias_dtype: torch.dtype, n: int, width: int, dev: int, eager: bool) -> bool:
+    """Whether the kernels take this launch (card_table's pick for both passes, cached). An eager launch that
+    turns to torch still builds the kernels a captured launch of the same size would use (compiling inside a graph
+    capture is not allowed)."""
+    key = ("bias_gelu", dtype, bias_dtype, n, width, dev, eager)
+    nbytes = 2 * n * dtype.itemsize
+    ops = ("bias_gelu_fwd", "bias_gelu_bwd")
+    if _chosen(key, "bias_gelu", dtype, nbytes, dev, eager, ops):
+        return True
+    if eager and n and _chosen(key[:-1] + (False,), "bias_gelu", dtype, nbytes, dev, False, ops):
+        _warm(key, lambda: (prepare_bias_gelu_forward(dtype, bias_dtype, n, width, 0, 0, -1, dev),
+                            prepare_bias_gelu_backward(dtype, bias_dtype, n, width, 0, 0, 0, -1, dev)))
+    return False
 
 
 def auto_residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

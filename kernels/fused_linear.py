@@ -329,5 +329,12 @@ class FusedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.impl, self._cast_cache)
 
+    def with_bias(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """The forward of a Linear built without a bias, with `bias` (a parameter kept beside it) added in the GEMM's
+        epilogue."""
+        if self.bias is not None:
+            raise ValueError("with_bias: this Linear has a bias of its own")
+        return linear(x, self.weight, bias, self.impl, self._cast_cache)
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, impl={self.impl}"

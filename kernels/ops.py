@@ -8,6 +8,8 @@ semantics:
 
   bias_gelu(x, b)     = gelu(x + b)            exact (erf) GELU, b broadcast over the last dimension
   residual_add(x, y)  = x + y                  result in torch.result_type(x, y)
+  linear_bias_gelu(l, x, b) = gelu(l(x) + b)   for a Linear without its own bias; "auto", eager, where torch's ops
+                                               run bias+GELU: the bias in the GEMM's epilogue
   linear(x, w, b)     = F.linear(x, w, b)      under the caller's autocast; "peerline" accumulates dW straight
                                                into the fp32 w.grad (fused_linear.linear), also on the CPU
 
@@ -21,14 +23,16 @@ import importlib.util
 import logging
 
 import torch
+import torch.nn.functional as F
 
 from peerline.choices import KERNEL_IMPLEMENTATIONS as IMPLEMENTATIONS
 from peerline.choices import KERNELS
-from peerline.kernels.fused_linear import linear
+from peerline.kernels.capture_state import capturing
+from peerline.kernels.fused_linear import FusedLinear, linear
 from peerline.kernels.reference import bias_gelu_reference, residual_add_reference
 
-__all__ = ["IMPLEMENTATIONS", "bias_gelu", "bias_gelu_reference", "linear", "residual_add", "residual_add_reference",
-           "resolve_impl"]
+__all__ = ["IMPLEMENTATIONS", "bias_gelu", "bias_gelu_reference", "linear", "linear_bias_gelu", "residual_add",
+           "residual_add_reference", "resolve_impl"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,25 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor, impl: str = "torch") -> torch
 
         return elementwise.bias_gelu(x, bias) if impl == "peerline" else elementwise.auto_bias_gelu(x, bias)
     return bias_gelu_reference(x, bias)
+
+
+def linear_bias_gelu(linear: FusedLinear, x: torch.Tensor, bias: torch.Tensor, impl: str = "torch") -> torch.Tensor:
+    """gelu(linear(x) + bias) for a Linear without a bias of its own. Where `impl` is "auto", the launch is eager on
+    a GPU and bias+GELU would run torch's ops at this size (elementwise.eager_bias_gelu_on_torch), the bias goes into
+    the GEMM's epilogue instead (F.linear with it, as nn.Linear does: one launch and one autograd node fewer, for a
+    host-bound run); elsewhere bias_gelu of linear's output."""
+    if impl == "auto" and x.is_cuda and not capturing():
+        device_type = x.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type) if autocast else linear.weight.dtype
+        if autocast or bias.dtype == dtype:
+            from peerline.kernels import elementwise  # lazy: needs CuPy
+
+            width = linear.out_features
+            if elementwise.eager_bias_gelu_on_torch(dtype, bias.dtype, x.numel() // x.shape[-1] * width, width,
+                                                    x.get_device()):
+                return F.gelu(linear.with_bias(x, bias))
+    return bias_gelu(linear(x), bias, impl)
 
 
 def residual_add(x: torch.Tensor, y: torch.Tensor, impl: str = "torch") -> torch.Tensor:

@@ -96,7 +96,7 @@ class GPTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = ops.residual_add(x, self.attention(self.norm1(x)), self.kernels)
-        h = ops.bias_gelu(self.fc1(self.norm2(x)), self.fc1_bias, self.kernels)
+        h = ops.linear_bias_gelu(self.fc1, self.norm2(x), self.fc1_bias, self.kernels)
         return ops.residual_add(x, self.fc2(h), self.kernels)
 
 

@@ -222,3 +222,45 @@ def test_input_without_grad_still_gives_weight_grad() -> None:
     ref(x).sum().backward()
     fused(x).sum().backward()
     torch.testing.assert_close(fused.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("on_torch", [True, False])
+def test_linear_bias_gelu_adds_the_bias_in_the_gemm_where_torch_runs_bias_gelu(monkeypatch: pytest.MonkeyPatch,
+                                                                                on_torch: bool) -> None:
+    """--kernels auto, eager on a GPU (mocked): where bias+GELU would run torch's ops, fc1's bias goes into the GEMM
+    (no separate add node); elsewhere bias_gelu of the Linear's output. The values and every gradient
+    equal gelu(x @ w.T + b) in float64 either way (fp64 weights take the fused-dW Function, bias included)."""
+    from peerline.kernels import elementwise as ew
+
+    asked = []
+    monkeypatch.setattr(ew, "eager_bias_gelu_on_torch",
+                        lambda dtype, bias_dtype, n, width, dev: asked.append((dtype, n, width)) or on_torch)
+    monkeypatch.setattr(ops, "bias_gelu", lambda y, b, impl: nn.functional.gelu(y + b))  # the kernels' stand-in
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, ())))
+    fc1 = FusedLinear(6, 24, bias=False, impl="auto").double()
+    bias = nn.Parameter(torch.randn(24, dtype=torch.float64, generator=gen))
+    x = torch.randn(2, 5, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    y = ops.linear_bias_gelu(fc1, x, bias, "auto")
+    assert asked == [(torch.float64, 2 * 5 * 24, 24)]
+    names = set()
+    stack = [y.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None:
+            names.add(type(node).__name__)
+            stack.extend(f for f, _ in node.next_functions)
+    assert ("AddBackward0" in names) is not on_torch  # the bias's own add only where bias_gelu runs (fp64: fused dW)
+    dy = torch.randn(y.shape, dtype=torch.float64, generator=gen)
+    y.backward(dy)
+    w_ref, b_ref = fc1.weight.detach().clone().requires_grad_(True), bias.detach().clone().requires_grad_(True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref = nn.functional.gelu(x_ref @ w_ref.T + b_ref)
+    ref.backward(dy)
+    torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    for got, want in ((x.grad, x_ref.grad), (fc1.weight.grad, w_ref.grad), (bias.grad, b_ref.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="has a bias of its own"):
+        FusedLinear(6, 24, impl="auto").with_bias(x, bias)
