@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from peerline.bench.benchkit import BenchContext, Record
+from peerline.kernels.capture_state import eager_only
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +138,10 @@ def _python_calls(rt: Any) -> float:
     import pstats
 
     prof = cProfile.Profile()
-    prof.enable()
-    rt.engine.iteration()
-    prof.disable()
+    with eager_only():  # as the runtime runs an eager iteration
+        prof.enable()
+        rt.engine.iteration()
+        prof.disable()
     if rt.device.type == "cuda":
         torch.cuda.synchronize(rt.device)
     return float(sum(v[1] for v in pstats.Stats(prof).stats.values()))
