@@ -98,25 +98,37 @@ def test_flag_wait_orders_a_copy_after_another_streams_write() -> None:
     assert words[0] == 1
 
 
-def test_batched_wait_and_clear_order_a_copy() -> None:
+def _packing(ops: flag_ops.FlagOps, packed: bool) -> flag_ops.FlagOps:
+    """`ops` issuing batches pre-packed (libcuda's cuStreamBatchMemOp_v2, which must load here) or through
+    cuda-bindings' list form."""
+    if packed:
+        assert ops.packed_call is not None, "libcuda's cuStreamBatchMemOp_v2 did not load"
+    else:
+        ops.packed_call = None
+    return ops
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["pre-packed", "cuda-bindings"])
+def test_batched_wait_and_clear_order_a_copy(packed: bool) -> None:
     """wait FREE + clear FREE as ONE cuStreamBatchMemOp (what every send issues): the copy behind it must wait
     for another stream's late write, and the clear must land after the wait."""
     def queue(ops: flag_ops.FlagOps, stream: int, addr: int) -> None:
         assert ops.probe_batch(stream, addr + 64, 0), "cuStreamBatchMemOp refused"
-        ops.batch(stream, (("wait", addr, 1), ("write", addr, 0), ("write", addr + 64, 3)))
+        _packing(ops, packed).batch(stream, (("wait", addr, 1), ("write", addr, 0), ("write", addr + 64, 3)))
 
     dst, words = _copy_behind_a_late_flag(queue)
     assert torch.all(dst == 7.0)
     assert words == [0, 3]  # cleared after the wait; the third operation ran too
 
 
-def test_batched_flag_ops_in_a_captured_graph_replay_correctly() -> None:
+@pytest.mark.parametrize("packed", [True, False], ids=["pre-packed", "cuda-bindings"])
+def test_batched_flag_ops_in_a_captured_graph_replay_correctly(packed: bool) -> None:
     """A batch (wait A == 1, clear A) + copy + write B = 1, captured once and replayed: every replay waits for A
     set by the host, copies the fresh source, and leaves A = 0, B = 1 (a batch-memop node, replayable)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     streams = create_rank_streams(dev)
     _load_kernels(dev, streams.p2p, streams.compute)
-    ops = flag_ops.FlagOps()
+    ops = _packing(flag_ops.FlagOps(), packed)
     flag = ipc.DeviceAllocation(128, dev)
     words = flag.tensor.view(torch.int32)
     src = torch.zeros(1 << 18, device=dev)

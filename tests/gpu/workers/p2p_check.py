@@ -77,6 +77,8 @@ def one_way(p: Pair, *, shape: tuple[int, ...], dtype: torch.dtype, n: int, dept
     bad = torch.zeros((), dtype=torch.int64, device=p.device)
     if batch_flags and not tr._ops.batching:  # cuStreamBatchMemOp refused (logged): the batched path went untested
         bad += 1_000_000_000
+    if batch_flags and tr._ops.packed_call is None:  # the set-up probe turned the pre-packed batches off (logged)
+        bad += 2_000_000_000
     for mb in range(n):
         if p.rank == 0:
             # A fresh tensor each time, dropped at once: the allocator would hand its memory to the next message
