@@ -6,9 +6,9 @@ against the same step captured by hand with torch.cuda.graph (docs/benchmarks ha
 The model is the launch-bound configuration (32 blocks of h=512, micro-batch 2x256, bf16 autocast, AdamW), run
 on one device: under torchrun every rank runs the same single-GPU measurement on its own GPU (the ranks stay in
 lock-step for the collective capture decision) and rank 0 reports. peerline is `Runtime` with pp=1, dp=1: eager
-and graph-replayed. The anchors: torch eager (the same model written in plain PyTorch, bench/suites/plain_mlp.py, fused AdamW) and the same step
-captured by hand (the warm-up / capture recipe of the torch.cuda.graph documentation, capturable AdamW). On the
-CPU (--quick) only the eager variants run, as a smoke test.
+and graph-replayed. The anchors: torch eager (the same model written in plain PyTorch, bench/suites/plain_mlp.py,
+fused AdamW) and the same step captured by hand (the warm-up / capture recipe of the torch.cuda.graph
+documentation, capturable AdamW). On the CPU (--quick) only the eager variants run, as a smoke test.
 """
 
 from __future__ import annotations
