@@ -60,15 +60,25 @@ def run(argv: list[str] | None = None) -> int:
         clean = rt.close()
     code = 0 if rt.stop_reason is None else EXIT_PREEMPTED
     # Leave without the interpreter's teardown when it can only hurt: NCCL teardown stuck (captured communicators),
-    # or any multi-rank run not under MPI, whose exit-time destruction of c10d objects raced with their own threads
-    # once in CI (gloo, 4 ranks on 2 cores: "terminate called without an active exception" after the final loss).
-    # Everything is written and the process group is destroyed by now. Under MPI, mpi4py must still finalize.
-    if not clean or (rt.info.world_size > 1 and rt.info.launcher != "mpi"):
+    # or any multi-rank run, whose exit-time destruction of c10d objects races with their own threads on a loaded
+    # machine (gloo on 2 cores, torchrun and mpirun alike: "terminate called without an active exception" after the
+    # final loss). Everything is written and the process group is destroyed by now. Under MPI every rank of a clean
+    # run is here, so MPI is finalized first (mpirun counts a process that exits without MPI_Finalize as failed).
+    if not clean or rt.info.world_size > 1:
+        if clean and rt.info.launcher == "mpi":
+            finalize_mpi()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def finalize_mpi() -> None:
+    """MPI_Finalize through mpi4py where it initialized MPI (collective: every rank must call it)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
 
 
 def parse(argv: list[str] | None) -> RunConfig | None:
