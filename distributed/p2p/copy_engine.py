@@ -237,7 +237,12 @@ class CopyEngineTransport(Transport):
             self.p2p.synchronize()
             # the pre-packed batches: a packed write of that word must read back (flag_ops.FlagOps.probe_packed)
             self._ops.probe_packed(self.p2p.cuda_stream, word, initial, sync=self.p2p.synchronize,
-                                   read=lambda: int(self._flags.tensor.view(torch.int32)[offset // 4].item()))
+                                   read=lambda: self._read_flag(offset))
+
+    def _read_flag(self, offset: int) -> int:
+        """The flag word at byte `offset` of this rank's flags, read on the p2p stream (a host sync: set-up only)."""
+        with torch.cuda.stream(self.p2p):
+            return int(self._flags.tensor.view(torch.int32)[offset // 4].item())
 
     def _ring_info(self, kind: str) -> _Ring:
         spec: TensorSpec = self.links.act_in if kind == ACT else self.links.grad_in

@@ -37,6 +37,7 @@ import logging
 from collections.abc import Callable
 
 from peerline import overrides
+from peerline.kernels.launch import adopt_stream_context
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ MAX_BATCH = 255  # cuStreamBatchMemOp: "count ... must be less than 256"
 OP_WAIT_32 = 1  # CU_STREAM_MEM_OP_WAIT_VALUE_32
 OP_WRITE_32 = 2  # CU_STREAM_MEM_OP_WRITE_VALUE_32
 PROBE_SENTINEL = 0x5EED  # the value `probe_packed` writes and reads back
+INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: the calling thread has no current context
 
 
 class BatchMemOpParams(ctypes.Structure):
@@ -188,6 +190,8 @@ class FlagOps:
                 array = pack_ops(ops)
                 hit = self._packed[ops] = (array, ctypes.addressof(array))
             err = self.packed_call(stream, len(ops), hit[1], 0)
+            if err == INVALID_CONTEXT and adopt_stream_context(stream):  # a thread with no current context yet
+                err = self.packed_call(stream, len(ops), hit[1], 0)
             if err:
                 raise RuntimeError(f"cuStreamBatchMemOp_v2 failed: CUresult {err}")
             return

@@ -104,3 +104,20 @@ def test_the_probe_keeps_the_packed_path_only_where_a_packed_write_reads_back(mo
         calls = len(device.calls)
         ops.batch(3, (("write", 128, 1), ("write", 132, 2)))
         assert len(device.calls) == calls
+
+
+def test_a_thread_without_a_context_adopts_the_streams_and_retries(monkeypatch):
+    """CUDA_ERROR_INVALID_CONTEXT (a thread that never touched the driver): the stream's context is made current
+    and the batch issued again, once."""
+    device = Device()
+    ops = make_ops(monkeypatch, device)
+    answers = [flag_ops.INVALID_CONTEXT]
+    real = device.packed
+    ops.packed_call = lambda *a: answers.pop() if answers else real(*a)
+    adopted = []
+    monkeypatch.setattr(flag_ops, "adopt_stream_context", lambda stream: adopted.append(stream) or True)
+    ops.batch(9, (("write", 16, 4), ("write", 20, 5)))
+    assert adopted == [9] and device.words == {16: 4, 20: 5}
+    answers.append(7)  # any other error: raised
+    with pytest.raises(RuntimeError, match="CUresult 7"):
+        ops.batch(9, (("write", 16, 4), ("write", 20, 5)))
