@@ -255,11 +255,7 @@ def linear_accumulate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         # The weight is hidden from autograd (see _LinearAccumulate): with no other input needing a gradient the
         # backward would never run. Rare (a first layer without bias on plain data): the reference path.
         return F.linear(x, weight, bias)
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-    else:
-        dtype = weight.dtype
+    dtype = compute_dtype(x, weight)
     if dtype == weight.dtype:
         w_c, b_c = weight.detach(), None if bias is None else bias.detach()
     else:
@@ -271,17 +267,22 @@ def linear_accumulate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return _LinearAccumulate.apply(x, (weight,), w_c, bias, b_c)
 
 
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the GEMM runs in: autocast's where autocast is on for x's device, else the weight's."""
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+
+
 def eager_plain(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """--kernels auto: whether this forward runs plain F.linear (see the module doc), outside a graph capture only:
     low-precision weights already in the compute dtype; fp32 weights under autocast on a GPU where the weight is
     below the card's eager threshold for "linear" (`small_for_eager`)."""
     if x.is_cuda and capturing():
         return False
-    device_type = x.device.type
-    autocast = torch.is_autocast_enabled(device_type)
     if weight.dtype in (torch.bfloat16, torch.float16):
-        return not (autocast and torch.get_autocast_dtype(device_type) != weight.dtype)
-    return autocast and weight.dtype == torch.float32 and x.is_cuda and small_for_eager(weight)
+        return compute_dtype(x, weight) == weight.dtype
+    return (weight.dtype == torch.float32 and x.is_cuda and torch.is_autocast_enabled(x.device.type)
+            and small_for_eager(weight))
 
 
 # (weight elements, device index) -> whether an eager autocast forward of that weight runs plain F.linear

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from peerline.choices import KERNEL_IMPLEMENTATIONS as IMPLEMENTATIONS
 from peerline.choices import KERNELS
 from peerline.kernels.capture_state import capturing
-from peerline.kernels.fused_linear import FusedLinear, linear
+from peerline.kernels.fused_linear import FusedLinear, compute_dtype, linear
 from peerline.kernels.reference import bias_gelu_reference, residual_add_reference
 
 __all__ = ["IMPLEMENTATIONS", "bias_gelu", "bias_gelu_reference", "linear", "linear_bias_gelu", "residual_add",
@@ -68,10 +68,8 @@ def linear_bias_gelu(linear: FusedLinear, x: torch.Tensor, bias: torch.Tensor, i
     the GEMM's epilogue instead (F.linear with it, as nn.Linear does: one launch and one autograd node fewer, for a
     host-bound run); elsewhere bias_gelu of linear's output."""
     if impl == "auto" and x.is_cuda and not capturing():
-        device_type = x.device.type
-        autocast = torch.is_autocast_enabled(device_type)
-        dtype = torch.get_autocast_dtype(device_type) if autocast else linear.weight.dtype
-        if autocast or bias.dtype == dtype:
+        dtype = compute_dtype(x, linear.weight)
+        if bias.dtype == dtype or torch.is_autocast_enabled(x.device.type):  # (autocast casts the bias)
             from peerline.kernels import elementwise  # lazy: needs CuPy
 
             width = linear.out_features

@@ -68,6 +68,7 @@ MATCHED = {"peerline-autocast": "torch", "peerline-bf16": "torch-bf16"}
 GOAL = 1.0
 #: the one-GPU part's recipes: name -> (plain torch's parameter dtype, peerline's --precision)
 SINGLE_RECIPES = {"autocast": (None, "autocast"), "bf16": (torch.bfloat16, "bf16")}
+RECIPE_LABELS = {"autocast": "fp32 parameters + autocast", "bf16": "bf16 parameters"}
 LOSS_CHECK_ITERS = 2
 
 
@@ -137,7 +138,7 @@ def _report(ctx: BenchContext, shape: PipeShape, results: dict[str, tuple[list[f
 
 
 def _recipe(anchor_name: str) -> str:
-    return "bf16 parameters" if anchor_name == "torch-bf16" else "fp32 parameters + autocast"
+    return RECIPE_LABELS["bf16" if anchor_name == "torch-bf16" else "autocast"]
 
 
 def _pipeline_part(args: argparse.Namespace, ctx: BenchContext, configs: list[str], variants: list[str]) -> list[str]:
@@ -252,7 +253,7 @@ def _run_single_child(args: argparse.Namespace, ctx: BenchContext, key: str) -> 
         if "peerline_ms" not in r:
             ctx.note(f"eager one-GPU {key} {recipe}: peerline skipped: {r.get('peerline_skipped')}")
             continue
-        label = "bf16 parameters" if recipe == "bf16" else "fp32 parameters + autocast"
+        label = RECIPE_LABELS[recipe]
         rec = ctx.record(Record(SUITE, f"{shape.name} 1 GPU peerline --stages 1 --no-graph --precision {recipe} vs "
                                 f"plain torch", "ms/iter", r["peerline_ms"], r["plain_ms"],
                                 f"plain torch eager, {label}", higher_is_better=False, sizes=shape.sizes(),
