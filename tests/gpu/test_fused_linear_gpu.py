@@ -196,3 +196,43 @@ def test_block_training_steps_capture() -> None:
     torch.cuda.synchronize()
     for (name, a), b in zip(eager.named_parameters(), graphed.parameters()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=lambda s, n=name: f"{n}: {s}")
+
+
+@pytest.mark.parametrize("recipe", ["autocast", "bf16"])
+@pytest.mark.parametrize("hidden", [512, 2048])
+def test_eager_auto_block_matches_float64(recipe: str, hidden: int) -> None:
+    """--kernels auto in an eager iteration (inside `eager_only()`, as the runtime runs one), fp32 weights under
+    bf16 autocast and bf16 weights: the block's output and every gradient against a float64 run of the same weights
+    and inputs (each recipe's own rounding allowed: bf16 operands, fp32 accumulation). The widths straddle the
+    eager rules (plain F.linear below the card's "linear" threshold, fc1's bias in the GEMM where bias+GELU runs
+    torch's ops), so whichever paths this card's table picks are the ones checked."""
+    from peerline.kernels.capture_state import eager_only
+
+    torch.manual_seed(hidden)
+    block = ResidualMLPBlock(hidden, "auto").to(DEV)
+    if recipe == "bf16":
+        block = block.bfloat16()
+    ref = ResidualMLPBlock(hidden, "torch").to(DEV).double()
+    ref.load_state_dict({k: v.double() for k, v in block.state_dict().items()})
+    gen = torch.Generator(device=DEV).manual_seed(hidden + 1)
+    fused_linear.new_iteration()
+    dtype = torch.float32 if recipe == "autocast" else torch.bfloat16
+    for _ in range(M):  # accumulated microbatches, as a pipeline iteration runs them
+        x = torch.randn(2, 128, hidden, device=DEV, generator=gen, dtype=dtype).requires_grad_(True)
+        dy = torch.randn(2, 128, hidden, device=DEV, generator=gen, dtype=dtype)
+        with eager_only(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=recipe == "autocast"):
+            y = block(x)
+        y.backward(dy.to(y.dtype))
+        x64 = x.detach().double().requires_grad_(True)
+        y64 = ref(x64)
+        y64.backward(dy.double())
+        scale = y64.abs().max().item()
+        err = (y.double() - y64).abs().max().item()
+        assert err <= 3e-2 * scale, f"output max error {err:.3g} (scale {scale:.3g})"
+        err = (x.grad.double() - x64.grad).abs().max().item()
+        assert err <= 3e-2 * x64.grad.abs().max().item(), f"input grad max error {err:.3g}"
+    for (name, p64), p in zip(ref.named_parameters(), block.parameters()):
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        scale = p64.grad.abs().max().item()
+        err = (p.grad.double() - p64.grad).abs().max().item()
+        assert err <= 3e-2 * scale + 1e-6, f"{name}: grad max error {err:.3g} (scale {scale:.3g}, {recipe})"
