@@ -15,7 +15,6 @@ so its line names the rank that stopped.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +25,7 @@ from torch.distributed.rendezvous import _torchelastic_use_agent_store
 from peerline.distributed.p2p.base import ACT, Links
 from peerline.distributed.p2p.edges import host_of
 from peerline.distributed.pipeline.engine import MessageLabel
+from peerline.distributed.resilience.device_query import EventQuery
 from peerline.distributed.resilience.heartbeat import Heartbeat, own_connection
 from peerline.distributed.resilience.watchdog import Watchdog, describe_edge, stage_label
 
@@ -39,7 +39,7 @@ class ExchangeWatch:
         self._arrived: dict[tuple[str, int], torch.cuda.Event] = {}  # one per (kind, mb), reused every iteration
         self._order: list[tuple[torch.cuda.Event, str]] = []  # this iteration's receives, in the order queued
         self._stale = False  # a new iteration began: the first receive it queues starts a new order
-        self._device: torch.device | None = None
+        self._query: EventQuery | None = None  # made on the main thread at the first receive on a GPU
         self._receiving: list[str] = []  # the descriptions of the receives of the exchange under way
 
     def new_iteration(self) -> None:
@@ -48,22 +48,20 @@ class ExchangeWatch:
 
     def describe_stall(self) -> str | None:
         """The first receive of the iteration that the device has not got past, or None (host-side hang, or all
-        done). Only queries events: safe from the watchdog thread while streams are blocked."""
-        if not self._order:
+        done). Only queries events, without the GIL (device_query.py): safe from the watchdog thread while streams
+        and the main thread are blocked."""
+        if not self._order or self._query is None:
             return None
-        # The watchdog thread has no current device of its own.
-        with torch.cuda.device(self._device) if self._device is not None else contextlib.nullcontext():
-            for event, desc in self._order:
-                if not event.query():
-                    return f"{desc} (the device is stuck there)"
+        for event, desc in list(self._order):
+            if not self._query.done(event):
+                return f"{desc} (the device is stuck there)"
         return None
 
     def passed(self) -> int:
         """How many of this iteration's receives the device has got past (the watchdog's progress probe)."""
-        if not self._order:
+        if not self._order or self._query is None:
             return 0
-        with torch.cuda.device(self._device) if self._device is not None else contextlib.nullcontext():
-            return sum(1 for event, _ in self._order if event.query())
+        return sum(1 for event, _ in list(self._order) if self._query.done(event))
 
     # -- the engine's exchange observer ------------------------------------------------------------------------
     def on_exchange(self, sends: list[tuple[str, int, torch.Tensor]], recvs: list[tuple[str, int]],
@@ -90,8 +88,9 @@ class ExchangeWatch:
         if self._stale:
             self._order.clear()
             self._stale = False
-        self._device = received[0].device
-        stream = torch.cuda.current_stream(self._device)
+        if self._query is None:
+            self._query = EventQuery()
+        stream = torch.cuda.current_stream(received[0].device)
         for (kind, mb), desc in zip(recvs, self._receiving, strict=True):
             event = self._arrived.get((kind, mb))
             if event is None:
@@ -142,7 +141,7 @@ def attach_heartbeat(watchdog: Watchdog, mesh: Any, device: torch.device, info: 
                                    host=host_of, store_at=describe_store(info, mesh.pp, stages_of),
                                    store_rank=None if _torchelastic_use_agent_store() else 0)
     if device.type == "cuda":
-        watchdog.memory = lambda: torch.cuda.max_memory_allocated(device) / 2**30
+        watchdog.set_memory_probe(lambda: torch.cuda.max_memory_allocated(device) / 2**30)
 
 
 def describe_rank(rank: int, pp: int, stages_of: Callable[[int], list[int]] | None = None) -> str:

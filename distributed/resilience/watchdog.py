@@ -91,7 +91,12 @@ class Watchdog:
         self._progress_probe: Callable[[], int] | None = None
         self._probed_progress: int | None = None
         self.heartbeat: Any | None = None  # heartbeat.Heartbeat: publishes this rank's beats, names who stopped
-        self.memory: Callable[[], float | None] | None = None  # this rank's peak device memory, GiB
+        # This rank's peak device memory, GiB: `memory` is read on the main thread only (at start and at each
+        # iteration's end) and the beats publish the last reading. The allocator's statistics take its lock with
+        # the GIL held, and a main thread stuck in the allocator (a cudaFree behind a stream that waits on a dead
+        # peer's flag) holds that lock forever: asked from the beat thread, they would freeze every thread.
+        self.memory: Callable[[], float | None] | None = None
+        self._peak_gib: float | None = None
         self._end: str | None = None  # the failure's line, published with the last beat
         self._failing_at: float | None = None  # when the first failure report began (its exit is bounded from it)
         self._fired = threading.Lock()  # taken once: the first failure reported wins, later ones stay silent
@@ -114,6 +119,7 @@ class Watchdog:
             self._thread = threading.Thread(target=self._run, name=f"peerline-watchdog-r{self.rank}", daemon=True)
             self._thread.start()
         self.arm()
+        self._read_memory()
         if self.heartbeat is not None:  # the first beat now: a rank that dies at once has still said where it was
             self.heartbeat.start(self._beat, self._poll_s)
         return self
@@ -149,6 +155,7 @@ class Watchdog:
         self._iteration = iteration
         self._desc = ""
         self._waiting_on = None
+        self._read_memory()
         if self.heartbeat is not None:
             self.heartbeat.nudge()
 
@@ -158,8 +165,22 @@ class Watchdog:
         self._desc = ""
         self._waiting_on = None
         self._last_progress = self._clock()
+        self._read_memory()
         if self._suspend_depth == 0:
             self.arm()
+
+    def set_memory_probe(self, probe: Callable[[], float | None] | None) -> None:
+        """This rank's peak device memory in GiB, read now and at each iteration's start and end (main thread)."""
+        self.memory = probe
+        self._read_memory()
+
+    def _read_memory(self) -> None:
+        """Read this rank's peak memory (main thread: see `memory`)."""
+        if self.memory is not None:
+            try:
+                self._peak_gib = self.memory()
+            except Exception:  # noqa: BLE001 - a beat without memory figures is still a beat
+                self._peak_gib = None
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -377,15 +398,9 @@ class Watchdog:
             self._probed_progress = count
 
     def _beat(self) -> Beat:
-        """This rank's beat now (called by the beat thread, heartbeat.py, every poll)."""
-        peak = None
-        if self.memory is not None:
-            try:
-                peak = self.memory()
-            except Exception:  # noqa: BLE001 - a beat without memory figures is still a beat
-                peak = None
+        """This rank's beat now (called by the beat thread, heartbeat.py, every poll); no device call."""
         return Beat(self.heartbeat.next_seq(), self._iteration, self._waiting_on, self.description(),
-                    self._clock() - self._last_progress, self._end, peak)
+                    self._clock() - self._last_progress, self._end, self._peak_gib)
 
     def _on_timeout(self) -> None:
         self._failing()

@@ -5,6 +5,7 @@ tests/gpu/test_failures_gpu.py."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -50,8 +51,9 @@ def spawn(n: int, args: list[str], cwd: Path, env: dict[str, str], limit_s: floa
     procs = []
     t0 = time.monotonic()
     for r in range(n):
+        # PYTHONFAULTHANDLER: a hung rank's report carries every thread's stack (see _tails).
         rank_env = dict(env, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONFAULTHANDLER="1")
         procs.append(subprocess.Popen([sys.executable, ENTRY, *args], cwd=cwd, env=rank_env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     ranks = []
@@ -71,18 +73,26 @@ def spawn(n: int, args: list[str], cwd: Path, env: dict[str, str], limit_s: floa
 
 
 def _tails(procs: list[subprocess.Popen], done: list[Rank], chars: int = 1500) -> str:
-    """Kill the ranks still running and return what each rank wrote last (those already ended included), so a
-    hang's report says where every rank stood."""
+    """End the ranks still running and return what each rank wrote last (those already ended included), so a
+    hang's report says where every rank stood. A running rank first gets SIGABRT: faulthandler (which needs no
+    GIL) writes every thread's Python stack, then it is killed."""
     parts = []
     for r, p in enumerate(procs):
+        keep = chars
         if r < len(done):
             rc, text = done[r].rc, done[r].out + done[r].err
         else:
-            if p.poll() is None:
-                p.kill()
+            hung = p.poll() is None
+            if hung:
+                p.send_signal(signal.SIGABRT)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
             out, err = p.communicate()
             rc, text = p.returncode, out + err
-        parts.append(f"--- rank {r} (exit {rc}), last output:\n{text[-chars:]}")
+            keep = 4 * chars if hung else chars  # the stacks
+        parts.append(f"--- rank {r} (exit {rc}), last output:\n{text[-keep:]}")
     return "\n".join(parts)
 
 

@@ -187,27 +187,76 @@ def test_stop_gives_sigterm_back():
 
 
 class _FakeEvent:
-    def __init__(self, done: bool) -> None:
-        self.done = done
+    """A torch.cuda.Event as device_query.EventQuery sees it: its driver handle."""
 
-    def query(self) -> bool:
-        return self.done
+    def __init__(self, handle: int) -> None:
+        self.cuda_event = handle
+
+
+class _FakeLibcuda:
+    """libcuda's cuEventQuery / cuCtxGetCurrent / cuCtxSetCurrent: events by handle, done or not; a thread without
+    the context is told CUDA_ERROR_INVALID_CONTEXT until it sets it."""
+
+    def __init__(self, done: dict[int, bool]) -> None:
+        self.done, self.current, self.queries = done, None, 0
+        lib = self
+
+        class Fn:
+            def __init__(self, fn):
+                self.fn = fn
+
+            def __call__(self, *args):
+                return self.fn(*args)
+
+        def query(handle):
+            lib.queries += 1
+            if lib.current != 7:
+                return 201
+            return 0 if lib.done[handle] else 600
+
+        def get_ctx(out):
+            out._obj.value = 7
+            return 0
+
+        def set_ctx(ctx):
+            lib.current = ctx.value
+            return 0
+
+        self.cuEventQuery, self.cuCtxGetCurrent, self.cuCtxSetCurrent = Fn(query), Fn(get_ctx), Fn(set_ctx)
+
+
+def test_event_query_takes_the_main_threads_context_and_reads_the_driver_verdicts() -> None:
+    """EventQuery (device_query.py) asks libcuda directly, without the GIL: a watching thread with no current
+    context takes the one current where the query was made and retries; 600 is 'not yet', other errors raise."""
+    from peerline.distributed.resilience.device_query import EventQuery
+
+    lib = _FakeLibcuda({1: True, 2: False})
+    q = EventQuery(lib)
+    assert q.done(_FakeEvent(1)) and lib.queries == 2  # INVALID_CONTEXT, then the context, then the answer
+    assert not q.done(_FakeEvent(2)) and lib.queries == 3
+    lib.cuEventQuery.fn = lambda handle: 999
+    with pytest.raises(RuntimeError, match="CUresult 999"):
+        q.done(_FakeEvent(1))
 
 
 def test_exchange_watch_names_the_first_receive_the_device_is_stuck_on() -> None:
     """describe_stall walks the receives in the order they were queued and names the first whose event has not
-    completed; none pending (a host-side hang) -> None, so the watchdog keeps its own description."""
+    completed; none pending (a host-side hang) -> None, so the watchdog keeps its own description. passed() counts
+    the completed ones (the progress probe)."""
+    from peerline.distributed.resilience.device_query import EventQuery
     from peerline.distributed.resilience.exchange_watch import ExchangeWatch
 
     wt = ExchangeWatch(links=None, watchdog=None)
-    assert wt.describe_stall() is None
-    wt._order = [(_FakeEvent(True), "grad mb 0 from rank 1 (edge stage 1->0)"),
-                 (_FakeEvent(False), "grad mb 1 from rank 1 (edge stage 1->0)"),
-                 (_FakeEvent(False), "grad mb 2 from rank 1 (edge stage 1->0)")]
+    assert wt.describe_stall() is None and wt.passed() == 0
+    lib = _FakeLibcuda({0: True, 1: False, 2: False})
+    wt._query = EventQuery(lib)
+    wt._order = [(_FakeEvent(0), "grad mb 0 from rank 1 (edge stage 1->0)"),
+                 (_FakeEvent(1), "grad mb 1 from rank 1 (edge stage 1->0)"),
+                 (_FakeEvent(2), "grad mb 2 from rank 1 (edge stage 1->0)")]
     assert wt.describe_stall() == "grad mb 1 from rank 1 (edge stage 1->0) (the device is stuck there)"
-    wt._order[1] = (_FakeEvent(True), wt._order[1][1])
-    wt._order[2] = (_FakeEvent(True), wt._order[2][1])
-    assert wt.describe_stall() is None
+    assert wt.passed() == 1
+    lib.done.update({1: True, 2: True})
+    assert wt.describe_stall() is None and wt.passed() == 3
 
 
 def test_exchange_watch_names_a_placed_message_by_its_microbatch_and_stages() -> None:
@@ -233,3 +282,43 @@ def test_exchange_watch_names_a_placed_message_by_its_microbatch_and_stages() ->
     wt.on_exchange([(*send_route, torch.zeros(1))], [recv_route], [send_label], [recv_label])
     assert told.desc == ("act mb 3 from rank 1 (edge stage 2->3), grad mb 1 to rank 1 (edge stage 3->2)"), told.desc
     assert told.ranks == [1]
+
+
+def test_beats_publish_the_peak_memory_read_on_the_main_thread_only() -> None:
+    """The allocator's statistics take its lock with the GIL held; a main thread stuck in the allocator holds
+    that lock. So the memory probe runs on the calling (main) thread, when it is set and at each iteration's start
+    and end, and a beat built on another thread only publishes the last reading."""
+    wd = Watchdog(rank=0, stage=0, timeout_s=30, exit_fn=lambda code: None)
+
+    class Heartbeat:
+        seq = 0
+
+        def next_seq(self) -> int:
+            self.seq += 1
+            return self.seq
+
+        def nudge(self) -> None:
+            pass
+
+    wd.heartbeat = Heartbeat()
+    readings = iter([1.5, 2.5, 4.0])
+    callers = []
+
+    def probe() -> float:
+        callers.append(threading.current_thread())
+        return next(readings)
+
+    wd.set_memory_probe(probe)
+    beats = []
+    other = threading.Thread(target=lambda: beats.append(wd._beat()))
+    other.start()
+    other.join()
+    assert beats[0].peak_gib == 1.5
+    wd.iteration_started(1)
+    assert wd._beat().peak_gib == 2.5
+    wd.iteration_done()
+    other = threading.Thread(target=lambda: beats.append(wd._beat()))
+    other.start()
+    other.join()
+    assert beats[1].peak_gib == 4.0
+    assert callers == [threading.current_thread()] * 3
