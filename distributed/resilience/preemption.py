@@ -122,10 +122,14 @@ class Preemption(IterationHooks):
         return True
 
     def _not_at_boundary(self) -> None:
-        """The signal came GRACE_S ago and this rank never reached a boundary: it is stuck (a peer failed)."""
+        """The signal came GRACE_S ago and this rank never reached a boundary: it is stuck. Where the beats show a
+        rank that failed or stopped, the signal is the launcher ending the job for it, and the line names that rank."""
         wd = self._watchdog
-        wd.fatal(f"{wd.who} stopped by {self.signalled} (preemption) without reaching an iteration boundary in "
-                 f"{GRACE_S:g} s, while waiting for {wd.description()}", 128 + signal.SIGTERM)
+        stopped = wd.who_stopped()
+        failed = bool(stopped) and not stopped.startswith("; this rank")
+        why = "the launcher ends the job when a rank fails" if failed else "preemption"
+        wd.fatal(f"{wd.who} stopped by {self.signalled} ({why}) without reaching an iteration boundary in "
+                 f"{GRACE_S:g} s, while waiting for {wd.description()}{stopped}", 128 + signal.SIGTERM)
 
     def uninstall(self) -> None:
         """Give the signals back (training is over: a later signal ends the process as usual)."""

@@ -247,6 +247,11 @@ class Watchdog:
         """Seconds this failure's report may still spend on one step, at most `cap`."""
         return max(0.0, min(cap, self._failing() - self._clock()))
 
+    def who_stopped(self) -> str:
+        """What the beats say of the rank that stopped or failed ('; rank 1 (stage 1) ...'), '' when nothing is
+        known; bounded like a failure's report (it starts one)."""
+        return self._who_stopped()
+
     def _who_stopped(self) -> str:
         """'; rank 1 (stage 1) stopped responding: ...' from every rank's cached beats (one fresh beat round if it
         comes within 2 s), or '; the rendezvous store ... has not answered ...', or '' when nothing is known."""

@@ -82,11 +82,15 @@ def test_python_handler_sets_the_flag_and_is_given_back():
     assert signal.getsignal(signal.SIGUSR1) is before
 
 
-def test_a_rank_that_never_reaches_a_boundary_is_reported(monkeypatch):
+@pytest.mark.parametrize("stopped", ["", "; rank 0 (stage 0) failed: RuntimeError: a leaf Variable"])
+def test_a_rank_that_never_reaches_a_boundary_is_reported(monkeypatch, stopped):
+    """A signalled rank stuck past the grace says so; where the beats name a rank that failed, the SIGTERM is the
+    launcher ending the job for it (not a preemption), and the line names that rank."""
     monkeypatch.setattr(preemption, "GRACE_S", 0.2)
     fatal = threading.Event()
     seen: list[tuple[str, int]] = []
     wd = SimpleNamespace(who="rank 1 (stage 1)", description=lambda: "act mb 0 from rank 0",
+                         who_stopped=lambda: stopped,
                          fatal=lambda msg, code: (seen.append((msg, code)), fatal.set()))
     rt = _rt(1, 1)
     rt.hooks = [SimpleNamespace(watchdog=wd)]
@@ -95,8 +99,9 @@ def test_a_rank_that_never_reaches_a_boundary_is_reported(monkeypatch):
     assert wd.signal_filter == hook.note
     hook.note(signal.SIGTERM)
     assert fatal.wait(5)
-    assert seen == [("rank 1 (stage 1) stopped by SIGTERM (preemption) without reaching an iteration boundary in "
-                     "0.2 s, while waiting for act mb 0 from rank 0", 128 + signal.SIGTERM)]
+    why = "the launcher ends the job when a rank fails" if stopped else "preemption"
+    assert seen == [(f"rank 1 (stage 1) stopped by SIGTERM ({why}) without reaching an iteration boundary in "
+                     f"0.2 s, while waiting for act mb 0 from rank 0{stopped}", 128 + signal.SIGTERM)]
 
 
 def test_lines():
