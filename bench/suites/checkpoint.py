@@ -93,6 +93,8 @@ def run_files(args: argparse.Namespace, ctx: BenchContext) -> None:
     state = make_state(int(gb * 1e9), ctx.device)
     size = sum(t.numel() * t.element_size() for t in state.values())
     parent = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="peerline-ckpt-bench-", dir=parent))
     try:
         counter = iter(range(1, 1 << 30))

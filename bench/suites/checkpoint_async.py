@@ -69,6 +69,8 @@ def _world() -> tuple[int, int]:
 def _shared_folder(parent: str | None) -> Path:
     """A new folder every rank writes into (rank 0 makes it; on several nodes, --checkpoint-dir must be shared)."""
     rank, world = _world()
+    if rank == 0 and parent:
+        Path(parent).mkdir(parents=True, exist_ok=True)  # --checkpoint-dir names a folder to write into, as --save
     name = [tempfile.mkdtemp(prefix="peerline-ckpt-train-", dir=parent) if rank == 0 else None]
     if world > 1:
         dist.broadcast_object_list(name, src=0)

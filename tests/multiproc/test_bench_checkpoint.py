@@ -11,8 +11,10 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 def test_checkpoint_suite_quick_on_one_rank(tmp_path):
     out = tmp_path / "bench"
-    proc = run_bench(1, [], out, suites=("checkpoint",))
+    folder = tmp_path / "not" / "yet"  # --checkpoint-dir names a folder to write into: made where missing
+    proc = run_bench(1, ["--checkpoint-dir", str(folder)], out, suites=("checkpoint",))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert folder.is_dir() and not any(folder.iterdir())  # its temporary folders are gone
     recs = {r["case"]: r for r in records(out, "checkpoint")}
     assert set(recs) == {"save", "load", "training time lost per save, async vs sync",
                          "save GB/s per rank, background write vs synchronous save",
