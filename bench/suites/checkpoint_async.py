@@ -24,6 +24,7 @@ slowest rank's figure is recorded, every rank's in `extra`.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import shutil
@@ -43,6 +44,8 @@ from peerline.bench.runtime_timing import measure_or_note, open_runtime
 from peerline.distributed.resilience import checkpoint as ckpt
 from peerline.distributed.resilience import checkpoint_store as ckpt_store
 from peerline.distributed.streams import use
+
+log = logging.getLogger(__name__)
 
 SUITE = "checkpoint"
 KINDS = ("none", "sync", "async")
@@ -172,6 +175,11 @@ def _measure(args: argparse.Namespace, ctx: BenchContext, shape: Any, root: Path
         rt.cfg = replace(rt.cfg, log_every=10**9)  # the loss is read once per block, at its end
         every, per_iter, first_sync_s = _pick_every(rt, fs, args)
         reps = getattr(args, "reps", None) or (1 if ctx.quick else 2)
+        if _world()[0] == 0:  # a long run at GB scale: say how long before it starts
+            minutes = (reps + 1) * (len(KINDS) * every * per_iter + 2 * first_sync_s) / 60
+            log.info("checkpoint: %d iterations between saves (an iteration %.3f s, a synchronous save %.1f s); "
+                     "%d rounds of %d blocks: about %.1f min", every, per_iter, first_sync_s, reps + 1, len(KINDS),
+                     minutes)
         blocks, mine = _rounds(rt, fs, every, reps)
         writes = fs.saver.done[-reps:]
         bytes_mine = fs.saver.staging.nbytes()
