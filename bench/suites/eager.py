@@ -53,6 +53,7 @@ from peerline.bench.runtime_timing import (
 )
 from peerline.bench.suites.pipeline import CONFIGS
 from peerline.bench.suites.torch_pipelining import PipeShape, TorchPipelineAnchor, build_stage_module, fill
+from peerline.bench.suites.torch_schedules import host_lead
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,8 @@ def _report(ctx: BenchContext, shape: PipeShape, results: dict[str, tuple[list[f
                                 f"torch.distributed.pipelining 1f1b ({_recipe(anchor_name)})",
                                 higher_is_better=False, sizes={**shape.sizes(), "pp": world},
                                 extra={"losses": losses, "anchor_losses": a_losses, "spread": timing.spread,
-                                       "anchor_spread": a_timing.spread}))
+                                       "anchor_spread": a_timing.spread, "host_lead_ms": timing.host_lead_ms,
+                                       "anchor_host_lead_ms": a_timing.host_lead_ms}))
         if MATCHED.get(name) == anchor_name and ctx.device.type == "cuda":
             ctx.note(f"GOAL {'MET' if rec.ratio >= GOAL else 'MISSED'} eager {shape.name}: {name} --no-graph "
                      f"{rec.ratio:.2f}x torch {_recipe(anchor_name)} (goal >= {GOAL:.2f}x)")
@@ -156,8 +158,9 @@ def _pipeline_part(args: argparse.Namespace, ctx: BenchContext, configs: list[st
             if got is None:
                 continue
             results[name] = got
-            ctx.note(f"eager {shape.name} pp={world} {name}: {got[1].median_ms:.2f} ms/iter (spread "
-                     f"{got[1].spread:.2f}), first losses {', '.join(f'{v:.6g}' for v in got[0])}")
+            # The host lead says whether the variant was host-bound (near 0: its time follows the host).
+            ctx.note(f"eager {shape.name} pp={world} {name}: {got[1].median_ms:.2f} ms/iter{host_lead(got[1])} "
+                     f"(spread {got[1].spread:.2f}), first losses {', '.join(f'{v:.6g}' for v in got[0])}")
             if name in PEERLINE_VARIANTS:
                 _report(ctx, shape, results, name, world)
     return failures
