@@ -225,8 +225,9 @@ class RunConfig:
     says so)."""
     overlap_param_gather: bool = option(False, EXECUTION, "with --shard-optimizer: each bucket's all-gather of the "
                                         "updated parameters runs beside the next iteration's forward, which waits for "
-                                        "it only before the first layer that reads the bucket (default: off, until "
-                                        "measured on GPUs)", switch=True)
+                                        "it only before the first layer that reads the bucket (default: off: at the "
+                                        "GPT compute shape, pp=1 x dp=2 on H200, the plain sharded step was faster, "
+                                        "309 against 312 ms)", switch=True)
     """With --shard-optimizer (grad_sync/param_gather.py): the all-gathers of the updated shards are not waited for
     at the end of the step; they start the next iteration on the all-reduce stream, in the order the forward reads
     the buckets, and the compute stream waits for one bucket before the first layer that reads it. Inside the
