@@ -5,8 +5,8 @@ size, with the main job's failsafe doing the saves.
 
 After a warm-up (graph capture) the suite times a few iterations and one synchronous save, and picks N, the
 iterations between saves (--checkpoint-every, default: enough to cover 1.5 synchronous saves, as a run that saves
-less often than it can write). Then rounds of three blocks of N iterations, in rotation (the first round is a
-warm-up: the first background save pins its host buffers):
+less often than it can write). Then, after one async block of warm-up (the first background save pins its host
+buffers), --reps rounds of three blocks of N iterations, in rotation:
 
   none    N iterations
   sync    a synchronous save at the block's start, then N iterations
@@ -122,13 +122,12 @@ def _rounds(rt: Any, fs: Any, every: int, reps: int) -> tuple[dict[str, list[flo
     """(the blocks' slowest-rank seconds by kind, this rank's save and wait seconds by name), after a warm-up round."""
     blocks: dict[str, list[float]] = {k: [] for k in KINDS}
     mine: dict[str, list[float]] = {f"{k}_{w}_s": [] for k in KINDS for w in ("save", "wait")}
-    for rep in range(reps + 1):
+    # The warm-up is one async block: the first background save pins its host buffers. The synchronous path was
+    # warmed by _pick_every's save, and the iterations by the run's own warm-up.
+    _slowest(_timed(lambda: _block(rt, fs, "async", every, {k: [] for k in mine}), rt.device))
+    for _ in range(reps):
         for kind in KINDS:
-            seconds = _slowest(_timed(lambda kind=kind: _block(rt, fs, kind, every, mine), rt.device))
-            if rep:
-                blocks[kind].append(seconds)
-    for key in mine:
-        mine[key] = mine[key][1:]  # the warm-up round's out
+            blocks[kind].append(_slowest(_timed(lambda kind=kind: _block(rt, fs, kind, every, mine), rt.device)))
     return blocks, mine
 
 
@@ -176,10 +175,10 @@ def _measure(args: argparse.Namespace, ctx: BenchContext, shape: Any, root: Path
         every, per_iter, first_sync_s = _pick_every(rt, fs, args)
         reps = getattr(args, "reps", None) or (1 if ctx.quick else 2)
         if _world()[0] == 0:  # a long run at GB scale: say how long before it starts
-            minutes = (reps + 1) * (len(KINDS) * every * per_iter + 2 * first_sync_s) / 60
+            minutes = (every * per_iter + reps * (len(KINDS) * every * per_iter + 2 * first_sync_s)) / 60
             log.info("checkpoint: %d iterations between saves (an iteration %.3f s, a synchronous save %.1f s); "
-                     "%d rounds of %d blocks: about %.1f min", every, per_iter, first_sync_s, reps + 1, len(KINDS),
-                     minutes)
+                     "a warm-up block and %d rounds of %d blocks: about %.1f min (--reps sets the rounds)", every,
+                     per_iter, first_sync_s, reps, len(KINDS), minutes)
         blocks, mine = _rounds(rt, fs, every, reps)
         writes = fs.saver.done[-reps:]
         bytes_mine = fs.saver.staging.nbytes()
