@@ -1,0 +1,106 @@
+"""Host time per call of one GPT block, forward + backward with bf16 weights: peerline's GPTBlock with
+`--kernels auto` and with `--kernels torch`, and the plain torch GPT's TransformerBlock (the gpt suite's anchor),
+then peerline auto's forward part by part (norm, qkv, RoPE attention, proj, residual add, fc1 + bias + GELU, fc2).
+
+The shape is small (the launch-bound GPT's by default), so the device never falls behind and each figure is the
+host's cost: where an eager iteration spends its host time when the device waits for it. peerline's calls run
+inside `eager_only()`, as the runtime runs an eager iteration.
+
+    PYTHONPATH=$PWD python3 tools/gpu_probes/gpt_block_host_probe.py [--hidden 256 --heads 4 --seq 256 --batch 2]
+    (--device cpu runs the same calls on the CPU: a check that the probe runs, not a figure of a GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from peerline.bench.suites.plain_gpt import TransformerBlock, precompute_freqs_cis
+from peerline.kernels import ops
+from peerline.kernels.capture_state import eager_only
+from peerline.kernels.rope import rope_attention
+from peerline.models.gpt import GPTBlock
+
+log = logging.getLogger("gpt_block_host_probe")
+
+
+def per_call_us(fn: Callable[[], object], calls: int, device: torch.device, rounds: int = 5) -> float:
+    """Median over `rounds` of the host time per call (the device is synchronized before each round only)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()  # the first call loads and compiles what it needs
+    times = []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    sync()
+    return statistics.median(times)
+
+
+def probe(hidden: int, heads: int, seq: int, batch: int, calls: int, device: torch.device) -> dict[str, float]:
+    """Every figure, microseconds per call, by name."""
+    dtype = torch.bfloat16
+    x = torch.randn(batch, seq, hidden, device=device, dtype=dtype, requires_grad=True)
+    got: dict[str, float] = {}
+    blocks = {impl: GPTBlock(hidden, heads, impl, max_seq=seq).to(device, dtype) for impl in ("auto", "torch")}
+    for impl, block in blocks.items():
+        def step(block: GPTBlock = block) -> None:
+            with eager_only():
+                block(x).sum().backward()
+        got[f"peerline GPTBlock {impl} fwd+bwd"] = per_call_us(step, calls, device)
+    plain = TransformerBlock(hidden, heads).to(device, dtype)
+    freqs = precompute_freqs_cis(hidden // heads, seq).to(device)
+    got["plain TransformerBlock fwd+bwd"] = per_call_us(lambda: plain(x, freqs).sum().backward(), calls, device)
+
+    b = blocks["auto"]
+    h = b.norm1(x)
+    qkv = b.qkv(h)
+    y = rope_attention(qkv, b.rope_cos, b.rope_sin, b.heads, "auto", b.attention_impl)
+    parts: dict[str, Callable[[], object]] = {
+        "norm": lambda: b.norm1(x),
+        "qkv": lambda: b.qkv(h),
+        "rope attention": lambda: rope_attention(qkv, b.rope_cos, b.rope_sin, b.heads, "auto", b.attention_impl),
+        "proj": lambda: b.proj(y),
+        "residual add": lambda: ops.residual_add(x, h, "auto"),
+        "fc1 + bias + gelu": lambda: ops.linear_bias_gelu(b.fc1, h, b.fc1_bias, "auto"),
+        "fc2": lambda: b.fc2(ops.linear_bias_gelu(b.fc1, h, b.fc1_bias, "auto")),
+    }
+    for name, fn in parts.items():
+        def under_eager(fn: Callable[[], object] = fn) -> object:
+            with eager_only():
+                return fn()
+        got[f"peerline auto fwd part: {name}"] = per_call_us(under_eager, calls, device)
+    return got
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="INFO %(message)s")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = "CPU"
+    log.info("%s, torch %s: GPT block hidden %d, %d heads, %d x %d tokens, bf16 weights, %d calls per round", name,
+             torch.__version__, args.hidden, args.heads, args.batch, args.seq, args.calls)
+    for what, us in probe(args.hidden, args.heads, args.seq, args.batch, args.calls, device).items():
+        log.info("%-45s %9.1f us", what, us)
+
+
+if __name__ == "__main__":
+    main()
