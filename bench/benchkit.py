@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import statistics
 import sys
 import time
@@ -189,6 +190,10 @@ class BenchContext:
     autosave_stem: str | None = None
 
     def record(self, rec: Record) -> Record:
+        # The host's load over the last minute, beside every figure: a host-bound measurement (eager, small
+        # shapes) taken while other work ran on the machine says so in its record.
+        rec.extra.setdefault("host_load_1min", round(os.getloadavg()[0], 2))
+        rec.extra.setdefault("host_cores", os.cpu_count())
         self.records.append(rec)
         if self.is_writer:
             log.info("%s %s: peerline %.4g %s, %s %.4g, ratio %.3f", rec.suite, rec.case, rec.peerline, rec.metric,

@@ -161,6 +161,15 @@ def test_record_ratio_direction():
     assert Record("s", "c", "ms", 1.0, 4.0, "a", higher_is_better=False).ratio == pytest.approx(4.0)
 
 
+def test_every_record_carries_the_hosts_load(tmp_path, monkeypatch):
+    """A host-bound figure taken beside other work says so: the 1-minute load and the core count in `extra`;
+    what a suite put there itself is kept."""
+    monkeypatch.setattr(benchkit.os, "getloadavg", lambda: (7.254, 3.0, 1.0))
+    ctx = BenchContext(out_dir=tmp_path, device=torch.device("cpu"), is_writer=False)
+    rec = ctx.record(Record("s", "c", "ms", 1.0, 1.0, "a", extra={"host_cores": 2}))
+    assert rec.extra["host_load_1min"] == 7.25 and rec.extra["host_cores"] == 2
+
+
 def test_write_only_on_rank_zero(tmp_path):
     ctx = BenchContext(out_dir=tmp_path / "x", device=torch.device("cpu"), is_writer=False)
     ctx.record(Record("s", "c", "GB/s", 1.0, 1.0, "a"))
