@@ -91,10 +91,11 @@ class Watchdog:
         self._progress_probe: Callable[[], int] | None = None
         self._probed_progress: int | None = None
         self.heartbeat: Any | None = None  # heartbeat.Heartbeat: publishes this rank's beats, names who stopped
-        # This rank's peak device memory, GiB: `memory` is read on the main thread only (at start and at each
-        # iteration's end) and the beats publish the last reading. The allocator's statistics take its lock with
-        # the GIL held, and a main thread stuck in the allocator (a cudaFree behind a stream that waits on a dead
-        # peer's flag) holds that lock forever: asked from the beat thread, they would freeze every thread.
+        # This rank's peak device memory, GiB: `memory` is read on the main thread only (when set, at start, and
+        # at each iteration's start and end) and the beats publish the last reading. The allocator's statistics
+        # take its lock with the GIL held, and a main thread stuck in the allocator (a cudaFree behind a stream
+        # that waits on a dead peer's flag) holds that lock forever: asked from the beat thread, they would
+        # freeze every thread.
         self.memory: Callable[[], float | None] | None = None
         self._peak_gib: float | None = None
         self._end: str | None = None  # the failure's line, published with the last beat
