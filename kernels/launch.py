@@ -79,7 +79,7 @@ def raw_stream(device_index: int) -> int:
     return int(torch.cuda.current_stream(device_index).cuda_stream)
 
 
-_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: the calling thread has no current context
 
 
 def adopt_stream_context(stream: int) -> bool:
@@ -102,7 +102,7 @@ def _bindings_launcher() -> Callable[[Kernel, int, tuple[int, int], int, int, Ar
 
     def call(k: Kernel, grid: int, block: tuple[int, int], smem: int, stream: int, pack: ArgPack) -> None:
         (err,) = launch(k.driver_handle(), grid, 1, 1, block[0], block[1], 1, smem, stream, pack.address, 0)
-        if getattr(err, "value", err) == _INVALID_CONTEXT and adopt_stream_context(stream):
+        if getattr(err, "value", err) == INVALID_CONTEXT and adopt_stream_context(stream):
             (err,) = launch(k.driver_handle(), grid, 1, 1, block[0], block[1], 1, smem, stream, pack.address, 0)
         if err:
             raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
@@ -118,7 +118,7 @@ def _ctypes_launcher() -> Callable[[Kernel, int, tuple[int, int], int, int, ArgP
 
     def call(k: Kernel, grid: int, block: tuple[int, int], smem: int, stream: int, pack: ArgPack) -> None:
         err = launch(k.handle, grid, 1, 1, block[0], block[1], 1, smem, stream, pack.address, None)
-        if getattr(err, "value", err) == _INVALID_CONTEXT and adopt_stream_context(stream):
+        if getattr(err, "value", err) == INVALID_CONTEXT and adopt_stream_context(stream):
             err = launch(k.handle, grid, 1, 1, block[0], block[1], 1, smem, stream, pack.address, None)
         if err:
             raise RuntimeError(f"cuLaunchKernel failed: CUresult {err}")

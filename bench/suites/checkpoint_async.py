@@ -55,12 +55,9 @@ PROBE_ITERS = 3
 
 
 def _shape(args: argparse.Namespace, quick: bool) -> Any:
-    from peerline.bench.suites.gpt import CONFIGS, SIZE_FLAGS
+    from peerline.bench.suites.gpt import shape_named
 
-    if quick:
-        return CONFIGS["quick"]
-    sizes = {name: getattr(args, flag) for flag, name in SIZE_FLAGS.items() if getattr(args, flag, None)}
-    return replace(CONFIGS["compute"], **sizes)
+    return shape_named(args, "quick" if quick else "compute")
 
 
 def _world() -> tuple[int, int]:

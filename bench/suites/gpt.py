@@ -103,8 +103,15 @@ def selected_shapes(args: argparse.Namespace, quick: bool) -> list[GPTShape]:
     unknown = [k for k in keys if k not in CONFIGS]
     if unknown:
         raise ValueError(f"gpt: unknown configuration {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
+    return [shape_named(args, k) for k in keys]
+
+
+def shape_named(args: argparse.Namespace, key: str) -> GPTShape:
+    """Configuration `key`; the compute one resized by the --gpt-* size flags (for every suite that runs it)."""
+    if key != "compute":
+        return CONFIGS[key]
     sizes = {name: getattr(args, flag) for flag, name in SIZE_FLAGS.items() if getattr(args, flag, None)}
-    return [replace(CONFIGS[k], **sizes) if k == "compute" else CONFIGS[k] for k in keys]
+    return replace(CONFIGS[key], **sizes)
 
 
 def _variants(args: argparse.Namespace, ctx: BenchContext) -> list[str]:

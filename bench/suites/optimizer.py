@@ -113,10 +113,7 @@ def _choose(text: str | None, default: list[str], allowed: tuple[str, ...] | dic
 
 def shape_of(args: argparse.Namespace, model: str, config: str) -> PipeShape | GPTShape:
     """The shape of one model and configuration; the GPT's compute one resized by the gpt suite's size flags."""
-    if model == "mlp":
-        return CONFIGS[config]
-    sizes = {name: getattr(args, flag) for flag, name in gpt_suite.SIZE_FLAGS.items() if getattr(args, flag, None)}
-    return replace(gpt_suite.CONFIGS[config], **sizes) if config == "compute" else gpt_suite.CONFIGS[config]
+    return CONFIGS[config] if model == "mlp" else gpt_suite.shape_named(args, config)
 
 
 def _timer(args: argparse.Namespace, ctx: BenchContext) -> BlockTimer:

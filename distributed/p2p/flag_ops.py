@@ -37,7 +37,7 @@ import logging
 from collections.abc import Callable
 
 from peerline import overrides
-from peerline.kernels.launch import adopt_stream_context
+from peerline.kernels.launch import INVALID_CONTEXT, adopt_stream_context
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,6 @@ MAX_BATCH = 255  # cuStreamBatchMemOp: "count ... must be less than 256"
 OP_WAIT_32 = 1  # CU_STREAM_MEM_OP_WAIT_VALUE_32
 OP_WRITE_32 = 2  # CU_STREAM_MEM_OP_WRITE_VALUE_32
 PROBE_SENTINEL = 0x5EED  # the value `probe_packed` writes and reads back
-INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: the calling thread has no current context
 
 
 class BatchMemOpParams(ctypes.Structure):

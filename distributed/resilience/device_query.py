@@ -12,9 +12,10 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+from peerline.kernels.launch import INVALID_CONTEXT
+
 SUCCESS = 0
-INVALID_CONTEXT = 201  # the calling thread has no current context
-NOT_READY = 600
+NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
 
 class EventQuery:

@@ -25,16 +25,17 @@ from peerline.kernels.fused_linear import FusedLinear
 log = logging.getLogger("auto_host_probe")
 
 
-def per_call_us(fn: Callable[[], object], calls: int) -> float:
-    """Median over 5 rounds of the host time per call (the device is synchronized before each round only)."""
+def per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], object] = torch.cuda.synchronize) -> float:
+    """Median over 5 rounds of the host time per call (the device is synchronized before each round only, by
+    `sync`)."""
     rounds = []
     for _ in range(5):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         rounds.append((time.perf_counter() - t0) / calls * 1e6)
-    torch.cuda.synchronize()
+    sync()
     return sorted(rounds)[2]
 
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from auto_host_probe import per_call_us as host_us  # a sibling script (its folder is on sys.path)
 
 from peerline.bench.suites.plain_gpt import TransformerBlock, precompute_freqs_cis
 from peerline.kernels import ops
@@ -29,19 +28,11 @@ from peerline.models.gpt import GPTBlock
 log = logging.getLogger("gpt_block_host_probe")
 
 
-def per_call_us(fn: Callable[[], object], calls: int, device: torch.device, rounds: int = 5) -> float:
-    """Median over `rounds` of the host time per call (the device is synchronized before each round only)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()  # the first call loads and compiles what it needs
-    times = []
-    for _ in range(rounds):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    sync()
-    return statistics.median(times)
+def per_call_us(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    """auto_host_probe's host time per call (median of 5 rounds) after one untimed call, which loads and compiles
+    what the call needs."""
+    fn()
+    return host_us(fn, calls, torch.cuda.synchronize if device.type == "cuda" else lambda: None)
 
 
 def probe(hidden: int, heads: int, seq: int, batch: int, calls: int, device: torch.device) -> dict[str, float]:
