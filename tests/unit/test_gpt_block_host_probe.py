@@ -1,5 +1,5 @@
 """tools/gpu_probes/gpt_block_host_probe.py runs its calls on the CPU (the GPU figures need a GPU): every figure
-is there, positive and finite, so the probe does not rot between GPU sessions."""
+is there, positive and finite, so the probe keeps running where no GPU checks it."""
 
 import math
 import sys
