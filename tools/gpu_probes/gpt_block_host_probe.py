@@ -71,6 +71,31 @@ def probe(hidden: int, heads: int, seq: int, batch: int, calls: int, device: tor
     return got
 
 
+def host_profiles(hidden: int, heads: int, seq: int, batch: int, device: torch.device) -> dict[str, str]:
+    """torch.profiler's table of host ops by self CPU time, 20 forward + backward calls, per block."""
+    dtype = torch.bfloat16
+    x = torch.randn(batch, seq, hidden, device=device, dtype=dtype, requires_grad=True)
+    block = GPTBlock(hidden, heads, "auto", max_seq=seq).to(device, dtype)
+    plain = TransformerBlock(hidden, heads).to(device, dtype)
+    freqs = precompute_freqs_cis(hidden // heads, seq).to(device)
+
+    def ours() -> None:
+        with eager_only():
+            block(x).sum().backward()
+
+    def theirs() -> None:
+        plain(x, freqs).sum().backward()
+
+    out = {}
+    for name, fn in (("peerline GPTBlock auto", ours), ("plain TransformerBlock", theirs)):
+        fn()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                fn()
+        out[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
@@ -79,10 +104,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", action="store_true", help="also print torch.profiler's host ops by self CPU "
+                        "time for peerline's block (auto) and the plain block, forward + backward")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="INFO %(message)s")
     device = torch.device(args.device)
     if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
         name = torch.cuda.get_device_name(device)
     else:
@@ -91,6 +119,9 @@ def main() -> None:
              torch.__version__, args.hidden, args.heads, args.batch, args.seq, args.calls)
     for what, us in probe(args.hidden, args.heads, args.seq, args.batch, args.calls, device).items():
         log.info("%-45s %9.1f us", what, us)
+    if args.profile:
+        for what, table in host_profiles(args.hidden, args.heads, args.seq, args.batch, device).items():
+            log.info("%s: host ops by self CPU time over 20 calls\n%s", what, table)
 
 
 if __name__ == "__main__":
