@@ -35,12 +35,21 @@ def per_call_us(fn: Callable[[], object], calls: int, device: torch.device) -> f
     return host_us(fn, calls, torch.cuda.synchronize if device.type == "cuda" else lambda: None)
 
 
+def peerline_block(hidden: int, heads: int, impl: str, seq: int, device: torch.device) -> GPTBlock:
+    """peerline's block with bf16 parameters and its RoPE tables left fp32, as the runtime casts it (the fused RoPE
+    kernel reads fp32 tables)."""
+    block = GPTBlock(hidden, heads, impl, max_seq=seq).to(device)
+    for p in block.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return block
+
+
 def probe(hidden: int, heads: int, seq: int, batch: int, calls: int, device: torch.device) -> dict[str, float]:
     """Every figure, microseconds per call, by name."""
     dtype = torch.bfloat16
     x = torch.randn(batch, seq, hidden, device=device, dtype=dtype, requires_grad=True)
     got: dict[str, float] = {}
-    blocks = {impl: GPTBlock(hidden, heads, impl, max_seq=seq).to(device, dtype) for impl in ("auto", "torch")}
+    blocks = {impl: peerline_block(hidden, heads, impl, seq, device) for impl in ("auto", "torch")}
     for impl, block in blocks.items():
         def step(block: GPTBlock = block) -> None:
             with eager_only():
@@ -75,7 +84,7 @@ def host_profiles(hidden: int, heads: int, seq: int, batch: int, device: torch.d
     """torch.profiler's table of host ops by self CPU time, 20 forward + backward calls, per block."""
     dtype = torch.bfloat16
     x = torch.randn(batch, seq, hidden, device=device, dtype=dtype, requires_grad=True)
-    block = GPTBlock(hidden, heads, "auto", max_seq=seq).to(device, dtype)
+    block = peerline_block(hidden, heads, "auto", seq, device)
     plain = TransformerBlock(hidden, heads).to(device, dtype)
     freqs = precompute_freqs_cis(hidden // heads, seq).to(device)
 
