@@ -176,6 +176,7 @@ class CompiledOp:
     sms: int
     blocks_per_sm: int
     attributes: dict[str, int]
+    flat: Any | None = None  # residual add only: pl_flat, the one-pass vector kernel
 
     @property
     def max_grid(self) -> int:
@@ -217,6 +218,7 @@ def get_op(spec: KernelSpec, device_index: int) -> CompiledOp:
         main = module.get_function("pl_main")
         scalar = module.get_function("pl_scalar")
         reduce = module.get_function("pl_reduce") if spec.op == OP_BIAS_GELU_BWD else None
+        flat = module.get_function("pl_flat") if spec.op == OP_RESIDUAL_ADD else None
         drv = cupy.cuda.driver
         # More than 48 KiB of dynamic shared memory needs an opt-in; ask for the whole carveout, since these
         # kernels use L1 only for the (small) bias.
@@ -230,7 +232,7 @@ def get_op(spec: KernelSpec, device_index: int) -> CompiledOp:
     if blocks < 1:
         raise RuntimeError(f"{spec.label()}: pl_main cannot be resident ({attrs})")
     log.info("compiled %s on cuda:%d: %s", spec.label(), device_index, attrs)
-    return CompiledOp(spec, device_index, main, scalar, reduce, sms, blocks, attrs)
+    return CompiledOp(spec, device_index, main, scalar, reduce, sms, blocks, attrs, flat)
 
 
 def _warm_one(spec: KernelSpec, device_index: int) -> str:

@@ -10,6 +10,7 @@
 // Entry points, all extern "C":
 //   pl_main     the warp-specialized kernel over the 16-byte-aligned body (ws_pipeline.cuh); PL_THREADS threads
 //   pl_scalar   a plain grid-stride kernel, used when the operands cannot share one alignment (and for tiny sizes)
+//   pl_flat     (op 3 only) the residual add's one-pass vector kernel over the aligned body, head and tail
 //   pl_reduce   (op 2 only) the bias gradient: a deterministic column sum of the per-block partial sums, plus the
 //               scalar head and tail elements of the vector path
 //
@@ -518,6 +519,97 @@ extern "C" __global__ void pl_scalar(const TX* __restrict__ x, const TY* __restr
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   for (long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
     out[e] = pl::from_f32<TOUT>(pl::to_f32(x[e]) + pl::to_f32(y[e]));
+  }
+}
+
+namespace pl {
+
+__device__ __forceinline__ uint4 ld_global_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// A chunk of E elements read from global memory as 16-byte vectors (plain ld.global: no cache hint measured
+// faster), widened to fp32.
+template <class T, int E> struct FlatLoad;
+template <int E> struct FlatLoad<float, E> {
+  static __device__ __forceinline__ void run(const float* p, float (&f)[E]) {
+#pragma unroll
+    for (int j = 0; j < E / 4; ++j) {
+      const uint4 v = ld_global_v4(p + 4 * j);
+      f[4 * j + 0] = __uint_as_float(v.x);
+      f[4 * j + 1] = __uint_as_float(v.y);
+      f[4 * j + 2] = __uint_as_float(v.z);
+      f[4 * j + 3] = __uint_as_float(v.w);
+    }
+  }
+};
+template <int E> struct FlatLoad<bf16_t, E> {
+  static __device__ __forceinline__ void run(const bf16_t* p, float (&f)[E]) {
+#pragma unroll
+    for (int j = 0; j < E / 8; ++j) {
+      const uint4 v = ld_global_v4(p + 8 * j);
+      const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        f[8 * j + 2 * i + 0] = __uint_as_float(w[i] << 16);
+        f[8 * j + 2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+      }
+    }
+  }
+};
+
+__device__ __forceinline__ void st_global_v4_plain(void* p, u32 a, u32 b, u32 c, u32 d) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+// A chunk of E fp32 values rounded to T and stored as 16-byte vectors (plain st.global, whatever PL_HINT says: the
+// streaming hint measured slower here).
+template <class T, int E> struct FlatStore;
+template <int E> struct FlatStore<float, E> {
+  static __device__ __forceinline__ void run(float* p, const float (&f)[E]) {
+#pragma unroll
+    for (int j = 0; j < E / 4; ++j)
+      st_global_v4_plain(p + 4 * j, __float_as_uint(f[4 * j + 0]), __float_as_uint(f[4 * j + 1]),
+                         __float_as_uint(f[4 * j + 2]), __float_as_uint(f[4 * j + 3]));
+  }
+};
+template <int E> struct FlatStore<bf16_t, E> {
+  static __device__ __forceinline__ void run(bf16_t* p, const float (&f)[E]) {
+#pragma unroll
+    for (int j = 0; j < E / 8; ++j)
+      st_global_v4_plain(p + 8 * j, pack_bf16x2(f[8 * j + 0], f[8 * j + 1]), pack_bf16x2(f[8 * j + 2], f[8 * j + 3]),
+                         pack_bf16x2(f[8 * j + 4], f[8 * j + 5]), pack_bf16x2(f[8 * j + 6], f[8 * j + 7]));
+  }
+};
+
+}  // namespace pl
+
+// The residual add's vector path: one plain pass, one chunk of E elements per thread, a grid that covers the body
+// (no shared memory, no warp roles). A pure stream gains nothing from the engine's staging: this is the shape of
+// torch's own elementwise kernel, which the engine trailed by 2-5 % beyond L2 (tools/gpu_probes/residual_add_probe.py
+// sweeps the alternatives). Block 0 also adds the scalar head and tail (fewer than E elements each).
+#define PL_FLAT_THREADS 256
+extern "C" __global__ void __launch_bounds__(PL_FLAT_THREADS)
+    pl_flat(const TX* __restrict__ x, const TY* __restrict__ y, TOUT* __restrict__ out, long long n, long long head,
+            long long nchunks) {
+  constexpr int E = pl::ResidualAdd<TX, TY, TOUT>::E;
+  const long long c = static_cast<long long>(blockIdx.x) * PL_FLAT_THREADS + threadIdx.x;
+  if (c < nchunks) {
+    const long long e = head + c * E;
+    float a[E], b[E], r[E];
+    pl::FlatLoad<TX, E>::run(x + e, a);
+    pl::FlatLoad<TY, E>::run(y + e, b);
+#pragma unroll
+    for (int k = 0; k < E; ++k) r[k] = a[k] + b[k];
+    pl::FlatStore<TOUT, E>::run(out + e, r);
+  }
+  if (blockIdx.x == 0 && threadIdx.x < E) {
+    const long long body_end = head + nchunks * E;
+    const long long h = threadIdx.x, t = body_end + threadIdx.x;
+    if (h < head) out[h] = pl::from_f32<TOUT>(pl::to_f32(x[h]) + pl::to_f32(y[h]));
+    if (t < n) out[t] = pl::from_f32<TOUT>(pl::to_f32(x[t]) + pl::to_f32(y[t]));
   }
 }
 

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 SCALAR_THREADS = 256
+# The residual add's vector path is pl_flat (elementwise.cu: one chunk per thread, PL_FLAT_THREADS per block); the
+# warp-specialized engine runs it only when an experiment asks for it (TUNING {"engine": 1, ...}: the variants).
+FLAT_THREADS = 256
 # Test hook: fill every output and workspace with NaN before the launch, so an element the kernel never writes
 # fails the comparison (torch.empty may hand back memory that already holds the right answer).
 POISON_OUTPUTS = False
@@ -114,7 +117,8 @@ def launch_raw(fn: Any, grid: tuple[int], block: tuple[int], args: tuple, smem: 
     launch.launch_numpy_args(fn, grid[0], block[0], args, smem, launch.raw_stream(device.index))
 
 
-_GRID_KEYS = (*plan.GRID_KEYS, "grid_cap")
+# Tuning keys that are not KernelSpec fields: the grid's, and "engine" (the residual add through pl_main)
+_GRID_KEYS = (*plan.GRID_KEYS, "grid_cap", "engine")
 _BUILTIN_OP_PLANS = OP_PLANS  # a replaced OP_PLANS (tests, experiments) is used as it is, without a card's plans
 
 
@@ -315,7 +319,10 @@ def prepare_residual_add(xt: torch.dtype, yt: torch.dtype, n: int, xa: int, ya: 
         head = plan.common_head([(xa, xs), (ya, ys), (oa, rs)], spec.e)
     op = kc.get_op(spec, dev)
     vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op, l2), _rounds(op, l2))
-    if vp is not None:
+    if vp is not None and op.flat is not None and not _tuning(kc.OP_RESIDUAL_ADD, spec.x).get("engine"):
+        grid = -(-vp.nchunks // FLAT_THREADS)
+        main = Launch(op.flat, grid, (FLAT_THREADS, 1), 0, "pppqqq", (0, 0, 0, n, vp.head, vp.nchunks))
+    elif vp is not None:
         main = Launch(op.main, vp.grid, (spec.threads, 1), spec.smem_bytes, "pppqqq", (0, 0, 0, n, vp.head, vp.nchunks))
     else:
         main = Launch(op.scalar, _scalar_grid(n, op), (SCALAR_THREADS, 1), 0, "pppq", (0, 0, 0, n))

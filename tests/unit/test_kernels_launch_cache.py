@@ -210,3 +210,32 @@ def test_tuner_rules() -> None:
              "bytes": 3 << 20, "l2_bytes": 0}]
     assert tune.verdicts(rows, {"residual_add:bf16": ("A", 1.0)}) == {
         "residual_add:bf16": [[3 << 20, "peerline"], [48 << 20, "torch"]]}
+
+
+def test_residual_add_runs_the_one_pass_kernel_unless_the_engine_is_asked_for(
+        fake_launches: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pl_flat covers the aligned body with one chunk per thread (256 per block, no shared memory); TUNING's
+    "engine" key sends the same call through pl_main's warp-specialized launch."""
+    def get_op(spec: kc.KernelSpec, dev: int) -> kc.CompiledOp:
+        fake_launches[0].append(spec)
+        op = _fake_op(spec, dev)
+        op.flat = SimpleNamespace(kernel=SimpleNamespace(ptr=2000))
+        return op
+
+    monkeypatch.setattr(kc, "get_op", get_op)
+    rows, width = random.randint(3, 40), random.choice([512, 768, 1536])
+    for xt, yt in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)):
+        x, y = torch.randn(rows, width).to(xt), torch.randn(rows, width).to(yt)
+        out = ew.residual_add_forward(x, y)
+        grid, block, smem, vals = fake_launches[-1]
+        e = 16 // min(xt.itemsize, yt.itemsize)
+        head, nchunks = vals[4], vals[5]
+        assert head == 0 and nchunks == x.numel() // e  # aligned allocations: no scalar head
+        assert block == (ew.FLAT_THREADS, 1) and smem == 0 and grid == -(-nchunks // ew.FLAT_THREADS)
+        assert vals[:4] == (x.data_ptr(), y.data_ptr(), out.data_ptr(), x.numel())
+    monkeypatch.setattr(ew, "TUNING", {"warps": 4, "stages": 2, "engine": 1})
+    x, y = torch.randn(rows, width), torch.randn(rows, width)
+    ew.residual_add_forward(x, y)
+    grid, block, smem, vals = fake_launches[-1]
+    spec = fake_launches[0][-1]
+    assert spec.warps == 4 and block == (spec.threads, 1) and smem == spec.smem_bytes > 0
