@@ -384,7 +384,8 @@ def test_rounds_grid_beyond_resident(monkeypatch: pytest.MonkeyPatch, label: str
     from peerline.kernels import plan
 
     p = plan.parse_plan(label)
-    monkeypatch.setattr(ew, "TUNING", p.tuning())
+    # the residual add runs pl_flat unless the engine is asked for
+    monkeypatch.setattr(ew, "TUNING", {**p.tuning(), **({"engine": 1} if rounds_op == "res" else {})})
     grids: list[tuple[int, int]] = []  # (grid, threads) of every pl_main launch
     real_launch = ew.launch_kernel
 
@@ -425,27 +426,21 @@ def test_rounds_grid_beyond_resident(monkeypatch: pytest.MonkeyPatch, label: str
 
 
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float32])
-def test_residual_add_size_classes(monkeypatch: pytest.MonkeyPatch, dt: torch.dtype) -> None:
-    """The tuned residual add launches its ":l2" plan's kernel when the bytes it moves are within the "l2" size class
-    and its size-free plan's kernel beyond (plan.in_l2; told apart by the compiled function launched), and both are
-    exact on misaligned, NaN-poisoned views with scalar heads and tails. Skipped when the plans in use (e.g.
-    PEERLINE_KERNEL_PLANS) do not split by size class."""
+def test_residual_add_one_pass_in_both_size_classes(monkeypatch: pytest.MonkeyPatch, dt: torch.dtype) -> None:
+    """The residual add launches pl_flat, the one-pass kernel of its op's module, within the "l2" size class and
+    beyond it (plan.in_l2), exact on misaligned, NaN-poisoned views with scalar heads and tails."""
     from peerline.kernels import compile as kc
     from peerline.kernels import plan
 
     name = ew._DTYPES[dt]
-    short = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dt]
-    small, large = (plan.op_plan(ew.op_plans(DEV.index), "residual_add", short, l2) for l2 in (True, False))
-    if small is None or large is None or small.spec_fields() == large.spec_fields():
-        pytest.skip("the residual add plans in use do not split by size class")
-    mains = {l2: kc.get_op(ew._spec(kc.OP_RESIDUAL_ADD, name, l2=l2, device_index=DEV.index, y=name, out=name),
-                           DEV.index).main for l2 in (True, False)}
-    assert mains[True] is not mains[False]
-    launched: list[object] = []
+    flats = {l2: kc.get_op(ew._spec(kc.OP_RESIDUAL_ADD, name, l2=l2, device_index=DEV.index, y=name, out=name),
+                           DEV.index).flat for l2 in (True, False)}
+    assert all(f is not None for f in flats.values())
+    launched: list[tuple[object, tuple[int, int], int]] = []
     real_launch = ew.launch_kernel
 
     def spy(item: ew.Launch, stream: int) -> None:
-        launched.append(item.kernel.raw)
+        launched.append((item.kernel.raw, item.block, item.grid))
         return real_launch(item, stream)
 
     monkeypatch.setattr(ew, "launch_kernel", spy)
@@ -457,4 +452,8 @@ def test_residual_add_size_classes(monkeypatch: pytest.MonkeyPatch, dt: torch.dt
         assert plan.in_l2(x.numel() * moved, l2_bytes) == in_l2
         out = ew.residual_add_forward(x, y)
         assert torch.equal(out, x + y)
-        assert launched[-1] is mains[in_l2], (rows, in_l2)
+        raw, block, grid = launched[-1]
+        assert raw is flats[in_l2] and block == (ew.FLAT_THREADS, 1), (rows, in_l2)
+        e = 16 // dt.itemsize
+        head = plan.common_head([(x.data_ptr(), dt.itemsize), (y.data_ptr(), dt.itemsize)], e)
+        assert head > 0 and grid == -(-((x.numel() - head) // e) // ew.FLAT_THREADS), (grid, head)
