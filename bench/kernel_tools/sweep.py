@@ -336,7 +336,7 @@ def _check_plans(plans: list, sweep_cases: tuple, device: torch.device
         for p, kinds in plans:
             for kind, dt in dict.fromkeys((c[1], c[2]) for c in sweep_cases if c[1] in kinds):
                 ew.TUNING.clear()
-                ew.TUNING.update(p.tuning())
+                ew.TUNING.update(engine_tuning(p, kind))
                 try:
                     ok[(p.label(), kind, dt)] = check_op(kind, dt, device)
                     torch.cuda.synchronize(device)
@@ -385,10 +385,15 @@ def _time_plans(path: Path, plans: list, cases: list[tuple], ok: dict, device: t
     return rows
 
 
+def engine_tuning(p: kp.LaunchPlan, kind: str) -> dict[str, int]:
+    """The TUNING that runs `p` on the engine: the residual add ("res") runs pl_flat unless told engine=1."""
+    return {**p.tuning(), **({"engine": 1} if kind == "res" else {})}
+
+
 def _plan_row(p: kp.LaunchPlan, case: tuple, err: str | None, repeat: bool, over: bool, meta: dict,
               device: torch.device, reps: int) -> dict:
     """One sweep.jsonl row: the plan timed on one case (status ok / repeat), or why not (wrong, skipped, error)."""
-    name, _, _, nbytes, pl_calls, torch_calls, t_torch0, t_copy = case
+    name, kind, _, nbytes, pl_calls, torch_calls, t_torch0, t_copy = case
 
     def gbps(t: float) -> float:
         return nbytes / (t * 1e-3) / 1e9
@@ -400,7 +405,7 @@ def _plan_row(p: kp.LaunchPlan, case: tuple, err: str | None, repeat: bool, over
     elif over:
         row.update(status="skipped (budget)")
     else:
-        ew.TUNING.update(p.tuning())
+        ew.TUNING.update(engine_tuning(p, kind))
         try:
             # torch again, in rotation with the plan (benchkit.time_interleaved): vs_torch is a same-moment ratio,
             # not one against the anchor timed minutes earlier

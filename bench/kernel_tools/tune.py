@@ -39,7 +39,10 @@ HOST_ROWS, HOST_HIDDEN = 512, 512
 
 
 def candidates(kind: str, op: str, dtype: torch.dtype, device_index: int, extra: int) -> list[kp.LaunchPlan]:
-    """The plans in use for (op, dtype) (both size classes), then `extra` more of the sweep's for this kind."""
+    """The plans in use for (op, dtype) (both size classes), then `extra` more of the sweep's for this kind. The
+    residual add runs pl_flat whatever the plan says: one plan, the default, times it against torch."""
+    if kind == "res":
+        return [kp.LaunchPlan()]
     plans = ew.op_plans(device_index)
     out = [p for p in (kp.op_plan(plans, op, SHORT[dtype], l2) for l2 in (True, False)) if p is not None]
     out.append(kp.LaunchPlan())

@@ -239,3 +239,14 @@ def test_residual_add_runs_the_one_pass_kernel_unless_the_engine_is_asked_for(
     grid, block, smem, vals = fake_launches[-1]
     spec = fake_launches[0][-1]
     assert spec.warps == 4 and block == (spec.threads, 1) and smem == spec.smem_bytes > 0
+
+
+def test_sweep_puts_the_residual_add_on_the_engine_and_the_tuner_times_pl_flat_once() -> None:
+    """The launch-plan sweep explores the engine, so its residual-add rows ask for it (engine=1); the tuner times the
+    path a run takes, and the residual add's (pl_flat) ignores plans: one candidate."""
+    from peerline.bench.kernel_tools import sweep, tune
+
+    p = plan.parse_plan("w4.s4.t128.d1")
+    assert sweep.engine_tuning(p, "res") == {**p.tuning(), "engine": 1}
+    assert "engine" not in sweep.engine_tuning(p, "fwd") and "engine" not in sweep.engine_tuning(p, "bwd")
+    assert tune.candidates("res", "residual_add", torch.bfloat16, 0, 3) == [plan.LaunchPlan()]
