@@ -530,59 +530,30 @@ __device__ __forceinline__ uint4 ld_global_v4(const void* p) {
   return v;
 }
 
-// A chunk of E elements read from global memory as 16-byte vectors (plain ld.global: no cache hint measured
-// faster), widened to fp32.
-template <class T, int E> struct FlatLoad;
-template <int E> struct FlatLoad<float, E> {
-  static __device__ __forceinline__ void run(const float* p, float (&f)[E]) {
-#pragma unroll
-    for (int j = 0; j < E / 4; ++j) {
-      const uint4 v = ld_global_v4(p + 4 * j);
-      f[4 * j + 0] = __uint_as_float(v.x);
-      f[4 * j + 1] = __uint_as_float(v.y);
-      f[4 * j + 2] = __uint_as_float(v.z);
-      f[4 * j + 3] = __uint_as_float(v.w);
-    }
-  }
-};
-template <int E> struct FlatLoad<bf16_t, E> {
-  static __device__ __forceinline__ void run(const bf16_t* p, float (&f)[E]) {
-#pragma unroll
-    for (int j = 0; j < E / 8; ++j) {
-      const uint4 v = ld_global_v4(p + 8 * j);
-      const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        f[8 * j + 2 * i + 0] = __uint_as_float(w[i] << 16);
-        f[8 * j + 2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-      }
-    }
-  }
-};
-
-__device__ __forceinline__ void st_global_v4_plain(void* p, u32 a, u32 b, u32 c, u32 d) {
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+__device__ __forceinline__ void st_global_v4_plain(void* p, const uint4& v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
-// A chunk of E fp32 values rounded to T and stored as 16-byte vectors (plain st.global, whatever PL_HINT says: the
-// streaming hint measured slower here).
-template <class T, int E> struct FlatStore;
-template <int E> struct FlatStore<float, E> {
-  static __device__ __forceinline__ void run(float* p, const float (&f)[E]) {
+// A chunk of E elements of T moved between global memory and fp32 registers as 16-byte vectors, with plain
+// ld/st.global whatever PL_HINT says (no cache hint measured faster here); ChunkIO widens and rounds the vectors
+// in registers, as it does the engine's shared-memory tiles.
+template <class T, int E>
+__device__ __forceinline__ void flat_load(const T* p, float (&f)[E]) {
+  constexpr int V = E * static_cast<int>(sizeof(T)) / 16;
+  uint4 raw[V];
 #pragma unroll
-    for (int j = 0; j < E / 4; ++j)
-      st_global_v4_plain(p + 4 * j, __float_as_uint(f[4 * j + 0]), __float_as_uint(f[4 * j + 1]),
-                         __float_as_uint(f[4 * j + 2]), __float_as_uint(f[4 * j + 3]));
-  }
-};
-template <int E> struct FlatStore<bf16_t, E> {
-  static __device__ __forceinline__ void run(bf16_t* p, const float (&f)[E]) {
+  for (int j = 0; j < V; ++j) raw[j] = ld_global_v4(reinterpret_cast<const uint4*>(p) + j);
+  ChunkIO<T, E>::load(reinterpret_cast<const unsigned char*>(raw), f);
+}
+
+template <class T, int E>
+__device__ __forceinline__ void flat_store(T* p, const float (&f)[E]) {
+  constexpr int V = E * static_cast<int>(sizeof(T)) / 16;
+  uint4 raw[V];
+  ChunkIO<T, E>::store(reinterpret_cast<unsigned char*>(raw), f);
 #pragma unroll
-    for (int j = 0; j < E / 8; ++j)
-      st_global_v4_plain(p + 8 * j, pack_bf16x2(f[8 * j + 0], f[8 * j + 1]), pack_bf16x2(f[8 * j + 2], f[8 * j + 3]),
-                         pack_bf16x2(f[8 * j + 4], f[8 * j + 5]), pack_bf16x2(f[8 * j + 6], f[8 * j + 7]));
-  }
-};
+  for (int j = 0; j < V; ++j) st_global_v4_plain(reinterpret_cast<uint4*>(p) + j, raw[j]);
+}
 
 }  // namespace pl
 
@@ -599,11 +570,11 @@ extern "C" __global__ void __launch_bounds__(PL_FLAT_THREADS)
   if (c < nchunks) {
     const long long e = head + c * E;
     float a[E], b[E], r[E];
-    pl::FlatLoad<TX, E>::run(x + e, a);
-    pl::FlatLoad<TY, E>::run(y + e, b);
+    pl::flat_load<TX, E>(x + e, a);
+    pl::flat_load<TY, E>(y + e, b);
 #pragma unroll
     for (int k = 0; k < E; ++k) r[k] = a[k] + b[k];
-    pl::FlatStore<TOUT, E>::run(out + e, r);
+    pl::flat_store<TOUT, E>(out + e, r);
   }
   if (blockIdx.x == 0 && threadIdx.x < E) {
     const long long body_end = head + nchunks * E;

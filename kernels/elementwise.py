@@ -319,7 +319,7 @@ def prepare_residual_add(xt: torch.dtype, yt: torch.dtype, n: int, xa: int, ya: 
         head = plan.common_head([(xa, xs), (ya, ys), (oa, rs)], spec.e)
     op = kc.get_op(spec, dev)
     vp = plan.plan_vector(n, head, spec.e, spec.tile_chunks, _max_grid(op, l2), _rounds(op, l2))
-    if vp is not None and op.flat is not None and not _tuning(kc.OP_RESIDUAL_ADD, spec.x).get("engine"):
+    if vp is not None and op.flat is not None and not TUNING.get("engine"):
         grid = -(-vp.nchunks // FLAT_THREADS)
         main = Launch(op.flat, grid, (FLAT_THREADS, 1), 0, "pppqqq", (0, 0, 0, n, vp.head, vp.nchunks))
     elif vp is not None:
