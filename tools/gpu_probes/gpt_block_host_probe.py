@@ -44,6 +44,14 @@ def per_call_us(fn: Callable[[], object], calls: int, device: torch.device) -> f
     return host_us(fn, calls, torch.cuda.synchronize if device.type == "cuda" else lambda: None)
 
 
+def eager_us(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    """per_call_us of `fn` run inside eager_only(), as the runtime runs an eager iteration's calls."""
+    def under_eager() -> object:
+        with eager_only():
+            return fn()
+    return per_call_us(under_eager, calls, device)
+
+
 def peerline_block(hidden: int, heads: int, impl: str, seq: int, device: torch.device) -> GPTBlock:
     """peerline's block with bf16 parameters and its RoPE tables left fp32, as the runtime casts it (the fused RoPE
     kernel reads fp32 tables)."""
@@ -60,10 +68,8 @@ def probe(hidden: int, heads: int, seq: int, batch: int, calls: int, device: tor
     got: dict[str, float] = {}
     blocks = {impl: peerline_block(hidden, heads, impl, seq, device) for impl in ("auto", "torch")}
     for impl, block in blocks.items():
-        def step(block: GPTBlock = block) -> None:
-            with eager_only():
-                block(x).sum().backward()
-        got[f"peerline GPTBlock {impl} fwd+bwd"] = per_call_us(step, calls, device)
+        got[f"peerline GPTBlock {impl} fwd+bwd"] = eager_us(lambda block=block: block(x).sum().backward(), calls,
+                                                            device)
     plain = TransformerBlock(hidden, heads).to(device, dtype)
     freqs = precompute_freqs_cis(hidden // heads, seq).to(device)
     got["plain TransformerBlock fwd+bwd"] = per_call_us(lambda: plain(x, freqs).sum().backward(), calls, device)
@@ -82,10 +88,7 @@ def probe(hidden: int, heads: int, seq: int, batch: int, calls: int, device: tor
         "fc2": lambda: b.fc2(ops.linear_bias_gelu(b.fc1, h, b.fc1_bias, "auto")),
     }
     for name, fn in parts.items():
-        def under_eager(fn: Callable[[], object] = fn) -> object:
-            with eager_only():
-                return fn()
-        got[f"peerline auto fwd part: {name}"] = per_call_us(under_eager, calls, device)
+        got[f"peerline auto fwd part: {name}"] = eager_us(fn, calls, device)
     return got
 
 
@@ -303,13 +306,7 @@ def rope_parts(hidden: int, heads: int, seq: int, batch: int, calls: int, device
         pieces.update(rope_cuda_parts(r))
     pieces.update(attention_parts(r))
     pieces.update(apply_parts(r))
-    got = {}
-    for name, fn in pieces.items():
-        def under_eager(fn: Callable[[], object] = fn) -> object:
-            with eager_only():
-                return fn()
-        got[name] = per_call_us(under_eager, calls, device)
-    return got, cuda_only
+    return {name: eager_us(fn, calls, device) for name, fn in pieces.items()}, cuda_only
 
 
 def rope_derived(got: dict[str, float]) -> dict[str, float]:
