@@ -139,11 +139,10 @@ class CompactAdamWLaunch:
         if self.n_chunks == 0:
             return
         kernel, _ = load_kernel(KERNEL_SOURCE, "pl_compact_adamw", self.device.index)
-        launch_raw(kernel, (self.n_chunks,), (THREADS,),
-                   (np.uint64(self.table.data_ptr()), np.int32(self.tensors), np.uint64(self.chunks.data_ptr()),
-                    np.int32(self.n_chunks), np.int64(CHUNK), np.uint64(lr.data_ptr()), np.uint64(step.data_ptr()),
-                    np.uint64(0 if found_inf is None else found_inf.data_ptr()), np.float32(beta1),
-                    np.float32(beta2), np.float32(eps), np.float32(weight_decay)), 0, self.device)
+        launch_raw(kernel, self.n_chunks, THREADS, "pipiqpppffff",
+                   (self.table.data_ptr(), self.tensors, self.chunks.data_ptr(), self.n_chunks, CHUNK, lr.data_ptr(),
+                    step.data_ptr(), 0 if found_inf is None else found_inf.data_ptr(), beta1, beta2, eps,
+                    weight_decay), self.device)
 
 
 def advance_step(step: torch.Tensor, found_inf: torch.Tensor | None) -> None:
@@ -152,8 +151,7 @@ def advance_step(step: torch.Tensor, found_inf: torch.Tensor | None) -> None:
     from peerline.kernels.elementwise import launch_raw
 
     kernel, _ = load_kernel(KERNEL_SOURCE, "pl_compact_adamw_advance", step.device.index)
-    launch_raw(kernel, (1,), (1,), (np.uint64(step.data_ptr()),
-                                    np.uint64(0 if found_inf is None else found_inf.data_ptr())), 0, step.device)
+    launch_raw(kernel, 1, 1, "pp", (step.data_ptr(), 0 if found_inf is None else found_inf.data_ptr()), step.device)
 
 
 def _check_lists(lists: tuple[Sequence[torch.Tensor], ...], device: torch.device) -> None:

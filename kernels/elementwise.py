@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -107,14 +108,14 @@ def _check_out(out: torch.Tensor, n: int, dtype: torch.dtype, device: torch.devi
     return out
 
 
-def launch_raw(fn: Any, grid: tuple[int], block: tuple[int], args: tuple, smem: int, device: torch.device) -> None:
-    """Launch a CuPy kernel (1-D grid and block, numpy scalar arguments) on torch's current stream of `device`, so
-    it follows the engine's streams and can be captured into a CUDA graph, through launch.py's pre-packed launcher
-    (a few microseconds of host time, where CuPy's own call packs and wraps a stream per launch). The runtime's
-    small kernels (RoPE, LayerNorm, compact AdamW, distributed/data/counter.py) launch this way."""
-    if len(grid) != 1 or len(block) != 1:
-        raise ValueError(f"launch_raw takes a 1-D grid and block, not {grid} x {block}")
-    launch.launch_numpy_args(fn, grid[0], block[0], args, smem, launch.raw_stream(device.index))
+def launch_raw(fn: Any, grid: int, block: int, kinds: str, values: Sequence[int | float], device: torch.device,
+               smem: int = 0) -> None:
+    """Launch a CuPy kernel (1-D grid and block; `values` plain ints and floats, typed by `kinds` as launch.ArgPack
+    reads them) on torch's current stream of `device`, so it follows the engine's streams and can be captured into
+    a CUDA graph, through launch.py's pre-packed launcher (a few microseconds of host time, where CuPy's own call
+    packs numpy scalars and wraps a stream per launch). The runtime's small kernels (RoPE, LayerNorm, compact
+    AdamW, distributed/data/counter.py) launch this way."""
+    launch.launch_values(fn, kinds, grid, block, values, smem, launch.raw_stream(device.index))
 
 
 # Tuning keys that are not KernelSpec fields: the grid's, and "engine" (the residual add through pl_main)

@@ -171,22 +171,21 @@ def launch(k: Kernel, grid: int, block: tuple[int, int], smem: int, stream: int,
     fn(k, grid, block, smem, stream, pack)
 
 
-#: numpy scalar type name -> ArgPack kind, for `launch_numpy_args`
-_NUMPY_KINDS = {"uint64": "p", "int64": "q", "int32": "i", "float32": "f"}
 # (kernel object id, kinds, thread) -> (the kernel object, kept alive; its Kernel; its ArgPack): a pack is reused
 # only by the thread that made it (autograd's backward runs on a worker thread of its own)
 _raw_packs: dict[tuple[int, str, int], tuple[Any, Kernel, ArgPack]] = {}
 
 
-def launch_numpy_args(raw: Any, grid: int, block: int, args: Sequence[Any], smem: int, stream: int) -> None:
-    """Launch a CuPy RawKernel whose arguments are numpy scalars (uint64 pointers, int64, int32, float32) through
-    `launch`: one driver call on arguments packed in place, not CuPy's per-call packing and stream wrapping."""
-    kinds = "".join(_NUMPY_KINDS[a.dtype.name] for a in args)
+def launch_values(raw: Any, kinds: str, grid: int, block: int, values: Sequence[int | float], smem: int,
+                  stream: int) -> None:
+    """Launch a CuPy RawKernel with plain Python values, one per letter of `kinds` (ArgPack's: "p" pointer, "q"
+    int64, "i" int32, "f" float32), through `launch`: the values written into a pack made once per kernel, kinds
+    and thread, then one driver call (no numpy scalars, no CuPy per-call packing or stream wrapping)."""
     key = (id(raw), kinds, threading.get_ident())
     entry = _raw_packs.get(key)
     if entry is None or entry[0] is not raw:
         entry = _raw_packs[key] = (raw, Kernel(raw), ArgPack(kinds))
     _, kernel, pack = entry
-    for slot, a in zip(pack.values, args):
-        slot.value = a.item()
+    for slot, v in zip(pack.values, values):
+        slot.value = v
     launch(kernel, grid, (block, 1), smem, stream, pack)

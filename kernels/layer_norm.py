@@ -69,8 +69,6 @@ def layer_norm_forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if not x2.is_cuda:
         y, mean, rstd = torch.native_layer_norm(x2, [width], weight, bias, eps)
         return y, mean.view(rows), rstd.view(rows)
-    import numpy as np
-
     from peerline.kernels.elementwise import launch_raw
 
     y = torch.empty_like(x2)
@@ -78,10 +76,9 @@ def layer_norm_forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     rstd = torch.empty_like(mean)
     if rows:
         kernel = _kernel(f"pl_ln_forward_{vectors_for(width)}", x2.device)
-        launch_raw(kernel, (min(rows, 65535),), (THREADS,),
-                   (np.uint64(x2.data_ptr()), np.uint64(weight.data_ptr()), np.uint64(bias.data_ptr()),
-                    np.uint64(y.data_ptr()), np.uint64(mean.data_ptr()), np.uint64(rstd.data_ptr()),
-                    np.int64(rows), np.int32(width), np.float32(eps)), 0, x2.device)
+        launch_raw(kernel, min(rows, 65535), THREADS, "ppppppqif",
+                   (x2.data_ptr(), weight.data_ptr(), bias.data_ptr(), y.data_ptr(), mean.data_ptr(),
+                    rstd.data_ptr(), rows, width, eps), x2.device)
     return y, mean, rstd
 
 
@@ -93,8 +90,6 @@ def layer_norm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tenso
     if not x2.is_cuda:
         return torch.ops.aten.native_layer_norm_backward(dy2, x2, [width], mean.view(rows, 1), rstd.view(rows, 1),
                                                          weight, bias, [True, True, True])
-    import numpy as np
-
     from peerline.kernels.elementwise import launch_raw
 
     dx = torch.empty_like(x2)
@@ -105,14 +100,12 @@ def layer_norm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tenso
     partials = (torch.empty if rows else torch.zeros)(2, parts, width, dtype=torch.float32, device=x2.device)
     if rows:
         kernel = _kernel(f"pl_ln_backward_{vectors_for(width)}", x2.device)
-        launch_raw(kernel, (parts,), (THREADS,),
-                   (np.uint64(dy2.data_ptr()), np.uint64(x2.data_ptr()), np.uint64(weight.data_ptr()),
-                    np.uint64(mean.data_ptr()), np.uint64(rstd.data_ptr()), np.uint64(dx.data_ptr()),
-                    np.uint64(partials[0].data_ptr()), np.uint64(partials[1].data_ptr()), np.int64(rows),
-                    np.int32(width)), 0, x2.device)
-    launch_raw(_kernel("pl_ln_reduce", x2.device), (-(-width // THREADS),), (THREADS,),
-               (np.uint64(partials[0].data_ptr()), np.uint64(partials[1].data_ptr()), np.uint64(dweight.data_ptr()),
-                np.uint64(dbias.data_ptr()), np.int32(parts), np.int32(width)), 0, x2.device)
+        launch_raw(kernel, parts, THREADS, "ppppppppqi",
+                   (dy2.data_ptr(), x2.data_ptr(), weight.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
+                    dx.data_ptr(), partials[0].data_ptr(), partials[1].data_ptr(), rows, width), x2.device)
+    launch_raw(_kernel("pl_ln_reduce", x2.device), -(-width // THREADS), THREADS, "ppppii",
+               (partials[0].data_ptr(), partials[1].data_ptr(), dweight.data_ptr(), dbias.data_ptr(), parts, width),
+               x2.device)
     return dx, dweight, dbias
 
 

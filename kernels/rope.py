@@ -98,11 +98,11 @@ def attention_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 # ---- the two rotations: CUDA kernels, torch stand-ins on the CPU ----
 
-def _grid(rows: int, dim: int) -> tuple[int]:
+def _grid(rows: int, dim: int) -> int:
     """Blocks for `rows` rows of head width `dim`: each thread takes four pairs, a block _THREADS // (dim // 8)
     rows per step (rope.cu)."""
     per_block = _THREADS // (dim // 8)
-    return (max(1, min(-(-rows // per_block), _MAX_BLOCKS)),)
+    return max(1, min(-(-rows // per_block), _MAX_BLOCKS))
 
 
 def _aligned(t: torch.Tensor, nbytes: int) -> bool:
@@ -127,8 +127,6 @@ def rope_forward_(qkv5: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> N
         qk = qkv5[:, :, :2]
         qk.copy_(apply_rope(qk.transpose(1, 3), cos, sin).transpose(1, 3))
         return
-    import numpy as np
-
     from peerline.kernels.compile import load_kernel
     from peerline.kernels.elementwise import launch_raw
 
@@ -137,9 +135,8 @@ def rope_forward_(qkv5: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> N
         raise ValueError("fused RoPE rotates a contiguous, 8-byte aligned qkv in place")
     rows = batch * seq * 2 * heads
     kernel, _ = load_kernel(KERNEL_SOURCE, "pl_rope_forward", qkv5.device.index)
-    launch_raw(kernel, _grid(rows, dim), (_THREADS,),
-               (np.uint64(qkv5.data_ptr()), np.uint64(cos.data_ptr()), np.uint64(sin.data_ptr()), np.int64(rows),
-                np.int32(seq), np.int32(heads), np.int32(dim)), 0, qkv5.device)
+    launch_raw(kernel, _grid(rows, dim), _THREADS, "pppqiii",
+               (qkv5.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, seq, heads, dim), qkv5.device)
 
 
 def rope_backward_pack(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -150,8 +147,6 @@ def rope_backward_pack(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos
     if not dq.is_cuda:
         dq, dk = (apply_rope(g, cos, -sin) for g in (dq, dk))  # the transposed rotation: the angle negated
         return torch.stack([dq, dk, dv], dim=1).permute(0, 3, 1, 2, 4).contiguous()
-    import numpy as np
-
     from peerline.kernels.compile import load_kernel
     from peerline.kernels.elementwise import launch_raw
 
@@ -168,11 +163,9 @@ def rope_backward_pack(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos
     rows = batch * seq * 3 * heads
     kernel, _ = load_kernel(KERNEL_SOURCE, "pl_rope_backward_pack", dq.device.index)
     sb, sh, st, _ = dq.stride()
-    launch_raw(kernel, _grid(rows, dim), (_THREADS,),
-               (np.uint64(dq.data_ptr()), np.uint64(dk.data_ptr()), np.uint64(dv.data_ptr()),
-                np.uint64(out.data_ptr()), np.uint64(cos.data_ptr()), np.uint64(sin.data_ptr()), np.int64(rows),
-                np.int32(seq), np.int32(heads), np.int32(dim), np.int64(sb), np.int64(sh), np.int64(st)),
-               0, dq.device)
+    launch_raw(kernel, _grid(rows, dim), _THREADS, "ppppppqiiiqqq",
+               (dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows,
+                seq, heads, dim, sb, sh, st), dq.device)
     return out
 
 

@@ -82,8 +82,6 @@ def fill(out: torch.Tensor, seed: int, iteration: torch.Tensor, global_mb: int, 
         return
     if out.dtype != torch.float32 or not out.is_contiguous() or iteration.dtype != torch.int64:
         raise ValueError("counter data fills contiguous float32 buffers from an int64 iteration counter")
-    import numpy as np
-
     from peerline.kernels.compile import load_kernel
     from peerline.kernels.elementwise import launch_raw
 
@@ -91,6 +89,5 @@ def fill(out: torch.Tensor, seed: int, iteration: torch.Tensor, global_mb: int, 
     n = out.numel()
     grid = max(1, min(-(-n // _THREADS), 4096))
     kernel, _ = load_kernel(KERNEL_SOURCE, "pl_counter_normal", out.device.index)
-    launch_raw(kernel, (grid,), (_THREADS,),
-               (np.uint64(out.data_ptr()), np.int64(n), np.uint64(seed_mix), np.uint64(salt),
-                np.uint64(iteration.data_ptr())), 0, out.device)
+    launch_raw(kernel, grid, _THREADS, "pqppp", (out.data_ptr(), n, seed_mix, salt, iteration.data_ptr()),
+               out.device)

@@ -38,7 +38,7 @@ def test_the_rope_parts_print_on_the_cpu_with_the_cuda_only_ones_skipped() -> No
     parts = {m[1]: float(m[2]) for m in (re.fullmatch(r"INFO rope part: (.+) (\S+) us", ln) for ln in lines) if m}
     derived = {m[1]: float(m[2]) for m in (re.fullmatch(r"INFO rope derived: (.+) (\S+) us", ln) for ln in lines)
                if m}
-    for piece in ("_check_kernel_shapes", "numpy args", "rope_forward_(qkv5, cos, sin) whole", "resolve_backend(",
+    for piece in ("_check_kernel_shapes", "argument values", "rope_forward_(qkv5, cos, sin) whole", "resolve_backend(",
                   "runs_direct(", "attention forward", "attention backward", "rope_backward_pack",
                   "FusedRopeAttention.apply forward, no_grad", "FusedRopeAttention.apply forward, with grad",
                   "FusedRopeAttention.apply forward + backward"):

@@ -103,13 +103,11 @@ def test_arg_pack_addresses() -> None:
         launch.resolve("nvrtc")
 
 
-def test_launch_raw_packs_numpy_arguments_once_per_kernel_and_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launch_raw_packs_values_once_per_kernel_and_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """launch_raw (RoPE, LayerNorm, compact AdamW, the counter data) goes through the pre-packed launcher: the
-    numpy scalars' kinds and values land in one ArgPack per kernel, kinds and thread, on torch's current raw
-    stream; a float32 (LayerNorm's eps) is a 4-byte float slot."""
+    values land, typed by their kinds, in one ArgPack per kernel, kinds and thread, on torch's current raw stream;
+    a float32 (LayerNorm's eps) is a 4-byte float slot, a pointer above 2**63 stays unsigned."""
     import threading
-
-    import numpy as np
 
     calls = []
     monkeypatch.setattr(launch, "launch", lambda k, grid, block, smem, stream, pack: calls.append(
@@ -118,21 +116,21 @@ def test_launch_raw_packs_numpy_arguments_once_per_kernel_and_thread(monkeypatch
     monkeypatch.setattr(launch, "_raw_packs", {})
     raw = SimpleNamespace(kernel=SimpleNamespace(ptr=77))
     device = torch.device("cuda", 3)
-    args = (np.uint64(2**63 + 8), np.int64(-5), np.int32(7), np.float32(1e-5))
-    ew.launch_raw(raw, (12,), (256,), args, 0, device)
-    ew.launch_raw(raw, (13,), (256,), (np.uint64(16), np.int64(6), np.int32(8), np.float32(0.5)), 0, device)
+    args = (2**63 + 8, -5, 7, 1e-5)
+    ew.launch_raw(raw, 12, 256, "pqif", args, device)
+    ew.launch_raw(raw, 13, 256, "pqif", (16, 6, 8, 0.5), device)
     (h0, g0, b0, s0, st0, p0, v0), (_, g1, _, _, _, p1, v1) = calls
     assert (h0, g0, b0, s0, st0) == (77, 12, (256, 1), 0, 1003) and g1 == 13
     assert p0 is p1 and p0.kinds == "pqif"
     assert v0[:3] == (2**63 + 8, -5, 7) and v0[3] == pytest.approx(1e-5, rel=1e-6)
     assert v1 == (16, 6, 8, 0.5)
+    ew.launch_raw(raw, 1, 32, "pq", (9, 10), device)
+    assert calls[-1][5] is not p0 and calls[-1][6] == (9, 10)  # other kinds: a pack of their own
     other = []
-    thread = threading.Thread(target=lambda: other.append(ew.launch_raw(raw, (1,), (32,), args, 0, device)))
+    thread = threading.Thread(target=lambda: other.append(ew.launch_raw(raw, 1, 32, "pqif", args, device)))
     thread.start()
     thread.join()
     assert calls[-1][5] is not p0  # another thread packs its own arguments
-    with pytest.raises(ValueError, match="1-D grid and block"):
-        ew.launch_raw(raw, (1, 2), (32,), args, 0, device)
 
 
 def _write(tmp_path: Path, tables: dict) -> Path:

@@ -2,8 +2,8 @@
 `--kernels auto` and with `--kernels torch`, and the plain torch GPT's TransformerBlock (the gpt suite's anchor),
 then peerline auto's forward part by part (norm, qkv, RoPE attention, proj, residual add, fc1 + bias + GELU, fc2).
 `--rope-parts` (also run by `--profile`) takes FusedRopeAttention (kernels/rope.py) apart on the qkv the block
-produces: each piece of its forward and backward (shape checks, the kernel lookup, the raw stream, the numpy
-arguments and the launch, the rotation, the backend pick, the attention ops, the backward pack) and the whole
+produces: each piece of its forward and backward (shape checks, the kernel lookup, the raw stream, the argument
+values and the launch, the rotation, the backend pick, the attention ops, the backward pack) and the whole
 Function with and without grad, printed as `INFO rope part: <name> <us> us`, with `INFO rope derived:` lines for
 what the Function costs beyond the pieces it runs (the autograd machinery and ctx bookkeeping).
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -146,20 +147,15 @@ def rope_inputs(hidden: int, heads: int, seq: int, batch: int, device: torch.dev
 def rope_forward_imports() -> None:
     """The imports rope_forward_ and rope_backward_pack run inside the function on every CUDA call (modules
     already loaded: a sys.modules lookup each)."""
-    import numpy as np  # noqa: F401
-
     from peerline.kernels.compile import load_kernel  # noqa: F401
     from peerline.kernels.elementwise import launch_raw  # noqa: F401
 
 
-def rope_numpy_args(qkv5: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
-    """The numpy scalars rope_forward_ builds for pl_rope_forward, built the same way (data_ptr and all)."""
-    import numpy as np
-
+def rope_args(qkv5: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[int, ...]:
+    """The values rope_forward_ passes pl_rope_forward, built the same way (data_ptr and all)."""
     batch, seq, _, heads, dim = qkv5.shape
     rows = batch * seq * 2 * heads
-    return (np.uint64(qkv5.data_ptr()), np.uint64(cos.data_ptr()), np.uint64(sin.data_ptr()), np.int64(rows),
-            np.int32(seq), np.int32(heads), np.int32(dim))
+    return (qkv5.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, seq, heads, dim)
 
 
 def rope_common_parts(r: RopeInputs) -> dict[str, Callable[[], object]]:
@@ -172,10 +168,9 @@ def rope_common_parts(r: RopeInputs) -> dict[str, Callable[[], object]]:
     return {
         "qkv.view to qkv5 + cos/sin[:seq]": lambda: (r.qkv.view(r.qkv5.shape), r.cos[:seq], r.sin[:seq]),
         "_views(qkv5)": lambda: rope._views(r.qkv5),
-        "in-function imports (numpy, load_kernel, launch_raw)": rope_forward_imports,
+        "in-function imports (load_kernel, launch_raw)": rope_forward_imports,
         "_check_kernel_shapes(dim, cos, sin)": lambda: rope._check_kernel_shapes(dim, r.cos, r.sin),
-        "numpy args (np.uint64(data_ptr) x3, np.int64, np.int32 x3)": lambda: rope_numpy_args(scratch5, r.cos,
-                                                                                             r.sin),
+        "argument values (data_ptr x3, rows, seq, heads, dim)": lambda: rope_args(scratch5, r.cos, r.sin),
         "rope_forward_(qkv5, cos, sin) whole": lambda: rope.rope_forward_(scratch5, r.cos, r.sin),
     }
 
@@ -188,17 +183,21 @@ def rope_cuda_parts(r: RopeInputs) -> dict[str, Callable[[], object]]:
     batch, seq, _, heads, dim = scratch5.shape
     grid = rope._grid(batch * seq * 2 * heads, dim)
     kernel, _ = load_kernel(rope.KERNEL_SOURCE, "pl_rope_forward", device.index)
-    args = rope_numpy_args(scratch5, r.cos, r.sin)
+    args = rope_args(scratch5, r.cos, r.sin)
     stream = launch.raw_stream(device.index)
+    pack = launch.ArgPack("pppqiii", args)
+    packed = launch.Kernel(kernel)
     return {
         "qkv5.device.index": lambda: scratch5.device.index,
         "load_kernel(KERNEL_SOURCE, 'pl_rope_forward', index)": lambda: load_kernel(rope.KERNEL_SOURCE,
                                                                                    "pl_rope_forward", device.index),
         "launch.raw_stream(index)": lambda: launch.raw_stream(device.index),
-        "launch.launch_numpy_args (stream given)": lambda: launch.launch_numpy_args(kernel, grid[0], rope._THREADS,
-                                                                                    args, 0, stream),
+        "launch.launch, a fixed pack (the driver call alone)": lambda: launch.launch(packed, grid, (rope._THREADS, 1),
+                                                                                    0, stream, pack),
+        "launch.launch_values (stream given)": lambda: launch.launch_values(kernel, "pppqiii", grid, rope._THREADS,
+                                                                            args, 0, stream),
         "elementwise.launch_raw (its raw_stream included)": lambda: elementwise.launch_raw(
-            kernel, grid, (rope._THREADS,), args, 0, device),
+            kernel, grid, rope._THREADS, "pppqiii", args, device),
     }
 
 
@@ -301,12 +300,50 @@ def rope_parts(hidden: int, heads: int, seq: int, batch: int, calls: int, device
     r = rope_inputs(hidden, heads, seq, batch, device)
     pieces = rope_common_parts(r)
     cuda_only = [] if device.type == "cuda" else ["qkv5.device.index", "load_kernel", "launch.raw_stream",
-                                                   "launch.launch_numpy_args", "elementwise.launch_raw"]
+                                                   "launch.launch", "launch.launch_values",
+                                                   "elementwise.launch_raw"]
     if device.type == "cuda":
         pieces.update(rope_cuda_parts(r))
     pieces.update(attention_parts(r))
     pieces.update(apply_parts(r))
-    return {name: eager_us(fn, calls, device) for name, fn in pieces.items()}, cuda_only
+    got = {name: eager_us(fn, calls, device) for name, fn in pieces.items()}
+    got.update(backward_inside_us(r, calls, device))
+    return got, cuda_only
+
+
+def backward_inside_us(r: RopeInputs, calls: int, device: torch.device) -> dict[str, float]:
+    """Host time spent inside FusedRopeAttention.backward and inside its rope_backward_pack call, measured on the
+    thread that runs them (autograd's worker on CUDA) over `calls` forward + backward calls: what the backward's
+    own code costs, apart from the autograd engine around it."""
+    spent = {"backward body": 0.0, "rope_backward_pack": 0.0}
+    original_backward, original_pack = FusedRopeAttention.backward, rope.rope_backward_pack
+
+    def timed(name: str, fn: Callable[..., object]) -> Callable[..., object]:
+        def call(*args: object) -> object:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return call
+
+    leaf = r.qkv.clone().requires_grad_(True)
+    dy = torch.randn(*r.qkv.shape[:2], r.qkv.shape[2] // 3, device=r.qkv.device, dtype=r.qkv.dtype)
+    FusedRopeAttention.backward = staticmethod(timed("backward body", original_backward))
+    rope.rope_backward_pack = timed("rope_backward_pack", original_pack)
+    try:
+        with eager_only():
+            FusedRopeAttention.apply(leaf, r.cos, r.sin, r.heads, r.backend).backward(dy)  # untimed: loads
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            spent.update(dict.fromkeys(spent, 0.0))
+            for _ in range(calls):
+                leaf.grad = None
+                FusedRopeAttention.apply(leaf, r.cos, r.sin, r.heads, r.backend).backward(dy)
+    finally:
+        FusedRopeAttention.backward, rope.rope_backward_pack = original_backward, original_pack
+    return {"FusedRopeAttention.backward body, timed inside": spent["backward body"] / calls * 1e6,
+            "rope_backward_pack, timed inside the backward": spent["rope_backward_pack"] / calls * 1e6}
 
 
 def rope_derived(got: dict[str, float]) -> dict[str, float]:
@@ -329,6 +366,8 @@ def rope_derived(got: dict[str, float]) -> dict[str, float]:
     if "attention backward (direct route's aten op)" in got:
         derived["backward beyond its pieces (backward minus attention backward, rope_backward_pack)"] = bwd - got[
             "attention backward (direct route's aten op)"] - got["rope_backward_pack(dq, dk, dv, cos, sin)"]
+    derived["autograd around the backward (backward minus its body timed inside)"] = bwd - got[
+        "FusedRopeAttention.backward body, timed inside"]
     return derived
 
 

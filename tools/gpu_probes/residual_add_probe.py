@@ -142,8 +142,6 @@ def grid_of(design: Design, comp: Compiled, template: str, n: int, elems: int) -
 def candidate_call(design: Design, comp: Compiled, x: torch.Tensor, y: torch.Tensor,
                    out: torch.Tensor) -> Callable[[], None]:
     """One launch of `design` computing out = x + y on torch's current stream (capturable: launch.py's launcher)."""
-    import numpy as np
-
     from peerline.kernels import elementwise as ew
 
     for t in (x, y, out):
@@ -153,8 +151,8 @@ def candidate_call(design: Design, comp: Compiled, x: torch.Tensor, y: torch.Ten
     template = design.template(x.dtype, y.dtype)
     fn = comp.kernels[template]
     grid = grid_of(design, comp, template, n, design.elems(x.dtype, y.dtype))
-    args = (np.uint64(x.data_ptr()), np.uint64(y.data_ptr()), np.uint64(out.data_ptr()), np.int64(n))
-    return lambda: ew.launch_raw(fn, (grid,), (design.block,), args, 0, comp.device)
+    args = (x.data_ptr(), y.data_ptr(), out.data_ptr(), n)
+    return lambda: ew.launch_raw(fn, grid, design.block, "pppq", args, comp.device)
 
 
 # ---- one (dtype, size) cell: its inputs, correctness and timing ----
