@@ -224,8 +224,9 @@ def runs_direct(backend: str, sdpa: SDPBackend | None) -> bool:
 
 
 def _views(qkv5: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v [B, heads, T, D] as strided views of the packed qkv5 [B, T, 3, heads, D]."""
-    return tuple(qkv5[:, :, i].transpose(1, 2) for i in range(3))
+    """q, k, v [B, heads, T, D] as strided views of the packed qkv5 [B, T, 3, heads, D] (two view ops: the host
+    cost of an eager call is per op)."""
+    return qkv5.permute(2, 0, 3, 1, 4).unbind(0)
 
 
 def _sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: SDPBackend, restrict: bool
@@ -259,7 +260,8 @@ class FusedRopeAttention(torch.autograd.Function):
                 backend: str = "auto") -> torch.Tensor:
         batch, seq, three_h = qkv.shape
         qkv5 = qkv.view(batch, seq, 3, heads, three_h // (3 * heads))
-        cos, sin = cos[:seq], sin[:seq]
+        if cos.shape[0] != seq:
+            cos, sin = cos[:seq], sin[:seq]
         rope_forward_(qkv5, cos, sin)
         ctx.heads = heads
         views = _views(qkv5)

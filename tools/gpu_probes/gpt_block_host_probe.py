@@ -246,6 +246,8 @@ def attention_parts(r: RopeInputs) -> dict[str, Callable[[], object]]:
     route, out, (dq, dk, dv) = direct_attention_parts(views, dout, sdpa) if direct else \
         sdpa_attention_parts(views, dout, sdpa, restrict=r.backend != "auto")
     parts.update(route)
+    log.info("attention backward's dq, dk, dv strides: %s, %s, %s (rope_backward_pack copies them first unless the "
+             "three match, the last is 1 and the rest are multiples of 4)", dq.stride(), dk.stride(), dv.stride())
     # the Function's return: [B, heads, T, D] -> [B, T, H] (a copy where the op's output is heads-major in memory)
     parts["output out.transpose(1, 2).reshape"] = lambda: out.transpose(1, 2).reshape(batch, seq, three_h // 3)
     parts["rope_backward_pack(dq, dk, dv, cos, sin)"] = lambda: rope.rope_backward_pack(dq, dk, dv, r.cos, r.sin)
