@@ -34,6 +34,9 @@ TABLE_FILE = Path(__file__).resolve().parent / "card_plans.json"
 # Eager launches below this many bytes moved use torch's op on a card without a measured entry: there a peerline
 # launch's extra host time (an autograd Function and a driver call from Python) outweighs its device-time lead.
 DEFAULT_EAGER_TORCH_BELOW = 64 << 20
+# An eager threshold at or above this never sends a launch to the kernel (the tuner writes 1 << 62 where torch's op
+# wins an eager launch at every size).
+NEVER_EAGER = 1 << 62
 PEERLINE = "peerline"  # a verdict: peerline's kernel is faster here
 TORCH = "torch"  # a verdict: torch's op is faster here
 
@@ -69,6 +72,12 @@ class CardTable:
 
     def eager_threshold(self, op: str) -> int:
         return self.eager_torch_below.get(op, DEFAULT_EAGER_TORCH_BELOW)
+
+    def eager_always_torch(self, op: str, dtype: str) -> bool:
+        """Whether every eager launch of `op` on `dtype` runs torch's op and no captured launch of any size would run
+        the kernel either (so an eager call needs no size lookup and no kernel built ahead of a capture)."""
+        points = self.choice.get(f"{op}:{dtype}")
+        return self.eager_threshold(op) >= NEVER_EAGER and bool(points) and all(w == TORCH for _, w in points)
 
     def pick(self, op: str, dtype: str, nbytes: int, eager: bool) -> str:
         """The implementation of one launch: torch where it is faster on this card at this size, and for eager

@@ -470,6 +470,20 @@ def residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 _CHOICES: dict[tuple, bool] = {}
 
 
+def _eager_always_torch(op: str, dtype: torch.dtype, dev: int) -> bool:
+    """Cached in _CHOICES (which tests reset with the card table): card_table.CardTable.eager_always_torch for
+    `op` on `dtype` on device `dev`; False for a dtype the kernels do not take (the caller's checks decide)."""
+    key = (op, "eager always torch", dtype, dev)
+    hit = _CHOICES.get(key)
+    if hit is None:
+        name = _DTYPES.get(dtype)
+        hit = name is not None and card_table(dev).eager_always_torch(op, _SHORT[name])
+        if len(_CHOICES) >= MAX_CACHED:
+            _CHOICES.clear()
+        _CHOICES[key] = hit
+    return hit
+
+
 def _chosen(key: tuple, op: str, dtype: torch.dtype, nbytes: int, dev: int, eager: bool, ops: tuple[str, ...]) -> bool:
     """Cached: peerline's kernel only where the card's table picks it for every op of `ops` (card_table.CardTable.pick:
     torch where it is faster on this card at this size, and for eager launches below the op's threshold)."""
@@ -518,10 +532,13 @@ def _bias_gelu_pick(dtype: torch.dtype, bias_dtype: torch.dtype, n: int, width: 
 
 
 def auto_residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """residual_add for --kernels auto (see auto_bias_gelu)."""
+    """residual_add for --kernels auto (see auto_bias_gelu). An eager call where the card sends every launch of
+    this dtype to torch (eager_always_torch) goes straight to torch's add: one cached lookup, no size checks."""
+    eager = not capturing()
+    if eager and x.is_cuda and _eager_always_torch("residual_add", x.dtype, x.get_device()):
+        return residual_add_reference(x, y)
     if not _supported(x, y) or x.shape != y.shape or x.device != y.device:
         return residual_add_reference(x, y)
-    eager = not capturing()
     n, dev = x.numel(), x.get_device()
     nbytes = n * (x.element_size() + y.element_size() + torch.promote_types(x.dtype, y.dtype).itemsize)
     key = ("residual_add", x.dtype, y.dtype, n, 0, dev, eager)

@@ -195,6 +195,50 @@ def test_auto_choice_per_card_and_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ew._CHOICES == {("a",): False, ("b",): True, ("c",): False}
 
 
+def test_eager_always_torch_needs_torch_at_every_size_and_an_endless_eager_threshold() -> None:
+    """A dtype skips auto's size lookup in eager calls only where no launch of it, eager or captured, would run
+    the kernel: the eager threshold at NEVER_EAGER and every timed size won by torch."""
+    everywhere = {"residual_add:bf16": [[1 << 20, "torch"], [1 << 30, "torch"]],
+                  "residual_add:fp32": [[1 << 20, "torch"], [1 << 30, "peerline"]]}
+    table = ct.CardTable.from_entry("NVIDIA H200", {"choice": everywhere,
+                                                    "eager_torch_below": {"residual_add": ct.NEVER_EAGER}})
+    assert table.eager_always_torch("residual_add", "bf16")
+    assert not table.eager_always_torch("residual_add", "fp32")  # a capture at 1 GiB runs the kernel
+    finite = ct.CardTable.from_entry("NVIDIA H200", {"choice": everywhere,
+                                                     "eager_torch_below": {"residual_add": 1 << 40}})
+    assert not finite.eager_always_torch("residual_add", "bf16")  # a large eager launch runs the kernel
+    untimed = ct.CardTable.from_entry("NVIDIA H200", {"eager_torch_below": {"residual_add": ct.NEVER_EAGER}})
+    assert not untimed.eager_always_torch("residual_add", "bf16")  # no verdicts: the kernel by default
+
+
+def test_auto_residual_add_eager_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eager auto residual add of a dtype the card sends to torch everywhere returns torch's x + y after one
+    cached lookup (kept in _CHOICES); a capture, or a dtype with a kernel verdict, takes the full path."""
+    table = ct.CardTable.from_entry("NVIDIA H200", {
+        "choice": {"residual_add:bf16": [[1, "torch"]], "residual_add:fp32": [[1, "peerline"]]},
+        "eager_torch_below": {"residual_add": ct.NEVER_EAGER}})
+    looked_up = []
+    monkeypatch.setattr(ew, "card_table", lambda index: looked_up.append(index) or table)
+    monkeypatch.setattr(ew, "_CHOICES", {})
+    monkeypatch.setattr(ew, "residual_add_reference", lambda x, y: ("torch", x, y))
+    full_path = []
+    monkeypatch.setattr(ew, "_supported", lambda *ts: full_path.append(ts) or False)
+
+    def fake(dtype: torch.dtype) -> SimpleNamespace:  # the attributes the fast path reads of a CUDA tensor
+        return SimpleNamespace(is_cuda=True, dtype=dtype, get_device=lambda: 2)
+
+    x, y = fake(torch.bfloat16), fake(torch.bfloat16)
+    monkeypatch.setattr(ew, "capturing", lambda: False)
+    assert ew.auto_residual_add(x, y) == ("torch", x, y) and ew.auto_residual_add(x, y)[0] == "torch"
+    assert looked_up == [2] and not full_path  # one table lookup for both calls, no size checks
+    assert ew._CHOICES == {("residual_add", "eager always torch", torch.bfloat16, 2): True}
+    ew.auto_residual_add(fake(torch.float32), y)
+    assert len(full_path) == 1  # fp32 has a kernel verdict: the full path
+    monkeypatch.setattr(ew, "capturing", lambda: True)
+    ew.auto_residual_add(x, y)
+    assert len(full_path) == 2  # captured: the full path, whatever the eager rule
+
+
 def test_tuner_rules() -> None:
     from peerline.bench.kernel_tools import tune
 
