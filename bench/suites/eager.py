@@ -22,7 +22,9 @@ peerline-autocast >= 1.0x torch, peerline-bf16 >= 1.0x torch-bf16.
 One-GPU part (--eager-single, on by default): a fresh process on rank 0's GPU (the other ranks wait) trains the
 whole model as one stage, per recipe: plain torch eager (per microbatch forward + loss + backward, then fused
 AdamW; fp32 parameters under autocast, and bf16 parameters) against peerline --stages 1 --no-graph with the same
-recipe (goal: >= 1.0x each). The model is built from the same seeds; the first losses of each are noted.
+recipe (goal: >= 1.0x each). The model is built from the same seeds; the first losses of each are noted. The
+fresh process (run_fresh_child, on_rank0, child_spec, child_device, child_timer) is shared with the gpt suite's
+--gpt-single; it times with the bench's --reps / --warmup.
 
 Timing: benchkit.time_blocks (blocks of iterations without host syncs, the slowest rank, median over --reps).
 """
@@ -35,8 +37,9 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -71,6 +74,10 @@ GOAL = 1.0
 SINGLE_RECIPES = {"autocast": (None, "autocast"), "bf16": (torch.bfloat16, "bf16")}
 RECIPE_LABELS = {"autocast": "fp32 parameters + autocast", "bf16": "bf16 parameters"}
 LOSS_CHECK_ITERS = 2
+#: a launcher's variables, left out of a one-GPU child's environment (a process of its own, not a rank)
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+CHILD_TIMEOUT_S = 900
+T = TypeVar("T")
 
 
 def _csv(text: str) -> list[str]:
@@ -201,16 +208,15 @@ class PlainTorch:
         return float(self.loss)
 
 
-def single_child(config: str, quick: bool, out_path: str, iters: int | None = None) -> None:
+def single_child(spec: dict[str, Any], out_path: str) -> None:
     """The one-GPU part, in a process of its own (one rank, this process's first visible device): per recipe of
     SINGLE_RECIPES, plain torch eager, then peerline --stages 1 --no-graph with the same recipe; writes their
-    ms/iter and first losses to `out_path` (JSON: {"config", "recipes": {recipe: {...}}})."""
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    shape = CONFIGS[config]
-    ctx = BenchContext(out_dir=Path(out_path).parent, device=device, quick=quick)
-    timer = BlockTimer.from_args(argparse.Namespace(), quick, device, iters)
+    ms/iter and first losses to `out_path` (JSON: {"config", "recipes": {recipe: {...}}}). `spec`: child_spec's,
+    with the configuration ("config")."""
+    device = child_device()
+    shape = CONFIGS[spec["config"]]
+    ctx = BenchContext(out_dir=Path(out_path).parent, device=device, quick=spec["quick"])
+    timer = child_timer(spec, device)
     recipes: dict[str, dict[str, Any]] = {}
     for recipe, (param_dtype, precision) in SINGLE_RECIPES.items():
         if param_dtype is not None and device.type != "cuda":
@@ -226,33 +232,26 @@ def single_child(config: str, quick: bool, out_path: str, iters: int | None = No
         else:
             out.update(peerline_ms=got[1].median_ms, peerline_losses=got[0], peerline_spread=got[1].spread)
         recipes[recipe] = out
-    Path(out_path).write_text(json.dumps({"config": config, "recipes": recipes}))
+    Path(out_path).write_text(json.dumps({"config": spec["config"], "recipes": recipes}))
 
 
 def _single_part(args: argparse.Namespace, ctx: BenchContext, configs: list[str]) -> None:
     """Rank 0 runs `single_child` per configuration in a fresh process on its GPU; every rank waits for it."""
     for key in configs:
         ctx.step(f"eager {CONFIGS[key].name}: one GPU, plain torch vs peerline (fresh process)")
-        if dist.get_rank() == 0:
-            _run_single_child(args, ctx, key)
-        dist.barrier()
+        spec = {**child_spec(args, ctx.quick, getattr(args, "eager_iters", None)), "config": key}
+        path = Path(ctx.out_dir) / f"eager_single_{key}.json"
+        got = on_rank0(lambda spec=spec, path=path: run_fresh_child(ctx, f"{__name__}:single_child", spec, path))
+        if isinstance(got, str):
+            ctx.note(f"eager one-GPU {key} failed: {got}")
+        elif got is not None:
+            _record_single(ctx, key, got)
 
 
-def _run_single_child(args: argparse.Namespace, ctx: BenchContext, key: str) -> None:
-    path = Path(ctx.out_dir) / f"eager_single_{key}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    code = (f"from peerline.bench.suites.eager import single_child\n"
-            f"single_child({key!r}, {bool(ctx.quick)!r}, {str(path)!r}, {getattr(args, 'eager_iters', None)!r})\n")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                               "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
-    if ctx.device.type == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = _visible_device(ctx.device)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, env=env)
-    if proc.returncode != 0 or not path.exists():
-        ctx.note(f"eager one-GPU {key} failed (rc {proc.returncode}): {proc.stderr.strip()[-800:]}")
-        return
+def _record_single(ctx: BenchContext, key: str, result: dict[str, Any]) -> None:
+    """One record per recipe the child measured: peerline against plain torch, ms/iter."""
     shape = CONFIGS[key]
-    for recipe, r in json.loads(path.read_text())["recipes"].items():
+    for recipe, r in result["recipes"].items():
         if "peerline_ms" not in r:
             ctx.note(f"eager one-GPU {key} {recipe}: peerline skipped: {r.get('peerline_skipped')}")
             continue
@@ -267,6 +266,66 @@ def _run_single_child(args: argparse.Namespace, ctx: BenchContext, key: str) -> 
         if ctx.device.type == "cuda":
             ctx.note(f"GOAL {'MET' if rec.ratio >= GOAL else 'MISSED'} eager one-GPU {shape.name} {recipe}: "
                      f"peerline {rec.ratio:.2f}x plain torch (goal >= {GOAL:.2f}x)")
+
+
+# -- a fresh process on rank 0's GPU (the eager and gpt suites' one-GPU parts) -------------------------------------
+def child_spec(args: argparse.Namespace, quick: bool, iters: int | None) -> dict[str, Any]:
+    """What a one-GPU child needs of the bench's arguments: --quick, iterations per block, --reps, --warmup."""
+    return {"quick": bool(quick), "iters": iters, "reps": getattr(args, "reps", None),
+            "warmup": getattr(args, "warmup", None)}
+
+
+def child_device() -> torch.device:
+    """The child's device: its only visible GPU (made current), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    return device
+
+
+def child_timer(spec: dict[str, Any], device: torch.device) -> BlockTimer:
+    """The child's BlockTimer: the bench's --reps / --warmup and the suite's iterations per block (child_spec)."""
+    counts = argparse.Namespace(reps=spec.get("reps"), warmup=spec.get("warmup"))
+    return BlockTimer.from_args(counts, spec["quick"], device, spec.get("iters"))
+
+
+def on_rank0(fn: Callable[[], T]) -> T | None:
+    """`fn` on rank 0 while the other ranks wait at a barrier (reached even when `fn` raises); None on the others."""
+    try:
+        return fn() if dist.get_rank() == 0 else None
+    finally:
+        dist.barrier()
+
+
+def run_fresh_child(ctx: BenchContext, entry: str, spec: dict[str, Any], path: Path) -> dict[str, Any] | str:
+    """Runs `entry` ("module:function", called as function(spec, out_path)) in a fresh process of one rank on this
+    rank's GPU and returns the JSON it wrote at `path`; why not (its error's tail) when it failed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    module, function = entry.split(":")
+    code = f"import json, sys\nfrom {module} import {function}\n{function}(json.loads(sys.argv[1]), sys.argv[2])\n"
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec), str(path)], capture_output=True,
+                              text=True, timeout=CHILD_TIMEOUT_S, env=_child_env(ctx.device))
+    except subprocess.TimeoutExpired:
+        return f"the child process ran past {CHILD_TIMEOUT_S} s and was ended"
+    if proc.returncode != 0 or not path.exists():
+        return f"the child process failed (rc {proc.returncode}): {proc.stderr.strip()[-800:]}"
+    return json.loads(path.read_text())
+
+
+def _child_env(device: torch.device) -> dict[str, str]:
+    """This process's environment less the launcher's variables, with this rank's GPU as the only visible one and
+    the folder this process imports peerline from first on PYTHONPATH (a checkout run as launch/bench.py)."""
+    import peerline
+
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    root = str(Path(peerline.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([root, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    if device.type == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = _visible_device(device)
+    return env
 
 
 def _visible_device(device: torch.device) -> str:

@@ -4,11 +4,11 @@ and FLOPs written with plain torch modules (bench/suites/plain_gpt.py) under tor
 same data and loss, with its fastest schedule, precision recipe and blocks (eager or torch.compile'd); pp = the
 world size. A second torch row runs peerline's own GPT under torch.distributed.pipelining (its fastest schedule and
 recipe, eager), recorded against the same anchor. Optionally (--gpt-recompute) the cost of activation
-recomputation: peerline with --recompute off / N / full.
+recomputation: peerline with --recompute off / N / full. Optionally (--gpt-single) a one-GPU row per configuration.
 
     torchrun --nproc_per_node=2 launch/bench.py gpt [--gpt-configs compute,launch] [--gpt-recompute]
         [--gpt-layers 24 --gpt-hidden 2048 --gpt-heads 16 --gpt-seq 2048 --gpt-mbs 1 --gpt-microbatches 8]
-        [--gpt-anchor-compile both|on|off]
+        [--gpt-anchor-compile both|on|off] [--gpt-single | --no-gpt-single]
     torchrun --nproc_per_node=2 launch/bench.py gpt --quick          (a tiny fp32 GPT on the CPU, gloo)
 
 Configurations (cross-entropy on the default corpus's tokens, AdamW, peerline 1F1B):
@@ -25,13 +25,23 @@ anchor_blocks) and lists every candidate's time. Records: tokens/s (extra: the m
 GPU and MFU from models/flops.py, peak memory of every rank, the first losses of both), and MFU % where the card's
 peak is known; `<configuration> torch-peerline-gpt` is peerline's GPT under torch against the plain anchor. The
 recompute table: ms/iter and peak memory (max over ranks) of each setting against off.
+
+One-GPU part (--gpt-single, off by default): per configuration, a fresh process on rank 0's GPU (the other ranks
+wait; eager.py's mechanism) trains the whole plain torch GPT eager (no pipelining library; bf16 parameters, no
+autocast, fused AdamW: the anchor's bf16 recipe; per microbatch forward, loss / M and backward, then one step)
+against peerline --model gpt --stages 1 --no-graph --precision bf16, the same shape, microbatches, seed and tokens,
+in bf16 (the quick shape too, on the CPU). Record `<configuration> one-GPU eager bf16`: tokens/s against "plain
+torch GPT eager, one GPU" (pp 1); the note gives both sides' ms/iter and first losses.
+
 Timing is the pipeline suite's (bench/runtime_timing.py): blocks of --gpt-iters iterations, the slowest rank's time,
-median over --reps blocks after --warmup blocks. Each time comes with its host lead (benchkit.Timing.host_lead_ms):
-the device work still queued when the host had issued a block. An eager anchor with a lead near 0 is host-bound,
-and its time follows the speed of the host it runs on, so compare such figures only within one machine.
+median over --reps blocks after --warmup blocks (the one-GPU child's too). Each time comes with its host lead
+(benchkit.Timing.host_lead_ms): the device work still queued when the host had issued a block. An eager anchor with
+a lead near 0 is host-bound, and its time follows the speed of the host it runs on, so compare such figures only
+within one machine.
 
 Every measurement goes through runtime_timing.measure_or_note, so with --isolate (bench/isolation.py) each one
-(the anchor with its candidates, each peerline variant) runs as a job of its own and the others replay its result.
+(the anchor with its candidates, each peerline variant, each one-GPU row) runs as a job of its own and the others
+replay its result.
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ import torch.distributed as dist
 from peerline.bench.benchkit import BenchContext
 from peerline.bench.runtime_timing import free_device
 from peerline.bench.suites.gpt_anchor import GPTShape
-from peerline.bench.suites.gpt_runs import GPTBench
+from peerline.bench.suites.gpt_runs import GPTBench, one_gpu
 
 CONFIGS = {
     "compute": GPTShape("compute-bound", layers=24, hidden=2048, heads=16, seq=2048, micro_batch_size=1,
@@ -95,6 +105,10 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--gpt-recompute", action="store_true",
                        help="also the recompute table: peerline --recompute off / N (half a stage's layers) / full "
                             "on the compute configuration (quick with --quick)")
+    group.add_argument("--gpt-single", action=argparse.BooleanOptionalAction, default=False,
+                       help="also the one-GPU part: per configuration, on rank 0's GPU in a fresh process, the whole "
+                            "plain torch GPT eager (bf16 parameters, fused AdamW) against peerline --stages 1 "
+                            "--no-graph --precision bf16 (row '<configuration> one-GPU eager bf16', tokens/s)")
 
 
 def selected_shapes(args: argparse.Namespace, quick: bool) -> list[GPTShape]:
@@ -146,7 +160,8 @@ def _recompute_shape(shapes: list[GPTShape]) -> GPTShape | None:
 
 
 def run(args: argparse.Namespace, ctx: BenchContext) -> None:
-    """Every configuration: the anchor's candidates, peerline eager and graph; then the recompute table."""
+    """Every configuration: the anchor's candidates, peerline eager and graph, the recompute table; then the one-GPU
+    rows."""
     shapes = selected_shapes(args, ctx.quick)
     variants = _variants(args, ctx)
     blocks = anchor_blocks(args, ctx) if "torch" in variants else ["eager"]
@@ -164,5 +179,8 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
         if shape is recompute:
             bench.recompute_table(failures)
         free_device(ctx.device)
+    if getattr(args, "gpt_single", False):
+        for shape in shapes:
+            one_gpu(args, ctx, shape, failures)
     if failures:
         raise RuntimeError(f"{len(failures)} gpt measurement(s) failed: " + " | ".join(failures))

@@ -15,6 +15,9 @@ fp32 logits, mean over the microbatch's tokens (plain_gpt.py's, and peerline's d
 schedules divide the summed microbatch gradients by M, which is peerline's mean over microbatches. AdamW (fused on
 GPU).
 
+One device, no pipelining library (the gpt suite's --gpt-single): PlainGPTOneDevice trains the whole plain model
+eager, bf16 parameters and fused AdamW by default, per microbatch forward and backward, then one step.
+
 The schedules, their stage placement, the precision recipes, the blocks and the search for the fastest are shared
 with the pipeline suite (bench/suites/torch_schedules.py).
 
@@ -145,6 +148,19 @@ class TokenBatches:
             self.copied.record()
 
 
+def sdpa_backend() -> contextlib.AbstractContextManager:
+    """PEERLINE_ATTENTION=flash or cudnn restricts the anchor's SDPA to that backend too, so both sides of a
+    measurement run the same attention kernels; by default (auto) SDPA picks its own, as peerline's does."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from peerline.kernels.rope import BACKENDS, attention_backend
+
+    name = attention_backend()
+    if name == "auto":
+        return contextlib.nullcontext()
+    return sdpa_kernel([BACKENDS[name] or SDPBackend.FLASH_ATTENTION])
+
+
 class TorchGPTAnchor:
     """One rank of a pp-stage torch.distributed.pipelining run of the GPT (no data parallelism). `blocks`
     "compiled" wraps every block of the plain model in torch.compile (plain_gpt.compile_blocks, `compile_backend`)
@@ -177,18 +193,7 @@ class TorchGPTAnchor:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
-    @staticmethod
-    def _attention() -> contextlib.AbstractContextManager:
-        """PEERLINE_ATTENTION=flash or cudnn restricts the anchor's SDPA to that backend too, so both sides of a
-        measurement run the same attention kernels; by default (auto) SDPA picks its own, as peerline's does."""
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        from peerline.kernels.rope import BACKENDS, attention_backend
-
-        name = attention_backend()
-        if name == "auto":
-            return contextlib.nullcontext()
-        return sdpa_kernel([BACKENDS[name] or SDPBackend.FLASH_ATTENTION])
+    _attention = staticmethod(sdpa_backend)
 
     def step(self) -> None:
         """One training iteration: data, all microbatches through the schedule, AdamW."""
@@ -215,6 +220,40 @@ class TorchGPTAnchor:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(value)
         return float(value)
+
+
+class PlainGPTOneDevice:
+    """The whole plain torch GPT (plain_gpt.PlainGPT, no pipelining library) eager on one device, the anchor's bf16
+    recipe by default: parameters in `dtype`, no autocast, AdamW (fused on GPU). Per microbatch forward,
+    cross-entropy / M and backward, then one optimizer step; the tokens of peerline's text feed (TokenBatches)."""
+
+    def __init__(self, shape: GPTShape, vocab: int, fill: Callable, device: torch.device,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        self.model = plain_gpt.PlainGPT(vocab=vocab, hidden=shape.hidden, heads=shape.heads, layers=shape.layers,
+                                        seq=shape.seq, seed=shape.seed).to(device=device, dtype=dtype)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=shape.lr, fused=device.type == "cuda" or None)
+        self.batches = TokenBatches(fill, shape, device, True, True)
+        self.shape, self.device, self.iteration = shape, device, 0
+        self.loss = torch.zeros((), device=device)
+
+    def step(self) -> None:
+        """One training iteration: data, every microbatch's forward and backward, AdamW."""
+        self.batches.load(self.iteration)
+        self.optimizer.zero_grad(set_to_none=True)
+        b, m = self.shape.micro_batch_size, self.shape.microbatches
+        total = torch.zeros((), device=self.device)
+        with sdpa_backend():
+            for x, y in zip(self.batches.dev["inputs"].split(b), self.batches.dev["labels"].split(b), strict=True):
+                loss = plain_gpt.cross_entropy_loss(self.model(x), y) / m
+                loss.backward()
+                total += loss.detach()
+        self.loss = total
+        self.optimizer.step()
+        self.iteration += 1
+
+    def read_loss(self) -> float:
+        """Mean loss of the last iteration over its microbatches (a host sync)."""
+        return float(self.loss)
 
 
 def token_source(shape: GPTShape) -> tuple[int, Callable[[torch.Tensor, torch.Tensor, int, int], None]]:

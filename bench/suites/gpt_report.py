@@ -1,7 +1,8 @@
-"""The records and notes of the gpt suite: tokens/s and MFU of each peerline variant, and of peerline's GPT under
-torch (the `torch-peerline-gpt` row), against the fastest anchor candidate (the plain torch GPT), the candidates'
-times, and the recompute table (ms/iter and peak memory of each setting against off). Every record's extra names
-its model ("model") and the anchor's ("anchor_model"), schedule, recipe and blocks.
+"""The records and notes of the gpt suite: tokens/s and MFU of each peerline variant, and of peerline's GPT under torch
+(the `torch-peerline-gpt` row), against the fastest anchor candidate (the plain torch GPT), the candidates' times,
+the recompute table (ms/iter and peak memory of each setting against off), and the one-GPU row (--gpt-single:
+peerline --stages 1 --no-graph --precision bf16 against the whole plain torch GPT eager, pp 1). Every record's extra
+names its model ("model") and the anchor's ("anchor_model"), schedule, recipe and blocks.
 
 Achieved TFLOP/s are per GPU: the model FLOPs of an iteration (models/flops.py gpt_flops_per_token x tokens,
 recomputation not counted, as MFU is defined) over the iteration time and the pp ranks; MFU divides them by the
@@ -17,7 +18,7 @@ import torch
 
 from peerline.bench.benchkit import BenchContext, Record
 from peerline.bench.runtime_timing import Measured
-from peerline.bench.suites.gpt_anchor import GPTShape
+from peerline.bench.suites.gpt_anchor import MODELS, GPTShape
 from peerline.bench.suites.torch_schedules import candidate_name, candidate_times, host_lead
 from peerline.distributed.memory.state_bytes import describe_split
 from peerline.models.flops import gpt_flops_per_token, peak_bf16_tflops
@@ -25,6 +26,9 @@ from peerline.models.flops import gpt_flops_per_token, peak_bf16_tflops
 SUITE = "gpt"
 #: goals: peerline graph vs the fastest torch.distributed.pipelining candidate, tokens/s
 GOALS = {"compute-bound": 1.15, "launch-bound": 4.0}  # issue 30: >= 1.15x the anchor; launch-bound kept >= 4x
+#: the one-GPU row (--gpt-single): peerline's flags and its anchor
+ONE_GPU_FLAGS = "--stages 1 --no-graph --precision bf16"
+ONE_GPU_ANCHOR = "plain torch GPT eager, one GPU"
 
 
 def card_peak_tflops(device: torch.device) -> float | None:
@@ -96,6 +100,19 @@ class GPTReport:
             self.ctx.note(f"GOAL {'MET' if rec.ratio >= goal else 'MISSED'} gpt {self.shape.name} pp={self.pp}: "
                           f"{m.name} {rec.ratio:.2f}x torch (goal >= {goal}x); {self.describe(m)}")
 
+    def one_gpu(self, m: Measured, plain: Measured) -> None:
+        """The one-GPU row (--gpt-single; pp 1): peerline ONE_GPU_FLAGS against the whole plain torch GPT eager with
+        bf16 parameters, tokens/s; both sides' ms/iter and first losses in the note."""
+        mine, theirs = self.metrics(m), self.metrics(plain)
+        extra = {**mine, **{f"anchor_{k}": v for k, v in theirs.items()}, "model": "peerline's GPT",
+                 "flags": ONE_GPU_FLAGS, "anchor_model": MODELS["plain"], "anchor_recipe": "bf16",
+                 "anchor_blocks": "eager"}
+        case = f"{self.shape.name} {m.name}"
+        rec = self.ctx.record(Record(SUITE, case, "tokens/s", mine["tokens_per_s"], theirs["tokens_per_s"],
+                                     ONE_GPU_ANCHOR, sizes=self.sizes, extra=extra))
+        self.ctx.note(f"gpt {case}: peerline {ONE_GPU_FLAGS} {self.describe(m)}, losses {_losses(m)}; "
+                      f"{ONE_GPU_ANCHOR} {self.describe(plain)}, losses {_losses(plain)}; {rec.ratio:.2f}x")
+
     def recompute(self, m: Measured, off: Measured) -> None:
         """One setting of the recompute table: ms/iter against off, and (on GPUs) peak memory against off."""
         setting = m.extra["recompute"]
@@ -114,3 +131,7 @@ class GPTReport:
         memory = (f"peak memory saved per rank: {', '.join(f'{v:.2f}' for v in saved)} GiB" if saved
                   else "no device memory to compare on the CPU")
         self.ctx.note(f"gpt {case}: {extra['time_paid_pct']:+.1f}% time against off; {memory}")
+
+
+def _losses(m: Measured) -> str:
+    return ", ".join(f"{v:.6g}" for v in m.losses)

@@ -1,42 +1,60 @@
 """The measurements of the gpt suite for one GPT shape on this rank (pp = the world size): the anchor's candidates
 (torch.distributed.pipelining running the plain torch GPT: schedule x precision recipe x blocks eager or compiled),
 peerline's GPT under torch (schedule x recipe, eager: a second row), peerline eager and graph, and peerline under
-each --recompute setting. Records are written by bench/suites/gpt_report.py; the suite's docstring (gpt.py) says
-what is measured and how.
+each --recompute setting; and the one-GPU row (--gpt-single: `single_child` in a fresh process on rank 0's device,
+started by the eager suite's run_fresh_child). Records are written by bench/suites/gpt_report.py; the suite's
+docstring (gpt.py) says what is measured and how.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from peerline.bench.benchkit import BenchContext
+from peerline.bench.benchkit import BenchContext, Timing
 from peerline.bench.ideal import stages_per_rank
 from peerline.bench.runtime_timing import (
     BlockTimer,
     Measured,
+    free_device,
     measure_or_note,
     open_runtime,
     peak_gb_per_rank,
     time_anchor,
     time_captured,
 )
-from peerline.bench.suites.gpt_anchor import MODELS, GPTShape, StageCache, TorchGPTAnchor, token_source
+from peerline.bench.suites.eager import child_device, child_spec, child_timer, on_rank0, run_fresh_child
+from peerline.bench.suites.gpt_anchor import (
+    MODELS,
+    GPTShape,
+    PlainGPTOneDevice,
+    StageCache,
+    TorchGPTAnchor,
+    token_source,
+)
 from peerline.bench.suites.gpt_report import GPTReport
 from peerline.bench.suites.torch_schedules import AXES_WITH_BLOCKS, candidates, fastest, recipes_for, with_blocks
 from peerline.distributed.memory.state_bytes import per_rank as state_bytes_per_rank
 from peerline.distributed.memory.state_bytes import state_bytes
+
+if TYPE_CHECKING:
+    from peerline.distributed.config import RunConfig
 
 log = logging.getLogger(__name__)
 
 LOSS_CHECK_ITERS = 2  # iterations whose losses are read and compared before timing
 #: the variants measured on torch (variant -> the anchor's model, gpt_anchor.MODELS); "torch" is the anchor
 TORCH_VARIANTS = {"torch": "plain", "torch-peerline-gpt": "peerline"}
+#: the one-GPU row (--gpt-single), after the configuration's name
+ONE_GPU = "one-GPU eager bf16"
 
 
 class GPTBench:
@@ -119,9 +137,8 @@ class GPTBench:
                  ) -> Measured | str:
         """peerline with `schedule` and `precision` (--precision) on the same shape and data; why not, when the
         iteration was not captured."""
-        cfg = self.shape.run_config(None, device=self.device.type, graph=graph, recompute=recompute,
-                                    schedule=schedule, stages=stages_per_rank(schedule), iters=10**9,
-                                    log_every=1, precision=precision)
+        cfg = peerline_config(self.shape, self.device, graph=graph, recompute=recompute, schedule=schedule,
+                              stages=stages_per_rank(schedule), precision=precision)
         with open_runtime(cfg) as rt:
             measured = time_captured(rt, graph, LOSS_CHECK_ITERS, self.timer)
             if isinstance(measured, str):
@@ -155,6 +172,63 @@ class GPTBench:
     def _measure(self, label: str, measure: Callable[[], Measured | str], failures: list[str]) -> Measured | None:
         """One measurement of this shape (runtime_timing.measure_or_note)."""
         return measure_or_note(self.ctx, "gpt", f"{self.shape.name} {label}", measure, failures)
+
+
+def peerline_config(shape: GPTShape, device: torch.device, **overrides: Any) -> RunConfig:
+    """peerline's RunConfig of `shape` for a timed run: the data's vocab, no iteration limit, every loss read."""
+    return shape.run_config(None, device=device.type, iters=10**9, log_every=1, **overrides)
+
+
+# -- the one-GPU part (--gpt-single) ----------------------------------------------------------------------------
+def one_gpu(args: argparse.Namespace, ctx: BenchContext, shape: GPTShape, failures: list[str]) -> None:
+    """`shape`'s one-GPU row, a measurement of its own (measure_or_note: --isolate gives it a job): rank 0 runs
+    `single_child` in a fresh process on its GPU while the other ranks wait, then records the row."""
+    spec = {**child_spec(args, ctx.quick, getattr(args, "gpt_iters", None)), "shape": asdict(shape)}
+    path = Path(ctx.out_dir) / f"gpt_single_{shape.name}.json"
+    measure_or_note(ctx, "gpt", f"{shape.name} {ONE_GPU}", lambda: _one_gpu(ctx, spec, path), failures)
+
+
+def _one_gpu(ctx: BenchContext, spec: dict[str, Any], path: Path) -> Measured | str | None:
+    """peerline's side of the row on rank 0 (None elsewhere), the row recorded; why not when the child failed."""
+    got = on_rank0(lambda: run_fresh_child(ctx, f"{__name__}:single_child", spec, path))
+    if not isinstance(got, dict):
+        return got
+    mine, plain = (_from_child(got[side], name) for side, name in (("peerline", ONE_GPU), ("plain", MODELS["plain"])))
+    GPTReport(ctx, GPTShape(**got["shape"]), got["vocab"], 1).one_gpu(mine, plain)
+    return mine
+
+
+def _from_child(side: dict[str, Any], name: str) -> Measured:
+    peaks = list(side["peak_gb_per_rank"])
+    return Measured(name, Timing(**side["timing"]), list(side["losses"]), None, max(peaks, default=0.0), {}, peaks)
+
+
+def single_child(spec: dict[str, Any], out_path: str) -> None:
+    """--gpt-single's process (one rank on its first visible device; eager.run_fresh_child starts it): the whole
+    plain torch GPT eager with bf16 parameters, then peerline --stages 1 --no-graph --precision bf16, on `spec`'s
+    shape in bf16 with the same microbatches and seed; writes each side's timing, first losses and peak memory."""
+    device = child_device()
+    shape = replace(GPTShape(**spec["shape"]), dtype="bf16")
+    timer = child_timer(spec, device)
+    vocab, fill = token_source(shape)
+    out: dict[str, Any] = {"shape": asdict(shape), "vocab": vocab}
+    out["plain"] = _timed(device, lambda: time_anchor(PlainGPTOneDevice(shape, vocab, fill, device),
+                                                      LOSS_CHECK_ITERS, timer))
+    out["peerline"] = _timed(device, lambda: _peerline_one_gpu(shape, device, timer))
+    Path(out_path).write_text(json.dumps(out))
+
+
+def _timed(device: torch.device, measure: Callable[[], tuple[list[float], Timing]]) -> dict[str, Any]:
+    """One side of the one-GPU row on a freed device: its timing, first losses and peak memory, as JSON data."""
+    free_device(device)
+    losses, timing = measure()
+    return {"timing": asdict(timing), "losses": losses, "peak_gb_per_rank": peak_gb_per_rank(device)}
+
+
+def _peerline_one_gpu(shape: GPTShape, device: torch.device, timer: BlockTimer) -> tuple[list[float], Timing]:
+    cfg = peerline_config(shape, device, graph=False, stages=1, precision="bf16")
+    with open_runtime(cfg) as rt:
+        return time_captured(rt, False, LOSS_CHECK_ITERS, timer)  # eager: never a reason instead
 
 
 def _most_stage_layers(rt, device: torch.device) -> int:
