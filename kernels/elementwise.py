@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 SCALAR_THREADS = 256
+T = TypeVar("T")
 # The residual add's vector path is pl_flat (elementwise.cu: one chunk per thread, PL_FLAT_THREADS per block); the
 # warp-specialized engine runs it only when an experiment asks for it (TUNING {"engine": 1, ...}: the variants).
 FLAT_THREADS = 256
@@ -250,11 +251,12 @@ def _cacheable() -> bool:
 _cache_plans = OP_PLANS
 
 
-def _remember(key: tuple, prepared: Prepared) -> Prepared:
-    if len(_CACHE) >= MAX_CACHED:
-        _CACHE.clear()
-    _CACHE[key] = prepared
-    return prepared
+def _remember(cache: dict[tuple, T], key: tuple, value: T) -> T:
+    """cache[key] = value, the cache emptied first once it holds MAX_CACHED entries (launches and auto's choices)."""
+    if len(cache) >= MAX_CACHED:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 def prepare_bias_gelu_forward(xt: torch.dtype, bt: torch.dtype, n: int, hidden: int, xa: int, ba: int, ya: int,
@@ -348,7 +350,7 @@ def bias_gelu_forward(x: torch.Tensor, bias: torch.Tensor, out: torch.Tensor | N
     if p is None:
         p = prepare_bias_gelu_forward(x.dtype, bias.dtype, n, hidden, *key[5:])
         if not TUNING:
-            _remember(key, p)
+            _remember(_CACHE, key, p)
     y = (_new(x.shape, x.dtype, x.device, p.out_head) if out is None
          else _check_out(out, n, x.dtype, x.device).view(x.shape))
     v = p.main.pack.values
@@ -374,7 +376,7 @@ def bias_gelu_backward(grad: torch.Tensor, x: torch.Tensor, bias: torch.Tensor,
     if p is None:
         p = prepare_bias_gelu_backward(x.dtype, bias.dtype, n, hidden, *key[5:])
         if not TUNING:
-            _remember(key, p)
+            _remember(_CACHE, key, p)
     gx = (_new(x.shape, x.dtype, x.device, p.out_head) if out is None
           else _check_out(out, n, x.dtype, x.device).view(x.shape))
     gb = _new(hidden, bias.dtype, x.device, None)
@@ -402,7 +404,7 @@ def residual_add_forward(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | N
     if p is None:
         p = prepare_residual_add(x.dtype, y.dtype, n, *key[4:])
         if not TUNING:
-            _remember(key, p)
+            _remember(_CACHE, key, p)
     o = (_new(x.shape, p.out_dtype, x.device, p.out_head) if out is None
          else _check_out(out, n, p.out_dtype, x.device).view(x.shape))
     v = p.main.pack.values
@@ -477,10 +479,7 @@ def _eager_always_torch(op: str, dtype: torch.dtype, dev: int) -> bool:
     hit = _CHOICES.get(key)
     if hit is None:
         name = _DTYPES.get(dtype)
-        hit = name is not None and card_table(dev).eager_always_torch(op, _SHORT[name])
-        if len(_CHOICES) >= MAX_CACHED:
-            _CHOICES.clear()
-        _CHOICES[key] = hit
+        hit = _remember(_CHOICES, key, name is not None and card_table(dev).eager_always_torch(op, _SHORT[name]))
     return hit
 
 
@@ -492,10 +491,8 @@ def _chosen(key: tuple, op: str, dtype: torch.dtype, nbytes: int, dev: int, eage
         table = card_table(dev)
         short = _SHORT[_DTYPES[dtype]]
         scale = {"bias_gelu_fwd": 1.0, "bias_gelu_bwd": 1.5, "residual_add": 1.0}
-        hit = all(table.pick(o, short, int(nbytes * scale[o]), eager) == PEERLINE for o in ops)
-        if len(_CHOICES) >= MAX_CACHED:
-            _CHOICES.clear()
-        _CHOICES[key] = hit
+        hit = _remember(_CHOICES, key, all(table.pick(o, short, int(nbytes * scale[o]), eager) == PEERLINE
+                                           for o in ops))
     return hit
 
 
