@@ -1,0 +1,155 @@
+"""Where a one-GPU eager iteration of the residual MLP spends its time: plain torch eager (the eager suite's
+PlainTorch) against peerline --stages 1 --no-graph with the same recipe, under torch.profiler.
+
+Per side: wall ms per iteration (unprofiled, synced at the end of a block), the GPU's busy time per iteration (the
+union of kernel and copy intervals) and how much of the wall it covers, device time by class and the top kernels,
+and the host ops (aten ops and Python functions) by self CPU time. Then both sides' totals side by side. One GPU;
+`--device cpu` checks that it runs (no kernel rows). INFO lines only.
+
+    PYTHONPATH=$PWD python3 tools/gpu_probes/eager_single_profile.py [--config mid] [--recipe bf16] [--iters 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from top_kernels import host_self_times, kernel_class
+from torch.profiler import ProfilerActivity, profile
+
+from peerline.bench.runtime_timing import free_device, open_runtime
+from peerline.bench.suites.eager import SINGLE_RECIPES, PlainTorch
+from peerline.bench.suites.pipeline import CONFIGS
+from peerline.distributed.config import RunConfig
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="mid", choices=sorted(CONFIGS), help="the pipeline suite's shape (default mid)")
+    p.add_argument("--recipe", default="bf16", choices=sorted(SINGLE_RECIPES), help="precision recipe (default bf16)")
+    p.add_argument("--layers", type=int, default=None, help="blocks (default: the shape's)")
+    p.add_argument("--microbatches", type=int, default=None, help="microbatches (default: the shape's)")
+    p.add_argument("--iters", type=int, default=2, help="profiled iterations per side (default 2)")
+    p.add_argument("--timed", type=int, default=5, help="unprofiled iterations timed per side (default 5)")
+    p.add_argument("--top", type=int, default=20, help="rows per list (default 20)")
+    p.add_argument("--with-stack", action=argparse.BooleanOptionalAction, default=True,
+                   help="record Python functions in the profile (default on)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    return p.parse_args(argv)
+
+
+def busy_ms(events: list[dict]) -> float:
+    """The union of the device's kernel, memcpy and memset intervals, ms."""
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    total, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total / 1000.0
+
+
+def _merge_names(counter: collections.Counter) -> collections.Counter:
+    """Host rows by name with object addresses left out ("... at 0x7f..."), other threads' waits dropped (the
+    watchdog's and the autograd thread's idle time is not host work)."""
+    out: collections.Counter = collections.Counter()
+    for key, value in counter.items():
+        if "threading.py" in key:
+            continue
+        out[re.sub(r" at 0x[0-9a-f]+", "", key)] += value
+    return out
+
+
+def profile_side(name: str, step: Callable[[], None], device: torch.device, a: argparse.Namespace) -> dict[str, Any]:
+    """Warm up, time `a.timed` steps, then profile `a.iters` steps; print the side's rows."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(a.timed):
+        step()
+    sync()
+    wall = (time.perf_counter() - t0) * 1000.0 / a.timed
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, with_stack=a.with_stack) as prof:
+        for _ in range(a.iters):
+            step()
+        sync()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    per_it = a.iters * 1000.0
+    busy = busy_ms(events) / a.iters
+    by_kernel: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            key = e["name"] if e["cat"] == "kernel" else e["cat"]
+            by_kernel[key] += e.get("dur", 0)
+            count[key] += 1
+    classes: collections.Counter = collections.Counter()
+    for key, us in by_kernel.items():
+        classes["copies" if key.startswith("gpu_") else kernel_class(key)] += us
+    self_us, calls = host_self_times(events)
+    self_us, calls = _merge_names(self_us), _merge_names(calls)
+    host_total = sum(self_us.values()) / per_it
+    print(f"INFO {name}: wall {wall:.2f} ms/iter unprofiled; GPU busy {busy:.2f} ms/iter "
+          f"({busy / wall * 100 if wall else 0:.0f}% of the wall); host self {host_total:.2f} ms/iter profiled over "
+          f"{sum(calls.values()) / a.iters:.0f} host events")
+    print(f"INFO {name}: device by class " + ", ".join(f"{k} {v / per_it:.2f}" for k, v in classes.most_common()))
+    for key, us in by_kernel.most_common(a.top):
+        print(f"INFO {name} kernel {us / per_it:8.3f} ms  x{count[key] / a.iters:6.0f}  {key[:140]}")
+    for key, us in self_us.most_common(a.top):
+        print(f"INFO {name} host {us / per_it:8.3f} ms  x{calls[key] / a.iters:6.0f}  {key[:140]}")
+    return {"wall": wall, "busy": busy, "host": host_total, "kernels": sum(count.values()) / a.iters,
+            "host_calls": {k: v / a.iters for k, v in calls.items()}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    device = torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    shape = CONFIGS[a.config]
+    if a.layers or a.microbatches:
+        from dataclasses import replace
+
+        shape = replace(shape, layers=a.layers or shape.layers, microbatches=a.microbatches or shape.microbatches)
+    param_dtype, precision = SINGLE_RECIPES[a.recipe]
+    if device.type != "cuda":
+        param_dtype, precision = None, "autocast"  # bf16 parameters need bf16 compute
+    print(f"INFO shape {shape.name}: {shape.layers} blocks h={shape.hidden}, micro-batch {shape.micro_batch_size}x"
+          f"{shape.seq}, M={shape.microbatches}; recipe {a.recipe}; {device}")
+    got = {}
+    plain = PlainTorch(shape, device, param_dtype)
+    got["torch"] = profile_side("torch", plain.step, device, a)
+    del plain
+    free_device(device)
+    cfg = RunConfig(schedule="1f1b", microbatches=shape.microbatches, micro_batch_size=shape.micro_batch_size,
+                    seq=shape.seq, hidden=shape.hidden, layers=shape.layers, seed=shape.seed, lr=shape.lr,
+                    dtype=shape.dtype, device=device.type, graph=False, iters=10**9, log_every=10**9, stages=1,
+                    precision=precision)
+    with open_runtime(cfg) as rt:
+        got["peerline"] = profile_side("peerline", lambda: rt.train(rt.iteration + 1), device, a)
+    t, p = got["torch"], got["peerline"]
+    print(f"INFO side by side (torch / peerline): wall {t['wall']:.2f} / {p['wall']:.2f} ms (ratio "
+          f"{t['wall'] / p['wall']:.3f}); GPU busy {t['busy']:.2f} / {p['busy']:.2f}; host self {t['host']:.2f} / "
+          f"{p['host']:.2f}; device ops {t['kernels']:.0f} / {p['kernels']:.0f} per iteration")
+    names = set(t["host_calls"]) | set(p["host_calls"])
+    diff = sorted(names, key=lambda k: -abs(p["host_calls"].get(k, 0) - t["host_calls"].get(k, 0)))
+    for key in diff[:a.top]:
+        print(f"INFO calls per iteration torch {t['host_calls'].get(key, 0):7.0f}  peerline "
+              f"{p['host_calls'].get(key, 0):7.0f}  {key[:120]}")
+
+
+if __name__ == "__main__":
+    main()
