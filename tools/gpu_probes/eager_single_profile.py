@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
+import os
 import re
 import tempfile
 import time
@@ -37,11 +39,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="blocks (default: the shape's)")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches (default: the shape's)")
     p.add_argument("--iters", type=int, default=2, help="profiled iterations per side (default 2)")
-    p.add_argument("--timed", type=int, default=5, help="unprofiled iterations timed per side (default 5)")
+    p.add_argument("--timed", type=int, default=10, help="unprofiled iterations timed per side (default 5)")
     p.add_argument("--top", type=int, default=20, help="rows per list (default 20)")
     p.add_argument("--with-stack", action=argparse.BooleanOptionalAction, default=True,
                    help="record Python functions in the profile (default on)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--trace-dir", default=None, help="also keep each side's chrome trace there (<side>.json.gz)")
     return p.parse_args(argv)
 
 
@@ -68,25 +71,29 @@ def _merge_names(counter: collections.Counter) -> collections.Counter:
     return out
 
 
-def profile_side(name: str, step: Callable[[], None], device: torch.device, a: argparse.Namespace) -> dict[str, Any]:
-    """Warm up, time `a.timed` steps, then profile `a.iters` steps; print the side's rows."""
+def profile_side(name: str, run: Callable[[int], None], device: torch.device, a: argparse.Namespace) -> dict[str, Any]:
+    """Warm up, time `a.timed` iterations (one call of `run`, which runs n iterations), then profile `a.iters`;
+    print the side's rows."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(3):
-        step()
+    run(3)
     sync()
     t0 = time.perf_counter()
-    for _ in range(a.timed):
-        step()
+    run(a.timed)
     sync()
     wall = (time.perf_counter() - t0) * 1000.0 / a.timed
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, with_stack=a.with_stack) as prof:
-        for _ in range(a.iters):
-            step()
+        run(a.iters)
         sync()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:
+            text = trace.read()
+    if a.trace_dir:
+        os.makedirs(a.trace_dir, exist_ok=True)
+        with gzip.open(os.path.join(a.trace_dir, f"{name}.json.gz"), "wt") as out:
+            out.write(text)
+    events = json.loads(text)["traceEvents"]
     per_it = a.iters * 1000.0
     busy = busy_ms(events) / a.iters
     by_kernel: collections.Counter = collections.Counter()
@@ -131,15 +138,15 @@ def main(argv: list[str] | None = None) -> None:
           f"{shape.seq}, M={shape.microbatches}; recipe {a.recipe}; {device}")
     got = {}
     plain = PlainTorch(shape, device, param_dtype)
-    got["torch"] = profile_side("torch", plain.step, device, a)
-    del plain
+    got["torch"] = profile_side("torch", lambda n, plain=plain: [plain.step() for _ in range(n)], device, a)
+    plain = None  # its memory back before peerline's runtime
     free_device(device)
     cfg = RunConfig(schedule="1f1b", microbatches=shape.microbatches, micro_batch_size=shape.micro_batch_size,
                     seq=shape.seq, hidden=shape.hidden, layers=shape.layers, seed=shape.seed, lr=shape.lr,
                     dtype=shape.dtype, device=device.type, graph=False, iters=10**9, log_every=10**9, stages=1,
                     precision=precision)
     with open_runtime(cfg) as rt:
-        got["peerline"] = profile_side("peerline", lambda: rt.train(rt.iteration + 1), device, a)
+        got["peerline"] = profile_side("peerline", lambda n: rt.train(rt.iteration + n), device, a)
     t, p = got["torch"], got["peerline"]
     print(f"INFO side by side (torch / peerline): wall {t['wall']:.2f} / {p['wall']:.2f} ms (ratio "
           f"{t['wall'] / p['wall']:.3f}); GPU busy {t['busy']:.2f} / {p['busy']:.2f}; host self {t['host']:.2f} / "
