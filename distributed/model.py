@@ -22,6 +22,7 @@ from peerline.choices import LOSSES
 from peerline.distributed.config import ConfigError, RunConfig
 from peerline.distributed.env import RankConfigError, launch_rank_world
 from peerline.kernels import ops
+from peerline.kernels.capture_state import capturing
 from peerline.kernels.cross_entropy import cross_entropy
 from peerline.kernels.fused_linear import FusedLinear
 
@@ -43,8 +44,18 @@ class ResidualMLPBlock(nn.Module):
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.kernels == "auto" and x.is_cuda and not capturing()
+                and ops.mlp_block_on_torch(x, self.fc1, self.fc1_bias, self.fc2)):
+            return self.forward_torch_ops(x)
         h = ops.linear_bias_gelu(self.fc1, self.norm(x), self.fc1_bias, self.kernels)
         return ops.residual_add(x, self.fc2(h), self.kernels)
+
+    def forward_torch_ops(self, x: torch.Tensor) -> torch.Tensor:
+        """The ops --kernels auto picks one by one for an eager, host-bound launch (ops.mlp_block_on_torch), called
+        directly: LayerNorm, F.linear with fc1's bias in the epilogue, GELU, F.linear, the add."""
+        norm = self.norm
+        h = F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+        return x + F.linear(F.gelu(F.linear(h, self.fc1.weight, self.fc1_bias)), self.fc2.weight, self.fc2.bias)
 
 
 def layer_seed(seed: int, index: int) -> int:

@@ -528,6 +528,23 @@ def _bias_gelu_pick(dtype: torch.dtype, bias_dtype: torch.dtype, n: int, width: 
     return False
 
 
+def eager_residual_add_on_torch(x_dtype: torch.dtype, y_dtype: torch.dtype, n: int, dev: int) -> bool:
+    """--kernels auto, an eager launch: whether x + y of n elements runs torch's add here whatever the tensors'
+    layout (the card's pick at this size is torch). Like auto_residual_add, it builds the kernels a captured launch
+    of the same size would use."""
+    if _eager_always_torch("residual_add", x_dtype, dev):
+        return True
+    if x_dtype not in _DTYPES or y_dtype not in _DTYPES:
+        return True
+    nbytes = n * (x_dtype.itemsize + y_dtype.itemsize + torch.promote_types(x_dtype, y_dtype).itemsize)
+    key = ("residual_add", x_dtype, y_dtype, n, 0, dev, True)
+    if _chosen(key, "residual_add", x_dtype, nbytes, dev, True, ("residual_add",)):
+        return False
+    if n and _chosen(key[:-1] + (False,), "residual_add", x_dtype, nbytes, dev, False, ("residual_add",)):
+        _warm(key, lambda: prepare_residual_add(x_dtype, y_dtype, n, 0, 0, -1, dev))
+    return True
+
+
 def auto_residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """residual_add for --kernels auto (see auto_bias_gelu). An eager call where the card sends every launch of
     this dtype to torch (eager_always_torch) goes straight to torch's add: one cached lookup, no size checks."""

@@ -12,6 +12,8 @@ semantics:
                                                run bias+GELU: the bias in the GEMM's epilogue
   linear(x, w, b)     = F.linear(x, w, b)      under the caller's autocast; "peerline" accumulates dW straight
                                                into the fp32 w.grad (fused_linear.linear), also on the CPU
+  mlp_block_on_torch(x, fc1, b, fc2)           "auto", eager: whether every op of the residual-MLP block runs
+                                               torch's, so the block may call them directly (distributed/model.py)
 
 Layering: reference.py (torch) <- elementwise.py (CUDA kernels), fused_linear.py (dW fusion) <- this module. The
 elementwise module is imported lazily, inside the peerline branch: its first use compiles with CuPy/NVRTC.
@@ -28,11 +30,11 @@ import torch.nn.functional as F
 from peerline.choices import KERNEL_IMPLEMENTATIONS as IMPLEMENTATIONS
 from peerline.choices import KERNELS
 from peerline.kernels.capture_state import capturing
-from peerline.kernels.fused_linear import FusedLinear, compute_dtype, linear
+from peerline.kernels.fused_linear import FusedLinear, compute_dtype, eager_plain, linear
 from peerline.kernels.reference import bias_gelu_reference, residual_add_reference
 
-__all__ = ["IMPLEMENTATIONS", "bias_gelu", "bias_gelu_reference", "linear", "linear_bias_gelu", "residual_add",
-           "residual_add_reference", "resolve_impl"]
+__all__ = ["IMPLEMENTATIONS", "bias_gelu", "bias_gelu_reference", "linear", "linear_bias_gelu", "mlp_block_on_torch",
+           "residual_add", "residual_add_reference", "resolve_impl"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,32 @@ def linear_bias_gelu(linear: FusedLinear, x: torch.Tensor, bias: torch.Tensor, i
                                                     x.get_device()):
                 return F.gelu(linear.with_bias(x, bias))
     return bias_gelu(linear(x), bias, impl)
+
+
+def mlp_block_on_torch(x: torch.Tensor, fc1: FusedLinear, bias: torch.Tensor, fc2: FusedLinear) -> bool:
+    """--kernels auto, an eager forward of x on a GPU: whether every op of the residual-MLP block
+    x + fc2(gelu(fc1(norm(x)) + bias)) would run torch's own op: both Linears plain F.linear (fused_linear.eager_plain),
+    fc1's bias in its GEMM's epilogue with torch's GELU (linear_bias_gelu's eager rule) and torch's add. Then the
+    block calls those ops itself, with no choice per op: the same kernels and results for less host time. Cached
+    per dtype, size, autocast state and weight dtypes."""
+    autocast = torch.is_autocast_enabled(x.device.type)
+    dev = x.get_device()
+    key = ("mlp block on torch", x.dtype, x.numel(), x.shape[-1], dev, autocast,
+           torch.get_autocast_dtype(x.device.type) if autocast else None, fc1.weight.dtype, bias.dtype,
+           fc2.weight.dtype, fc1.out_features)
+    from peerline.kernels import elementwise  # lazy: needs CuPy
+
+    hit = elementwise._CHOICES.get(key)
+    if hit is None:
+        dtype = compute_dtype(x, fc1.weight)
+        rows = x.numel() // x.shape[-1]
+        hit = (eager_plain(x, fc1.weight) and eager_plain(x, fc2.weight)
+               and (bias.dtype == dtype or autocast)
+               and elementwise.eager_bias_gelu_on_torch(dtype, bias.dtype, rows * fc1.out_features, fc1.out_features,
+                                                        dev)
+               and elementwise.eager_residual_add_on_torch(x.dtype, dtype, x.numel(), dev))
+        elementwise._remember(elementwise._CHOICES, key, hit)
+    return hit
 
 
 def residual_add(x: torch.Tensor, y: torch.Tensor, impl: str = "torch") -> torch.Tensor:
