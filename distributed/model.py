@@ -44,18 +44,27 @@ class ResidualMLPBlock(nn.Module):
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.kernels == "auto" and x.is_cuda and not capturing()
-                and ops.mlp_block_on_torch(x, self.fc1, self.fc1_bias, self.fc2)):
-            return self.forward_torch_ops(x)
+        if self.kernels == "auto" and x.is_cuda and not capturing():
+            params = self.torch_ops_params()
+            if ops.mlp_block_on_torch(x, params[3], params[4], params[5]):
+                return self.forward_torch_ops(x, params)
         h = ops.linear_bias_gelu(self.fc1, self.norm(x), self.fc1_bias, self.kernels)
         return ops.residual_add(x, self.fc2(h), self.kernels)
 
-    def forward_torch_ops(self, x: torch.Tensor) -> torch.Tensor:
+    def torch_ops_params(self) -> tuple:
+        """(norm, norm weight, norm bias, fc1 weight, fc1 bias, fc2 weight, fc2 bias), read from the modules' own
+        dictionaries: nn.Module's attribute fallback costs more host time than the rest of the lookup."""
+        modules = self._modules
+        norm, fc1, fc2 = modules["norm"], modules["fc1"], modules["fc2"]
+        n, w1, w2 = norm._parameters, fc1._parameters, fc2._parameters
+        return norm, n["weight"], n["bias"], w1["weight"], self._parameters["fc1_bias"], w2["weight"], w2["bias"]
+
+    def forward_torch_ops(self, x: torch.Tensor, params: tuple | None = None) -> torch.Tensor:
         """The ops --kernels auto picks one by one for an eager, host-bound launch (ops.mlp_block_on_torch), called
         directly: LayerNorm, F.linear with fc1's bias in the epilogue, GELU, F.linear, the add."""
-        norm = self.norm
-        h = F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-        return x + F.linear(F.gelu(F.linear(h, self.fc1.weight, self.fc1_bias)), self.fc2.weight, self.fc2.bias)
+        norm, nw, nb, w1, b1, w2, b2 = params or self.torch_ops_params()
+        h = F.layer_norm(x, norm.normalized_shape, nw, nb, norm.eps)
+        return x + F.linear(F.gelu(F.linear(h, w1, b1)), w2, b2)
 
 
 def layer_seed(seed: int, index: int) -> int:

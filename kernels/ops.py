@@ -81,30 +81,44 @@ def linear_bias_gelu(linear: FusedLinear, x: torch.Tensor, bias: torch.Tensor, i
     return bias_gelu(linear(x), bias, impl)
 
 
-def mlp_block_on_torch(x: torch.Tensor, fc1: FusedLinear, bias: torch.Tensor, fc2: FusedLinear) -> bool:
+def mlp_block_on_torch(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor,
+                       fc2_weight: torch.Tensor) -> bool:
     """--kernels auto, an eager forward of x on a GPU: whether every op of the residual-MLP block
-    x + fc2(gelu(fc1(norm(x)) + bias)) would run torch's own op: both Linears plain F.linear (fused_linear.eager_plain),
-    fc1's bias in its GEMM's epilogue with torch's GELU (linear_bias_gelu's eager rule) and torch's add. Then the
-    block calls those ops itself, with no choice per op: the same kernels and results for less host time. Cached
-    per dtype, size, autocast state and weight dtypes."""
-    autocast = torch.is_autocast_enabled(x.device.type)
+    x + fc2(gelu(fc1(norm(x)) + b1)) would run torch's own op: both Linears plain F.linear
+    (fused_linear.eager_plain), fc1's bias in its GEMM's epilogue with torch's GELU (linear_bias_gelu's eager rule)
+    and torch's add. Then the block calls those ops itself, with no choice per op: the same kernels and results for
+    less host time. Cached per dtype, size, autocast state and weight dtypes."""
+    autocast = torch.is_autocast_enabled("cuda")
     dev = x.get_device()
+    width = fc1_weight.shape[0]
     key = ("mlp block on torch", x.dtype, x.numel(), x.shape[-1], dev, autocast,
-           torch.get_autocast_dtype(x.device.type) if autocast else None, fc1.weight.dtype, bias.dtype,
-           fc2.weight.dtype, fc1.out_features)
-    from peerline.kernels import elementwise  # lazy: needs CuPy
-
-    hit = elementwise._CHOICES.get(key)
+           torch.get_autocast_dtype("cuda") if autocast else None, fc1_weight.dtype, fc1_bias.dtype, fc2_weight.dtype,
+           width)
+    ew = _elementwise()
+    hit = ew._CHOICES.get(key)
     if hit is None:
-        dtype = compute_dtype(x, fc1.weight)
+        dtype = compute_dtype(x, fc1_weight)
         rows = x.numel() // x.shape[-1]
-        hit = (eager_plain(x, fc1.weight) and eager_plain(x, fc2.weight)
-               and (bias.dtype == dtype or autocast)
-               and elementwise.eager_bias_gelu_on_torch(dtype, bias.dtype, rows * fc1.out_features, fc1.out_features,
-                                                        dev)
-               and elementwise.eager_residual_add_on_torch(x.dtype, dtype, x.numel(), dev))
-        elementwise._remember(elementwise._CHOICES, key, hit)
+        hit = (eager_plain(x, fc1_weight) and eager_plain(x, fc2_weight)
+               and (fc1_bias.dtype == dtype or autocast)
+               and ew.eager_bias_gelu_on_torch(dtype, fc1_bias.dtype, rows * width, width, dev)
+               and ew.eager_residual_add_on_torch(x.dtype, dtype, x.numel(), dev))
+        ew._remember(ew._CHOICES, key, hit)
     return hit
+
+
+_elementwise_module = None
+
+
+def _elementwise():
+    """kernels.elementwise, imported on first use (it needs CuPy) and kept: an import statement per call costs more
+    host time than the lookup it serves."""
+    global _elementwise_module
+    if _elementwise_module is None:
+        from peerline.kernels import elementwise
+
+        _elementwise_module = elementwise
+    return _elementwise_module
 
 
 def residual_add(x: torch.Tensor, y: torch.Tensor, impl: str = "torch") -> torch.Tensor:

@@ -77,16 +77,16 @@ def test_the_decision_follows_each_ops_rule_and_is_cached(monkeypatch: pytest.Mo
     monkeypatch.setattr(ew, "_CHOICES", {})
     monkeypatch.setattr(ew, "_warm", lambda key, build: warmed.append(key))
     x = FakeCuda((2, 4, 16), torch.bfloat16)
-    assert ops.mlp_block_on_torch(x, block.fc1, block.fc1_bias, block.fc2)
+    assert ops.mlp_block_on_torch(x, block.fc1.weight, block.fc1_bias, block.fc2.weight)
     n = len(lookups)
     assert n >= 1 and not warmed  # torch everywhere, captured too: nothing to build ahead of a capture
-    assert ops.mlp_block_on_torch(x, block.fc1, block.fc1_bias, block.fc2)
+    assert ops.mlp_block_on_torch(x, block.fc1.weight, block.fc1_bias, block.fc2.weight)
     assert len(lookups) == n  # the second call is one cached lookup
 
     # A capture at this size would run the kernels: the eager call still takes torch's ops, and builds them first.
     monkeypatch.setattr(ew, "_CHOICES", {})
     table = _table("peerline", "torch")
-    assert ops.mlp_block_on_torch(x, block.fc1, block.fc1_bias, block.fc2)
+    assert ops.mlp_block_on_torch(x, block.fc1.weight, block.fc1_bias, block.fc2.weight)
     assert any(key[0] == "bias_gelu" for key in warmed)
 
     # An eager bias+GELU the card gives to the kernel (above its eager threshold): not the direct path.
@@ -95,7 +95,7 @@ def test_the_decision_follows_each_ops_rule_and_is_cached(monkeypatch: pytest.Mo
         "choice": {"bias_gelu_fwd:bf16": [[1, "peerline"]], "bias_gelu_bwd:bf16": [[1, "peerline"]],
                    "residual_add:bf16": [[1, "torch"]]},
         "eager_torch_below": {"bias_gelu_fwd": 0, "bias_gelu_bwd": 0, "residual_add": ct.NEVER_EAGER}})
-    assert not ops.mlp_block_on_torch(x, block.fc1, block.fc1_bias, block.fc2)
+    assert not ops.mlp_block_on_torch(x, block.fc1.weight, block.fc1_bias, block.fc2.weight)
 
 
 def test_fp32_weights_without_autocast_keep_the_fused_linear(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,4 +105,5 @@ def test_fp32_weights_without_autocast_keep_the_fused_linear(monkeypatch: pytest
     table = _table("torch", "torch")
     monkeypatch.setattr(ew, "card_table", lambda index: table)
     monkeypatch.setattr(ew, "_CHOICES", {})
-    assert not ops.mlp_block_on_torch(FakeCuda((2, 4, 16), torch.float32), block.fc1, block.fc1_bias, block.fc2)
+    assert not ops.mlp_block_on_torch(FakeCuda((2, 4, 16), torch.float32), block.fc1.weight, block.fc1_bias,
+                                      block.fc2.weight)
