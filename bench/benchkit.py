@@ -17,7 +17,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,22 +132,33 @@ def time_blocks(run: Callable[[int], Any], *, iters: int = 5, reps: int = 5, war
     rank's time divided by `iters`. `warmup` blocks are run first and discarded. The time from the host's last
     launch to the device's end is the block's host lead (Timing.host_lead_ms).
     """
+    return time_blocks_interleaved([run], iters=iters, reps=reps, warmup=warmup, device=device, group=group)[0]
+
+
+def time_blocks_interleaved(runs: Sequence[Callable[[int], Any]], *, iters: int = 5, reps: int = 5, warmup: int = 1,
+                            device: torch.device, group: dist.ProcessGroup | None = None) -> list[Timing]:
+    """time_blocks of several loops on the same devices, their blocks taken in turn within each repetition, the
+    order reversed every other one (A B, B A, ...): a drift of the host or the devices during the measurement
+    (clocks, temperature, other load) falls on every loop alike instead of on whichever ran last."""
     in_group = dist.is_available() and dist.is_initialized()
-    samples, leads = [], []
+    samples: list[list[float]] = [[] for _ in runs]
+    leads: list[list[float]] = [[] for _ in runs]
     for rep in range(warmup + reps):
-        if in_group:
-            dist.barrier(group=group)
-        _sync(device)
-        t0 = time.perf_counter()
-        run(iters)
-        issued = time.perf_counter()
-        _sync(device)
-        done = time.perf_counter()
-        ms, lead = _slowest_rank((done - t0) * 1e3 / iters, (done - issued) * 1e3, device, group)
-        if rep >= warmup:
-            samples.append(ms)
-            leads.append(lead)
-    return summarize(samples, leads)
+        order = range(len(runs)) if rep % 2 == 0 else reversed(range(len(runs)))
+        for i in order:
+            if in_group:
+                dist.barrier(group=group)
+            _sync(device)
+            t0 = time.perf_counter()
+            runs[i](iters)
+            issued = time.perf_counter()
+            _sync(device)
+            done = time.perf_counter()
+            ms, lead = _slowest_rank((done - t0) * 1e3 / iters, (done - issued) * 1e3, device, group)
+            if rep >= warmup:
+                samples[i].append(ms)
+                leads[i].append(lead)
+    return [summarize(s, lead) for s, lead in zip(samples, leads)]
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from peerline.bench.benchkit import BenchContext, Timing, time_blocks
+from peerline.bench.benchkit import BenchContext, Timing, time_blocks, time_blocks_interleaved
 from peerline.bench.ideal import IdealReport
 from peerline.distributed.resilience.failsafe import Failsafe
 from peerline.distributed.resilience.faults import Faults, parse_faults
@@ -68,6 +68,11 @@ class BlockTimer:
 
     def __call__(self, run_block: Callable[[int], Any]) -> Timing:
         return time_blocks(run_block, iters=self.iters, reps=self.reps, warmup=self.warmup, device=self.device)
+
+    def interleaved(self, run_blocks: list[Callable[[int], Any]]) -> list[Timing]:
+        """Several loops' blocks taken in turn (benchkit.time_blocks_interleaved) with these counts."""
+        return time_blocks_interleaved(run_blocks, iters=self.iters, reps=self.reps, warmup=self.warmup,
+                                       device=self.device)
 
 
 def free_device(device: torch.device) -> None:

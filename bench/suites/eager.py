@@ -22,9 +22,10 @@ peerline-autocast >= 1.0x torch, peerline-bf16 >= 1.0x torch-bf16.
 One-GPU part (--eager-single, on by default): a fresh process on rank 0's GPU (the other ranks wait) trains the
 whole model as one stage, per recipe: plain torch eager (per microbatch forward + loss + backward, then fused
 AdamW; fp32 parameters under autocast, and bf16 parameters) against peerline --stages 1 --no-graph with the same
-recipe (goal: >= 1.0x each). The model is built from the same seeds; the first losses of each are noted. The
-fresh process (run_fresh_child, on_rank0, child_spec, child_device, child_timer) is shared with the gpt suite's
---gpt-single; it times with the bench's --reps / --warmup.
+recipe (goal: >= 1.0x each). The model is built from the same seeds; the first losses of each are noted. Both sides
+stay resident and their timed blocks alternate (A B, B A, ...: benchkit.time_blocks_interleaved), so a drift of the
+host's speed during the child falls on both. The fresh process (run_fresh_child, on_rank0, child_spec,
+child_device, child_timer) is shared with the gpt suite's --gpt-single; it times with the bench's --reps / --warmup.
 
 Timing: benchkit.time_blocks (blocks of iterations without host syncs, the slowest rank, median over --reps).
 """
@@ -38,6 +39,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,6 +50,7 @@ import torch.nn.functional as F
 from peerline.bench.benchkit import BenchContext, Record
 from peerline.bench.runtime_timing import (
     BlockTimer,
+    first_losses,
     free_device,
     measure_or_note,
     open_runtime,
@@ -110,20 +113,27 @@ def _torch_variant(name: str, shape: PipeShape, ctx: BenchContext, timer: BlockT
 
 def _peerline_variant(name: str, shape: PipeShape, ctx: BenchContext, timer: BlockTimer, **extra: Any
                       ) -> tuple[list[float], Any] | str:
-    from peerline.distributed.config import RunConfig
-
-    overrides = {**PEERLINE_VARIANTS.get(name, {}), **extra}
-    if overrides.get("precision") == "bf16" and ctx.device.type != "cuda":
-        return "--precision bf16 needs bf16 compute (a GPU)"
-    cfg = RunConfig(schedule="1f1b", microbatches=shape.microbatches, micro_batch_size=shape.micro_batch_size,
-                    seq=shape.seq, hidden=shape.hidden, layers=shape.layers, seed=shape.seed, lr=shape.lr,
-                    dtype=shape.dtype, device=ctx.device.type, graph=False, iters=10**9, log_every=1,
-                    **overrides)
+    cfg = _peerline_config(name, shape, ctx, **extra)
+    if isinstance(cfg, str):
+        return cfg
     with open_runtime(cfg) as rt:
         got = time_captured(rt, False, LOSS_CHECK_ITERS, timer)
         if not isinstance(got, str):
             ctx.note(f"eager {shape.name} {name}: transport {rt.transport_name}")
         return got
+
+
+def _peerline_config(name: str, shape: PipeShape, ctx: BenchContext, **extra: Any) -> Any:
+    """The RunConfig of peerline variant `name` (--no-graph) on `shape`, or why it cannot run here."""
+    from peerline.distributed.config import RunConfig
+
+    overrides = {**PEERLINE_VARIANTS.get(name, {}), **extra}
+    if overrides.get("precision") == "bf16" and ctx.device.type != "cuda":
+        return "--precision bf16 needs bf16 compute (a GPU)"
+    return RunConfig(schedule="1f1b", microbatches=shape.microbatches, micro_batch_size=shape.micro_batch_size,
+                     seq=shape.seq, hidden=shape.hidden, layers=shape.layers, seed=shape.seed, lr=shape.lr,
+                     dtype=shape.dtype, device=ctx.device.type, graph=False, iters=10**9, log_every=1,
+                     **overrides)
 
 
 def _report(ctx: BenchContext, shape: PipeShape, results: dict[str, tuple[list[float], Any]], name: str,
@@ -210,9 +220,9 @@ class PlainTorch:
 
 def single_child(spec: dict[str, Any], out_path: str) -> None:
     """The one-GPU part, in a process of its own (one rank, this process's first visible device): per recipe of
-    SINGLE_RECIPES, plain torch eager, then peerline --stages 1 --no-graph with the same recipe; writes their
-    ms/iter and first losses to `out_path` (JSON: {"config", "recipes": {recipe: {...}}}). `spec`: child_spec's,
-    with the configuration ("config")."""
+    SINGLE_RECIPES, plain torch eager and peerline --stages 1 --no-graph with the same recipe, both resident, their
+    timed blocks taken in turn (BlockTimer.interleaved); writes their ms/iter and first losses to `out_path` (JSON:
+    {"config", "recipes": {recipe: {...}}}). `spec`: child_spec's, with the configuration ("config")."""
     device = child_device()
     shape = CONFIGS[spec["config"]]
     ctx = BenchContext(out_dir=Path(out_path).parent, device=device, quick=spec["quick"])
@@ -221,18 +231,34 @@ def single_child(spec: dict[str, Any], out_path: str) -> None:
     for recipe, (param_dtype, precision) in SINGLE_RECIPES.items():
         if param_dtype is not None and device.type != "cuda":
             continue  # bf16 parameters need bf16 compute: a GPU
-        plain_losses, plain = time_anchor(PlainTorch(shape, device, param_dtype), LOSS_CHECK_ITERS, timer)
+        recipes[recipe] = _single_recipe(shape, ctx, timer, param_dtype, precision)
         free_device(device)
-        got = _peerline_variant("peerline", shape, ctx, timer, stages=1, precision=precision)
-        free_device(device)
-        out: dict[str, Any] = {"plain_ms": plain.median_ms, "plain_losses": plain_losses,
-                               "plain_spread": plain.spread}
-        if isinstance(got, str):
-            out["peerline_skipped"] = got
-        else:
-            out.update(peerline_ms=got[1].median_ms, peerline_losses=got[0], peerline_spread=got[1].spread)
-        recipes[recipe] = out
     Path(out_path).write_text(json.dumps({"config": spec["config"], "recipes": recipes}))
+
+
+def _single_recipe(shape: PipeShape, ctx: BenchContext, timer: BlockTimer, param_dtype: torch.dtype | None,
+                   precision: str) -> dict[str, Any]:
+    """One recipe of the one-GPU part: each side's first losses, then their blocks interleaved."""
+    plain = PlainTorch(shape, ctx.device, param_dtype)
+    plain_losses = []
+    for _ in range(LOSS_CHECK_ITERS):
+        plain.step()
+        plain_losses.append(plain.read_loss())
+
+    def plain_block(n: int) -> None:
+        for _ in range(n):
+            plain.step()
+
+    cfg = _peerline_config("peerline", shape, ctx, stages=1, precision=precision)
+    if isinstance(cfg, str):
+        return {"plain_ms": timer(plain_block).median_ms, "plain_losses": plain_losses, "peerline_skipped": cfg}
+    with open_runtime(cfg) as rt:
+        peerline_losses, _ = first_losses(rt, LOSS_CHECK_ITERS, False)
+        rt.cfg = replace(rt.cfg, log_every=10**9)  # from here on one loss read per block, as in training
+        plain_t, peerline_t = timer.interleaved([plain_block, lambda n: rt.train(rt.iteration + n)])
+    return {"plain_ms": plain_t.median_ms, "plain_losses": plain_losses, "plain_spread": plain_t.spread,
+            "peerline_ms": peerline_t.median_ms, "peerline_losses": peerline_losses,
+            "peerline_spread": peerline_t.spread, "timing": "interleaved"}
 
 
 def _single_part(args: argparse.Namespace, ctx: BenchContext, configs: list[str]) -> None:

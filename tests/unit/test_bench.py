@@ -7,6 +7,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -144,6 +145,23 @@ def test_time_blocks_on_cpu_without_process_group():
     assert calls == [3] * 6 and t.reps == 4 and math.isfinite(t.median_ms) and t.median_ms >= 0
     # the CPU has no queue: the device's work ends with the host's, so the lead is about nothing
     assert t.host_lead_ms is not None and 0 <= t.host_lead_ms < 50
+
+
+def test_time_blocks_interleaved_alternates_the_order_and_keeps_each_loops_samples():
+    """Blocks of two loops in turn, the order reversed every other repetition (A B, B A, A B, ...); warm-up blocks
+    dropped; each loop's timing from its own blocks (B sleeps, so its median is the larger)."""
+    order: list[str] = []
+
+    def a(n: int) -> None:
+        order.append(f"a{n}")
+
+    def b(n: int) -> None:
+        order.append(f"b{n}")
+        time.sleep(0.002 * n)
+
+    ta, tb = benchkit.time_blocks_interleaved([a, b], iters=2, reps=3, warmup=1, device=torch.device("cpu"))
+    assert order == ["a2", "b2", "b2", "a2", "a2", "b2", "b2", "a2"]
+    assert ta.reps == tb.reps == 3 and tb.median_ms >= 2.0 > ta.median_ms
 
 
 def test_slowest_rank_takes_the_longest_time_and_the_least_lead(monkeypatch: pytest.MonkeyPatch):
