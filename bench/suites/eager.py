@@ -17,7 +17,9 @@ micro-batch 2x256, M=16; mid = 24 blocks h=1024, 4x512, M=12; compute, the pipel
   peerline-torch-kernels   --no-graph --kernels torch         (diagnostic: what peerline's kernels are worth)
   peerline-nccl     --no-graph --p2p nccl                     (diagnostic: the transport)
 Every peerline variant is recorded against both torch variants. The goals compare one recipe with the same recipe:
-peerline-autocast >= 1.0x torch, peerline-bf16 >= 1.0x torch-bf16.
+peerline-autocast >= 1.0x torch, peerline-bf16 >= 1.0x torch-bf16; each such pair is measured together, both
+pipelines resident and their timed blocks alternating (A B, B A, ...), so a drift of the host during the suite falls
+on both sides of a goal. The diagnostic variants run one after another.
 
 One-GPU part (--eager-single, on by default): a fresh process on rank 0's GPU (the other ranks wait) trains the
 whole model as one stage, per recipe: plain torch eager (per microbatch forward + loss + backward, then fused
@@ -161,26 +163,71 @@ def _recipe(anchor_name: str) -> str:
 
 
 def _pipeline_part(args: argparse.Namespace, ctx: BenchContext, configs: list[str], variants: list[str]) -> list[str]:
-    """Every configuration x variant on pp = world; returns the failures (the other variants still run)."""
+    """Every configuration x variant on pp = world; returns the failures (the other variants still run). A peerline
+    variant and the torch variant of its recipe (MATCHED), both asked for, are measured as one pair, their timed
+    blocks alternating; the other variants one after another."""
     world = dist.get_world_size()
     timer = BlockTimer.from_args(args, ctx.quick, ctx.device, getattr(args, "eager_iters", None))
     failures = []
     for key in configs:
         shape = CONFIGS[key]
         results: dict[str, tuple[list[float], Any]] = {}
-        for name in variants:
+        pairs = [(p, t) for p, t in MATCHED.items()  # (a peerline variant this device cannot run goes alone: a note)
+                 if p in variants and t in variants and not isinstance(_peerline_config(p, shape, ctx), str)]
+        paired = {name for pair in pairs for name in pair}
+        for peer, anchor in pairs:
+            got = measure_or_note(ctx, "eager", f"{shape.name} {anchor} and {peer} interleaved",
+                                  lambda p=peer, a=anchor, shape=shape: _paired(p, a, shape, ctx, timer), failures)
+            if got is not None:
+                results[anchor], results[peer] = got
+                _note_variant(ctx, shape, world, anchor, got[0], "interleaved with " + peer)
+                _note_variant(ctx, shape, world, peer, got[1], "interleaved with " + anchor)
+        for name in (v for v in variants if v not in paired):
             got = measure_or_note(ctx, "eager", f"{shape.name} {name}", lambda name=name, shape=shape: (
                 _torch_variant(name, shape, ctx, timer) if name in TORCH_VARIANTS
                 else _peerline_variant(name, shape, ctx, timer)), failures)
-            if got is None:
-                continue
-            results[name] = got
-            # The host lead says whether the variant was host-bound (near 0: its time follows the host).
-            ctx.note(f"eager {shape.name} pp={world} {name}: {got[1].median_ms:.2f} ms/iter{host_lead(got[1])} "
-                     f"(spread {got[1].spread:.2f}), first losses {', '.join(f'{v:.6g}' for v in got[0])}")
-            if name in PEERLINE_VARIANTS:
+            if got is not None:
+                results[name] = got
+                _note_variant(ctx, shape, world, name, got)
+        for name in variants:
+            if name in PEERLINE_VARIANTS and name in results:
                 _report(ctx, shape, results, name, world)
     return failures
+
+
+def _note_variant(ctx: BenchContext, shape: PipeShape, world: int, name: str, got: tuple[list[float], Any],
+                  how: str = "") -> None:
+    # The host lead says whether the variant was host-bound (near 0: its time follows the host).
+    ctx.note(f"eager {shape.name} pp={world} {name}: {got[1].median_ms:.2f} ms/iter{host_lead(got[1])} "
+             f"(spread {got[1].spread:.2f}{', ' + how if how else ''}), first losses "
+             f"{', '.join(f'{v:.6g}' for v in got[0])}")
+
+
+def _paired(peer: str, anchor: str, shape: PipeShape, ctx: BenchContext, timer: BlockTimer
+            ) -> tuple[tuple[list[float], Any], tuple[list[float], Any]] | str:
+    """torch variant `anchor` and peerline variant `peer` both resident: each one's first losses, then their timed
+    blocks in turn (BlockTimer.interleaved), so a host that speeds up or slows down during the pair counts on both."""
+    cfg = _peerline_config(peer, shape, ctx)
+    if isinstance(cfg, str):
+        return cfg
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    param_dtype = torch.bfloat16 if anchor == "torch-bf16" and ctx.device.type == "cuda" else None
+    torch_side = TorchPipelineAnchor(shape, "1f1b", pp, 1, rank, ctx.device, param_dtype=param_dtype)
+    anchor_losses = []
+    for _ in range(LOSS_CHECK_ITERS):
+        torch_side.step()
+        anchor_losses.append(torch_side.read_loss())
+
+    def anchor_block(n: int) -> None:
+        for _ in range(n):
+            torch_side.step()
+
+    with open_runtime(cfg) as rt:
+        peer_losses, _ = first_losses(rt, LOSS_CHECK_ITERS, False)
+        rt.cfg = replace(rt.cfg, log_every=10**9)  # from here on one loss read per block, as in training
+        anchor_t, peer_t = timer.interleaved([anchor_block, lambda n: rt.train(rt.iteration + n)])
+        ctx.note(f"eager {shape.name} {peer}: transport {rt.transport_name}")
+    return (anchor_losses, anchor_t), (peer_losses, peer_t)
 
 
 class PlainTorch:

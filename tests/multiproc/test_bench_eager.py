@@ -1,6 +1,6 @@
 """CPU smoke test of launch/bench.py's eager suite at pp=2 (gloo, --quick, no one-GPU part): every peerline variant
 that runs on the CPU recorded against both torch variants, with the losses of the same model and data and each
-side's host lead (how far the host ran ahead of the device: 0 on the CPU)."""
+side's host lead (how far the host ran ahead of the device: 0 on the CPU); the recipe-matched pair timed together."""
 
 import pytest
 
@@ -20,4 +20,8 @@ def test_eager_suite_quick_on_two_ranks(tmp_path):
             assert rec["sizes"]["pp"] == 2
             assert rec["extra"]["host_lead_ms"] is not None and rec["extra"]["anchor_host_lead_ms"] is not None
             assert rec["extra"]["losses"] == pytest.approx(rec["extra"]["anchor_losses"], rel=1e-5), rec["case"]
-    assert "(host lead " in proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "(host lead " in out
+    # the recipe-matched pair that runs on the CPU is timed together, its blocks alternating
+    assert "eager quick pp=2 torch: " in out and "interleaved with peerline-autocast)" in out
+    assert "interleaved with torch)" in out
