@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from top_kernels import host_self_times, kernel_class
+from top_kernels import device_times, host_self_times
 from torch.profiler import ProfilerActivity, profile
 
 from peerline.bench.runtime_timing import free_device, open_runtime
@@ -96,16 +96,7 @@ def profile_side(name: str, run: Callable[[int], None], device: torch.device, a:
     events = json.loads(text)["traceEvents"]
     per_it = a.iters * 1000.0
     busy = busy_ms(events) / a.iters
-    by_kernel: collections.Counter = collections.Counter()
-    count: collections.Counter = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            key = e["name"] if e["cat"] == "kernel" else e["cat"]
-            by_kernel[key] += e.get("dur", 0)
-            count[key] += 1
-    classes: collections.Counter = collections.Counter()
-    for key, us in by_kernel.items():
-        classes["copies" if key.startswith("gpu_") else kernel_class(key)] += us
+    by_kernel, count, classes = device_times(events)
     self_us, calls = host_self_times(events)
     self_us, calls = _merge_names(self_us), _merge_names(calls)
     host_total = sum(self_us.values()) / per_it

@@ -31,6 +31,22 @@ def kernel_class(name: str) -> str:
 HOST_CATS = ("cpu_op", "python_function", "cuda_runtime", "cuda_driver")
 
 
+def device_times(events: list[dict]) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
+    """(device us by kernel name, launches by name, us by class) of a chrome trace's kernels, memcpys and
+    memsets (the last two named by their category, classed as copies)."""
+    by_name: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            name = e["name"] if e["cat"] == "kernel" else e["cat"]
+            by_name[name] += e.get("dur", 0)
+            counts[name] += 1
+    classes: collections.Counter = collections.Counter()
+    for name, us in by_name.items():
+        classes[kernel_class(name) if not name.startswith("gpu_") else "copies"] += us
+    return by_name, counts, classes
+
+
 def host_self_times(events: list[dict]) -> tuple[collections.Counter, collections.Counter]:
     """(self us by name, calls by name) of the host ops among a chrome trace's events."""
     threads: dict[tuple, list[dict]] = collections.defaultdict(list)
@@ -72,16 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, us in self_us.most_common(a.top):
             print(f"INFO host {us / per_it:8.2f} ms  x{calls[name] / a.iterations:6.0f}  {name[:150]}")
         return
-    by_name: collections.Counter = collections.Counter()
-    counts: collections.Counter = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            name = e["name"] if e["cat"] == "kernel" else e["cat"]
-            by_name[name] += e.get("dur", 0)
-            counts[name] += 1
-    classes: collections.Counter = collections.Counter()
-    for name, us in by_name.items():
-        classes[kernel_class(name) if not name.startswith("gpu_") else "copies"] += us
+    by_name, counts, classes = device_times(events)
     total = sum(by_name.values())
     print(f"INFO {files[-1]}: device time {total / per_it:.2f} ms per iteration; "
           + ", ".join(f"{k} {v / per_it:.2f}" for k, v in classes.most_common()))
