@@ -205,19 +205,26 @@ def first_losses(rt, n: int, graph: bool) -> tuple[list[float], str | None]:
 
 
 def time_runtime(rt, timer: Callable[[Callable[[int], None]], Timing]) -> Timing:
-    """Time blocks of the runtime's iterations with `timer` (e.g. benchkit.time_blocks with the suite's counts).
-    From here on the loss is read once per block, at its end: one host sync per block, as in training."""
+    """Time blocks of the runtime's iterations with `timer` (e.g. benchkit.time_blocks with the suite's counts)."""
+    return timer(runtime_block(rt))
+
+
+def runtime_block(rt) -> Callable[[int], None]:
+    """The runtime's timed block: `n` iterations in one train call. From here on the loss is read once per block,
+    at its end: one host sync per block, as in training."""
     rt.cfg = replace(rt.cfg, log_every=10**9)
-
-    def block(n: int) -> None:
-        rt.train(rt.iteration + n)
-
-    return timer(block)
+    return lambda n: rt.train(rt.iteration + n)
 
 
 def time_anchor(anchor: Any, n_losses: int, timer: Callable[[Callable[[int], None]], Timing]
                 ) -> tuple[list[float], Timing]:
     """An anchor's first `n_losses` losses (each read back after its step), then timed blocks of its steps."""
+    losses, block = anchor_losses_and_block(anchor, n_losses)
+    return losses, timer(block)
+
+
+def anchor_losses_and_block(anchor: Any, n_losses: int) -> tuple[list[float], Callable[[int], None]]:
+    """An anchor's first `n_losses` losses (each read back after its step) and its timed block (`n` steps)."""
     losses = []
     for _ in range(n_losses):
         anchor.step()
@@ -227,7 +234,7 @@ def time_anchor(anchor: Any, n_losses: int, timer: Callable[[Callable[[int], Non
         for _ in range(n):
             anchor.step()
 
-    return losses, timer(block)
+    return losses, block
 
 
 def time_captured(rt: Any, graph: bool, n_losses: int, timer: Callable[[Callable[[int], None]], Timing]

@@ -41,7 +41,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -52,10 +51,12 @@ import torch.nn.functional as F
 from peerline.bench.benchkit import BenchContext, Record
 from peerline.bench.runtime_timing import (
     BlockTimer,
+    anchor_losses_and_block,
     first_losses,
     free_device,
     measure_or_note,
     open_runtime,
+    runtime_block,
     time_anchor,
     time_captured,
 )
@@ -213,19 +214,10 @@ def _paired(peer: str, anchor: str, shape: PipeShape, ctx: BenchContext, timer: 
     pp, rank = dist.get_world_size(), dist.get_rank()
     param_dtype = torch.bfloat16 if anchor == "torch-bf16" and ctx.device.type == "cuda" else None
     torch_side = TorchPipelineAnchor(shape, "1f1b", pp, 1, rank, ctx.device, param_dtype=param_dtype)
-    anchor_losses = []
-    for _ in range(LOSS_CHECK_ITERS):
-        torch_side.step()
-        anchor_losses.append(torch_side.read_loss())
-
-    def anchor_block(n: int) -> None:
-        for _ in range(n):
-            torch_side.step()
-
+    anchor_losses, anchor_block = anchor_losses_and_block(torch_side, LOSS_CHECK_ITERS)
     with open_runtime(cfg) as rt:
         peer_losses, _ = first_losses(rt, LOSS_CHECK_ITERS, False)
-        rt.cfg = replace(rt.cfg, log_every=10**9)  # from here on one loss read per block, as in training
-        anchor_t, peer_t = timer.interleaved([anchor_block, lambda n: rt.train(rt.iteration + n)])
+        anchor_t, peer_t = timer.interleaved([anchor_block, runtime_block(rt)])
         ctx.note(f"eager {shape.name} {peer}: transport {rt.transport_name}")
     return (anchor_losses, anchor_t), (peer_losses, peer_t)
 
@@ -286,23 +278,13 @@ def single_child(spec: dict[str, Any], out_path: str) -> None:
 def _single_recipe(shape: PipeShape, ctx: BenchContext, timer: BlockTimer, param_dtype: torch.dtype | None,
                    precision: str) -> dict[str, Any]:
     """One recipe of the one-GPU part: each side's first losses, then their blocks interleaved."""
-    plain = PlainTorch(shape, ctx.device, param_dtype)
-    plain_losses = []
-    for _ in range(LOSS_CHECK_ITERS):
-        plain.step()
-        plain_losses.append(plain.read_loss())
-
-    def plain_block(n: int) -> None:
-        for _ in range(n):
-            plain.step()
-
+    plain_losses, plain_block = anchor_losses_and_block(PlainTorch(shape, ctx.device, param_dtype), LOSS_CHECK_ITERS)
     cfg = _peerline_config("peerline", shape, ctx, stages=1, precision=precision)
     if isinstance(cfg, str):
         return {"plain_ms": timer(plain_block).median_ms, "plain_losses": plain_losses, "peerline_skipped": cfg}
     with open_runtime(cfg) as rt:
         peerline_losses, _ = first_losses(rt, LOSS_CHECK_ITERS, False)
-        rt.cfg = replace(rt.cfg, log_every=10**9)  # from here on one loss read per block, as in training
-        plain_t, peerline_t = timer.interleaved([plain_block, lambda n: rt.train(rt.iteration + n)])
+        plain_t, peerline_t = timer.interleaved([plain_block, runtime_block(rt)])
     return {"plain_ms": plain_t.median_ms, "plain_losses": plain_losses, "plain_spread": plain_t.spread,
             "peerline_ms": peerline_t.median_ms, "peerline_losses": peerline_losses,
             "peerline_spread": peerline_t.spread, "timing": "interleaved"}
