@@ -13,6 +13,7 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -45,26 +46,39 @@ class ResidualMLPBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels == "auto" and x.is_cuda and not capturing():
-            params = self.torch_ops_params()
-            if ops.mlp_block_on_torch(x, params[3], params[4], params[5]):
-                return self.forward_torch_ops(x, params)
+            p = self.torch_ops_params()
+            if ops.mlp_block_on_torch(x, p.fc1_weight, p.fc1_bias, p.fc2_weight):
+                return self.forward_torch_ops(x, p)
         h = ops.linear_bias_gelu(self.fc1, self.norm(x), self.fc1_bias, self.kernels)
         return ops.residual_add(x, self.fc2(h), self.kernels)
 
-    def torch_ops_params(self) -> tuple:
-        """(norm, norm weight, norm bias, fc1 weight, fc1 bias, fc2 weight, fc2 bias), read from the modules' own
-        dictionaries: nn.Module's attribute fallback costs more host time than the rest of the lookup."""
+    def torch_ops_params(self) -> BlockParams:
+        """The block's parameters, read from the modules' own dictionaries: nn.Module's attribute fallback costs
+        more host time than the rest of the direct path's lookup."""
         modules = self._modules
         norm, fc1, fc2 = modules["norm"], modules["fc1"], modules["fc2"]
         n, w1, w2 = norm._parameters, fc1._parameters, fc2._parameters
-        return norm, n["weight"], n["bias"], w1["weight"], self._parameters["fc1_bias"], w2["weight"], w2["bias"]
+        return BlockParams(norm, n["weight"], n["bias"], w1["weight"], self._parameters["fc1_bias"], w2["weight"],
+                           w2["bias"])
 
-    def forward_torch_ops(self, x: torch.Tensor, params: tuple | None = None) -> torch.Tensor:
+    def forward_torch_ops(self, x: torch.Tensor, p: BlockParams | None = None) -> torch.Tensor:
         """The ops --kernels auto picks one by one for an eager, host-bound launch (ops.mlp_block_on_torch), called
         directly: LayerNorm, F.linear with fc1's bias in the epilogue, GELU, F.linear, the add."""
-        norm, nw, nb, w1, b1, w2, b2 = params or self.torch_ops_params()
-        h = F.layer_norm(x, norm.normalized_shape, nw, nb, norm.eps)
-        return x + F.linear(F.gelu(F.linear(h, w1, b1)), w2, b2)
+        p = p or self.torch_ops_params()
+        h = F.layer_norm(x, p.norm.normalized_shape, p.norm_weight, p.norm_bias, p.norm.eps)
+        return x + F.linear(F.gelu(F.linear(h, p.fc1_weight, p.fc1_bias)), p.fc2_weight, p.fc2_bias)
+
+
+class BlockParams(NamedTuple):
+    """A residual-MLP block's LayerNorm and parameters, as its direct path reads them."""
+
+    norm: nn.LayerNorm
+    norm_weight: torch.Tensor
+    norm_bias: torch.Tensor
+    fc1_weight: torch.Tensor
+    fc1_bias: torch.Tensor
+    fc2_weight: torch.Tensor
+    fc2_bias: torch.Tensor
 
 
 def layer_seed(seed: int, index: int) -> int:
