@@ -528,20 +528,26 @@ def _bias_gelu_pick(dtype: torch.dtype, bias_dtype: torch.dtype, n: int, width: 
     return False
 
 
+def _residual_add_chosen(xt: torch.dtype, yt: torch.dtype, n: int, dev: int, eager: bool) -> bool:
+    """Cached: the card's pick of the kernel for an n-element x + y, eager or captured (_chosen)."""
+    nbytes = n * (xt.itemsize + yt.itemsize + torch.promote_types(xt, yt).itemsize)
+    return _chosen(("residual_add", xt, yt, n, 0, dev, eager), "residual_add", xt, nbytes, dev, eager,
+                   ("residual_add",))
+
+
 def eager_residual_add_on_torch(x_dtype: torch.dtype, y_dtype: torch.dtype, n: int, dev: int) -> bool:
     """--kernels auto, an eager launch: whether x + y of n elements runs torch's add here whatever the tensors'
-    layout (the card's pick at this size is torch). Like auto_residual_add, it builds the kernels a captured launch
-    of the same size would use."""
+    layout (the card's pick at this size is torch). It builds the kernels a captured launch of the same size would
+    use."""
     if _eager_always_torch("residual_add", x_dtype, dev):
         return True
     if x_dtype not in _DTYPES or y_dtype not in _DTYPES:
         return True
-    nbytes = n * (x_dtype.itemsize + y_dtype.itemsize + torch.promote_types(x_dtype, y_dtype).itemsize)
-    key = ("residual_add", x_dtype, y_dtype, n, 0, dev, True)
-    if _chosen(key, "residual_add", x_dtype, nbytes, dev, True, ("residual_add",)):
+    if _residual_add_chosen(x_dtype, y_dtype, n, dev, True):
         return False
-    if n and _chosen(key[:-1] + (False,), "residual_add", x_dtype, nbytes, dev, False, ("residual_add",)):
-        _warm(key, lambda: prepare_residual_add(x_dtype, y_dtype, n, 0, 0, -1, dev))
+    if n and _residual_add_chosen(x_dtype, y_dtype, n, dev, False):
+        _warm(("residual_add", x_dtype, y_dtype, n, 0, dev, True),
+              lambda: prepare_residual_add(x_dtype, y_dtype, n, 0, 0, -1, dev))
     return True
 
 
@@ -554,13 +560,9 @@ def auto_residual_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if not _supported(x, y) or x.shape != y.shape or x.device != y.device:
         return residual_add_reference(x, y)
     n, dev = x.numel(), x.get_device()
-    nbytes = n * (x.element_size() + y.element_size() + torch.promote_types(x.dtype, y.dtype).itemsize)
-    key = ("residual_add", x.dtype, y.dtype, n, 0, dev, eager)
-    if _chosen(key, "residual_add", x.dtype, nbytes, dev, eager, ("residual_add",)):
-        return ResidualAdd.apply(x, y)
-    if eager and n and _chosen(key[:-1] + (False,), "residual_add", x.dtype, nbytes, dev, False, ("residual_add",)):
-        _warm(key, lambda: prepare_residual_add(x.dtype, y.dtype, n, 0, 0, -1, dev))
-    return residual_add_reference(x, y)
+    on_kernel = (not eager_residual_add_on_torch(x.dtype, y.dtype, n, dev) if eager
+                 else _residual_add_chosen(x.dtype, y.dtype, n, dev, False))
+    return ResidualAdd.apply(x, y) if on_kernel else residual_add_reference(x, y)
 
 
 _warmed: set[tuple] = set()

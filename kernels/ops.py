@@ -16,7 +16,7 @@ semantics:
                                                torch's, so the block may call them directly (distributed/model.py)
 
 Layering: reference.py (torch) <- elementwise.py (CUDA kernels), fused_linear.py (dW fusion) <- this module. The
-elementwise module is imported lazily, inside the peerline branch: its first use compiles with CuPy/NVRTC.
+elementwise module is imported on first use and kept (`_elementwise`): its first use compiles with CuPy/NVRTC.
 """
 
 from __future__ import annotations
@@ -58,9 +58,8 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, impl: str = "torch") -> torch.Tensor:
     """gelu(x + bias) by `impl` (the peerline kernels only for CUDA tensors)."""
     if impl != "torch" and x.is_cuda:
-        from peerline.kernels import elementwise  # lazy: needs CuPy
-
-        return elementwise.bias_gelu(x, bias) if impl == "peerline" else elementwise.auto_bias_gelu(x, bias)
+        ew = _elementwise()
+        return ew.bias_gelu(x, bias) if impl == "peerline" else ew.auto_bias_gelu(x, bias)
     return bias_gelu_reference(x, bias)
 
 
@@ -72,10 +71,8 @@ def linear_bias_gelu(linear: FusedLinear, x: torch.Tensor, bias: torch.Tensor, i
     if impl == "auto" and x.is_cuda and not capturing():
         dtype = compute_dtype(x, linear.weight)
         if bias.dtype == dtype or torch.is_autocast_enabled(x.device.type):  # (autocast casts the bias)
-            from peerline.kernels import elementwise  # lazy: needs CuPy
-
             width = linear.out_features
-            if elementwise.eager_bias_gelu_on_torch(dtype, bias.dtype, x.numel() // x.shape[-1] * width, width,
+            if _elementwise().eager_bias_gelu_on_torch(dtype, bias.dtype, x.numel() // x.shape[-1] * width, width,
                                                     x.get_device()):
                 return F.gelu(linear.with_bias(x, bias))
     return bias_gelu(linear(x), bias, impl)
@@ -124,8 +121,7 @@ def _elementwise():
 def residual_add(x: torch.Tensor, y: torch.Tensor, impl: str = "torch") -> torch.Tensor:
     """x + y by `impl` (the peerline kernels only for CUDA tensors)."""
     if impl != "torch" and x.is_cuda:
-        from peerline.kernels import elementwise  # lazy: needs CuPy
-
-        return elementwise.residual_add(x, y) if impl == "peerline" else elementwise.auto_residual_add(x, y)
+        ew = _elementwise()
+        return ew.residual_add(x, y) if impl == "peerline" else ew.auto_residual_add(x, y)
     return residual_add_reference(x, y)
 
