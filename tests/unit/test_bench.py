@@ -149,7 +149,8 @@ def test_time_blocks_on_cpu_without_process_group():
 
 def test_time_blocks_interleaved_alternates_the_order_and_keeps_each_loops_samples():
     """Blocks of two loops in turn, the order reversed every other repetition (A B, B A, A B, ...); warm-up blocks
-    dropped; each loop's timing from its own blocks (B sleeps, so its median is the larger)."""
+    dropped; each loop's timing from its own blocks (B sleeps 20 ms per iteration, far above A's no-op even on a
+    loaded machine, and a sleep only overshoots)."""
     order: list[str] = []
 
     def a(n: int) -> None:
@@ -157,11 +158,11 @@ def test_time_blocks_interleaved_alternates_the_order_and_keeps_each_loops_sampl
 
     def b(n: int) -> None:
         order.append(f"b{n}")
-        time.sleep(0.002 * n)
+        time.sleep(0.02 * n)
 
     ta, tb = benchkit.time_blocks_interleaved([a, b], iters=2, reps=3, warmup=1, device=torch.device("cpu"))
     assert order == ["a2", "b2", "b2", "a2", "a2", "b2", "b2", "a2"]
-    assert ta.reps == tb.reps == 3 and tb.median_ms >= 2.0 > ta.median_ms
+    assert ta.reps == tb.reps == 3 and tb.median_ms >= 20.0 > ta.median_ms
 
 
 def test_slowest_rank_takes_the_longest_time_and_the_least_lead(monkeypatch: pytest.MonkeyPatch):
