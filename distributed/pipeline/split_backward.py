@@ -1,13 +1,21 @@
 """The backward of one stage and microbatch split in two passes: B (the input gradient) and W (the weight gradients),
 for the zero-bubble schedules.
 
-B runs autograd from the stage's output to its input only, keeping the graph. On the way it keeps the gradient
-that arrives at each node where a parameter's branch joins the input's path (an "intermediate"; the same
-construction as torch.distributed.pipelining's stage_backward_input / stage_backward_weight), and fused Linears
-queue their weight GEMMs (kernels/fused_linear.py). W runs autograd from those intermediates, with the kept
-gradients, to the parameters, adds the results into `.grad` and calls the parameters' post-accumulate-grad hooks
-(the bucketed all-reduce counts a gradient final there), then runs the queued weight GEMMs. A stage whose input
-needs no gradient (the first stage's data) does the whole backward in W and nothing in B.
+Two forms, chosen per microbatch by what the stage's forward built:
+
+  lean    (fused Linears hold most of the stage's parameters: every GPU run with graphs, and the CPU path) B is the
+          whole backward with the fused Linears' weight GEMMs queued (kernels/fused_linear.py, Megatron-LM's
+          WeightGradStore); the other parameters (LayerNorms, biases, embeddings, plain Linears) get their
+          gradients in B. The graph is freed after B, so a microbatch waiting for W holds only each fused
+          Linear's input and output gradient, not its activations; W runs the queued GEMMs.
+  graph   (otherwise: plain nn.Linear weights, eager F.linear) B runs autograd from the stage's output to its input
+          only, keeping the graph. On the way it keeps the gradient that arrives at each node where a parameter's
+          branch joins the input's path (an "intermediate"; the same construction as
+          torch.distributed.pipelining's stage_backward_input / stage_backward_weight), and fused Linears queue
+          their weight GEMMs. W runs autograd from those intermediates, with the kept gradients, to the
+          parameters, adds the results into `.grad` and calls the parameters' post-accumulate-grad hooks (the
+          bucketed all-reduce counts a gradient final there), then runs the queued weight GEMMs. A stage whose
+          input needs no gradient (the first stage's data) does the whole backward in W and nothing in B.
 """
 
 from __future__ import annotations
@@ -81,6 +89,14 @@ def _param_groups(input_nodes: list[Node], param_nodes: list[Node], edges: dict[
     return list(unique.values())
 
 
+def _lean(by_node: dict[Node, torch.nn.Parameter], in_graph: list[Node]) -> bool:
+    """Whether B takes the lean form: the stage's forward hid at least half its parameters' elements from autograd
+    (fused Linears, whose weight GEMMs B queues), so the weight work autograd still sees is the small part."""
+    total = sum(p.numel() for p in by_node.values())
+    seen = sum(by_node[n].numel() for n in in_graph)
+    return total > 0 and 2 * seen <= total
+
+
 @dataclass
 class Pending:
     """What B leaves for W: the parameter groups with their kept gradients, the queued fused-Linear GEMMs, and
@@ -104,10 +120,15 @@ def backward_input(outputs: list[torch.Tensor], grads: list[torch.Tensor | None]
     if not pairs:
         return Pending()
     outs, gouts = [o for o, _ in pairs], [g for _, g in pairs]
+    edges = _reverse_edges([n for n in map(_node, outs) if n is not None])
+    by_node = {_node(p): p for p in params if p.requires_grad}
+    param_nodes = [n for n in by_node if n in edges]
+    if _lean(by_node, param_nodes):
+        with fused_linear.defer_weight_grads() as queue:
+            torch.autograd.backward(outs, gouts)
+        return Pending(queue=queue)
     if not inputs:
         return Pending(whole=(outs, gouts))
-    edges = _reverse_edges([n for n in map(_node, outs) if n is not None])
-    param_nodes = [n for n in (_node(p) for p in params if p.requires_grad) if n in edges]
     groups = _param_groups([_node(x) for x in inputs], param_nodes, edges)
     if sum(len(g["params"]) for g in groups) < len(param_nodes):
         # a parameter whose branch never meets the input's path (an output leaf made from parameters alone):

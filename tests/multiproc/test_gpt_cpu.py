@@ -97,6 +97,17 @@ def test_user_embedding_model_on_text_pp2_equals_pp1(text, tmp_path, factory):
     assert one["config"]["loss"] == "cross-entropy" and one["tflops"] == [None] * 3
 
 
+@pytest.mark.parametrize("schedule", [("zb-h1",), ("zbv", "--stages", "2")])
+def test_fused_linear_model_zero_bubble_equals_pp1(text, tmp_path, schedule):
+    """FusedLinear's own autograd path on the CPU (a GPU run's path): its weights hold most of each stage's
+    parameters, so B takes split_backward's lean form (the graph freed after B, W the queued weight GEMMs)."""
+    args = [*gpt_args(text, 4)[2:], "--model", "lm_models:fused_mlp_lm"]
+    one = run_ok([sys.executable], args, tmp_path, "one")
+    two = run_ok(forkrun_cmd(2), [*args, "--pp", "2", "--schedule", *schedule], tmp_path, "two")
+    assert_same_run(two, one)
+    assert two["losses"][-1] < two["losses"][0]
+
+
 @pytest.mark.slow
 def test_default_gpt_learns_the_default_corpus(tmp_path):
     """The default corpus (the stdlib, tokenized into a fresh cache): the loss starts near log(vocab) and falls

@@ -37,3 +37,25 @@ def float_lm(vocab_size: int) -> nn.Sequential:
 def dropout_lm(vocab_size: int) -> nn.Sequential:
     """An embedding LM with dropout (for the notice); it ignores --hidden and --layers."""
     return nn.Sequential(nn.Embedding(vocab_size, 16), nn.Dropout(0.1), nn.Linear(16, vocab_size))
+
+
+class FusedMlp(nn.Module):
+    """A residual MLP whose Linears are peerline's FusedLinear on its own autograd path (impl "peerline", the path a
+    GPU run takes): a zero-bubble B on it takes split_backward's lean form."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        from peerline.kernels.fused_linear import FusedLinear
+
+        self.norm = nn.LayerNorm(hidden)
+        self.fc1 = FusedLinear(hidden, 4 * hidden, bias=False, impl="peerline")
+        self.fc2 = FusedLinear(4 * hidden, hidden, impl="peerline")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def fused_mlp_lm(vocab_size: int, hidden: int) -> nn.Sequential:
+    """nn.Embedding, four FusedMlp blocks, a plain Linear head."""
+    return nn.Sequential(nn.Embedding(vocab_size, hidden), *(FusedMlp(hidden) for _ in range(4)),
+                         nn.Linear(hidden, vocab_size))
