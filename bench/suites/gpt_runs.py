@@ -74,15 +74,15 @@ class GPTBench:
         """Measure each variant (the anchor first) and record it against the anchor as soon as both exist."""
         schedules = getattr(self.args, "gpt_schedules", None) or ["1f1b"]
         precisions = getattr(self.args, "gpt_precisions", None) or ["master"]
-        runs = [(v, s, p) for v in variants
-                for s, p in ([(None, None)] if v in TORCH_VARIANTS else
-                             [(s, p) for s in schedules for p in precisions])]
-        for variant, schedule, precision in runs:
-            label = (variant + ("" if schedule in (None, "1f1b") else f" {schedule}")
-                     + ("" if precision in (None, "master") else f" {precision}"))
+        kernel_impls = getattr(self.args, "gpt_kernels", None) or ["auto"]
+        runs = [(v, s, p, k) for v in variants
+                for s, p, k in ([(None, None, None)] if v in TORCH_VARIANTS else
+                                [(s, p, k) for s in schedules for p in precisions for k in kernel_impls])]
+        for variant, schedule, precision, kernels in runs:
+            label = variant + variant_suffix(schedule, precision, kernels)
             measure = (lambda v=variant: self.best_anchor(v, failures)) if variant in TORCH_VARIANTS else (
-                lambda graph=variant == "graph", schedule=schedule, precision=precision:
-                self.peerline(graph, schedule=schedule, precision=precision))
+                lambda graph=variant == "graph", schedule=schedule, precision=precision, kernels=kernels:
+                self.peerline(graph, schedule=schedule, precision=precision, kernels=kernels))
             got = self._measure(label, measure, failures)
             if got is None:
                 continue
@@ -133,12 +133,12 @@ class GPTBench:
                          "state_bytes": held}, per_rank)
 
     # -- peerline ------------------------------------------------------------------------------------------------
-    def peerline(self, graph: bool, recompute: str = "off", schedule: str = "1f1b", precision: str = "master"
-                 ) -> Measured | str:
-        """peerline with `schedule` and `precision` (--precision) on the same shape and data; why not, when the
-        iteration was not captured."""
+    def peerline(self, graph: bool, recompute: str = "off", schedule: str = "1f1b", precision: str = "master",
+                 kernels: str = "auto") -> Measured | str:
+        """peerline with `schedule`, `precision` (--precision) and `kernels` (--kernels) on the same shape and data;
+        why not, when the iteration was not captured."""
         cfg = peerline_config(self.shape, self.device, graph=graph, recompute=recompute, schedule=schedule,
-                              stages=stages_per_rank(schedule), precision=precision)
+                              stages=stages_per_rank(schedule), precision=precision, kernels=kernels)
         with open_runtime(cfg) as rt:
             measured = time_captured(rt, graph, LOSS_CHECK_ITERS, self.timer)
             if isinstance(measured, str):
@@ -148,10 +148,10 @@ class GPTBench:
             extra: dict[str, Any] = {"model": "peerline's GPT", "transport": rt.transport_name,
                                      "recompute": recompute, "stage_layers": _most_stage_layers(rt, self.device),
                                      "state_bytes": rt.state_bytes_per_rank()}
-        name = (("graph" if graph else "eager") + ("" if schedule == "1f1b" else f" {schedule}")
-                + ("" if precision == "master" else f" {precision}"))
+        name = ("graph" if graph else "eager") + variant_suffix(schedule, precision, kernels)
         extra["schedule"] = schedule
         extra["precision"] = precision
+        extra["kernels"] = kernels
         return Measured(name, timing, losses, None, max(per_rank, default=0.0), extra, per_rank)
 
     def recompute_table(self, failures: list[str]) -> None:
@@ -172,6 +172,12 @@ class GPTBench:
     def _measure(self, label: str, measure: Callable[[], Measured | str], failures: list[str]) -> Measured | None:
         """One measurement of this shape (runtime_timing.measure_or_note)."""
         return measure_or_note(self.ctx, "gpt", f"{self.shape.name} {label}", measure, failures)
+
+
+def variant_suffix(schedule: str | None, precision: str | None, kernels: str | None) -> str:
+    """What a peerline variant's name adds to eager / graph: each setting that is not the default."""
+    return (("" if schedule in (None, "1f1b") else f" {schedule}") + ("" if precision in (None, "master") else
+            f" {precision}") + ("" if kernels in (None, "auto") else f" kernels-{kernels}"))
 
 
 def peerline_config(shape: GPTShape, device: torch.device, **overrides: Any) -> RunConfig:

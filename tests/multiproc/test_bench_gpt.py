@@ -65,7 +65,8 @@ def plain_losses(shape: GPTShape, iters: int = 2) -> list[float]:
 def test_gpt_suite_two_ranks_with_recompute_table(tmp_path):
     out = tmp_path / "gpt"
     proc = run_bench(2, ["--gpt-recompute", "--gpt-anchor-compile", "both", "--gpt-compile-backend", "aot_eager",
-                         "--gpt-schedules", "1f1b,zbv,interleaved"], out, suites=("gpt",))
+                         "--gpt-schedules", "1f1b,zbv,interleaved", "--gpt-kernels", "auto,torch"], out,
+                    suites=("gpt",))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     by_case = {r["case"]: r for r in gpt_records(out)}
     eager = by_case["quick eager"]
@@ -98,6 +99,12 @@ def test_gpt_suite_two_ranks_with_recompute_table(tmp_path):
     for placed in ("zbv", "interleaved"):  # two stages per rank: the suite gives them --stages 2
         rec = by_case[f"quick eager {placed}"]
         assert rec["extra"]["schedule"] == placed and close(rec["extra"]["losses"], ex["losses"], 1e-5), rec["extra"]
+
+    for placed in ("", " zbv", " interleaved"):  # --gpt-kernels torch: the same runs with --kernels torch
+        rec = by_case[f"quick eager{placed} kernels-torch"]
+        assert rec["extra"]["kernels"] == "torch" and rec["anchor_name"] == eager["anchor_name"], rec["extra"]
+        assert close(rec["extra"]["losses"], ex["losses"], 1e-6), rec["extra"]  # the CPU runs torch's ops either way
+    assert ex["kernels"] == "auto"
 
     half = ex["stage_layers"] // 2
     assert half >= 1
