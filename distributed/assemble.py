@@ -142,9 +142,10 @@ def plan_grid(cfg: RunConfig, info: LaunchInfo | None) -> Grid:
     info = info or detect_launch()
     pp = cfg.resolved_pp(info.world_size)
     n_stages = pp * cfg.stages
-    placed = placed_schedule(cfg.schedule, pp, cfg.stages, cfg.microbatches)  # interleaved, zbv: checked here
+    placed = placed_schedule(cfg.schedule, pp, cfg.stages, cfg.microbatches, cfg.zb_memory)  # interleaved, zbv
     # validates M against the stages
-    programs = placed.stage_programs() if placed else sched.build(cfg.schedule, n_stages, cfg.microbatches)
+    programs = placed.stage_programs() if placed else sched.build(cfg.schedule, n_stages, cfg.microbatches,
+                                                                  memory=cfg.zb_memory)
     device = choose_device(cfg.device, info)
     mesh = Mesh(pp=pp, dp=cfg.dp, rank=info.rank, wrap=placed is not None and placed.placement.wraps)
     stage_ids = placed.placement.stages_of(mesh.stage) if placed else \
@@ -323,7 +324,8 @@ def make_checked_transport(cfg: RunConfig, grid: Grid, links: Links, streams: Ra
     simulated against its capacity. The edges' transports and hosts go to `notices` (the start-up lines)."""
     on_gpu = grid.device.type == "cuda"
     placed = grid.placed
-    ring = None if placed else sched.build(cfg.schedule, grid.n_stages, cfg.microbatches, rendezvous=False)
+    ring = None if placed else sched.build(cfg.schedule, grid.n_stages, cfg.microbatches, rendezvous=False,
+                                           memory=cfg.zb_memory)
     # ring depth (copy engine): what the schedule needs plus one slot, so the next message's copy overlaps the
     # receiver's work instead of waiting for its release; never more than the messages of an edge
     ids = placed.ids if placed else cfg.microbatches

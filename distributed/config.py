@@ -32,6 +32,7 @@ from peerline.choices import (
     SCHEDULES,
     STAGINGS,
     TOKEN_DATA,  # noqa: F401 - re-exported
+    ZB_MEMORY,
 )
 
 #: The `--help` groups, in the order they are shown.
@@ -98,6 +99,12 @@ class RunConfig:
                            "bubble, two stages per rank in a V; --stages 2) (default: %(default)s)",
                            choices=SCHEDULES)
     """Pipeline schedule: gpipe, 1f1b, zb-h1, interleaved or zbv."""
+    zb_memory: str = option("fast", BATCH, "what a zero-bubble schedule (zb-h1, zbv) may hold: fast (up to pp "
+                            "deferred weight passes per stage on top of 1F1B's microbatches: the fewest bubbles) or "
+                            "1f1b (at most 1F1B's microbatches, deferred weight passes counted: 1F1B's peak "
+                            "activation memory; zbv keeps its order's length, zb-h1 leaves some bubbles unfilled) "
+                            "(default: %(default)s)", choices=ZB_MEMORY)
+    """Zero-bubble memory: fast, or 1f1b (a deferred W counts as a held microbatch; pipeline/timed.py)."""
     microbatches: int = option(4, BATCH, "microbatches per iteration and replica (default: %(default)s)",
                                short="-m", minimum=1)
     """Microbatches per iteration and replica (M)."""
@@ -568,4 +575,4 @@ def _derive_batch(cfg: RunConfig) -> None:
 __all__ = ["RunConfig", "ConfigError", "ReportedElsewhere", "Flag", "GROUPS", "flags", "flag_name", "SCHEDULES",
            "DTYPES", "DEVICES",
            "KERNEL_IMPLEMENTATIONS", "KERNELS", "P2P", "GRAD_SYNCS", "ALLREDUCE_PRIORITIES", "ALLOCATORS",
-           "STAGINGS", "DATA_SOURCES", "TOKEN_DATA", "MODELS", "LOSSES", "RECOMPUTE", "is_spec"]
+           "STAGINGS", "DATA_SOURCES", "TOKEN_DATA", "MODELS", "LOSSES", "RECOMPUTE", "ZB_MEMORY", "is_spec"]

@@ -105,12 +105,13 @@ def print_schedule(cfg: RunConfig) -> None:
     info = detect_launch()
     pp = cfg.pp if info.world_size == 1 and cfg.pp is not None else cfg.resolved_pp(info.world_size)
     n_stages = pp * cfg.stages
-    placed = placed_schedule(cfg.schedule, pp, cfg.stages, cfg.microbatches)  # several stages per rank
-    programs = None if placed else schedule.build(cfg.schedule, n_stages, cfg.microbatches)
+    placed = placed_schedule(cfg.schedule, pp, cfg.stages, cfg.microbatches, cfg.zb_memory)  # several per rank
+    programs = None if placed else schedule.build(cfg.schedule, n_stages, cfg.microbatches, memory=cfg.zb_memory)
     table = placed.render() if placed else schedule.render(programs)
     ring = None
     if programs is not None and pp > 1:
-        ring_programs = schedule.build(cfg.schedule, n_stages, cfg.microbatches, rendezvous=False)
+        ring_programs = schedule.build(cfg.schedule, n_stages, cfg.microbatches, rendezvous=False,
+                                       memory=cfg.zb_memory)
         if ring_programs != programs:
             ring = schedule.render(ring_programs)
     if info.rank == 0:

@@ -55,7 +55,7 @@ from peerline.bench.benchkit import BenchContext
 from peerline.bench.runtime_timing import free_device
 from peerline.bench.suites.gpt_anchor import GPTShape
 from peerline.bench.suites.gpt_runs import GPTBench, one_gpu
-from peerline.choices import KERNELS
+from peerline.choices import KERNELS, ZB_MEMORY
 
 CONFIGS = {
     "compute": GPTShape("compute-bound", layers=24, hidden=2048, heads=16, seq=2048, micro_batch_size=1,
@@ -97,6 +97,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="peerline's --kernels for the eager and graph variants: auto, torch, peerline, e.g. "
                             "auto,torch: the same model with peerline's fused kernels and with torch's ops, each "
                             "compared with the anchor (default auto)")
+    group.add_argument("--gpt-zb-memory", type=_csv, default=None,
+                       help="peerline's --zb-memory for its zero-bubble schedules (zb-h1, zbv): fast, 1f1b, e.g. "
+                            "fast,1f1b (default fast)")
     group.add_argument("--gpt-anchor-schedules", type=_csv, default=None,
                        help="the anchor's torch schedules to try: 1f1b,gpipe,interleaved-1f1b,interleaved-zb,zbv,"
                             "dualpipev (default all that apply)")
@@ -169,9 +172,11 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     rows."""
     shapes = selected_shapes(args, ctx.quick)
     variants = _variants(args, ctx)
-    unknown = [k for k in getattr(args, "gpt_kernels", None) or [] if k not in KERNELS]
-    if unknown:
-        raise ValueError(f"gpt: unknown --gpt-kernels {unknown[0]!r}; choose from {', '.join(KERNELS)}")
+    for flag, allowed in (("gpt_kernels", KERNELS), ("gpt_zb_memory", ZB_MEMORY)):
+        unknown = [k for k in getattr(args, flag, None) or [] if k not in allowed]
+        if unknown:
+            raise ValueError(f"gpt: unknown --{flag.replace('_', '-')} {unknown[0]!r}; choose from "
+                             f"{', '.join(allowed)}")
     blocks = anchor_blocks(args, ctx) if "torch" in variants else ["eager"]
     pp = dist.get_world_size()
     ctx.facts.setdefault("gpt_grid", f"pp={pp}")

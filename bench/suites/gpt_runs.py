@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 LOSS_CHECK_ITERS = 2  # iterations whose losses are read and compared before timing
 #: the variants measured on torch (variant -> the anchor's model, gpt_anchor.MODELS); "torch" is the anchor
 TORCH_VARIANTS = {"torch": "plain", "torch-peerline-gpt": "peerline"}
+#: the schedules --gpt-zb-memory applies to
+ZERO_BUBBLE = ("zb-h1", "zbv")
 #: the one-GPU row (--gpt-single), after the configuration's name
 ONE_GPU = "one-GPU eager bf16"
 
@@ -75,14 +77,16 @@ class GPTBench:
         schedules = getattr(self.args, "gpt_schedules", None) or ["1f1b"]
         precisions = getattr(self.args, "gpt_precisions", None) or ["master"]
         kernel_impls = getattr(self.args, "gpt_kernels", None) or ["auto"]
-        runs = [(v, s, p, k) for v in variants
-                for s, p, k in ([(None, None, None)] if v in TORCH_VARIANTS else
-                                [(s, p, k) for s in schedules for p in precisions for k in kernel_impls])]
-        for variant, schedule, precision, kernels in runs:
-            label = variant + variant_suffix(schedule, precision, kernels)
+        memories = getattr(self.args, "gpt_zb_memory", None) or ["fast"]
+        runs = [(v, None, None, None, None) if v in TORCH_VARIANTS else (v, s, p, k, z)
+                for v in variants for s in schedules for p in precisions for k in kernel_impls
+                for z in (memories if s in ZERO_BUBBLE else ["fast"])]
+        for variant, schedule, precision, kernels, memory in dict.fromkeys(runs):
+            label = variant + variant_suffix(schedule, precision, kernels, memory)
             measure = (lambda v=variant: self.best_anchor(v, failures)) if variant in TORCH_VARIANTS else (
-                lambda graph=variant == "graph", schedule=schedule, precision=precision, kernels=kernels:
-                self.peerline(graph, schedule=schedule, precision=precision, kernels=kernels))
+                lambda graph=variant == "graph", schedule=schedule, precision=precision, kernels=kernels,
+                memory=memory: self.peerline(graph, schedule=schedule, precision=precision, kernels=kernels,
+                                             zb_memory=memory))
             got = self._measure(label, measure, failures)
             if got is None:
                 continue
@@ -134,11 +138,12 @@ class GPTBench:
 
     # -- peerline ------------------------------------------------------------------------------------------------
     def peerline(self, graph: bool, recompute: str = "off", schedule: str = "1f1b", precision: str = "master",
-                 kernels: str = "auto") -> Measured | str:
-        """peerline with `schedule`, `precision` (--precision) and `kernels` (--kernels) on the same shape and data;
-        why not, when the iteration was not captured."""
+                 kernels: str = "auto", zb_memory: str = "fast") -> Measured | str:
+        """peerline with `schedule`, `precision` (--precision), `kernels` (--kernels) and `zb_memory` (--zb-memory)
+        on the same shape and data; why not, when the iteration was not captured."""
         cfg = peerline_config(self.shape, self.device, graph=graph, recompute=recompute, schedule=schedule,
-                              stages=stages_per_rank(schedule), precision=precision, kernels=kernels)
+                              stages=stages_per_rank(schedule), precision=precision, kernels=kernels,
+                              zb_memory=zb_memory)
         with open_runtime(cfg) as rt:
             measured = time_captured(rt, graph, LOSS_CHECK_ITERS, self.timer)
             if isinstance(measured, str):
@@ -148,10 +153,11 @@ class GPTBench:
             extra: dict[str, Any] = {"model": "peerline's GPT", "transport": rt.transport_name,
                                      "recompute": recompute, "stage_layers": _most_stage_layers(rt, self.device),
                                      "state_bytes": rt.state_bytes_per_rank()}
-        name = ("graph" if graph else "eager") + variant_suffix(schedule, precision, kernels)
+        name = ("graph" if graph else "eager") + variant_suffix(schedule, precision, kernels, zb_memory)
         extra["schedule"] = schedule
         extra["precision"] = precision
         extra["kernels"] = kernels
+        extra["zb_memory"] = zb_memory
         return Measured(name, timing, losses, None, max(per_rank, default=0.0), extra, per_rank)
 
     def recompute_table(self, failures: list[str]) -> None:
@@ -174,10 +180,12 @@ class GPTBench:
         return measure_or_note(self.ctx, "gpt", f"{self.shape.name} {label}", measure, failures)
 
 
-def variant_suffix(schedule: str | None, precision: str | None, kernels: str | None) -> str:
+def variant_suffix(schedule: str | None, precision: str | None, kernels: str | None, memory: str | None = None
+                   ) -> str:
     """What a peerline variant's name adds to eager / graph: each setting that is not the default."""
     return (("" if schedule in (None, "1f1b") else f" {schedule}") + ("" if precision in (None, "master") else
-            f" {precision}") + ("" if kernels in (None, "auto") else f" kernels-{kernels}"))
+            f" {precision}") + ("" if kernels in (None, "auto") else f" kernels-{kernels}")
+            + ("" if memory in (None, "fast") else f" zb-memory-{memory}"))
 
 
 def peerline_config(shape: GPTShape, device: torch.device, **overrides: Any) -> RunConfig:

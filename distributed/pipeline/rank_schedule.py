@@ -47,9 +47,10 @@ def interleaved_order(rank: int, pp: int, v: int, m: int) -> list[Compute]:
 
 
 def _pick(stages: list[int], nxt: dict, pending_w: list, n: int, m: int, done: dict, t: int,
-          f_limit: int) -> Compute | None:
+          f_limit: int, hold: bool = False) -> Compute | None:
     """What a free rank starts at t: a ready B (oldest microbatch, the later stage first), a ready F under the
-    activation limit (the later stage first: a microbatch's forward finishes before the next starts), a W."""
+    activation limit (the later stage first: a microbatch's forward finishes before the next starts), a W. With
+    `hold`, the deferred Ws count toward that limit."""
     if len(pending_w) >= f_limit:
         return ("W", *pending_w[0])
     bs = [("B", s, nxt[("B", s)]) for s in stages if nxt[("B", s)] < nxt[("F", s)]]
@@ -59,13 +60,14 @@ def _pick(stages: list[int], nxt: dict, pending_w: list, n: int, m: int, done: d
     in_flight = sum(nxt[("F", s)] - nxt[("B", s)] for s in stages)
     fs = [("F", s, nxt[("F", s)]) for s in stages if nxt[("F", s)] < m]
     fs = [c for c in fs if is_ready(*c, n, done, t)]
-    if fs and in_flight < f_limit:
+    if fs and in_flight + (len(pending_w) if hold else 0) < f_limit:
         return min(fs, key=lambda c: (c[2], -c[1]))
     return ("W", *pending_w[0]) if pending_w else None
 
 
-def zbv_orders(placement: Placement, m: int) -> list[list[Compute]]:
-    """Every rank's (op, stage, mb) order for ZB-V, played in unit time steps (F, B and W one unit each)."""
+def zbv_orders(placement: Placement, m: int, memory: str = "fast") -> list[list[Compute]]:
+    """Every rank's (op, stage, mb) order for ZB-V, played in unit time steps (F, B and W one unit each). `memory`
+    "1f1b" counts the deferred Ws among the 2pp stage-microbatches a rank may hold (1F1B's peak)."""
     n, pp = placement.n_stages, placement.pp
     ranks = [placement.stages_of(r) for r in range(pp)]
     nxt = {(op, s): 0 for s in range(n) for op in ("F", "B")}
@@ -77,7 +79,7 @@ def zbv_orders(placement: Placement, m: int) -> list[list[Compute]]:
         for r in range(pp):
             if busy[r] > t:
                 continue
-            c = _pick(ranks[r], nxt, pending[r], n, m, done, t, 2 * pp)
+            c = _pick(ranks[r], nxt, pending[r], n, m, done, t, 2 * pp, memory == "1f1b")
             if c is None:
                 continue
             op, s, mb = c
@@ -164,12 +166,13 @@ def with_rank_messages(orders: list[list[Compute]], placement: Placement) -> lis
     return [[(s, step) for _, s, step in sorted(ev, key=lambda e: e[0])] for ev in events]
 
 
-def build_ranks(schedule: str, placement: Placement, m: int) -> list[RankProgram]:
-    """Every pipeline position's program for `schedule` (interleaved or zbv) on `placement`."""
+def build_ranks(schedule: str, placement: Placement, m: int, memory: str = "fast") -> list[RankProgram]:
+    """Every pipeline position's program for `schedule` (interleaved or zbv) on `placement`; `memory`: zbv's
+    --zb-memory."""
     if schedule == "interleaved" and placement.shape == LOOP:
         orders = [interleaved_order(r, placement.pp, placement.per_rank, m) for r in range(placement.pp)]
     elif schedule == "zbv" and placement.shape == V_SHAPE:
-        orders = zbv_orders(placement, m)
+        orders = zbv_orders(placement, m, memory)
     else:
         raise ScheduleError(f"schedule {schedule!r} does not run on a {placement.shape} placement")
     return with_rank_messages(orders, placement)

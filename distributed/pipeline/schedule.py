@@ -131,7 +131,7 @@ def with_messages(stage: int, n_stages: int, order: list[tuple[str, int]]) -> li
     return steps + _comm(*before)
 
 
-def zb_h1(stage: int, n_stages: int, m: int, rendezvous: bool = True) -> list[Step]:
+def zb_h1(stage: int, n_stages: int, m: int, rendezvous: bool = True, memory: str = "fast") -> list[Step]:
     """Zero bubble H1: 1F1B's forwards and input-gradient passes B, the weight-gradient passes W deferred into the
     waits (timed.py: at most n_stages deferred per stage, 1F1B's activations in flight).
 
@@ -139,27 +139,33 @@ def zb_h1(stage: int, n_stages: int, m: int, rendezvous: bool = True) -> list[St
     does nothing and its W is the whole backward, so W(j) runs while gradient j + 1 is on its way instead of after
     it. On a rendezvous transport (NCCL, gloo) that order deadlocks: the first stage's lone activation send would
     wait for the next stage, whose lone gradient send waits for the first stage's receive. There every send is
-    posted with the next receive, in the order of unit costs."""
-    return with_messages(stage, n_stages, _zb_h1_orders(n_stages, m, rendezvous)[stage])
+    posted with the next receive, in the order of unit costs.
+
+    `memory` "1f1b" caps what stage s holds, its deferred Ws counted, at 1F1B's n_stages - s microbatches."""
+    return with_messages(stage, n_stages, _zb_h1_orders(n_stages, m, rendezvous, memory)[stage])
 
 
-def _zb_h1_orders(n_stages: int, m: int, rendezvous: bool = True) -> list[list[tuple[str, int]]]:
+def _zb_h1_orders(n_stages: int, m: int, rendezvous: bool = True, memory: str = "fast"
+                  ) -> list[list[tuple[str, int]]]:
+    hold = (lambda s: n_stages - s) if memory == "1f1b" else None
     return timed.compute_orders(n_stages, m, split=True, f_limit=lambda s: n_stages - s,
-                                w_limit=lambda s: n_stages, first_stage_whole_w=not rendezvous)
+                                w_limit=lambda s: n_stages, first_stage_whole_w=not rendezvous, hold_limit=hold)
 
 
 SCHEDULE_BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}
 
 
-def build(schedule: str, n_stages: int, m: int, rendezvous: bool = True) -> list[list[Step]]:
-    """Programs of every stage; `rendezvous` False: for a ring transport only (zb_h1)."""
+def build(schedule: str, n_stages: int, m: int, rendezvous: bool = True, memory: str = "fast"
+          ) -> list[list[Step]]:
+    """Programs of every stage; `rendezvous` False: for a ring transport only (zb_h1); `memory`: --zb-memory."""
     if schedule not in SCHEDULE_BUILDERS:
         raise ScheduleError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_BUILDERS)}")
     if schedule == "1f1b" and m < n_stages:
         raise ScheduleError(f"1f1b needs at least as many microbatches as stages: M={m} < {n_stages} stages "
                             f"(use --microbatches {n_stages} or more, or --schedule gpipe)")
     if schedule == "zb-h1":
-        return [with_messages(s, n_stages, order) for s, order in enumerate(_zb_h1_orders(n_stages, m, rendezvous))]
+        return [with_messages(s, n_stages, order)
+                for s, order in enumerate(_zb_h1_orders(n_stages, m, rendezvous, memory))]
     return [SCHEDULE_BUILDERS[schedule](s, n_stages, m) for s in range(n_stages)]
 
 

@@ -7,8 +7,10 @@ nothing and its W is the whole backward (split_backward.py), B 0 units and W 2 (
 waits for F of s-1, B of s for B of s+1 (the last stage's B for its own F), W for its own B. When a rank is free
 it takes, in this order:
 a W when it already holds `w_limit` deferred ones; a ready B (the critical path); a ready F while fewer than
-`f_limit` microbatches sit between their F and B on the stage (1F1B's activation memory); any pending W (the
-bubble filler). The result is each stage's order of (op, microbatch); schedule.py adds the messages.
+`f_limit` microbatches sit between their F and B on the stage (1F1B's activation memory) and, with `hold_limit`,
+fewer than that many between their F and W (a deferred W holds its Linears' inputs and gradients, about a
+forward's activations: the cap is what keeps a zero-bubble stage within 1F1B's memory); any pending W (the bubble
+filler). The result is each stage's order of (op, microbatch); schedule.py adds the messages.
 """
 
 from __future__ import annotations
@@ -54,13 +56,16 @@ class _Stage:
 
 
 def _pick(s: int, st: _Stage, m: int, n_stages: int, done: dict, t: int, split: bool,
-          f_limit: int, w_limit: int) -> tuple[str, int] | None:
+          f_limit: int, w_limit: int, hold_limit: int | None = None) -> tuple[str, int] | None:
     """The action stage s starts at time t, or None (nothing ready)."""
     if split and st.pending_w and len(st.pending_w) >= w_limit:
         return "W", st.pending_w[0]
     if st.next_b < st.next_f and is_ready("B", s, st.next_b, n_stages, done, t):
         return "B", st.next_b
-    if st.next_f < m and st.next_f - st.next_b < f_limit and is_ready("F", s, st.next_f, n_stages, done, t):
+    in_flight = st.next_f - st.next_b
+    held = in_flight + len(st.pending_w)  # microbatches whose W has not run: each holds memory
+    if (st.next_f < m and in_flight < f_limit and (hold_limit is None or held < hold_limit)
+            and is_ready("F", s, st.next_f, n_stages, done, t)):
         return "F", st.next_f
     if split and st.pending_w:
         return "W", st.pending_w[0]
@@ -68,8 +73,10 @@ def _pick(s: int, st: _Stage, m: int, n_stages: int, done: dict, t: int, split: 
 
 
 def compute_orders(n_stages: int, m: int, *, split: bool, f_limit: Callable[[int], int],
-                   w_limit: Callable[[int], int], first_stage_whole_w: bool = False) -> list[list[tuple[str, int]]]:
-    """Each stage's (op, microbatch) order, one stage per rank, played in unit time steps."""
+                   w_limit: Callable[[int], int], first_stage_whole_w: bool = False,
+                   hold_limit: Callable[[int], int] | None = None) -> list[list[tuple[str, int]]]:
+    """Each stage's (op, microbatch) order, one stage per rank, played in unit time steps. `hold_limit(s)` caps
+    the microbatches stage s holds, its deferred Ws counted (F waits until one W has run)."""
     stages = [_Stage() for _ in range(n_stages)]
     done: dict[tuple[str, int, int], int] = {}
     busy_until = [0] * n_stages
@@ -78,7 +85,8 @@ def compute_orders(n_stages: int, m: int, *, split: bool, f_limit: Callable[[int
     while len(done) < total:
         for s, st in enumerate(stages):
             while busy_until[s] <= t:  # a zero-cost action leaves the stage free to take another at once
-                act = _pick(s, st, m, n_stages, done, t, split, f_limit(s), w_limit(s))
+                act = _pick(s, st, m, n_stages, done, t, split, f_limit(s), w_limit(s),
+                            None if hold_limit is None else hold_limit(s))
                 if act is None:
                     break
                 op, mb = act

@@ -65,7 +65,8 @@ def plain_losses(shape: GPTShape, iters: int = 2) -> list[float]:
 def test_gpt_suite_two_ranks_with_recompute_table(tmp_path):
     out = tmp_path / "gpt"
     proc = run_bench(2, ["--gpt-recompute", "--gpt-anchor-compile", "both", "--gpt-compile-backend", "aot_eager",
-                         "--gpt-schedules", "1f1b,zbv,interleaved", "--gpt-kernels", "auto,torch"], out,
+                         "--gpt-schedules", "1f1b,zbv,interleaved", "--gpt-kernels", "auto,torch", "--gpt-zb-memory", "fast,1f1b"],
+                    out,
                     suites=("gpt",))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     by_case = {r["case"]: r for r in gpt_records(out)}
@@ -105,6 +106,9 @@ def test_gpt_suite_two_ranks_with_recompute_table(tmp_path):
         assert rec["extra"]["kernels"] == "torch" and rec["anchor_name"] == eager["anchor_name"], rec["extra"]
         assert close(rec["extra"]["losses"], ex["losses"], 1e-6), rec["extra"]  # the CPU runs torch's ops either way
     assert ex["kernels"] == "auto"
+    capped = by_case["quick eager zbv zb-memory-1f1b"]["extra"]  # --gpt-zb-memory: the zero-bubble schedules only
+    assert capped["zb_memory"] == "1f1b" and close(capped["losses"], ex["losses"], 1e-5), capped
+    assert not any("zb-memory" in case for case in by_case if " zbv" not in case), sorted(by_case)
 
     half = ex["stage_layers"] // 2
     assert half >= 1

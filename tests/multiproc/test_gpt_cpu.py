@@ -97,13 +97,16 @@ def test_user_embedding_model_on_text_pp2_equals_pp1(text, tmp_path, factory):
     assert one["config"]["loss"] == "cross-entropy" and one["tflops"] == [None] * 3
 
 
+@pytest.mark.parametrize("memory", ["fast", "1f1b"])
 @pytest.mark.parametrize("schedule", [("zb-h1",), ("zbv", "--stages", "2")])
-def test_fused_linear_model_zero_bubble_equals_pp1(text, tmp_path, schedule):
+def test_fused_linear_model_zero_bubble_equals_pp1(text, tmp_path, schedule, memory):
     """FusedLinear's own autograd path on the CPU (a GPU run's path): its weights hold most of each stage's
-    parameters, so B takes split_backward's lean form (the graph freed after B, W the queued weight GEMMs)."""
+    parameters, so B takes split_backward's lean form (the graph freed after B, W the queued weight GEMMs); with
+    either --zb-memory order."""
     args = [*gpt_args(text, 4)[2:], "--model", "lm_models:fused_mlp_lm"]
     one = run_ok([sys.executable], args, tmp_path, "one")
-    two = run_ok(forkrun_cmd(2), [*args, "--pp", "2", "--schedule", *schedule], tmp_path, "two")
+    two = run_ok(forkrun_cmd(2), [*args, "--pp", "2", "--schedule", *schedule, "--zb-memory", memory], tmp_path,
+                 "two")
     assert_same_run(two, one)
     assert two["losses"][-1] < two["losses"][0]
 

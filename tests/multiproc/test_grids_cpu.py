@@ -29,10 +29,11 @@ def test_grid_equals_single_process(tmp_path, nproc, pp, dp, m):
     assert {k.split("/")[0] for k in res["layer_checksums"]} == {f"r{r}" for r in range(dp)}
 
 
-@pytest.mark.parametrize("nproc,pp,dp,m", [(4, 2, 2, 3), (4, 4, 1, 5)])
-def test_zero_bubble_grid_equals_single_process(tmp_path, nproc, pp, dp, m):
-    """ZB-H1 (B and W split, W deferred, the all-reduce after the last W) with M not a multiple of pp."""
-    args = [a if a != "1f1b" else "zb-h1" for a in GRID_ARGS]
+@pytest.mark.parametrize("nproc,pp,dp,m,memory", [(4, 2, 2, 3, "fast"), (4, 4, 1, 5, "fast"), (4, 4, 1, 5, "1f1b")])
+def test_zero_bubble_grid_equals_single_process(tmp_path, nproc, pp, dp, m, memory):
+    """ZB-H1 (B and W split, W deferred, the all-reduce after the last W) with M not a multiple of pp; and its
+    order within 1F1B's memory (--zb-memory 1f1b)."""
+    args = [a if a != "1f1b" else "zb-h1" for a in GRID_ARGS] + ["--zb-memory", memory]
     proc, ref = run_job([sys.executable], [*args, "-m", str(m * dp)], tmp_path, "ref")
     assert proc.returncode == 0, proc.stderr
     proc, res = run_job(forkrun_cmd(nproc), [*args, "-m", str(m), "--pp", str(pp), "--dp", str(dp)], tmp_path,

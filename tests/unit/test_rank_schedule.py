@@ -127,3 +127,26 @@ def test_waiting_ranks_are_shown_in_a_table():
 def test_print_schedule_table():
     text = placed_schedule("zbv", 2, 2, 2).render()
     assert "rank 0" in text and "rank 1" in text and "W0@3" in text and "legend" in text
+
+
+@pytest.mark.parametrize("pp,m", [(1, 3), (2, 1), (2, 3), (2, 8), (2, 16), (3, 5), (4, 4), (4, 8), (4, 16)])
+def test_zbv_within_1f1b_memory(pp, m):
+    """--zb-memory 1f1b: a rank holds at most 2pp stage-microbatches (1F1B's peak), its deferred Ws counted; the
+    programs run on rendezvous and rings; the unit-time makespan stays the fast order's at these grids."""
+    placement = Placement(pp, 2, V_SHAPE)
+    orders = R.zbv_orders(placement, m, memory="1f1b")
+    for order in orders:
+        held = peak = 0
+        for op, _s, _mb in order:
+            held += (op == "F") - (op == "W")
+            peak = max(peak, held)
+        assert peak <= 2 * pp
+    programs = R.build_ranks("zbv", placement, m, memory="1f1b")
+    rank_sim.simulate_ranks(programs, placement, m, None)
+    rank_sim.simulate_ranks(programs, placement, m, rank_sim.min_rank_capacity(programs, placement, m))
+
+    def span(orders):
+        return max(end for _, end in R.compute_times(orders, 2 * pp).values())
+
+    assert span(orders) == span(R.zbv_orders(placement, m))
+    assert placed_schedule("zbv", pp, 2, m, "1f1b").memory == "1f1b"

@@ -196,3 +196,47 @@ def test_programs_follow_the_edges_of_the_whole_job():
     assert programs_for_edges(rendezvous, ring, [copy, Edge(2, 3, "a", "a", COPY_ENGINE)]) is ring
     assert programs_for_edges(rendezvous, ring, [copy, Edge(2, 3, "a", "b", "nccl")]) is rendezvous
     assert programs_for_edges(rendezvous, ring, []) is rendezvous  # one stage per rank group: local handoffs
+
+
+def _held(program) -> int:
+    """The most microbatches a stage's program holds at once: forwards whose W (or unsplit B) has not run."""
+    held = peak = 0
+    split = any(step[0].op == "W" for step in program)
+    for step in program:
+        op = step[0].op
+        held += op == "F"
+        held -= op == ("W" if split else "B")
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 16])
+@pytest.mark.parametrize("rendezvous", [True, False])
+def test_zb_h1_within_1f1b_memory_holds_what_1f1b_holds(stages, m, rendezvous):
+    """--zb-memory 1f1b: every stage holds at most 1F1B's n_stages - s microbatches, its deferred Ws counted; the
+    programs run on rendezvous and rings, every F, B and W once; the unit-time makespan lies between ZB-H1's
+    (fast) and 1F1B's."""
+    programs = S.build("zb-h1", stages, m, rendezvous=rendezvous, memory="1f1b")
+    S.simulate(programs, None)
+    S.simulate(programs, S.min_capacity(programs))
+    for s, p in enumerate(programs):
+        assert _held(p) <= min(m, stages - s), (s, S.render(programs))
+        ops = [step[0] for step in p if step[0].op in S.COMPUTE]
+        assert sorted(str(a) for a in ops) == sorted(f"{op}{mb}" for op in "FBW" for mb in range(m))
+    fast = S.build("zb-h1", stages, m, rendezvous=rendezvous)
+    assert max(_held(p) for p in fast) >= max(_held(p) for p in programs)
+
+    def span(progs, split=True):
+        return timed.makespan([[(st[0].op, st[0].mb) for st in p if st[0].op in S.COMPUTE] for p in progs],
+                              split=split, first_stage_whole_w=not rendezvous)
+
+    if m >= stages and rendezvous:
+        assert span(fast) <= span(programs) <= span(S.build("1f1b", stages, m), split=False)
+
+
+def test_zb_h1_fast_holds_more_than_1f1b_at_pp4():
+    """What --zb-memory 1f1b is for: the default order keeps deferred Ws on top of 1F1B's microbatches."""
+    fast = [_held(p) for p in S.build("zb-h1", 4, 8)]
+    capped = [_held(p) for p in S.build("zb-h1", 4, 8, memory="1f1b")]
+    assert capped == [4, 3, 2, 1] and all(f > c for f, c in zip(fast, capped))
