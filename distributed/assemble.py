@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from peerline.distributed.config import ConfigError, RunConfig
+from peerline.distributed.config import ConfigError, RunConfig, is_spec
 from peerline.distributed.cudagraph.policy import GraphPolicy
 from peerline.distributed.data.token_feed import SYNTHETIC_VOCAB, TokenData, make_token_feed, token_data
 from peerline.distributed.env import LaunchInfo, choose_device, detect_launch, init_distributed
@@ -318,14 +318,25 @@ def make_links(mesh: Mesh, in_spec: BoundarySpec, out_spec: BoundarySpec) -> Lin
                  grad_in=out_spec.grad_message if mesh.next_rank is not None else None)
 
 
+def whole_w_first_stage(cfg: RunConfig, device: torch.device) -> bool:
+    """Whether zb-h1's copy-engine order may take the first stage's B as nothing and its W as the whole backward
+    (split_backward's graph form: plain Linears, the CPU, eager runs). Not where every rank expects the lean form:
+    a built-in model, whose Linears are fused, captured on a GPU with peerline's kernels; there the first stage's
+    B is a real backward, and the rendezvous order (timed.py with every stage's unit costs) is the shorter one
+    (pp=4, M=8: 27 units against 28)."""
+    lean = (device.type == "cuda" and cfg.graph is not False and not (cfg.model and is_spec(cfg.model))
+            and ops.resolve_impl(cfg.kernels, device) != "torch")
+    return not lean
+
+
 def make_checked_transport(cfg: RunConfig, grid: Grid, links: Links, streams: RankStreams,
                            notices: list[str] | None = None) -> tuple[Transport, list[tuple[int, sched.Step]]]:
     """The transport (one per edge: p2p/edges.py), and this rank's share of the schedule in global order,
     simulated against its capacity. The edges' transports and hosts go to `notices` (the start-up lines)."""
     on_gpu = grid.device.type == "cuda"
     placed = grid.placed
-    ring = None if placed else sched.build(cfg.schedule, grid.n_stages, cfg.microbatches, rendezvous=False,
-                                           memory=cfg.zb_memory)
+    ring = None if placed else sched.build(cfg.schedule, grid.n_stages, cfg.microbatches,
+                                           rendezvous=not whole_w_first_stage(cfg, grid.device), memory=cfg.zb_memory)
     # ring depth (copy engine): what the schedule needs plus one slot, so the next message's copy overlaps the
     # receiver's work instead of waiting for its release; never more than the messages of an edge
     ids = placed.ids if placed else cfg.microbatches

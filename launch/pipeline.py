@@ -99,10 +99,12 @@ def parse(argv: list[str] | None) -> RunConfig | None:
 def print_schedule(cfg: RunConfig) -> None:
     """The schedule of the grid this launch would train (pp from the world and --dp), printed by rank 0. A single
     process given --pp previews that grid's schedule without launching it."""
+    from peerline.distributed.assemble import whole_w_first_stage
     from peerline.distributed.pipeline import schedule
     from peerline.distributed.pipeline.placed import placed_schedule
 
     info = detect_launch()
+    gpu = cfg.device != "cpu" and torch.cuda.is_available()
     pp = cfg.pp if info.world_size == 1 and cfg.pp is not None else cfg.resolved_pp(info.world_size)
     n_stages = pp * cfg.stages
     placed = placed_schedule(cfg.schedule, pp, cfg.stages, cfg.microbatches, cfg.zb_memory)  # several per rank
@@ -110,8 +112,8 @@ def print_schedule(cfg: RunConfig) -> None:
     table = placed.render() if placed else schedule.render(programs)
     ring = None
     if programs is not None and pp > 1:
-        ring_programs = schedule.build(cfg.schedule, n_stages, cfg.microbatches, rendezvous=False,
-                                       memory=cfg.zb_memory)
+        ring_programs = schedule.build(cfg.schedule, n_stages, cfg.microbatches, memory=cfg.zb_memory,
+                                       rendezvous=not whole_w_first_stage(cfg, torch.device("cuda" if gpu else "cpu")))
         if ring_programs != programs:
             ring = schedule.render(ring_programs)
     if info.rank == 0:

@@ -240,3 +240,30 @@ def test_zb_h1_fast_holds_more_than_1f1b_at_pp4():
     fast = [_held(p) for p in S.build("zb-h1", 4, 8)]
     capped = [_held(p) for p in S.build("zb-h1", 4, 8, memory="1f1b")]
     assert capped == [4, 3, 2, 1] and all(f > c for f, c in zip(fast, capped))
+
+
+@pytest.mark.parametrize("device,overrides,whole_w", [
+    ("cpu", {}, True),  # the CPU: torch's Linears, split_backward's graph form
+    ("cuda", {}, False),  # the default model captured with peerline's kernels: the lean form
+    ("cuda", {"model": "gpt"}, False),
+    ("cuda", {"graph": False}, True),  # eager: bf16 weights take plain F.linear, the graph form
+    ("cuda", {"kernels": "torch"}, True),
+    ("cuda", {"model": "lm_models:embedding_lm"}, True),  # a user model: its Linears are its own
+])
+def test_copy_engine_order_follows_the_first_stages_backward(monkeypatch, device, overrides, whole_w):
+    """zb-h1's copy-engine order takes the first stage's B as nothing only where split_backward keeps the graph
+    form on every rank; where the lean form is expected its B is a real backward and the rendezvous order is used."""
+    import torch
+
+    from peerline.distributed import assemble
+    from peerline.distributed.config import RunConfig
+    from peerline.kernels import ops
+
+    monkeypatch.setattr(ops, "resolve_impl", lambda impl, dev: "torch" if dev.type != "cuda" else impl)
+    cfg = RunConfig(schedule="zb-h1", **overrides)
+    assert assemble.whole_w_first_stage(cfg, torch.device(device)) is whole_w
+    lean = S.build("zb-h1", 4, 8, rendezvous=not whole_w)
+    spans = [timed.makespan([[(st[0].op, st[0].mb) for st in p if st[0].op in S.COMPUTE] for p in programs])
+             for programs in (lean, S.build("zb-h1", 4, 8, rendezvous=whole_w))]
+    if not whole_w:  # with every stage's unit costs, the order chosen is the shorter one (27 against 28 units)
+        assert spans[0] < spans[1]
