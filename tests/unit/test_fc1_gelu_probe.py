@@ -26,7 +26,8 @@ def test_the_three_ways_give_the_same_gradients() -> None:
 
 
 def test_the_probe_times_every_variant(capsys) -> None:
-    got = probe.main(["--shapes", "16x8", "--iters", "2", "--reps", "2", "--device", "cpu"])
+    got = probe.main(["--shapes", "16x8", "--iters", "2", "--reps", "2", "--device", "cpu", "--graph", "--flush-l2"])
     assert set(got["16x8"]) == {"torch", "split", "epilogue", "gemm+bias fwd", "gemm fwd"}
     assert all(v > 0 for v in got["16x8"].values())
-    assert "INFO 16x8" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "INFO 16x8 (torch.float32, cpu, eager)" in out and "need a GPU" in out

@@ -8,7 +8,12 @@ and the forward GEMM alone with and without the bias epilogue (cuBLAS picks its 
 the median over repetitions of CUDA events around `--iters` back-to-back passes, the variants rotated per
 repetition. bf16 throughout. On the CPU the peerline kernel is the torch reference (what the unit test runs).
 
-    PYTHONPATH=$PWD python3 tools/gpu_probes/fc1_gelu_probe.py [--shapes 4096x2048,4096x4096]
+How a pass runs, on a GPU: eager launches (default: the inputs are hot in L2 from the previous pass, as a GEMM's
+output is for the op after it); `--graph`, each variant captured once in a CUDA graph and replayed (no host time
+in the figure); `--flush-l2`, each pass timed alone after writing twice the L2's bytes elsewhere (cold inputs: how
+the kernels suite and the card tune time the elementwise kernels).
+
+    PYTHONPATH=$PWD python3 tools/gpu_probes/fc1_gelu_probe.py [--shapes 4096x2048,4096x4096] [--graph] [--flush-l2]
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=7, help="timed repetitions, after one warm-up (default: %(default)s)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"),
                    help="default: %(default)s")
+    p.add_argument("--graph", action="store_true", help="replay each variant captured in a CUDA graph (GPU only)")
+    p.add_argument("--flush-l2", action="store_true",
+                   help="time each pass alone after evicting the L2 (GPU only; see above)")
     return p.parse_args(argv)
 
 
@@ -72,16 +80,44 @@ def variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, dy: torch.Tensor
             "gemm fwd": gemm_plain}
 
 
-def time_variants(fns: dict[str, Callable[[], object]], iters: int, reps: int, device: torch.device
-                  ) -> dict[str, float]:
-    """name -> median ms per pass; the variants rotate within each repetition."""
+def captured(fn: Callable[[], object]) -> Callable[[], object]:
+    """`fn` captured once in a CUDA graph (after two warm-up passes on a side stream): its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _cold_pass_ms(fn: Callable[[], object], scratch: torch.Tensor) -> float:
+    """One pass timed alone, after writing `scratch` (twice the L2) evicts its inputs."""
+    scratch.add_(1)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def time_variants(fns: dict[str, Callable[[], object]], iters: int, reps: int, device: torch.device,
+                  scratch: torch.Tensor | None = None) -> dict[str, float]:
+    """name -> median ms per pass; the variants rotate within each repetition. With `scratch` (a GPU), each pass
+    is timed alone with cold inputs (_cold_pass_ms)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
     for rep in range(reps + 1):
         order = names[rep % len(names):] + names[:rep % len(names)]
         for name in order:
             fn = fns[name]
-            if device.type == "cuda":
+            if scratch is not None:
+                ms = sum(_cold_pass_ms(fn, scratch) for _ in range(iters))
+            elif device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(iters):
@@ -102,7 +138,15 @@ def time_variants(fns: dict[str, Callable[[], object]], iters: int, reps: int, d
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     args = parse_args(argv)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    on_gpu = device.type == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    if not on_gpu and (args.graph or args.flush_l2):
+        print("INFO --graph and --flush-l2 need a GPU: eager timings on the CPU", flush=True)
+    scratch = None
+    if on_gpu and args.flush_l2:
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size
+        scratch = torch.zeros(2 * l2 // 4, device=device)
+    mode = ("graph" if on_gpu and args.graph else "eager") + (", cold L2" if scratch is not None else "")
     out: dict[str, dict[str, float]] = {}
     for shape in args.shapes.split(","):
         tokens, hidden = (int(v) for v in shape.lower().split("x"))
@@ -112,10 +156,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
              ).requires_grad_(True)
         b = (torch.randn(4 * hidden, device=device, dtype=dtype, generator=gen) * 0.1).requires_grad_(True)
         dy = torch.randn(tokens, 4 * hidden, device=device, dtype=dtype, generator=gen)
-        got = time_variants(variants(x, w, b, dy), args.iters, args.reps, device)
+        fns = variants(x, w, b, dy)
+        if on_gpu and args.graph:
+            fns = {k: captured(fn) for k, fn in fns.items()}
+        got = time_variants(fns, args.iters, args.reps, device, scratch)
         out[shape] = got
         base = got["torch"]
-        print(f"INFO {shape} ({dtype}, {device}): " + ", ".join(
+        print(f"INFO {shape} ({dtype}, {device}, {mode}): " + ", ".join(
             f"{k} {v:.4f} ms" + (f" ({base / v:.3f}x torch)" if k in ("split", "epilogue") else "")
             for k, v in got.items()), flush=True)
     return out
