@@ -137,8 +137,9 @@ def zb_h1(stage: int, n_stages: int, m: int, rendezvous: bool = True, memory: st
 
     `rendezvous` False (a ring transport: the copy engine) orders the first stage by what its passes cost in
     split_backward's graph form: its B does nothing and its W is the whole backward, so W(j) runs while gradient
-    j + 1 is on its way instead of after it (assemble.whole_w_first_stage says where that form is expected). On a rendezvous transport (NCCL, gloo) that order deadlocks: the first stage's lone activation send would
-    wait for the next stage, whose lone gradient send waits for the first stage's receive. There every send is
+    j + 1 is on its way instead of after it (assemble.whole_w_first_stage says where that form is expected). On a
+    rendezvous transport (NCCL, gloo) that order deadlocks: the first stage's lone activation send would wait for
+    the next stage, whose lone gradient send waits for the first stage's receive. There every send is
     posted with the next receive, in the order of unit costs.
 
     `memory` "1f1b" caps what stage s holds, its deferred Ws counted, at 1F1B's n_stages - s microbatches."""

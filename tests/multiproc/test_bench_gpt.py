@@ -65,9 +65,8 @@ def plain_losses(shape: GPTShape, iters: int = 2) -> list[float]:
 def test_gpt_suite_two_ranks_with_recompute_table(tmp_path):
     out = tmp_path / "gpt"
     proc = run_bench(2, ["--gpt-recompute", "--gpt-anchor-compile", "both", "--gpt-compile-backend", "aot_eager",
-                         "--gpt-schedules", "1f1b,zbv,interleaved", "--gpt-kernels", "auto,torch", "--gpt-zb-memory", "fast,1f1b"],
-                    out,
-                    suites=("gpt",))
+                         "--gpt-schedules", "1f1b,zbv,interleaved", "--gpt-kernels", "auto,torch",
+                         "--gpt-zb-memory", "fast,1f1b"], out, suites=("gpt",))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     by_case = {r["case"]: r for r in gpt_records(out)}
     eager = by_case["quick eager"]

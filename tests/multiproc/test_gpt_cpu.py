@@ -111,6 +111,15 @@ def test_fused_linear_model_zero_bubble_equals_pp1(text, tmp_path, schedule, mem
     assert two["losses"][-1] < two["losses"][0]
 
 
+def test_fused_linear_model_zero_bubble_with_replicas_equals_one_process(text, tmp_path):
+    """The lean weight pass with dp=2: the fused weights' all-reduce hooks run in W, the other parameters' in B;
+    pp=2 x dp=2 with M=4 per replica equals one process with M=8."""
+    args = [*gpt_args(text, 4)[2:], "--model", "lm_models:fused_mlp_lm"]
+    one = run_ok([sys.executable], [*args, "-m", "8"], tmp_path, "one")
+    grid = run_ok(forkrun_cmd(4), [*args, "--pp", "2", "--dp", "2", "--schedule", "zb-h1"], tmp_path, "grid")
+    assert_same_run(grid, one)
+
+
 @pytest.mark.slow
 def test_default_gpt_learns_the_default_corpus(tmp_path):
     """The default corpus (the stdlib, tokenized into a fresh cache): the loss starts near log(vocab) and falls
