@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 
 class ResidualMLPBlock(nn.Module):
-    """x + fc2(gelu(fc1(norm(x)) + b1)). fc1 has no bias of its own: its bias is fused into the GELU kernel.
+    """x + fc2(gelu(fc1(norm(x)) + b1)). fc1 has no bias of its own: its bias goes into the fused bias+GELU kernel,
+    or into fc1's GEMM epilogue where the block runs torch's ops (forward_torch_ops: --kernels torch, the CPU).
 
     fc1/fc2 are nn.Linear subclasses (same parameters, init and state_dict); with kernels="peerline" their weight
     gradients are accumulated straight into the fp32 .grad (kernels/fused_linear.py)."""
@@ -45,6 +46,8 @@ class ResidualMLPBlock(nn.Module):
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels == "torch":  # torch's ops throughout (the CPU, --kernels torch): the direct path
+            return self.forward_torch_ops(x)
         if self.kernels == "auto" and x.is_cuda and not capturing():
             p = self.torch_ops_params()
             if ops.mlp_block_on_torch(x, p.fc1_weight, p.fc1_bias, p.fc2_weight):
@@ -62,8 +65,9 @@ class ResidualMLPBlock(nn.Module):
                            w2["bias"])
 
     def forward_torch_ops(self, x: torch.Tensor, p: BlockParams | None = None) -> torch.Tensor:
-        """The ops --kernels auto picks one by one for an eager, host-bound launch (ops.mlp_block_on_torch), called
-        directly: LayerNorm, F.linear with fc1's bias in the epilogue, GELU, F.linear, the add."""
+        """The block in torch's ops, called directly: LayerNorm, F.linear with fc1's bias in the epilogue, GELU,
+        F.linear, the add. What --kernels torch runs, and what --kernels auto picks one by one for an eager,
+        host-bound launch (ops.mlp_block_on_torch)."""
         p = p or self.torch_ops_params()
         h = F.layer_norm(x, p.norm.normalized_shape, p.norm_weight, p.norm_bias, p.norm.eps)
         return x + F.linear(F.gelu(F.linear(h, p.fc1_weight, p.fc1_bias)), p.fc2_weight, p.fc2_bias)
