@@ -3,15 +3,16 @@ for the zero-bubble schedules.
 
 Two forms, chosen per microbatch by what the stage's forward built:
 
-  lean    (fused Linears hold most of the stage's parameters: every GPU run with graphs, and the CPU path) B is the
-          whole backward with the fused Linears' weight GEMMs queued (kernels/fused_linear.py, Megatron-LM's
-          WeightGradStore); the other parameters (LayerNorms, biases, embeddings, plain Linears) get their
-          gradients in B. The graph is freed after B, so a microbatch waiting for W holds only each fused
-          Linear's input and output gradient, not its activations; W runs the queued GEMMs.
-  graph   (otherwise: plain nn.Linear weights, eager F.linear) B runs autograd from the stage's output to its input
-          only, keeping the graph. On the way it keeps the gradient that arrives at each node where a parameter's
-          branch joins the input's path (an "intermediate"; the same construction as
-          torch.distributed.pipelining's stage_backward_input / stage_backward_weight), and fused Linears queue
+  lean    (fused Linears on their own autograd path hold most of the stage's parameters: every GPU run with
+          graphs, and a model of FusedLinear(impl="peerline") on the CPU) B is the whole backward with the fused
+          Linears' weight GEMMs queued (kernels/fused_linear.py, Megatron-LM's WeightGradStore); the other
+          parameters (LayerNorms, biases, embeddings, plain Linears) get their gradients in B. The graph is freed
+          after B, so a microbatch waiting for W holds only each fused Linear's input and output gradient, not its
+          activations; W runs the queued GEMMs.
+  graph   (otherwise: plain nn.Linear weights, F.linear in eager GPU runs and on the CPU) B runs autograd from the
+          stage's output to its input only, keeping the graph. On the way it keeps the gradient that arrives at
+          each node where a parameter's branch joins the input's path (an "intermediate"; the same construction
+          as torch.distributed.pipelining's stage_backward_input / stage_backward_weight), and fused Linears queue
           their weight GEMMs. W runs autograd from those intermediates, with the kept gradients, to the
           parameters, adds the results into `.grad` and calls the parameters' post-accumulate-grad hooks (the
           bucketed all-reduce counts a gradient final there), then runs the queued weight GEMMs. A stage whose
