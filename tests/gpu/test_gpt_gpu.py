@@ -70,6 +70,11 @@ PP2 = {
     "interleaved-graph": (("--schedule", "interleaved", "--stages", "2", "--graph"), REF4, FP32_TOL, ""),
     "pure-bf16-zb-h1-graph": (("--schedule", "zb-h1", "--graph", "--dtype", "bf16", "--precision", "bf16"),
                               PURE_REF4, BF16_TOL, "copy-engine"),
+    # --zb-memory 1f1b: the zero-bubble orders that hold no more microbatches than 1F1B (other orders at M=4)
+    "zb-h1-zb-memory-1f1b-graph": (("--schedule", "zb-h1", "--graph", "--zb-memory", "1f1b"), REF4, FP32_TOL,
+                                   "copy-engine"),
+    "zbv-zb-memory-1f1b-graph": (("--schedule", "zbv", "--stages", "2", "--graph", "--zb-memory", "1f1b"), REF4,
+                                 FP32_TOL, "copy-engine"),
 }
 
 # four-GPU grid -> (flags, dp); pp=2 x dp=2 runs M=4 per replica, pp=4 runs M=8: both against REF8

@@ -126,6 +126,20 @@ def test_interleaved_three_stages_per_rank_pp2(pipeline_runs, graph: str) -> Non
                                      transport="copy-engine"))
 
 
+@pytest.mark.gpu2
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+def test_zb_memory_1f1b_pp2_matches_one_gpu(pipeline_runs, schedule: str) -> None:
+    """--zb-memory 1f1b (the order that holds no more microbatches than 1F1B; at these M it differs from the
+    default's) over the copy engine with graphs: each stage's W still runs in microbatch order, so the one-GPU
+    reference of the default order holds (1e-6, captured)."""
+    r, want = _placed(schedule, 2, "copy-engine", "--graph") if schedule == "zbv" else _multi(
+        schedule, 2, "copy-engine", "--graph")
+    r = Run(r.name + "_zb_memory_1f1b", (*r.args, "--zb-memory", "1f1b"), nproc=2)
+    ref = _placed_ref(schedule, 2) if schedule == "zbv" else _ref(schedule, 2)
+    got, want_ref = pipeline_runs.results(r, ref)
+    assert_matches(got, want_ref, want)
+
+
 @pytest.mark.gpu4
 @pytest.mark.parametrize("p2p,graph", [("copy-engine", "--graph"), ("nccl", "--no-graph")])
 def test_zbv_pp4_matches_one_gpu_bitwise(pipeline_runs, p2p: str, graph: str) -> None:

@@ -23,11 +23,15 @@ def test_the_three_ways_give_the_same_gradients() -> None:
         for got, ref in zip(fns[name](), want, strict=True):
             assert torch.allclose(got, ref, rtol=1e-12, atol=1e-12), name
     assert torch.allclose(fns["gemm+bias fwd"](), fns["gemm fwd"]() + b.detach())
+    assert torch.allclose(fns["gelu fwd ours"](), fns["gelu fwd torch"]())
+    for got, ref in zip(fns["gelu bwd ours"](), fns["gelu bwd torch"](), strict=True):
+        assert torch.allclose(got, ref, rtol=1e-12, atol=1e-12)
 
 
 def test_the_probe_times_every_variant(capsys) -> None:
     got = probe.main(["--shapes", "16x8", "--iters", "2", "--reps", "2", "--device", "cpu", "--graph", "--flush-l2"])
-    assert set(got["16x8"]) == {"torch", "split", "epilogue", "gemm+bias fwd", "gemm fwd"}
+    assert set(got["16x8"]) == {"torch", "split", "epilogue", "gemm+bias fwd", "gemm fwd", "gelu fwd ours",
+                                "gelu fwd torch", "gelu bwd ours", "gelu bwd torch"}
     assert all(v > 0 for v in got["16x8"].values())
     out = capsys.readouterr().out
     assert "INFO 16x8 (torch.float32, cpu, eager)" in out and "need a GPU" in out

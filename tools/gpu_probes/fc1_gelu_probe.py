@@ -4,7 +4,10 @@
   split       z = F.linear(x, W) (no bias), peerline's bias_gelu(z, b): the block's per-op path today
   epilogue    z = F.linear(x, W, b), peerline's bias_gelu(z, 0): the bias back in the epilogue, the fused GELU kept
 
-and the forward GEMM alone with and without the bias epilogue (cuBLAS picks its kernel by both). Each timing is
+the forward GEMM alone with and without the bias epilogue (cuBLAS picks its kernel by both), and the GELU's
+elementwise passes alone on the GEMM's output: peerline's fused bias+GELU forward and backward (the backward with
+its bias-gradient reduction) against torch's GELU forward and its backward plus the bias gradient's sum, as torch
+runs them after a GEMM with the bias in its epilogue. Each timing is
 the median over repetitions of CUDA events around `--iters` back-to-back passes, the variants rotated per
 repetition. bf16 throughout. On the CPU the peerline kernel is the torch reference (what the unit test runs).
 
@@ -52,10 +55,29 @@ def _bias_gelu(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], t
     return bias_gelu_reference
 
 
+def _passes(device: torch.device) -> tuple[Callable, Callable]:
+    """peerline's fused bias+GELU forward and backward (on the CPU, torch's reference of both)."""
+    if device.type == "cuda":
+        from peerline.kernels.elementwise import bias_gelu_backward, bias_gelu_forward
+
+        return bias_gelu_forward, bias_gelu_backward
+
+    def backward(dy: torch.Tensor, z: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gz = torch.ops.aten.gelu_backward(dy, z + b)
+        return gz, gz.sum(0)
+
+    return bias_gelu_reference, backward
+
+
 def variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, dy: torch.Tensor
              ) -> dict[str, Callable[[], object]]:
-    """name -> one pass: the three forward + backward ways, and the forward GEMM with and without its bias."""
+    """name -> one pass: the three forward + backward ways, the forward GEMM with and without its bias, and the
+    GELU's elementwise passes alone (peerline's, torch's)."""
     bias_gelu = _bias_gelu(x.device)
+    fused_forward, fused_backward = _passes(x.device)
+    with torch.no_grad():
+        z = F.linear(x, w)
+        zb = z + b
     zero = torch.zeros_like(b)
     inputs = (x, w, b)
 
@@ -76,8 +98,22 @@ def variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, dy: torch.Tensor
         with torch.no_grad():
             return F.linear(x, w)
 
+    def gelu_fwd_ours() -> object:
+        return fused_forward(z, b)
+
+    def gelu_fwd_torch() -> object:
+        return F.gelu(zb)
+
+    def gelu_bwd_ours() -> object:
+        return fused_backward(dy, z, b)
+
+    def gelu_bwd_torch() -> object:
+        gz = torch.ops.aten.gelu_backward(dy, zb)
+        return gz, gz.sum(0)
+
     return {"torch": torch_way, "split": split_way, "epilogue": epilogue_way, "gemm+bias fwd": gemm_bias,
-            "gemm fwd": gemm_plain}
+            "gemm fwd": gemm_plain, "gelu fwd ours": gelu_fwd_ours, "gelu fwd torch": gelu_fwd_torch,
+            "gelu bwd ours": gelu_bwd_ours, "gelu bwd torch": gelu_bwd_torch}
 
 
 def captured(fn: Callable[[], object]) -> Callable[[], object]:
@@ -164,7 +200,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         base = got["torch"]
         print(f"INFO {shape} ({dtype}, {device}, {mode}): " + ", ".join(
             f"{k} {v:.4f} ms" + (f" ({base / v:.3f}x torch)" if k in ("split", "epilogue") else "")
-            for k, v in got.items()), flush=True)
+            for k, v in got.items()) + f"; GELU passes: forward {got['gelu fwd torch'] / got['gelu fwd ours']:.3f}x, "
+              f"backward {got['gelu bwd torch'] / got['gelu bwd ours']:.3f}x torch's", flush=True)
     return out
 
 
