@@ -11,8 +11,9 @@ stream wait) and cost nothing.
                groups of pp microbatches (so M must be a multiple of pp), backwards the same in reverse chunk
                order; (pp - r - 1) * 2 + (V - 1) * pp warm-up forwards, then one forward / one backward.
   zbv          the V placement (placement.py) with the backward split into B and W (split_backward.py), its
-               order found by list scheduling in unit time (`zbv_orders`): a ready B first, then a ready F while
-               the rank holds fewer than 2pp microbatches' activations (1F1B's memory), the deferred Ws in the gaps.
+               order found by list scheduling (`zbv_orders`): a ready B first, then a ready F while the rank
+               holds fewer than 2pp microbatches' activations (1F1B's memory), the deferred Ws in the gaps;
+               --zb-memory 1f1b counts the deferred Ws too and plans with B longer than W (PLAN_COSTS).
 """
 
 from __future__ import annotations
@@ -65,25 +66,58 @@ def _pick(stages: list[int], nxt: dict, pending_w: list, n: int, m: int, done: d
     return ("W", *pending_w[0]) if pending_w else None
 
 
+#: (F, B, W) times the --zb-memory 1f1b order is planned with and judged by: unit time, and B longer than W as
+#: the lean weight pass makes them (B: the input-gradient GEMMs and the elementwise backward; W: the weight GEMMs)
+PLAN_COSTS = ((1.0, 1.0, 1.0), (1.0, 1.2, 0.8), (1.0, 1.3, 0.7), (1.0, 1.4, 0.6))
+JUDGE_COSTS = ((1.0, 1.0, 1.0), (1.0, 1.2, 0.8), (1.0, 1.3, 0.7), (1.0, 1.1, 1.0))
+
+
 def zbv_orders(placement: Placement, m: int, memory: str = "fast") -> list[list[Compute]]:
-    """Every rank's (op, stage, mb) order for ZB-V, played in unit time steps (F, B and W one unit each). `memory`
-    "1f1b" counts the deferred Ws among the 2pp stage-microbatches a rank may hold (1F1B's peak)."""
+    """Every rank's (op, stage, mb) order for ZB-V by list scheduling (`list_orders`). "fast" plays it in unit
+    time. "1f1b" counts the deferred Ws among the 2pp stage-microbatches a rank may hold (1F1B's peak); a hold cap
+    played in unit time stalls forwards once B outlasts W, so the order is planned under each of PLAN_COSTS and
+    the one with the least mean makespan over JUDGE_COSTS is kept (the same on every rank: it is deterministic)."""
+    if memory != "1f1b":
+        return list_orders(placement, m, hold=False)
+    best: tuple[float, list[list[Compute]]] | None = None
+    for plan in PLAN_COSTS:
+        orders = list_orders(placement, m, hold=True, costs=plan)
+        score = sum(makespan(orders, placement.n_stages, judge) for judge in JUDGE_COSTS) / len(JUDGE_COSTS)
+        if best is None or score < best[0] - 1e-9:
+            best = (score, orders)
+    assert best is not None
+    return best[1]
+
+
+def makespan(orders: list[list[Compute]], n_stages: int, costs: tuple[float, float, float]) -> float:
+    """When the last compute of `orders` ends, F, B and W taking `costs`."""
+    by_op = dict(zip("FBW", costs, strict=True))
+    return max(end for _, end in compute_times(orders, n_stages, lambda op, _s: by_op[op]).values())
+
+
+def list_orders(placement: Placement, m: int, hold: bool,
+                costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> list[list[Compute]]:
+    """ZB-V's orders by list scheduling, F, B and W taking `costs`: whenever a rank is free it starts a ready B
+    (oldest microbatch, the later stage first), else a ready F while it holds fewer than 2pp microbatches'
+    activations (`hold`: its deferred Ws counted too), else its oldest deferred W; time moves to the next end."""
     n, pp = placement.n_stages, placement.pp
+    cost = dict(zip("FBW", costs, strict=True))
     ranks = [placement.stages_of(r) for r in range(pp)]
     nxt = {(op, s): 0 for s in range(n) for op in ("F", "B")}
     pending: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
     orders: list[list[Compute]] = [[] for _ in range(pp)]
-    done: dict[Compute, int] = {}
-    busy, t = [0] * pp, 0
+    done: dict[Compute, float] = {}
+    busy, t, steps = [0.0] * pp, 0.0, 0
+    eps = 1e-9  # times are sums of the costs: compare with a tolerance
     while len(done) < 3 * n * m:
         for r in range(pp):
-            if busy[r] > t:
+            if busy[r] > t + eps:
                 continue
-            c = _pick(ranks[r], nxt, pending[r], n, m, done, t, 2 * pp, memory == "1f1b")
+            c = _pick(ranks[r], nxt, pending[r], n, m, done, t + eps, 2 * pp, hold)
             if c is None:
                 continue
             op, s, mb = c
-            busy[r], done[c] = t + 1, t + 1
+            busy[r] = done[c] = t + cost[op]
             orders[r].append(c)
             if op == "W":
                 pending[r].remove((s, mb))
@@ -91,8 +125,10 @@ def zbv_orders(placement: Placement, m: int, memory: str = "fast") -> list[list[
                 nxt[(op, s)] += 1
                 if op == "B":
                     pending[r].append((s, mb))
-        t += 1
-        if t > 8 * n * m + 16:  # cannot happen with the rules above; a guard against a wrong change
+        later = [e for e in busy if e > t + eps]
+        t = min(later) if later else t + 1.0
+        steps += 1
+        if steps > 8 * n * m * pp + 16:  # cannot happen with the rules above; a guard against a wrong change
             raise RuntimeError("zbv list scheduling made no progress")
     return orders
 
