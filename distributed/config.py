@@ -102,8 +102,8 @@ class RunConfig:
     zb_memory: str = option("fast", BATCH, "what a zero-bubble schedule (zb-h1, zbv) may hold: fast (up to pp "
                             "deferred weight passes per stage on top of 1F1B's microbatches: the fewest bubbles) or "
                             "1f1b (at most 1F1B's microbatches, deferred weight passes counted: 1F1B's peak "
-                            "activation memory; a few percent slower: zb-h1 leaves some bubbles unfilled, zbv's order is planned "
-                            "with B longer than W) "
+                            "activation memory; a few percent slower: zb-h1 leaves some bubbles unfilled, zbv's "
+                            "order is planned with B longer than W) "
                             "(default: %(default)s)", choices=ZB_MEMORY)
     """Zero-bubble memory: fast, or 1f1b (a deferred W counts as a held microbatch; pipeline/timed.py)."""
     microbatches: int = option(4, BATCH, "microbatches per iteration and replica (default: %(default)s)",
