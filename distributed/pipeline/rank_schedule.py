@@ -79,14 +79,10 @@ def zbv_orders(placement: Placement, m: int, memory: str = "fast") -> list[list[
     the one with the least mean makespan over JUDGE_COSTS is kept (the same on every rank: it is deterministic)."""
     if memory != "1f1b":
         return list_orders(placement, m, hold=False)
-    best: tuple[float, list[list[Compute]]] | None = None
-    for plan in PLAN_COSTS:
-        orders = list_orders(placement, m, hold=True, costs=plan)
-        score = sum(makespan(orders, placement.n_stages, judge) for judge in JUDGE_COSTS) / len(JUDGE_COSTS)
-        if best is None or score < best[0] - 1e-9:
-            best = (score, orders)
-    assert best is not None
-    return best[1]
+    plans = [list_orders(placement, m, hold=True, costs=plan) for plan in PLAN_COSTS]
+    # rounded: orders whose makespans differ only in float rounding tie, and the first plan's wins
+    return min(plans, key=lambda orders: round(sum(makespan(orders, placement.n_stages, judge)
+                                                   for judge in JUDGE_COSTS), 6))
 
 
 def makespan(orders: list[list[Compute]], n_stages: int, costs: tuple[float, float, float]) -> float:
