@@ -132,12 +132,11 @@ def test_zb_memory_1f1b_pp2_matches_one_gpu(pipeline_runs, schedule: str) -> Non
     """--zb-memory 1f1b (the order that holds no more microbatches than 1F1B; at these M it differs from the
     default's) over the copy engine with graphs: each stage's W still runs in microbatch order, so the one-GPU
     reference of the default order holds (1e-6, captured)."""
-    r, want = _placed(schedule, 2, "copy-engine", "--graph") if schedule == "zbv" else _multi(
-        schedule, 2, "copy-engine", "--graph")
+    placed = schedule == "zbv"
+    r, want = (_placed if placed else _multi)(schedule, 2, "copy-engine", "--graph")
     r = Run(r.name + "_zb_memory_1f1b", (*r.args, "--zb-memory", "1f1b"), nproc=2)
-    ref = _placed_ref(schedule, 2) if schedule == "zbv" else _ref(schedule, 2)
-    got, want_ref = pipeline_runs.results(r, ref)
-    assert_matches(got, want_ref, want)
+    got, ref = pipeline_runs.results(r, (_placed_ref if placed else _ref)(schedule, 2))
+    assert_matches(got, ref, want)
 
 
 @pytest.mark.gpu4
