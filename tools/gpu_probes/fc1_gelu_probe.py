@@ -47,34 +47,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _bias_gelu(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def _peerline_ops(device: torch.device) -> tuple[Callable, Callable, Callable]:
+    """peerline's bias_gelu (its autograd Function), fused bias+GELU forward and fused backward; on the CPU,
+    torch's reference of each."""
     if device.type == "cuda":
-        from peerline.kernels.elementwise import bias_gelu
+        from peerline.kernels.elementwise import bias_gelu, bias_gelu_backward, bias_gelu_forward
 
-        return bias_gelu
-    return bias_gelu_reference
-
-
-def _passes(device: torch.device) -> tuple[Callable, Callable]:
-    """peerline's fused bias+GELU forward and backward (on the CPU, torch's reference of both)."""
-    if device.type == "cuda":
-        from peerline.kernels.elementwise import bias_gelu_backward, bias_gelu_forward
-
-        return bias_gelu_forward, bias_gelu_backward
+        return bias_gelu, bias_gelu_forward, bias_gelu_backward
 
     def backward(dy: torch.Tensor, z: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gz = torch.ops.aten.gelu_backward(dy, z + b)
         return gz, gz.sum(0)
 
-    return bias_gelu_reference, backward
+    return bias_gelu_reference, bias_gelu_reference, backward
 
 
 def variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, dy: torch.Tensor
              ) -> dict[str, Callable[[], object]]:
     """name -> one pass: the three forward + backward ways, the forward GEMM with and without its bias, and the
     GELU's elementwise passes alone (peerline's, torch's)."""
-    bias_gelu = _bias_gelu(x.device)
-    fused_forward, fused_backward = _passes(x.device)
+    bias_gelu, fused_forward, fused_backward = _peerline_ops(x.device)
     with torch.no_grad():
         z = F.linear(x, w)
         zb = z + b
