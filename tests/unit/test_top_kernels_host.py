@@ -76,3 +76,19 @@ def test_host_summary_per_iteration(top_kernels: ModuleType, tmp_path: Path, cap
                      r"calls$", out, re.M), out  # the durations' sum would be 19.00 ms
     rows = re.findall(r"^INFO host +([\d.]+) ms  x +(\d+)  (.+)$", out, re.M)
     assert rows == [("2.80", "1", "aten::matmul"), ("2.50", "1", "aten::linear"), ("1.70", "2", "cudaLaunchKernel")]
+
+
+def test_idle_waits_left_out(top_kernels: ModuleType) -> None:
+    """A background thread's wait (a threading.py frame and the lock acquire in it) counts neither as its own
+    time nor as its caller's; without `idle` it is host time like any other."""
+    waits = [
+        ev("python_function", "watchdog.py(130): _run", 0, 100, tid=3),
+        ev("python_function", "threading.py(655): wait", 5, 90, tid=3),
+        ev("python_function", "<built-in method acquire of _thread.lock object>", 6, 88, tid=3),
+        ev("cpu_op", "aten::add", 96, 2, tid=3),
+    ]
+    self_us, calls = top_kernels.host_self_times(waits, lambda name: "threading.py" in name)
+    assert dict(self_us) == {"watchdog.py(130): _run": 800, "aten::add": 200}
+    assert dict(calls) == {"watchdog.py(130): _run": 1, "aten::add": 1}
+    every, _ = top_kernels.host_self_times(waits)
+    assert every["<built-in method acquire of _thread.lock object>"] == 8800 and every["threading.py(655): wait"] == 200

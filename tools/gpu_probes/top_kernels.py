@@ -15,6 +15,7 @@ import collections
 import glob
 import json
 import os
+from collections.abc import Callable
 
 
 def kernel_class(name: str) -> str:
@@ -47,8 +48,11 @@ def device_times(events: list[dict]) -> tuple[collections.Counter, collections.C
     return by_name, counts, classes
 
 
-def host_self_times(events: list[dict]) -> tuple[collections.Counter, collections.Counter]:
-    """(self us by name, calls by name) of the host ops among a chrome trace's events."""
+def host_self_times(events: list[dict], idle: Callable[[str], bool] | None = None
+                    ) -> tuple[collections.Counter, collections.Counter]:
+    """(self us by name, calls by name) of the host ops among a chrome trace's events. An event `idle` names (a
+    thread's wait, e.g. a threading.py frame) is left out with everything nested in it: a background thread
+    waiting on a lock is not host work."""
     threads: dict[tuple, list[dict]] = collections.defaultdict(list)
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in HOST_CATS:
@@ -56,15 +60,19 @@ def host_self_times(events: list[dict]) -> tuple[collections.Counter, collection
     self_us: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
     for evs in threads.values():
-        stack: list[dict] = []  # the open ancestors of the next event
+        stack: list[tuple[dict, bool]] = []  # the open ancestors of the next event, each with: inside an idle one
         for e in sorted(evs, key=lambda e: (e["ts"], -e.get("dur", 0))):
-            while stack and e["ts"] >= stack[-1]["ts"] + stack[-1].get("dur", 0):
+            while stack and e["ts"] >= stack[-1][0]["ts"] + stack[-1][0].get("dur", 0):
                 stack.pop()
-            if stack:
-                self_us[stack[-1]["name"]] -= e.get("dur", 0)
+            inside_idle = bool(stack and stack[-1][1])
+            if stack and not inside_idle:
+                self_us[stack[-1][0]["name"]] -= e.get("dur", 0)  # an idle child is not its parent's work either
+            skipped = inside_idle or (idle is not None and idle(e["name"]))
+            stack.append((e, skipped))
+            if skipped:
+                continue
             self_us[e["name"]] += e.get("dur", 0)
             calls[e["name"]] += 1
-            stack.append(e)
     return self_us, calls
 
 
