@@ -7,8 +7,9 @@ Two figures, both with free communication:
                    split, B and W taking half the measured backward each) with the measured per-stage times,
                    every action starting as soon as its dependencies are done: tighter when stages are uneven
                    (it is <= the bound for GPipe and 1F1B), and the zero-bubble schedules' own bubble. For the
-                   schedules that place several stages per rank (interleaved, zbv) the lists hold every global
-                   stage and the resources are the ranks (`per_rank` stages each, placed as the run places them).
+                   schedules that place several stages per rank (interleaved, zbv, zb-interleaved) the lists hold
+                   every global stage and the resources are the ranks (`per_rank` stages each, placed as the run
+                   places them).
   schedule_bubble  the idle share of a balanced pipeline under a schedule (from simulate_ms in unit times).
 An achieved iteration also pays the gradient all-reduce that is not overlapped, the optimizer step and the
 transfers; `IdealReport` prints the achieved time next to the bound and their ratio (1.0 = at the bound).
@@ -65,11 +66,16 @@ def stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> li
     raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
 
 
-PLACED = ("interleaved", "zbv")  # several stages per rank: rank orders (distributed/pipeline/rank_schedule.py)
+PLACED = ("interleaved", "zbv", "zb-interleaved")  # several stages per rank: rank orders (pipeline/rank_schedule.py)
+SPLIT = ("zbv", "zb-interleaved")  # the placed schedules whose backward splits into B and W
 
 
-def stages_per_rank(schedule: str) -> int:
-    """The --stages a bench variant of `schedule` runs with: two for the placed schedules, else one."""
+def stages_per_rank(schedule: str, pp: int = 1, layers: int = 0) -> int:
+    """The --stages a bench variant of `schedule` runs with: one for a stage per rank, two for interleaved and zbv;
+    for zb-interleaved the most of 4, 3 that split `layers` evenly over pp ranks (its warm-up shrinks with more
+    stages per rank), else two."""
+    if schedule == "zb-interleaved":
+        return next((v for v in (4, 3) if layers >= pp * v and layers % (pp * v) == 0), 2)
     return 2 if schedule in PLACED else 1
 
 
@@ -81,8 +87,8 @@ def rank_orders(schedule: str, stages: int, microbatches: int, per_rank: int = 2
     if stages % per_rank:
         raise ValueError(f"{schedule}: {stages} stages do not fill ranks of {per_rank}")
     placement: Placement = placement_for(schedule, stages // per_rank, per_rank)
-    if schedule == "zbv":
-        return rank_schedule.zbv_orders(placement, microbatches)
+    if schedule in SPLIT:
+        return rank_schedule.zero_bubble_orders(placement, microbatches)
     return [rank_schedule.interleaved_order(r, placement.pp, per_rank, microbatches) for r in range(placement.pp)]
 
 
@@ -90,7 +96,7 @@ def _placed_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: li
     """simulate_ms of a placed schedule: ranks run their orders, each action as soon as its input exists."""
     n = len(fwd_ms)
     orders = rank_orders(schedule, n, microbatches, per_rank)
-    split = schedule == "zbv"
+    split = schedule in SPLIT
 
     def duration(op: str, s: int) -> float:
         return fwd_ms[s] if op == "F" else bwd_ms[s] * (0.5 if split else 1.0)
@@ -112,7 +118,8 @@ def simulate_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: l
                 per_rank: int = 2) -> float:
     """Makespan of the schedule with free communication: each stage runs its order; an action starts when the
     stage is free and its inputs exist (F after the previous stage's F, B after the next stage's B and the
-    stage's own F). `per_rank`: stages per rank of the placed schedules (interleaved, zbv)."""
+    stage's own F). `per_rank`: stages per rank of the placed schedules (interleaved, zbv,
+    zb-interleaved)."""
     _check(microbatches, fwd_ms, bwd_ms)
     if schedule in PLACED:
         return _placed_ms(schedule, microbatches, fwd_ms, bwd_ms, per_rank)

@@ -89,21 +89,24 @@ class RunConfig:
     dp: int = option(1, GRID, "data-parallel replicas (default: %(default)s)", minimum=1)
     """Data-parallel replicas of the whole pipeline."""
     stages: int = option(1, GRID, "stages per rank: on one device as separate streams (pp=1), or placed over the "
-                         "ranks by --schedule interleaved (rank r holds r, r+pp, ...) or zbv (2: r and 2pp-1-r) "
-                         "(default: %(default)s)", minimum=1)
-    """Stages per rank: streams of one device (pp=1), or placed by the interleaved / zbv schedules."""
+                         "ranks by --schedule interleaved or zb-interleaved (rank r holds r, r+pp, ...) or zbv "
+                         "(2: r and 2pp-1-r) (default: %(default)s)", minimum=1)
+    """Stages per rank: streams of one device (pp=1), or placed by the interleaved / zb-interleaved / zbv
+    schedules."""
     schedule: str = option("1f1b", BATCH, "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b "
                            "(one forward, one backward: less activation memory), zb-h1 (zero bubble: the "
                            "backward split into input and weight gradients, these deferred into the bubbles), "
-                           "interleaved (1F1B over --stages V stages per rank; M a multiple of pp) or zbv (zero "
-                           "bubble, two stages per rank in a V; --stages 2) (default: %(default)s)",
+                           "interleaved (1F1B over --stages V stages per rank; M a multiple of pp), zbv (zero "
+                           "bubble, two stages per rank in a V; --stages 2) or zb-interleaved (zero bubble over "
+                           "interleaved's --stages V stages per rank: a shorter warm-up, more transfers; 3-4 stages "
+                           "per rank at pp=4) (default: %(default)s)",
                            choices=SCHEDULES)
-    """Pipeline schedule: gpipe, 1f1b, zb-h1, interleaved or zbv."""
-    zb_memory: str = option("fast", BATCH, "what a zero-bubble schedule (zb-h1, zbv) may hold: fast (up to pp "
-                            "deferred weight passes per stage on top of 1F1B's microbatches: the fewest bubbles) or "
-                            "1f1b (at most 1F1B's microbatches, deferred weight passes counted: 1F1B's peak "
-                            "activation memory; a few percent slower: zb-h1 leaves some bubbles unfilled, zbv's "
-                            "order is planned with B longer than W) "
+    """Pipeline schedule: gpipe, 1f1b, zb-h1, interleaved, zbv or zb-interleaved."""
+    zb_memory: str = option("fast", BATCH, "what a zero-bubble schedule (zb-h1, zbv, zb-interleaved) may hold: "
+                            "fast (up to pp deferred weight passes per stage on top of 1F1B's microbatches: the "
+                            "fewest bubbles) or 1f1b (at most 1F1B's microbatches, deferred weight passes counted: "
+                            "1F1B's peak activation memory; a few percent slower: zb-h1 leaves some bubbles unfilled; "
+                            "the placed schedules' orders are planned with B longer than W) "
                             "(default: %(default)s)", choices=ZB_MEMORY)
     """Zero-bubble memory: fast, or 1f1b (a deferred W counts as a held microbatch; pipeline/timed.py)."""
     microbatches: int = option(4, BATCH, "microbatches per iteration and replica (default: %(default)s)",

@@ -6,7 +6,7 @@ A neutral module that imports nothing, so kernels/ (which must not import distri
 
 from __future__ import annotations
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zbv", "zb-interleaved")
 #: --zb-memory: how many microbatches a zero-bubble stage may hold (pipeline/timed.py)
 ZB_MEMORY = ("fast", "1f1b")
 DTYPES = ("bf16", "fp32")

@@ -54,7 +54,7 @@ LOSS_CHECK_ITERS = 2  # iterations whose losses are read and compared before tim
 #: the variants measured on torch (variant -> the anchor's model, gpt_anchor.MODELS); "torch" is the anchor
 TORCH_VARIANTS = {"torch": "plain", "torch-peerline-gpt": "peerline"}
 #: the schedules --gpt-zb-memory applies to
-ZERO_BUBBLE = ("zb-h1", "zbv")
+ZERO_BUBBLE = ("zb-h1", "zbv", "zb-interleaved")
 #: the one-GPU row (--gpt-single), after the configuration's name
 ONE_GPU = "one-GPU eager bf16"
 
@@ -142,8 +142,8 @@ class GPTBench:
         """peerline with `schedule`, `precision` (--precision), `kernels` (--kernels) and `zb_memory` (--zb-memory)
         on the same shape and data; why not, when the iteration was not captured."""
         cfg = peerline_config(self.shape, self.device, graph=graph, recompute=recompute, schedule=schedule,
-                              stages=stages_per_rank(schedule), precision=precision, kernels=kernels,
-                              zb_memory=zb_memory)
+                              stages=stages_per_rank(schedule, self.pp, self.shape.layers), precision=precision,
+                              kernels=kernels, zb_memory=zb_memory)
         with open_runtime(cfg) as rt:
             measured = time_captured(rt, graph, LOSS_CHECK_ITERS, self.timer)
             if isinstance(measured, str):

@@ -94,7 +94,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--pipeline-configs", type=_csv, default=None,
                        help="comma-separated: compute, launch, mid, quick (default compute,launch; quick with --quick)")
     group.add_argument("--schedules", type=_csv, default=None,
-                       help=f"any of {','.join(SCHEDULES)} (default all; interleaved and zbv with 2 stages per rank)")
+                       help=f"any of {','.join(SCHEDULES)} (default all; interleaved and zbv with 2 stages per rank, "
+                       "zb-interleaved with 4 or 3 where the layers split evenly, else 2)")
     group.add_argument("--variants", type=_csv, default=None, help="torch,eager,graph (default all)")
     group.add_argument("--dp", type=int, default=1, help="data-parallel replicas (pp = world size / dp)")
     group.add_argument("--pipeline-iters", type=int, default=None, help="iterations per timed block (default 5)")
@@ -206,7 +207,8 @@ class PipelineBench:
         except ImportError as exc:
             return f"peerline runtime not available ({exc})"
         s = self.shape
-        cfg = RunConfig(dp=self.dp, schedule=self.schedule, stages=stages_per_rank(self.schedule),
+        cfg = RunConfig(dp=self.dp, schedule=self.schedule,
+                        stages=stages_per_rank(self.schedule, self.pp, s.layers),
                         microbatches=s.microbatches,
                         micro_batch_size=s.micro_batch_size, seq=s.seq, hidden=s.hidden, layers=s.layers,
                         seed=s.seed, lr=s.lr, dtype=s.dtype, device=self.device.type, graph=graph,

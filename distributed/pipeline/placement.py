@@ -1,9 +1,9 @@
 """Which rank holds which pipeline stage, and over which channel of the rank's transport each message travels.
 
 One stage per rank (gpipe, 1f1b, zb-h1) puts stage s on rank s. With V stages per rank two shapes exist:
-  loop  (interleaved)  stage s on rank s % pp: rank r holds r, r+pp, ...; the last rank hands stage r+pp-1's
-                       output round to the first rank (the wrap-around edge), so every rank has a previous and a
-                       next rank.
+  loop  (interleaved, zb-interleaved)  stage s on rank s % pp: rank r holds r, r+pp, ...; the last rank hands
+                       stage r+pp-1's output round to the first rank (the wrap-around edge), so every rank has a
+                       previous and a next rank.
   v     (zbv)          stage s on rank s for s < pp and on rank 2pp-1-s after: the first rank holds the first and
                        the last stage, the last rank two adjacent ones (no wrap-around edge).
 A transport knows two channels per rank (p2p/base.py): ACT from the previous rank and to the next, GRAD the other
@@ -67,11 +67,12 @@ def placement_for(schedule: str, pp: int, per_rank: int) -> Placement | None:
     """The placement a schedule needs (None: the stage-per-program schedules, stages as streams when pp == 1)."""
     if schedule == "zbv":
         return Placement(pp, per_rank, V_SHAPE)
-    if schedule == "interleaved":
+    if schedule in ("interleaved", "zb-interleaved"):
         return Placement(pp, per_rank, LOOP)
     if per_rank > 1 and pp > 1:
         raise ConfigError(f"--stages {per_rank} with pp={pp} places several stages on each rank: use --schedule "
-                          f"interleaved or zbv (--schedule {schedule} runs several stages on one device only)")
+                          f"interleaved, zb-interleaved or zbv (--schedule {schedule} runs several stages on one "
+                          f"device only)")
     return None
 
 

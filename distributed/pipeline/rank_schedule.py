@@ -1,4 +1,4 @@
-"""Schedules of several stages per rank, as each rank's program: interleaved 1F1B and ZB-V.
+"""Schedules of several stages per rank, as each rank's program: interleaved 1F1B, ZB-V and interleaved zero bubble.
 
 A rank program is a list of (stage, step): a compute step of one of its stages, or a group of communication
 actions posted together, each action naming its stage (`Action.stage`). Between two computes of a rank one group
@@ -11,9 +11,13 @@ stream wait) and cost nothing.
                groups of pp microbatches (so M must be a multiple of pp), backwards the same in reverse chunk
                order; (pp - r - 1) * 2 + (V - 1) * pp warm-up forwards, then one forward / one backward.
   zbv          the V placement (placement.py) with the backward split into B and W (split_backward.py), its
-               order found by list scheduling (`zbv_orders`): a ready B first, then a ready F while the rank
+               order found by list scheduling (`zero_bubble_orders`): a ready B first, then a ready F while the rank
                holds fewer than 2pp microbatches' activations (1F1B's memory), the deferred Ws in the gaps;
-               --zb-memory 1f1b counts the deferred Ws too and plans with B longer than W (PLAN_COSTS).
+               planned with B longer than W too (PLAN_COSTS); --zb-memory 1f1b counts the deferred Ws as held.
+  zb-interleaved  the loop placement of interleaved with the backward split as zbv's, V stages per rank: the
+               same list scheduling (`zero_bubble_orders`), planned with B longer than W; more stages per rank
+               shorten the warm-up each rank waits through (pp=4, M=8 with F, B, W = 1, 1.2, 0.8: 0.956 of the
+               bubble-free time with 4 stages per rank against ZB-V's 0.930).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from peerline.distributed.pipeline.timed import dependency, is_ready
 
 Compute = tuple[str, int, int]  # (op, stage, mb)
 RankProgram = list[tuple[int, Step]]
-RANK_SCHEDULES = ("interleaved", "zbv")
+RANK_SCHEDULES = ("interleaved", "zbv", "zb-interleaved")
 
 
 def interleaved_order(rank: int, pp: int, v: int, m: int) -> list[Compute]:
@@ -47,11 +51,12 @@ def interleaved_order(rank: int, pp: int, v: int, m: int) -> list[Compute]:
     return order + [("B", *virtual(k, False)) for k in range(total - warmup, total)]
 
 
-def _pick(stages: list[int], nxt: dict, pending_w: list, n: int, m: int, done: dict, t: int,
-          f_limit: int, hold: bool = False) -> Compute | None:
+def _pick(stages: list[int], nxt: dict, pending_w: list, n: int, m: int, done: dict, t: float,
+          f_limit: int, hold: bool = False, relax: bool = False) -> Compute | None:
     """What a free rank starts at t: a ready B (oldest microbatch, the later stage first), a ready F under the
     activation limit (the later stage first: a microbatch's forward finishes before the next starts), a W. With
-    `hold`, the deferred Ws count toward that limit."""
+    `hold`, the deferred Ws count toward that limit. `relax`: the last stage's F may pass the limit (its B follows
+    at once and frees it), for the moment when no rank could start anything otherwise."""
     if len(pending_w) >= f_limit:
         return ("W", *pending_w[0])
     bs = [("B", s, nxt[("B", s)]) for s in stages if nxt[("B", s)] < nxt[("F", s)]]
@@ -61,7 +66,9 @@ def _pick(stages: list[int], nxt: dict, pending_w: list, n: int, m: int, done: d
     in_flight = sum(nxt[("F", s)] - nxt[("B", s)] for s in stages)
     fs = [("F", s, nxt[("F", s)]) for s in stages if nxt[("F", s)] < m]
     fs = [c for c in fs if is_ready(*c, n, done, t)]
-    if fs and in_flight + (len(pending_w) if hold else 0) < f_limit:
+    if in_flight + (len(pending_w) if hold else 0) >= f_limit:
+        fs = [c for c in fs if c[1] == n - 1] if relax else []
+    if fs:
         return min(fs, key=lambda c: (c[2], -c[1]))
     return ("W", *pending_w[0]) if pending_w else None
 
@@ -72,14 +79,16 @@ PLAN_COSTS = ((1.0, 1.0, 1.0), (1.0, 1.2, 0.8), (1.0, 1.3, 0.7), (1.0, 1.4, 0.6)
 JUDGE_COSTS = ((1.0, 1.0, 1.0), (1.0, 1.2, 0.8), (1.0, 1.3, 0.7), (1.0, 1.1, 1.0))
 
 
-def zbv_orders(placement: Placement, m: int, memory: str = "fast") -> list[list[Compute]]:
-    """Every rank's (op, stage, mb) order for ZB-V by list scheduling (`list_orders`). "fast" plays it in unit
-    time. "1f1b" counts the deferred Ws among the 2pp stage-microbatches a rank may hold (1F1B's peak); a hold cap
-    played in unit time stalls forwards once B outlasts W, so the order is planned under each of PLAN_COSTS and
-    the one with the least mean makespan over JUDGE_COSTS is kept (the same on every rank: it is deterministic)."""
-    if memory != "1f1b":
-        return list_orders(placement, m, hold=False)
-    plans = [list_orders(placement, m, hold=True, costs=plan) for plan in PLAN_COSTS]
+def zero_bubble_orders(placement: Placement, m: int, memory: str = "fast") -> list[list[Compute]]:
+    """Every rank's (op, stage, mb) order for a zero-bubble schedule of several stages per rank (zbv on the V,
+    zb-interleaved on the loop) by list scheduling (`list_orders`). A rank may hold V x pp stage-microbatches'
+    activations (1F1B's peak); a capped order counts its deferred Ws among them too ("1f1b"). Orders are planned
+    under each of PLAN_COSTS (played in unit time, a cap stalls forwards once B outlasts W) and the one with the
+    least mean makespan over JUDGE_COSTS is kept: among the capped plans for "1f1b", among all for "fast" (a capped
+    plan that is as fast holds less). Deterministic, so every rank gets the same order."""
+    capped = [list_orders(placement, m, hold=True, costs=plan) for plan in PLAN_COSTS]
+    plans = capped if memory == "1f1b" else [list_orders(placement, m, hold=False, costs=plan)
+                                             for plan in PLAN_COSTS] + capped
     # rounded: orders whose makespans differ only in float rounding tie, and the first plan's wins
     return min(plans, key=lambda orders: round(sum(makespan(orders, placement.n_stages, judge)
                                                    for judge in JUDGE_COSTS), 6))
@@ -93,9 +102,10 @@ def makespan(orders: list[list[Compute]], n_stages: int, costs: tuple[float, flo
 
 def list_orders(placement: Placement, m: int, hold: bool,
                 costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> list[list[Compute]]:
-    """ZB-V's orders by list scheduling, F, B and W taking `costs`: whenever a rank is free it starts a ready B
-    (oldest microbatch, the later stage first), else a ready F while it holds fewer than 2pp microbatches'
-    activations (`hold`: its deferred Ws counted too), else its oldest deferred W; time moves to the next end."""
+    """Zero-bubble orders by list scheduling, F, B and W taking `costs`: whenever a rank is free it starts a ready
+    B (oldest microbatch, the later stage first), else a ready F while it holds fewer than V x pp microbatches'
+    activations (`hold`: its deferred Ws counted too), else its oldest deferred W; time moves to the next end.
+    Where every rank is idle and none can start, the last stage's F passes the limit (`_pick`'s relax)."""
     n, pp = placement.n_stages, placement.pp
     cost = dict(zip("FBW", costs, strict=True))
     ranks = [placement.stages_of(r) for r in range(pp)]
@@ -103,18 +113,20 @@ def list_orders(placement: Placement, m: int, hold: bool,
     pending: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
     orders: list[list[Compute]] = [[] for _ in range(pp)]
     done: dict[Compute, float] = {}
-    busy, t, steps = [0.0] * pp, 0.0, 0
+    busy, t, steps, relax = [0.0] * pp, 0.0, 0, False
     eps = 1e-9  # times are sums of the costs: compare with a tolerance
     while len(done) < 3 * n * m:
+        started = False
         for r in range(pp):
             if busy[r] > t + eps:
                 continue
-            c = _pick(ranks[r], nxt, pending[r], n, m, done, t + eps, 2 * pp, hold)
+            c = _pick(ranks[r], nxt, pending[r], n, m, done, t + eps, placement.per_rank * pp, hold, relax)
             if c is None:
                 continue
             op, s, mb = c
             busy[r] = done[c] = t + cost[op]
             orders[r].append(c)
+            started = True
             if op == "W":
                 pending[r].remove((s, mb))
             else:
@@ -122,10 +134,12 @@ def list_orders(placement: Placement, m: int, hold: bool,
                 if op == "B":
                     pending[r].append((s, mb))
         later = [e for e in busy if e > t + eps]
-        t = min(later) if later else t + 1.0
+        relax = not later and not started and not relax  # every rank stuck: replay t with the limit relaxed
+        if not relax:
+            t = min(later) if later else t + 1.0
         steps += 1
         if steps > 8 * n * m * pp + 16:  # cannot happen with the rules above; a guard against a wrong change
-            raise RuntimeError("zbv list scheduling made no progress")
+            raise RuntimeError("zero-bubble list scheduling made no progress")
     return orders
 
 
@@ -199,12 +213,12 @@ def with_rank_messages(orders: list[list[Compute]], placement: Placement) -> lis
 
 
 def build_ranks(schedule: str, placement: Placement, m: int, memory: str = "fast") -> list[RankProgram]:
-    """Every pipeline position's program for `schedule` (interleaved or zbv) on `placement`; `memory`: zbv's
-    --zb-memory."""
+    """Every pipeline position's program for `schedule` (interleaved, zbv or zb-interleaved) on `placement`;
+    `memory`: --zb-memory."""
     if schedule == "interleaved" and placement.shape == LOOP:
         orders = [interleaved_order(r, placement.pp, placement.per_rank, m) for r in range(placement.pp)]
-    elif schedule == "zbv" and placement.shape == V_SHAPE:
-        orders = zbv_orders(placement, m, memory)
+    elif (schedule, placement.shape) in (("zbv", V_SHAPE), ("zb-interleaved", LOOP)):
+        orders = zero_bubble_orders(placement, m, memory)
     else:
         raise ScheduleError(f"schedule {schedule!r} does not run on a {placement.shape} placement")
     return with_rank_messages(orders, placement)

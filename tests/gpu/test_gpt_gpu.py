@@ -75,6 +75,12 @@ PP2 = {
                                    "copy-engine"),
     "zbv-zb-memory-1f1b-graph": (("--schedule", "zbv", "--stages", "2", "--graph", "--zb-memory", "1f1b"), REF4,
                                  FP32_TOL, "copy-engine"),
+    # zb-interleaved: 3 stages per rank over the 6 flat layers (embedding, 4 blocks, head)
+    "zb-interleaved-stages3-graph": (("--schedule", "zb-interleaved", "--stages", "3", "--graph"), REF4, FP32_TOL,
+                                     "copy-engine"),
+    "pure-bf16-zb-interleaved-stages3-graph": (("--schedule", "zb-interleaved", "--stages", "3", "--graph",
+                                                "--dtype", "bf16", "--precision", "bf16"), PURE_REF4, BF16_TOL,
+                                               "copy-engine"),
 }
 
 # four-GPU grid -> (flags, dp); pp=2 x dp=2 runs M=4 per replica, pp=4 runs M=8: both against REF8
@@ -85,7 +91,10 @@ FP32_L6 = (*FP32, "--layers", "6")
 ZB4 = {"zb-h1": (Run("gpt_pp4_zb_h1", (*FP32, "--pp", "4", "-m", "8", "--schedule", "zb-h1", "--graph"), nproc=4),
                  REF8),
        "zbv": (Run("gpt_pp4_zbv", (*FP32_L6, "--pp", "4", "--stages", "2", "-m", "8", "--schedule", "zbv", "--graph"),
-                   nproc=4), Run("gpt_l6_ref8", (*FP32_L6, "--no-graph", "-m", "8")))}
+                   nproc=4), Run("gpt_l6_ref8", (*FP32_L6, "--no-graph", "-m", "8"))),
+       "zb-interleaved": (Run("gpt_pp4_zbi", (*FP32_L6, "--pp", "4", "--stages", "2", "-m", "8", "--schedule",
+                                              "zb-interleaved", "--graph"), nproc=4),
+                          Run("gpt_l6_ref8", (*FP32_L6, "--no-graph", "-m", "8")))}
 
 
 def graph_flag(args: tuple[str, ...]) -> bool | None:

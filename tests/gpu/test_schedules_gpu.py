@@ -1,4 +1,4 @@
-"""The zero-bubble schedule (ZB-H1: backward split into B and W, W deferred) on GPUs against one GPU, fp32.
+"""The zero-bubble schedules (backward split into B and W, W deferred) on GPUs against one GPU, fp32.
 
 Reference: one GPU running the same stages as streams (`--stages N`, eager) with the same schedule: per stage the
 same kernels on the same shapes and the weight gradients accumulated in the same order, so pp=N over the copy
@@ -79,25 +79,33 @@ def test_pp4_matches_one_gpu_bitwise(pipeline_runs, schedule: str, p2p: str, gra
     assert_matches(got, ref, want)
 
 
-# Several stages per rank: interleaved (rank r holds r and r+pp, the wrap-around edge) and zbv (r and 2pp-1-r),
-# against one GPU running the same 2pp stages as streams with the schedule of the same per-stage work: 1f1b for
-# interleaved (one whole backward per microbatch, in microbatch order), zb-h1 for zbv (B and W split, each stage's
-# W in microbatch order). Same kernels, shapes and accumulation order per stage: bitwise in fp32.
-PLACED_REF = {"interleaved": "1f1b", "zbv": "zb-h1"}
-PLACED_M = {("interleaved", 2): "4", ("zbv", 2): "3", ("zbv", 4): "5"}  # zbv: M not a multiple of pp
+# Several stages per rank: interleaved and zb-interleaved (rank r holds r, r+pp, ..., the wrap-around edge) and zbv
+# (r and 2pp-1-r), against one GPU running the same stages as streams with the schedule of the same per-stage work:
+# 1f1b for interleaved (one whole backward per microbatch, in microbatch order), zb-h1 for zbv and zb-interleaved
+# (B and W split, each stage's W in microbatch order). Same kernels, shapes and accumulation order per stage:
+# bitwise in fp32.
+PLACED_REF = {"interleaved": "1f1b", "zbv": "zb-h1", "zb-interleaved": "zb-h1"}
+PLACED_M = {("interleaved", 2): "4", ("zbv", 2): "3", ("zbv", 4): "5", ("zb-interleaved", 2): "5",
+            ("zb-interleaved", 4): "5"}  # zbv, zb-interleaved: M not a multiple of pp
 
 
-def _placed_ref(schedule: str, pp: int) -> Run:
+def _placed_layers(pp: int, v: int) -> tuple[str, ...]:
+    """TINY, with a layer per stage where pp x v stages outnumber its 8 layers."""
+    return (*TINY, "--layers", str(max(8, pp * v)))
+
+
+def _placed_ref(schedule: str, pp: int, v: int = 2) -> Run:
     m = PLACED_M[(schedule, pp)]
-    return Run(f"sched_ref_{PLACED_REF[schedule]}_s{2 * pp}_m{m}",
-               (*TINY, "--schedule", PLACED_REF[schedule], "--stages", str(2 * pp), "-m", m, "--no-graph"))
+    return Run(f"sched_ref_{PLACED_REF[schedule]}_s{v * pp}_m{m}_l{max(8, pp * v)}",
+               (*_placed_layers(pp, v), "--schedule", PLACED_REF[schedule], "--stages", str(v * pp), "-m", m,
+                "--no-graph"))
 
 
-def _placed(schedule: str, pp: int, p2p: str, graph: str) -> tuple[Run, Expect]:
+def _placed(schedule: str, pp: int, p2p: str, graph: str, v: int = 2) -> tuple[Run, Expect]:
     flag = graph.replace("--", "_").replace("-", "_")
-    r = Run(f"sched_{schedule}_pp{pp}_{p2p}{flag}", (*TINY, "--schedule", schedule, "--pp", str(pp), "--stages",
-                                                     "2", "-m", PLACED_M[(schedule, pp)], "--p2p", p2p, graph),
-            nproc=pp)
+    r = Run(f"sched_{schedule}_v{v}_pp{pp}_{p2p}{flag}",
+            (*_placed_layers(pp, v), "--schedule", schedule, "--pp", str(pp), "--stages", str(v), "-m",
+             PLACED_M[(schedule, pp)], "--p2p", p2p, graph), nproc=pp)
     return r, Expect(GRAPH_TOL if graph == "--graph" else 0.0, world=pp, graph=graph == "--graph", transport=p2p)
 
 
@@ -127,12 +135,22 @@ def test_interleaved_three_stages_per_rank_pp2(pipeline_runs, graph: str) -> Non
 
 
 @pytest.mark.gpu2
-@pytest.mark.parametrize("schedule", ["zb-h1", "zbv"])
+@pytest.mark.parametrize("p2p,graph", [("copy-engine", "--graph"), ("nccl", "--no-graph")])
+def test_zb_interleaved_four_stages_per_rank_pp2(pipeline_runs, p2p: str, graph: str) -> None:
+    """zb-interleaved with --stages 4 (rank r holds r, r + 2, r + 4, r + 6) against one GPU running the same 8
+    stages with zb-h1."""
+    r, want = _placed("zb-interleaved", 2, p2p, graph, v=4)
+    got, ref = pipeline_runs.results(r, _placed_ref("zb-interleaved", 2, v=4))
+    assert_matches(got, ref, want)
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("schedule", ["zb-h1", "zbv", "zb-interleaved"])
 def test_zb_memory_1f1b_pp2_matches_one_gpu(pipeline_runs, schedule: str) -> None:
     """--zb-memory 1f1b (the order that holds no more microbatches than 1F1B; at these M it differs from the
     default's) over the copy engine with graphs: each stage's W still runs in microbatch order, so the one-GPU
     reference of the default order holds (1e-6, captured)."""
-    placed = schedule == "zbv"
+    placed = schedule != "zb-h1"
     r, want = (_placed if placed else _multi)(schedule, 2, "copy-engine", "--graph")
     r = Run(r.name + "_zb_memory_1f1b", (*r.args, "--zb-memory", "1f1b"), nproc=2)
     got, ref = pipeline_runs.results(r, (_placed_ref if placed else _ref)(schedule, 2))
@@ -144,6 +162,15 @@ def test_zb_memory_1f1b_pp2_matches_one_gpu(pipeline_runs, schedule: str) -> Non
 def test_zbv_pp4_matches_one_gpu_bitwise(pipeline_runs, p2p: str, graph: str) -> None:
     r, want = _placed("zbv", 4, p2p, graph)
     got, ref = pipeline_runs.results(r, _placed_ref("zbv", 4))
+    assert_matches(got, ref, want)
+
+
+@pytest.mark.gpu4
+@pytest.mark.parametrize("p2p,graph", [("copy-engine", "--graph"), ("nccl", "--no-graph")])
+def test_zb_interleaved_pp4_matches_one_gpu_bitwise(pipeline_runs, p2p: str, graph: str) -> None:
+    """zb-interleaved with --stages 4 at pp=4 (16 stages of one layer) against one GPU running them with zb-h1."""
+    r, want = _placed("zb-interleaved", 4, p2p, graph, v=4)
+    got, ref = pipeline_runs.results(r, _placed_ref("zb-interleaved", 4, v=4))
     assert_matches(got, ref, want)
 
 

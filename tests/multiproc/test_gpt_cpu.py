@@ -98,7 +98,7 @@ def test_user_embedding_model_on_text_pp2_equals_pp1(text, tmp_path, factory):
 
 
 @pytest.mark.parametrize("memory", ["fast", "1f1b"])
-@pytest.mark.parametrize("schedule", [("zb-h1",), ("zbv", "--stages", "2")])
+@pytest.mark.parametrize("schedule", [("zb-h1",), ("zbv", "--stages", "2"), ("zb-interleaved", "--stages", "2")])
 def test_fused_linear_model_zero_bubble_equals_pp1(text, tmp_path, schedule, memory):
     """FusedLinear's own autograd path on the CPU (a GPU run's path): its weights hold most of each stage's
     parameters, so B takes split_backward's lean form (the graph freed after B, W the queued weight GEMMs); with

@@ -43,16 +43,19 @@ def test_zero_bubble_grid_equals_single_process(tmp_path, nproc, pp, dp, m, memo
     assert {k.split("/")[0] for k in res["layer_checksums"]} == {f"r{r}" for r in range(dp)}
 
 
-@pytest.mark.parametrize("schedule,nproc,pp,dp,m", [("interleaved", 2, 2, 1, 4), ("zbv", 4, 2, 2, 3),
-                                                    ("zbv", 4, 4, 1, 5), ("interleaved", 4, 4, 1, 4)])
-def test_placed_schedules_equal_single_process(tmp_path, schedule, nproc, pp, dp, m):
-    """Two stages per rank (interleaved: rank r holds r and r+pp, the wrap-around edge last -> first rank; zbv:
-    r and 2pp-1-r, the first rank feeding and scoring) against one process running the same 2pp stages' layers."""
+@pytest.mark.parametrize("schedule,nproc,pp,dp,m,v", [("interleaved", 2, 2, 1, 4, 2), ("zbv", 4, 2, 2, 3, 2),
+                                                      ("zbv", 4, 4, 1, 5, 2), ("interleaved", 4, 4, 1, 4, 2),
+                                                      ("zb-interleaved", 2, 2, 1, 5, 4),
+                                                      ("zb-interleaved", 4, 2, 2, 3, 2)])
+def test_placed_schedules_equal_single_process(tmp_path, schedule, nproc, pp, dp, m, v):
+    """Several stages per rank (interleaved and zb-interleaved: rank r holds r, r+pp, ..., the wrap-around edge
+    last -> first rank; zbv: r and 2pp-1-r, the first rank feeding and scoring) against one process running the
+    same layers."""
     args = [a if a != "1f1b" else schedule for a in GRID_ARGS]
     proc, ref = run_job([sys.executable], [*GRID_ARGS, "-m", str(m * dp)], tmp_path, "ref")
     assert proc.returncode == 0, proc.stderr
     proc, res = run_job(forkrun_cmd(nproc), [*args, "-m", str(m), "--pp", str(pp), "--dp", str(dp), "--stages",
-                                               "2"], tmp_path, f"{schedule}{pp}x{dp}", timeout=500)
+                                               str(v)], tmp_path, f"{schedule}{pp}x{dp}", timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(res, ref)
     assert {k.split("/")[0] for k in res["layer_checksums"]} == {f"r{r}" for r in range(dp)}

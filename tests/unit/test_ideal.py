@@ -44,6 +44,13 @@ def test_zero_bubble_h1_takes_a_third_of_the_bubble(m, p):
     assert ideal.simulate_ms("zb-h1", m, [1.0] * p, [2.0] * p) == pytest.approx(3 * m + (p - 1))
 
 
+def test_stages_per_rank_of_the_bench_variants():
+    assert [ideal.stages_per_rank(s) for s in ("1f1b", "zb-h1", "interleaved", "zbv")] == [1, 1, 2, 2]
+    # zb-interleaved: the most of 4, 3 stages per rank that split the layers evenly, else 2
+    assert [ideal.stages_per_rank("zb-interleaved", pp, layers) for pp, layers in
+            [(2, 16), (4, 16), (4, 24), (2, 24), (4, 8), (2, 10)]] == [4, 4, 3, 4, 2, 2]
+
+
 def test_stage_orders_hold_every_action_once():
     for schedule in [s for s in ideal.SCHEDULES if s not in ideal.PLACED]:
         split = schedule == "zb-h1"
@@ -56,10 +63,11 @@ def test_stage_orders_hold_every_action_once():
 
 @pytest.mark.parametrize("schedule", ideal.PLACED)
 def test_placed_schedules_hold_every_action_once_and_beat_1f1b(schedule):
-    """Interleaved and ZB-V over 2 ranks of 2 stages: every (op, stage, mb) once on the stage's rank; with the
-    stages' work halved (two per rank) they idle less than 1F1B, and the slowest rank's work bounds them below."""
+    """Interleaved, ZB-V and interleaved zero bubble over 2 ranks of 2 stages: every (op, stage, mb) once on the
+    stage's rank; with the stages' work halved (two per rank) they idle less than 1F1B, and the slowest rank's work
+    bounds them below."""
     orders = ideal.rank_orders(schedule, 4, 4)
-    ops = "FBW" if schedule == "zbv" else "FB"
+    ops = "FBW" if schedule in ideal.SPLIT else "FB"
     want = sorted((op, s, mb) for op in ops for s in range(4) for mb in range(4))
     assert sorted(c for order in orders for c in order) == want
     assert ideal.schedule_bubble(schedule, 8, 2, 2) < ideal.schedule_bubble("1f1b", 8, 2)

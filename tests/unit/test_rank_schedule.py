@@ -1,4 +1,5 @@
-"""Schedules of several stages per rank (interleaved 1F1B, ZB-V) as rank programs, and their validator."""
+"""Schedules of several stages per rank (interleaved 1F1B, ZB-V, interleaved zero bubble) as rank programs, and their
+validator."""
 
 import pytest
 
@@ -14,7 +15,9 @@ pytestmark = pytest.mark.timeout(60)
 
 CASES = [("interleaved", LOOP, pp, v, m) for pp, v, m in [(1, 2, 3), (2, 2, 2), (2, 2, 6), (2, 3, 4), (3, 2, 6),
                                                            (4, 2, 8)]] + \
-        [("zbv", V_SHAPE, pp, 2, m) for pp, m in [(1, 3), (2, 1), (2, 3), (2, 8), (3, 5), (4, 4), (4, 9)]]
+        [("zbv", V_SHAPE, pp, 2, m) for pp, m in [(1, 3), (2, 1), (2, 3), (2, 8), (3, 5), (4, 4), (4, 9)]] + \
+        [("zb-interleaved", LOOP, pp, v, m) for pp, v, m in [(1, 3, 3), (2, 2, 1), (2, 2, 3), (2, 4, 8), (3, 3, 5),
+                                                              (4, 2, 8), (4, 4, 8), (4, 3, 5)]]
 
 
 def test_placements():
@@ -27,7 +30,7 @@ def test_placements():
     assert loop.channel(ACT, 3) == ACT  # the wrap-around edge, last rank -> first
     with pytest.raises(ConfigError, match="--stages 2"):
         placement_for("zbv", 2, 3)
-    with pytest.raises(ConfigError, match="interleaved or zbv"):
+    with pytest.raises(ConfigError, match="interleaved, zb-interleaved or zbv"):
         placement_for("1f1b", 2, 2)
     assert placement_for("1f1b", 1, 4) is None  # stages as streams of one device
 
@@ -42,7 +45,7 @@ def test_rank_programs_run_on_rendezvous_and_rings(schedule, shape, pp, v, m):
     if k > 1:
         with pytest.raises(S.ScheduleError, match="deadlocks"):
             rank_sim.simulate_ranks(programs, placement, m, k - 1)
-    ops = "FBW" if schedule == "zbv" else "FB"
+    ops = "FB" if schedule == "interleaved" else "FBW"
     for r, program in enumerate(programs):  # every compute of the rank's stages once, none of another rank's
         computes = sorted((a.op, a.stage, a.mb) for _, step in program for a in step if a.op in S.COMPUTE)
         assert computes == sorted((op, s, mb) for op in ops for s in placement.stages_of(r) for mb in range(m))
@@ -54,22 +57,23 @@ def test_rank_programs_run_on_rendezvous_and_rings(schedule, shape, pp, v, m):
 
 def test_ring_depth_does_not_grow_with_m():
     """The rings hold what is in flight, not a slot per microbatch."""
-    for schedule, shape, pp, v in [("interleaved", LOOP, 2, 2), ("zbv", V_SHAPE, 2, 2)]:
+    for schedule, shape, pp, v in [("interleaved", LOOP, 2, 2), ("zbv", V_SHAPE, 2, 2), ("zb-interleaved", LOOP, 2, 4)]:
         placement = Placement(pp, v, shape)
-        depths = {rank_sim.min_rank_capacity(R.build_ranks(schedule, placement, m), placement, m) for m in (8, 16)}
-        assert len(depths) == 1 and depths.pop() < 16  # a channel carries 2M (zbv) or up to VM messages
+        depths = {rank_sim.min_rank_capacity(R.build_ranks(schedule, placement, m), placement, m) for m in (16, 32)}
+        assert len(depths) == 1 and depths.pop() < 32  # a channel carries 2M (zbv) or up to VM messages
 
 
 def test_interleaved_needs_m_in_groups_of_pp():
     with pytest.raises(S.ScheduleError, match="M=3 is not a multiple of pp=2"):
         placed_schedule("interleaved", 2, 2, 3)
     assert placed_schedule("zbv", 2, 2, 3) is not None  # zbv takes any M
+    assert placed_schedule("zb-interleaved", 2, 3, 3) is not None  # so does zb-interleaved
 
 
 def test_zbv_fills_the_bubble():
     """Unit-time makespan of ZB-V near the work (6M per rank); interleaved below 1F1B's (M + pp - 1) x 3 x 2."""
     for pp, m in [(2, 8), (4, 8)]:
-        times = R.compute_times(R.zbv_orders(Placement(pp, 2, V_SHAPE), m), 2 * pp)
+        times = R.compute_times(R.zero_bubble_orders(Placement(pp, 2, V_SHAPE), m), 2 * pp)
         assert max(e for _, e in times.values()) <= 6 * m + 3
         orders = [R.interleaved_order(r, pp, 2, m) for r in range(pp)]
         assert max(e for _, e in R.compute_times(orders, 2 * pp).values()) < 6 * (m + pp - 1)
@@ -84,7 +88,7 @@ def _drop(programs, rank, action):
     return [out if r == rank else p for r, p in enumerate(programs)]
 
 
-@pytest.mark.parametrize("schedule,shape", [("interleaved", LOOP), ("zbv", V_SHAPE)])
+@pytest.mark.parametrize("schedule,shape", [("interleaved", LOOP), ("zbv", V_SHAPE), ("zb-interleaved", LOOP)])
 def test_broken_variants_are_rejected(schedule, shape):
     placement = Placement(2, 2, shape)
     programs = R.build_ranks(schedule, placement, 4)
@@ -102,7 +106,7 @@ def test_broken_variants_are_rejected(schedule, shape):
     order[f], order[b] = order[b], order[f]
     with pytest.raises(S.ScheduleError, match="must come before"):
         rank_sim.simulate_ranks([programs[0], order], placement, 4)
-    if schedule == "zbv":  # a W before its B
+    if schedule != "interleaved":  # a W before its B
         order = list(programs[0])
         w = next(i for i, (_, st) in enumerate(order) if st[0].op == "W")
         bw = next(i for i, (_, st) in enumerate(order) if st[0].op == "B" and st[0].mb == order[w][1][0].mb
@@ -135,7 +139,7 @@ def test_zbv_within_1f1b_memory(pp, m):
     programs run on rendezvous and rings; planned with B longer than W, the order is never slower (mean makespan
     over JUDGE_COSTS) than the same cap played in unit time, and within 2 % of the fast order's."""
     placement = Placement(pp, 2, V_SHAPE)
-    orders = R.zbv_orders(placement, m, memory="1f1b")
+    orders = R.zero_bubble_orders(placement, m, memory="1f1b")
     for order in orders:
         held = peak = 0
         for op, _s, _mb in order:
@@ -150,7 +154,7 @@ def test_zbv_within_1f1b_memory(pp, m):
         return sum(R.makespan(orders, 2 * pp, costs) for costs in R.JUDGE_COSTS) / len(R.JUDGE_COSTS)
 
     assert mean_span(orders) <= mean_span(R.list_orders(placement, m, hold=True)) + 1e-9
-    assert mean_span(orders) <= 1.02 * mean_span(R.zbv_orders(placement, m))
+    assert mean_span(orders) <= 1.02 * mean_span(R.zero_bubble_orders(placement, m))
     assert placed_schedule("zbv", pp, 2, m, "1f1b").memory == "1f1b"
 
 
@@ -160,6 +164,45 @@ def test_zbv_1f1b_memory_keeps_pace_when_b_outlasts_w():
     placement = Placement(2, 2, V_SHAPE)
     costs = (1.0, 1.2, 0.8)
     capped_unit = R.makespan(R.list_orders(placement, 8, hold=True), 4, costs)
-    fast = R.makespan(R.zbv_orders(placement, 8), 4, costs)
-    planned = R.makespan(R.zbv_orders(placement, 8, memory="1f1b"), 4, costs)
+    fast = R.makespan(R.zero_bubble_orders(placement, 8), 4, costs)
+    planned = R.makespan(R.zero_bubble_orders(placement, 8, memory="1f1b"), 4, costs)
     assert capped_unit > 1.05 * fast and planned <= fast
+
+
+def _bubble_free_share(orders, placement, m, costs):
+    """The rank's work over the makespan: 1.0 without bubbles."""
+    return placement.per_rank * m * sum(costs) / R.makespan(orders, placement.n_stages, costs)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 8), (4, 8), (4, 16)])
+def test_zb_interleaved_with_four_stages_per_rank_beats_zbv(pp, m):
+    """More stages per rank shorten the warm-up: at B longer than W (the lean weight pass), zb-interleaved with 4
+    stages per rank keeps more of the bubble-free time than ZB-V (pp=4, M=8: 0.956 against 0.930)."""
+    costs = (1.0, 1.2, 0.8)
+    zbv, loop = Placement(pp, 2, V_SHAPE), Placement(pp, 4, LOOP)
+    share_zbv = _bubble_free_share(R.zero_bubble_orders(zbv, m), zbv, m, costs)
+    share_loop = _bubble_free_share(R.zero_bubble_orders(loop, m), loop, m, costs)
+    assert share_loop > share_zbv + 0.005 and share_loop > 0.95
+
+
+@pytest.mark.parametrize("v,m", [(2, 4), (3, 8), (4, 8), (4, 16)])
+def test_zb_interleaved_within_1f1b_memory(v, m):
+    """--zb-memory 1f1b on the loop: a rank holds at most V x pp stage-microbatches, its deferred Ws counted."""
+    placement = Placement(4, v, LOOP)
+    for order in R.zero_bubble_orders(placement, m, memory="1f1b"):
+        held = peak = 0
+        for op, _s, _mb in order:
+            held += (op == "F") - (op == "W")
+            peak = max(peak, held)
+        assert peak <= v * 4
+
+
+def test_list_scheduling_leaves_no_rank_stuck():
+    """ZB-V uncapped with B longer than W once filled every rank's activation limit with forwards whose
+    backward could not start (pp=2, M=8: the first rank's limit full of stage-0 forwards, the last stage's forward
+    waiting behind it); the last stage's forward now passes the limit when every rank would wait."""
+    placement = Placement(2, 2, V_SHAPE)
+    orders = R.list_orders(placement, 8, hold=False, costs=(1.0, 1.2, 0.8))
+    assert sorted(c for order in orders for c in order) == sorted(
+        (op, s, mb) for op in "FBW" for s in range(4) for mb in range(8))
+    R.compute_times(orders, 4)
