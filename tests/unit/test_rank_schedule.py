@@ -176,13 +176,13 @@ def _bubble_free_share(orders, placement, m, costs):
 
 @pytest.mark.parametrize("pp,m", [(2, 8), (4, 8), (4, 16)])
 def test_zb_interleaved_with_four_stages_per_rank_beats_zbv(pp, m):
-    """More stages per rank shorten the warm-up: at B longer than W (the lean weight pass), zb-interleaved with 4
-    stages per rank keeps more of the bubble-free time than ZB-V (pp=4, M=8: 0.956 against 0.930)."""
-    costs = (1.0, 1.2, 0.8)
+    """More stages per rank shorten the warm-up: in unit time zb-interleaved with 4 stages per rank keeps more of
+    the bubble-free time than ZB-V (pp=4, M=8: 0.970 against 0.941)."""
+    costs = (1.0, 1.0, 1.0)
     zbv, loop = Placement(pp, 2, V_SHAPE), Placement(pp, 4, LOOP)
     share_zbv = _bubble_free_share(R.zero_bubble_orders(zbv, m), zbv, m, costs)
     share_loop = _bubble_free_share(R.zero_bubble_orders(loop, m), loop, m, costs)
-    assert share_loop > share_zbv + 0.005 and share_loop > 0.95
+    assert share_loop > share_zbv + 0.005 and share_loop > 0.96
 
 
 @pytest.mark.parametrize("v,m", [(2, 4), (3, 8), (4, 8), (4, 16)])
