@@ -46,7 +46,8 @@ def test_zero_bubble_grid_equals_single_process(tmp_path, nproc, pp, dp, m, memo
 @pytest.mark.parametrize("schedule,nproc,pp,dp,m,v", [("interleaved", 2, 2, 1, 4, 2), ("zbv", 4, 2, 2, 3, 2),
                                                       ("zbv", 4, 4, 1, 5, 2), ("interleaved", 4, 4, 1, 4, 2),
                                                       ("zb-interleaved", 2, 2, 1, 5, 4),
-                                                      ("zb-interleaved", 4, 2, 2, 3, 2)])
+                                                      ("zb-interleaved", 4, 2, 2, 3, 2),
+                                                      ("zb-interleaved", 4, 4, 1, 5, 2)])
 def test_placed_schedules_equal_single_process(tmp_path, schedule, nproc, pp, dp, m, v):
     """Several stages per rank (interleaved and zb-interleaved: rank r holds r, r+pp, ..., the wrap-around edge
     last -> first rank; zbv: r and 2pp-1-r, the first rank feeding and scoring) against one process running the
