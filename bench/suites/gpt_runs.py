@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from peerline.bench.benchkit import BenchContext, Timing
-from peerline.bench.ideal import stages_per_rank
+from peerline.bench.ideal import SPLIT, stages_per_rank
 from peerline.bench.runtime_timing import (
     BlockTimer,
     Measured,
@@ -54,7 +54,7 @@ LOSS_CHECK_ITERS = 2  # iterations whose losses are read and compared before tim
 #: the variants measured on torch (variant -> the anchor's model, gpt_anchor.MODELS); "torch" is the anchor
 TORCH_VARIANTS = {"torch": "plain", "torch-peerline-gpt": "peerline"}
 #: the schedules --gpt-zb-memory applies to
-ZERO_BUBBLE = ("zb-h1", "zbv", "zb-interleaved")
+ZERO_BUBBLE = ("zb-h1", *SPLIT)
 #: the one-GPU row (--gpt-single), after the configuration's name
 ONE_GPU = "one-GPU eager bf16"
 

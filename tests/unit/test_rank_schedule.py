@@ -133,6 +133,15 @@ def test_print_schedule_table():
     assert "rank 0" in text and "rank 1" in text and "W0@3" in text and "legend" in text
 
 
+def _peak_held(order):
+    """The most stage-microbatches a rank's order holds at once: from each F until its W."""
+    held = peak = 0
+    for op, _s, _mb in order:
+        held += (op == "F") - (op == "W")
+        peak = max(peak, held)
+    return peak
+
+
 @pytest.mark.parametrize("pp,m", [(1, 3), (2, 1), (2, 3), (2, 8), (2, 16), (3, 5), (4, 4), (4, 8), (4, 16)])
 def test_zbv_within_1f1b_memory(pp, m):
     """--zb-memory 1f1b: a rank holds at most 2pp stage-microbatches (1F1B's peak), its deferred Ws counted; the
@@ -141,11 +150,7 @@ def test_zbv_within_1f1b_memory(pp, m):
     placement = Placement(pp, 2, V_SHAPE)
     orders = R.zero_bubble_orders(placement, m, memory="1f1b")
     for order in orders:
-        held = peak = 0
-        for op, _s, _mb in order:
-            held += (op == "F") - (op == "W")
-            peak = max(peak, held)
-        assert peak <= 2 * pp
+        assert _peak_held(order) <= 2 * pp
     programs = R.build_ranks("zbv", placement, m, memory="1f1b")
     rank_sim.simulate_ranks(programs, placement, m, None)
     rank_sim.simulate_ranks(programs, placement, m, rank_sim.min_rank_capacity(programs, placement, m))
@@ -190,11 +195,7 @@ def test_zb_interleaved_within_1f1b_memory(v, m):
     """--zb-memory 1f1b on the loop: a rank holds at most V x pp stage-microbatches, its deferred Ws counted."""
     placement = Placement(4, v, LOOP)
     for order in R.zero_bubble_orders(placement, m, memory="1f1b"):
-        held = peak = 0
-        for op, _s, _mb in order:
-            held += (op == "F") - (op == "W")
-            peak = max(peak, held)
-        assert peak <= v * 4
+        assert _peak_held(order) <= v * 4
 
 
 def test_list_scheduling_leaves_no_rank_stuck():
