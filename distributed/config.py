@@ -99,7 +99,7 @@ class RunConfig:
                            "interleaved (1F1B over --stages V stages per rank; M a multiple of pp), zbv (zero "
                            "bubble, two stages per rank in a V; --stages 2) or zb-interleaved (zero bubble over "
                            "interleaved's --stages V stages per rank: a shorter warm-up for V times the transfers; "
-                           "slower than zbv in every GPU run so far) (default: %(default)s)",
+                           "measured slower than zbv: see README) (default: %(default)s)",
                            choices=SCHEDULES)
     """Pipeline schedule: gpipe, 1f1b, zb-h1, interleaved, zbv or zb-interleaved."""
     zb_memory: str = option("fast", BATCH, "what a zero-bubble schedule (zb-h1, zbv, zb-interleaved) may hold: "

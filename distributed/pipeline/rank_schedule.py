@@ -85,7 +85,7 @@ def zero_bubble_orders(placement: Placement, m: int, memory: str = "fast") -> li
     activations (1F1B's peak). "fast" plays it in unit time. "1f1b" counts the deferred Ws among them; a hold cap
     played in unit time stalls forwards once B outlasts W, so the capped order is planned under each of PLAN_COSTS
     and the one with the least mean makespan over JUDGE_COSTS is kept. Deterministic, so every rank gets the same
-    order. "fast" stays in unit time: planned under those costs too, ZB-V ran slower on GPUs (code-notes.md)."""
+    order. "fast" stays in unit time: planned under those costs, ZB-V is slower on GPUs (code-notes.md)."""
     if memory != "1f1b":
         return list_orders(placement, m, hold=False)
     plans = [list_orders(placement, m, hold=True, costs=plan) for plan in PLAN_COSTS]
