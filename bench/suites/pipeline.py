@@ -6,12 +6,15 @@ one's distance to the ideal time.
     torchrun --nproc_per_node=2 launch/bench.py pipeline [--pipeline-configs compute,launch] [--schedules 1f1b]
         [--variants torch,eager,graph] [--dp 1] [--pipeline-iters 5] [--pipeline-timeline]
         [--pipeline-anchor-schedules 1f1b,zbv] [--pipeline-anchor-recipes bf16-params]
+        [--pipeline-precisions master,bf16]
 
 The anchor, measured once per configuration, is torch's fastest (schedule, precision recipe): every torch schedule
 that applies (1F1B, GPipe, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; with dp > 1 those of
 one stage per rank) under bf16 parameters and under fp32 parameters + bf16 autocast (fp32 shapes: fp32), shared
 with the gpt suite (bench/suites/torch_schedules.py). Every peerline (schedule, variant) is recorded against it,
-and `<configuration> best` records peerline's fastest against it, each naming what won.
+and `<configuration> best` records peerline's fastest against it, each naming what won. `--pipeline-precisions`
+runs each peerline variant under several --precision recipes (default master; bf16 is torch's bf16-parameter recipe:
+bf16 AdamW state, no fp32 masters); a recipe other than master is named in the case, e.g. `compute zbv graph bf16`.
 
 The anchor's model is the default residual MLP written in plain PyTorch (bench/suites/plain_mlp.py: nn.Linear
 with its bias, F.gelu), holding peerline's initial weights.
@@ -65,7 +68,7 @@ from peerline.bench.suites.torch_schedules import (
     param_dtype,
     recipes_for,
 )
-from peerline.choices import SCHEDULES
+from peerline.choices import PRECISIONS, SCHEDULES
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +107,10 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--pipeline-anchor-schedules", type=_csv, default=None,
                        help=f"the anchor's torch schedules to try: {','.join(TORCH_SCHEDULES)} (default all that "
                             "apply)")
+    group.add_argument("--pipeline-precisions", type=_csv, default=None,
+                       help="peerline's --precision recipes for the eager and graph variants: master, bf16 (torch's "
+                            "bf16-parameter recipe), compact, autocast, e.g. master,bf16 (default master); those that "
+                            "need bf16 weights are skipped, with a note, on an fp32 shape")
     group.add_argument("--pipeline-anchor-recipes", type=_csv, default=None,
                        help=f"the anchor's precision recipes to try: {','.join(RECIPES[:2])} for bf16 shapes "
                             "(default both), fp32 for fp32 shapes")
@@ -200,8 +207,8 @@ class PipelineBench:
         return s.microbatches * s.micro_batch_size * s.seq * self.dp
 
     # -- (a), (b) peerline -------------------------------------------------------------------------------------
-    def peerline(self, graph: bool) -> Measured | str:
-        """Measured, or why the variant could not run."""
+    def peerline(self, graph: bool, precision: str = "master") -> Measured | str:
+        """Measured (named by variant_label), or why the variant could not run."""
         try:
             from peerline.distributed.config import RunConfig
         except ImportError as exc:
@@ -211,8 +218,8 @@ class PipelineBench:
                         stages=stages_per_rank(self.schedule, self.pp, s.layers),
                         microbatches=s.microbatches,
                         micro_batch_size=s.micro_batch_size, seq=s.seq, hidden=s.hidden, layers=s.layers,
-                        seed=s.seed, lr=s.lr, dtype=s.dtype, device=self.device.type, graph=graph,
-                        iters=10**9, log_every=1)
+                        seed=s.seed, lr=s.lr, dtype=s.dtype, precision=precision, device=self.device.type,
+                        graph=graph, iters=10**9, log_every=1)
         with open_runtime(cfg) as rt:
             measured = time_captured(rt, graph, LOSS_CHECK_ITERS, self._time)
             if isinstance(measured, str):
@@ -223,7 +230,8 @@ class PipelineBench:
             if not graph and self.draw_timeline:
                 extra["timeline"] = self._timeline(rt)
             ideal = self._peerline_ideal(rt, timing)
-        return Measured("graph" if graph else "eager", timing, losses, ideal, peak, extra)
+        extra["precision"] = precision
+        return Measured(variant_label(graph, precision), timing, losses, ideal, peak, extra)
 
     def _peerline_ideal(self, rt, timing: Timing) -> IdealReport | None:
         if len(rt.engine.stages) != 1:
@@ -299,6 +307,21 @@ class PipelineBench:
                                       else None}))
 
 
+def variant_label(graph: bool, precision: str) -> str:
+    """A peerline variant's name in the cases: eager or graph, then its --precision where it is not master."""
+    return ("graph" if graph else "eager") + ("" if precision == "master" else f" {precision}")
+
+
+def _precisions_for(shape: PipeShape, precisions: list[str], note) -> list[str]:
+    """The recipes that apply to `shape`: bf16 and compact keep bf16 weights and need a bf16 shape."""
+    fits = [p for p in precisions if shape.dtype == "bf16" or p not in ("bf16", "compact")]
+    for p in precisions:
+        if p not in fits:
+            note(f"pipeline {shape.name}: --precision {p} keeps bf16 weights, and this shape is {shape.dtype}; "
+                 "not run")
+    return fits
+
+
 def _groups(pp: int, dp: int, rank: int) -> tuple[Any, Any]:
     """(pp group, dp group) of this rank for the anchor; (None, None) when the world is one pipeline."""
     if dp == 1:
@@ -324,8 +347,9 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     configs = getattr(args, "pipeline_configs", None) or (["quick"] if ctx.quick else ["compute", "launch"])
     schedules = getattr(args, "schedules", None) or list(SCHEDULES)
     variants = getattr(args, "variants", None) or list(VARIANTS)
+    precisions = list(dict.fromkeys(getattr(args, "pipeline_precisions", None) or ["master"]))
     for bad, allowed, what in ((configs, CONFIGS, "configuration"), (schedules, SCHEDULES, "schedule"),
-                               (variants, VARIANTS, "variant")):
+                               (variants, VARIANTS, "variant"), (precisions, PRECISIONS, "precision")):
         unknown = [v for v in bad if v not in allowed]
         if unknown:
             raise ValueError(f"pipeline: unknown {what} {unknown[0]!r}; choose from {', '.join(allowed)}")
@@ -343,15 +367,18 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     ctx.facts.setdefault("pipeline_grid", f"pp={pp} x dp={dp}")
     failures: list[str] = []
     for key in configs:
-        run_configuration(args, ctx, CONFIGS[key], schedules, variants, dp, groups, failures)
+        shape = CONFIGS[key]
+        run_configuration(args, ctx, shape, schedules, variants, _precisions_for(shape, precisions, ctx.note), dp,
+                          groups, failures)
     if failures:
         raise RuntimeError(f"{len(failures)} pipeline variant(s) failed: " + " | ".join(failures))
 
 
 def run_configuration(args: argparse.Namespace, ctx: BenchContext, shape: PipeShape, schedules: list[str],
-                      variants: list[str], dp: int, groups: tuple[Any, Any], failures: list[str]) -> None:
-    """The anchor once (torch's fastest), then every peerline (schedule, variant) against it, then peerline's
-    fastest against it."""
+                      variants: list[str], precisions: list[str], dp: int, groups: tuple[Any, Any],
+                      failures: list[str]) -> None:
+    """The anchor once (torch's fastest), then every peerline (schedule, variant, precision) against it, then
+    peerline's fastest against it."""
     pp = dist.get_world_size() // dp
     anchor: Measured | None = None
     if "torch" in variants:
@@ -368,9 +395,11 @@ def run_configuration(args: argparse.Namespace, ctx: BenchContext, shape: PipeSh
     for schedule in schedules:
         bench = PipelineBench(args, ctx, shape, schedule, dp)
         results: dict[str, Measured] = {"torch": anchor} if anchor is not None else {}
-        for variant in (v for v in variants if v != "torch"):
+        runs = [(v == "graph", p) for v in variants if v != "torch" for p in precisions]
+        for graph, precision in runs:
+            variant = variant_label(graph, precision)
             got = measure_or_note(ctx, SUITE, f"{shape.name} {schedule} {variant}",
-                                  lambda graph=variant == "graph", bench=bench: bench.peerline(graph), failures)
+                                  lambda g=graph, p=precision, bench=bench: bench.peerline(g, p), failures)
             if not isinstance(got, Measured):
                 continue
             results[variant] = fastest_peerline[f"{schedule} {variant}"] = got

@@ -104,11 +104,18 @@ def test_pipeline_suite_pp2_dp2_anchor_with_ddp(tmp_path):
 
 def test_pipeline_and_graph_suites_single_process(tmp_path):
     out = tmp_path / "one"
-    proc = run_bench(1, ["--schedules", "gpipe", "--pipeline-anchor-schedules", "gpipe,zbv"], out,
-                     suites=("pipeline", "graph"))
+    proc = run_bench(1, ["--schedules", "gpipe", "--pipeline-anchor-schedules", "gpipe,zbv",
+                         "--pipeline-precisions", "master,autocast,bf16"], out, suites=("pipeline", "graph"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = records(out)
     assert recs and all(r["sizes"]["pp"] == 1 for r in recs)
+    # each recipe a case of its own (fp32 on the CPU: autocast is fp32 weights without autocast, the same losses);
+    # bf16 keeps bf16 weights and the quick shape is fp32: left out with a note
+    by_case = {r["case"]: r for r in recs}
+    assert by_case["quick gpipe eager"]["extra"]["precision"] == "master"
+    assert by_case["quick gpipe eager autocast"]["extra"]["precision"] == "autocast"
+    assert not any("bf16" in c for c in by_case)
+    assert "--precision bf16 keeps bf16 weights, and this shape is fp32; not run" in (out / "results.md").read_text()
     check_losses(recs)
     check_best(recs, {"gpipe fp32"})  # the flag's choice; ZBV needs two pipeline ranks (noted, not tried)
     assert "ScheduleZBVZeroBubble not tried: needs 2 or more pipeline ranks" in (out / "results.md").read_text()

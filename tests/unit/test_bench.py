@@ -206,6 +206,7 @@ def test_parser_carries_the_suites_own_flags():
 @pytest.mark.parametrize("argv, message", [
     (["--schedules", "zigzag"], "unknown schedule 'zigzag'"),
     (["--variants", "torch,graph", "--pipeline-timeline"], "--pipeline-timeline draws an eager iteration"),
+    (["--pipeline-precisions", "master,fp8"], "unknown precision 'fp8'"),
 ])
 def test_pipeline_suite_rejects_bad_requests_before_running(tmp_path, argv: list[str], message: str):
     import torch.distributed as dist
@@ -221,3 +222,18 @@ def test_pipeline_suite_rejects_bad_requests_before_running(tmp_path, argv: list
     finally:
         dist.destroy_process_group()
     assert ctx.records == []
+
+
+def test_pipeline_precisions_keep_bf16_weights_to_bf16_shapes():
+    """bf16 and compact keep bf16 weights: an fp32 shape runs the others and says which it left out; a variant's
+    name carries its recipe unless it is master."""
+    from peerline.bench.suites import pipeline
+
+    notes: list[str] = []
+    fp32, bf16 = pipeline.CONFIGS["quick"], pipeline.CONFIGS["compute"]
+    assert pipeline._precisions_for(fp32, ["master", "bf16", "autocast", "compact"], notes.append) == [
+        "master", "autocast"]
+    assert len(notes) == 2 and "--precision bf16 keeps bf16 weights" in notes[0] and "compact" in notes[1]
+    assert pipeline._precisions_for(bf16, ["bf16", "master"], notes.append) == ["bf16", "master"] and len(notes) == 2
+    assert pipeline.variant_label(True, "master") == "graph"
+    assert pipeline.variant_label(False, "bf16") == "eager bf16"
