@@ -121,9 +121,9 @@ def test_ops_linear_dispatch() -> None:
 
 
 def test_auto_runs_plain_linear_for_eager_low_precision_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    """--kernels auto: bf16 weights already in the compute dtype, eager, run F.linear (torch's own node, the weight
-    a leaf with its AccumulateGrad); fp32 weights, autocast to another dtype, a capture and impl "peerline" keep
-    the fused Function. The gradients are nn.Linear's either way."""
+    """--kernels auto on the CPU: bf16 weights already in the compute dtype, eager, run F.linear (torch's own node,
+    the weight a leaf with its AccumulateGrad); fp32 weights, autocast to another dtype, a capture and impl
+    "peerline" keep the fused Function. The gradients are nn.Linear's either way."""
     torch.manual_seed(int(torch.randint(0, 1 << 30, ())))
     w = torch.randn(40, 24, dtype=torch.bfloat16, requires_grad=True)
     x = torch.randn(4, 24, dtype=torch.bfloat16, requires_grad=True)
@@ -145,10 +145,11 @@ def test_auto_runs_plain_linear_for_eager_low_precision_weights(monkeypatch: pyt
     assert not fused_linear.eager_plain(x, w)  # a captured forward keeps the fused path
 
 
-def test_auto_runs_plain_linear_for_small_fp32_weights_under_eager_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_runs_plain_linear_for_small_weights_when_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     """--kernels auto, eager, fp32 weights under autocast: F.linear below the card's eager threshold for "linear"
-    (by the fp32 weight's bytes), the fused Function at and above it, in a capture, and without autocast. The pick
-    is asked once per size. CUDA is mocked (the rule is for GPUs; the tensors stay on the CPU)."""
+    (by the fp32 weight's bytes), the fused Function at and above it, in a capture, and without autocast; bf16
+    weights by the same count of elements. The pick is asked once per size. CUDA is mocked (the rule is for GPUs;
+    the tensors stay on the CPU)."""
     from peerline.kernels import card_table as ct
     from peerline.kernels import elementwise as ew
 
@@ -171,6 +172,14 @@ def test_auto_runs_plain_linear_for_small_fp32_weights_under_eager_autocast(monk
         capturing[0] = True
         assert not fused_linear.eager_plain(x, small)
     assert asked == [0, 0]  # once per size
+    capturing[0] = False
+    # bf16 weights in the compute dtype follow the same rule by their elements, with or without autocast: the host
+    # is the bottleneck below the threshold, the device (dW's add into .grad) at and above it
+    small16, at16 = small.detach().bfloat16().requires_grad_(True), at.detach().bfloat16().requires_grad_(True)
+    assert fused_linear.eager_plain(x.bfloat16(), small16) and not fused_linear.eager_plain(x.bfloat16(), at16)
+    assert asked == [0, 0]  # the same sizes: the cached picks
+    capturing[0] = True
+    assert not fused_linear.eager_plain(x.bfloat16(), small16)
     capturing[0] = False
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = ops.linear(x.requires_grad_(True), small, None, "auto")
