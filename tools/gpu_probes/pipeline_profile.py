@@ -1,0 +1,146 @@
+"""Where a captured pipeline iteration's time goes on each rank: peerline with graphs at pp = world size, or one GPU
+running the whole model (pp=1), under torch.profiler.
+
+Per rank: wall ms per iteration (unprofiled: blocks of replays, synced at the end of a block), the GPU's busy time
+per iteration (the union of kernel and copy intervals) and the idle rest, device time by class and the top kernels,
+and the longest idle gaps of the busiest stream with the kernels on either side. Run once at pp=2 and once on one
+GPU (pp=1, every layer in one stage): the one-GPU time divided by pp is the bubble-free time of the schedules
+issue, and the two runs' kernel totals show whether the pipeline's extra time is idle (waits) or device time
+(slower or more kernels). INFO lines only.
+
+    torchrun --nproc_per_node=2 tools/gpu_probes/pipeline_profile.py [--config compute] [--schedule zbv]
+        [--precision bf16] [--iters 2] [--timed 10]
+    python3 tools/gpu_probes/pipeline_profile.py --schedule 1f1b        # one GPU, the whole model in one stage
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from top_kernels import device_times, kernel_class
+from torch.profiler import ProfilerActivity, profile
+
+from peerline.bench.ideal import stages_per_rank
+from peerline.bench.runtime_timing import first_losses, open_runtime
+from peerline.bench.suites.pipeline import CONFIGS
+from peerline.distributed.config import RunConfig
+
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="compute", choices=sorted(CONFIGS), help="the pipeline suite's shape")
+    p.add_argument("--schedule", default="zbv", help="peerline's --schedule (default zbv; 1f1b on one GPU)")
+    p.add_argument("--precision", default="bf16", help="peerline's --precision (default bf16)")
+    p.add_argument("--microbatches", type=int, default=None, help="microbatches (default: the shape's)")
+    p.add_argument("--iters", type=int, default=2, help="profiled iterations (default 2)")
+    p.add_argument("--timed", type=int, default=10, help="unprofiled iterations timed (default 10)")
+    p.add_argument("--top", type=int, default=15, help="rows per list (default 15)")
+    p.add_argument("--trace-dir", default=None, help="also keep each rank's chrome trace there (rank<R>.json.gz)")
+    return p.parse_args(argv)
+
+
+def device_events(events: list[dict]) -> list[dict]:
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
+
+
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, stop) intervals."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def longest_gaps(events: list[dict], top: int) -> tuple[int, list[tuple[float, str, str]]]:
+    """(the busiest stream, its `top` longest idle gaps as (us, kernel before, kernel after))."""
+    by_stream: dict[int, list[dict]] = collections.defaultdict(list)
+    for e in events:
+        by_stream[e.get("tid", 0)].append(e)
+    stream, evs = max(by_stream.items(), key=lambda kv: sum(e.get("dur", 0) for e in kv[1]))
+    evs.sort(key=lambda e: e["ts"])
+    gaps = [(b["ts"] - (a["ts"] + a.get("dur", 0)), a["name"][:60], b["name"][:60]) for a, b in zip(evs, evs[1:])]
+    return stream, sorted(gaps, reverse=True)[:top]
+
+
+def report(rank: int, events: list[dict], iters: int, wall_ms: float, top: int) -> dict[str, Any]:
+    """INFO lines for one rank's profiled window; the figures per iteration."""
+    dev = device_events(events)
+    window = (max(e["ts"] + e.get("dur", 0) for e in dev) - min(e["ts"] for e in dev)) / 1e3 / iters if dev else 0.0
+    busy = busy_us([(e["ts"], e["ts"] + e.get("dur", 0)) for e in dev]) / 1e3 / iters
+    by_name, counts, by_class = device_times(events)
+    streams = collections.Counter(e.get("tid", 0) for e in dev)
+    print(f"INFO rank {rank}: wall {wall_ms:.2f} ms/iter unprofiled; profiled device window {window:.2f} ms/iter, "
+          f"GPU busy {busy:.2f} ms ({100 * busy / window if window else 0:.1f} %), idle {window - busy:.2f} ms; "
+          f"device time {sum(by_class.values()) / 1e3 / iters:.2f} ms over {len(streams)} streams", flush=True)
+    for cls, us in by_class.most_common():
+        print(f"INFO rank {rank}: class {cls}: {us / 1e3 / iters:.2f} ms/iter", flush=True)
+    for name, us in by_name.most_common(top):
+        print(f"INFO rank {rank}: kernel {us / 1e3 / iters:8.3f} ms/iter  x{counts[name] // iters:<5d} "
+              f"[{kernel_class(name)}] {name[:110]}", flush=True)
+    stream, gaps = longest_gaps(dev, top)
+    idle = sum(g for g, _, _ in gaps) / 1e3 / iters
+    print(f"INFO rank {rank}: stream {stream}'s {len(gaps)} longest gaps: {idle:.2f} ms/iter", flush=True)
+    for us, before, after in gaps:
+        print(f"INFO rank {rank}: gap {us / 1e3:.3f} ms after {before} | before {after}", flush=True)
+    return {"wall_ms": wall_ms, "window_ms": window, "busy_ms": busy,
+            "by_class_ms": {k: v / 1e3 / iters for k, v in by_class.items()}}
+
+
+def load_trace(prof: Any, rank: int, trace_dir: str | None) -> list[dict]:
+    """The profile's chrome trace events (kept under trace_dir as rank<R>.json.gz when given)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        with gzip.open(os.path.join(trace_dir, f"rank{rank}.json.gz"), "wt") as f:
+            json.dump(trace, f)
+    return trace.get("traceEvents", [])
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    s = CONFIGS[a.config]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    stages = stages_per_rank(a.schedule, world, s.layers)
+    cfg = RunConfig(schedule=a.schedule, stages=stages, microbatches=a.microbatches or s.microbatches,
+                    micro_batch_size=s.micro_batch_size, seq=s.seq, hidden=s.hidden, layers=s.layers, seed=s.seed,
+                    lr=s.lr, dtype=s.dtype, precision=a.precision, graph=True, iters=10**9, log_every=10**9)
+    with open_runtime(cfg) as rt:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        _, not_captured = first_losses(rt, 2, graph=True)
+        if not_captured:
+            raise SystemExit(f"pipeline_profile: the iteration was not captured: {not_captured}")
+        rt.train(rt.iteration + 3)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rt.train(rt.iteration + a.timed)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / a.timed
+        if dist.is_initialized():
+            dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            rt.train(rt.iteration + a.iters)
+            torch.cuda.synchronize()
+        print(f"INFO rank {rank}: {a.config} pp={world} {a.schedule} (stages per rank {stages}) --precision "
+              f"{a.precision}, M={cfg.microbatches}", flush=True)
+        report(rank, load_trace(prof, rank, a.trace_dir), a.iters, wall, a.top)
+
+
+if __name__ == "__main__":
+    main()
