@@ -75,6 +75,28 @@ def longest_gaps(events: list[dict], top: int) -> tuple[int, list[tuple[float, s
     return stream, sorted(gaps, reverse=True)[:top]
 
 
+def host_waits(events: list[dict], top: int) -> list[tuple[float, int, str]]:
+    """The host calls that copy or wait (cudaMemcpy*, *Synchronize, cudaStreamWaitEvent left out: it does not block
+    the host), each with the chain of host ops and Python functions around it (innermost last), grouped: (total
+    us, calls, chain), the longest first."""
+    kinds = ("cpu_op", "python_function", "user_annotation")
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in kinds]
+    calls = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"
+             and ("Memcpy" in e["name"] or "Synchronize" in e["name"])]
+    by_tid: dict[Any, list[dict]] = collections.defaultdict(list)
+    for e in host:
+        by_tid[e.get("tid")].append(e)
+    groups: dict[str, list[float]] = collections.defaultdict(list)
+    for c in calls:
+        start, stop = c["ts"], c["ts"] + c.get("dur", 0)
+        around = sorted((e for e in by_tid.get(c.get("tid"), ())
+                         if e["ts"] <= start and e["ts"] + e.get("dur", 0) >= stop), key=lambda e: e["ts"])
+        chain = " > ".join(e["name"][:50] for e in around[-7:])
+        groups[f"{c['name']} in {chain}"].append(c.get("dur", 0))
+    rows = sorted(((sum(v), len(v), k) for k, v in groups.items()), reverse=True)
+    return rows[:top]
+
+
 def report(rank: int, events: list[dict], iters: int, wall_ms: float, top: int) -> dict[str, Any]:
     """INFO lines for one rank's profiled window; the figures per iteration."""
     dev = device_events(events)
@@ -95,6 +117,9 @@ def report(rank: int, events: list[dict], iters: int, wall_ms: float, top: int) 
     print(f"INFO rank {rank}: stream {stream}'s {len(gaps)} longest gaps: {idle:.2f} ms/iter", flush=True)
     for us, before, after in gaps:
         print(f"INFO rank {rank}: gap {us / 1e3:.3f} ms after {before} | before {after}", flush=True)
+    for us, n, chain in host_waits(events, top):
+        print(f"INFO rank {rank}: host copy/wait {us / 1e3 / iters:.3f} ms/iter x{n / iters:g}: {chain[:400]}",
+              flush=True)
     return {"wall_ms": wall_ms, "window_ms": window, "busy_ms": busy,
             "by_class_ms": {k: v / 1e3 / iters for k, v in by_class.items()}}
 
@@ -134,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         wall = (time.perf_counter() - t0) * 1e3 / a.timed
         if dist.is_initialized():
             dist.barrier()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
             rt.train(rt.iteration + a.iters)
             torch.cuda.synchronize()
         print(f"INFO rank {rank}: {a.config} pp={world} {a.schedule} (stages per rank {stages}) --precision "
