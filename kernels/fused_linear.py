@@ -16,13 +16,12 @@ allocation, so the backward stays safe to capture in a CUDA graph.
             backward, after the accumulation is queued.
 
 Under `--kernels auto`, an eager forward (no graph capture) runs plain F.linear where this Python Function's host
-time costs more than it saves on the device: a weight below the card's eager threshold for "linear", counted in
-elements (fp32 bytes / 4). The saving grows with the weight: for an fp32 weight under autocast a weight cast and
-dW's cast and add per microbatch, for a weight already in the compute dtype (the bf16, master and compact recipes)
-the add of dW into `.grad`. The GEMMs grow with it, and once they outlast the host's work per layer the device is
-the bottleneck and the host time is hidden. Small weights are where the host is the bottleneck. Captured
-forwards, weights at or above the threshold and `--kernels peerline` keep the fused path; on the CPU a weight in
-the compute dtype always runs F.linear.
+time costs more than it saves on the device. An fp32 weight under autocast runs it below the card's eager threshold
+for "linear" (the saving, a weight cast and dW's cast and add per microbatch, grows with the weight). A weight
+already in the compute dtype (the bf16, master and compact recipes; the saving is the add of dW into `.grad`) runs
+it where its GEMM is below EAGER_FUSED_MIN_MACS multiply-adds per call: only longer GEMMs keep the device behind
+the host, so that the Function's host time is hidden. Captured forwards and `--kernels peerline` keep the fused
+path; on the CPU a weight in the compute dtype always runs F.linear.
 
 The fp32 `addmm.dtype_out` path is checked once per process by `probe()` on a tiny exact problem, outside any
 graph capture; if the op is missing or wrong, the backward falls back to `weight.grad.add_(dy.T @ x)` (one
@@ -275,14 +274,23 @@ def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
 
 
+#: The multiply-adds per call (rows x in x out) at and above which an eager GEMM of a weight already in the compute
+#: dtype takes the fused path: about 0.15 ms forward on an H100 or H200. The MLP's 4096 x 2048 x 8192 (2^36) ran
+#: faster fused in eager runs on an H200, pp=2 and one GPU; the GPT block's 2048 x 2048 x 8192 (2^35), with several
+#: times the host work per GEMM FLOP, stays on F.linear (the eager suite's records: docs/benchmarks).
+EAGER_FUSED_MIN_MACS = 1 << 36
+
+
 def eager_plain(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """--kernels auto: whether this forward runs plain F.linear (see the module doc), outside a graph capture only:
-    low-precision weights already in the compute dtype, and fp32 weights under autocast, on a GPU where the weight
-    is below the card's eager threshold for "linear" (`small_for_eager`); low-precision weights on the CPU."""
+    a low-precision weight already in the compute dtype on the CPU, or on a GPU where its GEMM is short (below
+    EAGER_FUSED_MIN_MACS); an fp32 weight under autocast on a GPU below the card's eager threshold for "linear"
+    (`small_for_eager`)."""
     if x.is_cuda and capturing():
         return False
     if weight.dtype in (torch.bfloat16, torch.float16):
-        return compute_dtype(x, weight) == weight.dtype and (not x.is_cuda or small_for_eager(weight))
+        return compute_dtype(x, weight) == weight.dtype and (
+            not x.is_cuda or x.numel() // max(x.shape[-1], 1) * weight.numel() < EAGER_FUSED_MIN_MACS)
     return (weight.dtype == torch.float32 and x.is_cuda and torch.is_autocast_enabled(x.device.type)
             and small_for_eager(weight))
 
@@ -292,11 +300,10 @@ _EAGER_SMALL: dict[tuple[int, int], bool] = {}
 
 
 def small_for_eager(weight: torch.Tensor) -> bool:
-    """The card table's pick for "linear" (card_table.CardTable.pick) by the weight's size in fp32 bytes (elements
-    x 4, whatever its dtype): torch below the eager threshold (64 MiB where unmeasured, 16 Mi elements). Below it
-    the GEMMs are short and the host is the bottleneck: torch's C++ nodes (and autocast's per-microbatch weight
-    cast) cost less host time than this module's Python Function, whose saving (no cast, dW added in the GEMM) is
-    device traffic. Cached per size and device."""
+    """The card table's pick for "linear" (card_table.CardTable.pick) by the fp32 weight's bytes: torch below the
+    eager threshold (64 MiB where unmeasured). Below it the GEMMs are short and the host is the bottleneck: autocast's
+    per-microbatch weight cast and torch's C++ nodes cost less host time than this module's Python Function, whose
+    saving (no cast, dW added in the GEMM) is device traffic. Cached per size and device."""
     key = (weight.numel(), weight.device.index or 0)
     hit = _EAGER_SMALL.get(key)
     if hit is None:

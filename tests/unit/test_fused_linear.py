@@ -148,8 +148,8 @@ def test_auto_runs_plain_linear_for_eager_low_precision_weights(monkeypatch: pyt
 def test_auto_runs_plain_linear_for_small_weights_when_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     """--kernels auto, eager, fp32 weights under autocast: F.linear below the card's eager threshold for "linear"
     (by the fp32 weight's bytes), the fused Function at and above it, in a capture, and without autocast; bf16
-    weights by the same count of elements. The pick is asked once per size. CUDA is mocked (the rule is for GPUs;
-    the tensors stay on the CPU)."""
+    weights by their GEMM's multiply-adds per call. The pick is asked once per size. CUDA is mocked (the rule is for
+    GPUs; the tensors stay on the CPU)."""
     from peerline.kernels import card_table as ct
     from peerline.kernels import elementwise as ew
 
@@ -173,13 +173,17 @@ def test_auto_runs_plain_linear_for_small_weights_when_eager(monkeypatch: pytest
         assert not fused_linear.eager_plain(x, small)
     assert asked == [0, 0]  # once per size
     capturing[0] = False
-    # bf16 weights in the compute dtype follow the same rule by their elements, with or without autocast: the host
-    # is the bottleneck below the threshold, the device (dW's add into .grad) at and above it
-    small16, at16 = small.detach().bfloat16().requires_grad_(True), at.detach().bfloat16().requires_grad_(True)
-    assert fused_linear.eager_plain(x.bfloat16(), small16) and not fused_linear.eager_plain(x.bfloat16(), at16)
-    assert asked == [0, 0]  # the same sizes: the cached picks
+    # bf16 weights in the compute dtype: by the GEMM's multiply-adds per call (rows x weight elements), with or
+    # without autocast: the host is the bottleneck below EAGER_FUSED_MIN_MACS, the device at and above it
+    monkeypatch.setattr(fused_linear, "EAGER_FUSED_MIN_MACS", 4 * 40 * 24)
+    w16 = at.detach().bfloat16().requires_grad_(True)
+    x16 = torch.randn(3, 24, dtype=torch.bfloat16)
+    assert fused_linear.eager_plain(x16, w16) and not fused_linear.eager_plain(x16.repeat(2, 1)[:4], w16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fused_linear.eager_plain(torch.randn(2, 2, 24, dtype=torch.bfloat16), w16)
+    assert asked == [0, 0]  # not the card's "linear" threshold
     capturing[0] = True
-    assert not fused_linear.eager_plain(x.bfloat16(), small16)
+    assert not fused_linear.eager_plain(x16, w16)
     capturing[0] = False
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = ops.linear(x.requires_grad_(True), small, None, "auto")

@@ -97,22 +97,16 @@ def test_the_decision_follows_each_ops_rule_and_is_cached(monkeypatch: pytest.Mo
         "eager_torch_below": {"bias_gelu_fwd": 0, "bias_gelu_bwd": 0, "residual_add": ct.NEVER_EAGER}})
     assert not ops.mlp_block_on_torch(x, block.fc1.weight, block.fc1_bias, block.fc2.weight)
 
-    # Weights at the card's eager threshold for "linear" (elements x 4 bytes): the device is the bottleneck, the
-    # fused Linears (dW added in the GEMM) run, so the block keeps the per-op path.
+    # A GEMM of EAGER_FUSED_MIN_MACS multiply-adds or more (rows x weight elements): the device is the bottleneck,
+    # the fused Linears (dW added in the GEMM) run, so the block keeps the per-op path.
     from peerline.kernels import fused_linear
 
-    monkeypatch.setattr(ew, "_CHOICES", {})
-    monkeypatch.setattr(fused_linear, "_EAGER_SMALL", {})
-    entry = {"choice": {"bias_gelu_fwd:bf16": [[1, "torch"]], "bias_gelu_bwd:bf16": [[1, "torch"]],
-                        "residual_add:bf16": [[1, "torch"]]},
-             "eager_torch_below": {"linear": 4 * block.fc1.weight.numel(), "residual_add": ct.NEVER_EAGER}}
-    table = ct.CardTable.from_entry("NVIDIA H200", entry)
-    assert not ops.mlp_block_on_torch(x, block.fc1.weight, block.fc1_bias, block.fc2.weight)
-    monkeypatch.setattr(ew, "_CHOICES", {})
-    monkeypatch.setattr(fused_linear, "_EAGER_SMALL", {})
-    table = ct.CardTable.from_entry("NVIDIA H200", {**entry, "eager_torch_below": {
-        **entry["eager_torch_below"], "linear": 4 * block.fc1.weight.numel() + 1}})
-    assert ops.mlp_block_on_torch(x, block.fc1.weight, block.fc1_bias, block.fc2.weight)
+    table = _table("torch", "torch")
+    macs = 2 * 4 * block.fc1.weight.numel()  # x's 8 rows through fc1 (fc2 has as many elements)
+    for limit, direct in ((macs, False), (macs + 1, True)):
+        monkeypatch.setattr(ew, "_CHOICES", {})
+        monkeypatch.setattr(fused_linear, "EAGER_FUSED_MIN_MACS", limit)
+        assert ops.mlp_block_on_torch(x, block.fc1.weight, block.fc1_bias, block.fc2.weight) == direct
 
 
 def test_fp32_weights_without_autocast_keep_the_fused_linear(monkeypatch: pytest.MonkeyPatch) -> None:
