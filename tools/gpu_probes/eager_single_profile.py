@@ -1,10 +1,11 @@
 """Where a one-GPU eager iteration of the residual MLP spends its time: plain torch eager (the eager suite's
 PlainTorch) against peerline --stages 1 --no-graph with the same recipe, under torch.profiler.
 
-Per side: wall ms per iteration (unprofiled, synced at the end of a block), the GPU's busy time per iteration (the
-union of kernel and copy intervals) and how much of the wall it covers, device time by class and the top kernels,
-and the host ops (aten ops and Python functions) by self CPU time. Then both sides' totals side by side. One GPU;
-`--device cpu` checks that it runs (no kernel rows). INFO lines only.
+Per side: wall ms per iteration (unprofiled: both sides resident, their blocks of iterations alternating, before any
+profiler session), the GPU's busy time per iteration (the union of kernel and copy intervals) and how much of the
+wall it covers, device time by class and the top kernels, and the host ops (aten ops and Python functions) by self
+CPU time. Then both sides' totals side by side. One GPU; `--device cpu` checks that it runs (no kernel rows). INFO
+lines only.
 
     PYTHONPATH=$PWD python3 tools/gpu_probes/eager_single_profile.py [--config mid] [--recipe bf16] [--iters 2]
 """
@@ -18,7 +19,6 @@ import json
 import os
 import re
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +26,8 @@ import torch
 from top_kernels import device_times, host_self_times
 from torch.profiler import ProfilerActivity, profile
 
-from peerline.bench.runtime_timing import free_device, open_runtime
+from peerline.bench.benchkit import time_blocks_interleaved
+from peerline.bench.runtime_timing import open_runtime
 from peerline.bench.suites.eager import SINGLE_RECIPES, PlainTorch
 from peerline.bench.suites.pipeline import CONFIGS
 from peerline.distributed.config import RunConfig
@@ -74,16 +75,12 @@ def _thread_wait(name: str) -> bool:
     return "threading.py" in name
 
 
-def profile_side(name: str, run: Callable[[int], None], device: torch.device, a: argparse.Namespace) -> dict[str, Any]:
-    """Warm up, time `a.timed` iterations (one call of `run`, which runs n iterations), then profile `a.iters`;
-    print the side's rows."""
+def profile_side(name: str, run: Callable[[int], None], device: torch.device, a: argparse.Namespace,
+                 wall: float) -> dict[str, Any]:
+    """Profile `a.iters` iterations of `run` (one call runs n iterations) and print the side's rows; `wall` is its
+    unprofiled time per iteration, measured before any profiler session of the process (a session leaves the
+    profiler's tracing hooks loaded, which slows every later launch)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    run(3)
-    sync()
-    t0 = time.perf_counter()
-    run(a.timed)
-    sync()
-    wall = (time.perf_counter() - t0) * 1000.0 / a.timed
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, with_stack=a.with_stack) as prof:
         run(a.iters)
@@ -130,17 +127,18 @@ def main(argv: list[str] | None = None) -> None:
         param_dtype, precision = None, "autocast"  # bf16 parameters need bf16 compute
     print(f"INFO shape {shape.name}: {shape.layers} blocks h={shape.hidden}, micro-batch {shape.micro_batch_size}x"
           f"{shape.seq}, M={shape.microbatches}; recipe {a.recipe}; {device}")
-    got = {}
     plain = PlainTorch(shape, device, param_dtype)
-    got["torch"] = profile_side("torch", lambda n, plain=plain: [plain.step() for _ in range(n)], device, a)
-    plain = None  # its memory back before peerline's runtime
-    free_device(device)
     cfg = RunConfig(schedule="1f1b", microbatches=shape.microbatches, micro_batch_size=shape.micro_batch_size,
                     seq=shape.seq, hidden=shape.hidden, layers=shape.layers, seed=shape.seed, lr=shape.lr,
                     dtype=shape.dtype, device=device.type, graph=False, iters=10**9, log_every=10**9, stages=1,
                     precision=precision)
     with open_runtime(cfg) as rt:
-        got["peerline"] = profile_side("peerline", lambda n: rt.train(rt.iteration + n), device, a)
+        sides = {"torch": lambda n: [plain.step() for _ in range(n)], "peerline": lambda n: rt.train(rt.iteration + n)}
+        # Both resident, timed in alternating blocks (A B, B A, ...) before either is profiled: a host that drifts
+        # falls on both, and no profiler session has run yet.
+        walls = time_blocks_interleaved(list(sides.values()), iters=a.timed, reps=3, warmup=1, device=device)
+        got = {name: profile_side(name, run, device, a, wall.median_ms)
+               for (name, run), wall in zip(sides.items(), walls)}
     t, p = got["torch"], got["peerline"]
     print(f"INFO side by side (torch / peerline): wall {t['wall']:.2f} / {p['wall']:.2f} ms (ratio "
           f"{t['wall'] / p['wall']:.3f}); GPU busy {t['busy']:.2f} / {p['busy']:.2f}; host self {t['host']:.2f} / "
