@@ -78,8 +78,9 @@ def _thread_wait(name: str) -> bool:
 def profile_side(name: str, run: Callable[[int], None], device: torch.device, a: argparse.Namespace,
                  wall: float) -> dict[str, Any]:
     """Profile `a.iters` iterations of `run` (one call runs n iterations) and print the side's rows; `wall` is its
-    unprofiled time per iteration, measured before any profiler session of the process (a session leaves the
-    profiler's tracing hooks loaded, which slows every later launch)."""
+    unprofiled time per iteration, measured before any profiler session of the process (a side timed after another
+    side's session ran 39 % slower than the eager suite measures it, likely from the profiler's hooks left
+    loaded)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities, with_stack=a.with_stack) as prof:
