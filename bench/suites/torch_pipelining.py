@@ -192,18 +192,23 @@ def measure_stage_ms(module: nn.Module, shape: PipeShape, device: torch.device, 
                      warmup: int = 3, reps: int = 10, stream: torch.cuda.Stream | None = None
                      ) -> tuple[float, float]:
     """Forward and backward time of one microbatch through this stage alone (no communication), for the ideal
-    time. Inputs of a later stage require grad, so the backward computes the gradient it would send back.
+    time. Inputs of a later stage require grad, so the backward computes the gradient it would send back. The
+    input is what the stage gets in its pipeline: in the parameters' dtype where they are bf16 / fp16 (no
+    autocast; the first stage's own cast of fp32 data left out), else fp32 under bf16 autocast for a bf16 shape.
     `stream`: where to run (a peerline stage's compute stream; None: the current stream, as torch runs)."""
     from peerline.bench.benchkit import time_fn
     from peerline.distributed.streams import use
 
     b, s, h = shape.micro_batch_size, shape.seq, shape.hidden
-    cast = (torch.autocast(device.type, dtype=torch.bfloat16) if shape.dtype == "bf16"
+    param = next(module.parameters(), None)
+    low = param is not None and param.dtype in (torch.bfloat16, torch.float16)
+    cast = (torch.autocast(device.type, dtype=torch.bfloat16) if shape.dtype == "bf16" and not low
             else contextlib.nullcontext())
     with use(stream):  # inputs made on the stream that reads them
-        x = torch.randn(b, s, h, device=device, requires_grad=not is_first)
+        x = torch.randn(b, s, h, device=device, dtype=param.dtype if low else torch.float32,
+                        requires_grad=not is_first)
         target = torch.randn(b, s, h, device=device)
-        grad_out = torch.randn(b, s, h, device=device)
+        grad_out = torch.randn(b, s, h, device=device, dtype=x.dtype)
 
     def forward() -> torch.Tensor:
         with cast:

@@ -43,3 +43,22 @@ def test_stage_modules_hold_the_layers_of_their_stage():
         assert isinstance(got, PlainMLPBlock)
         for a, b in zip(got.state_dict().values(), want.state_dict().values()):
             assert torch.equal(a, b)
+
+
+def test_a_stage_is_timed_alone_on_the_input_its_pipeline_gives_it():
+    """measure_stage_ms (the pipeline suite's ideal time): a stage with bf16 parameters gets bf16 inputs without
+    autocast, as the bf16 recipes hand their boundaries on; fp32 parameters of a bf16 shape get fp32 inputs under
+    bf16 autocast. Both passes run and the stage keeps no gradient."""
+    from peerline.bench.suites.torch_pipelining import measure_stage_ms
+
+    shape = PipeShape("t", layers=2, hidden=8, micro_batch_size=1, seq=4, microbatches=2, dtype="bf16", seed=5)
+    for dtype in (torch.bfloat16, torch.float32):
+        module = build_stage_modules(shape, 1, [0])[0].to(dtype)
+        seen: list[tuple[torch.dtype, bool, bool]] = []
+        module.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(
+            (args[0].dtype, args[0].requires_grad, torch.is_autocast_enabled("cpu"))))
+        fwd, bwd = measure_stage_ms(module, shape, torch.device("cpu"), is_first=False, is_last=False, warmup=1,
+                                    reps=2)
+        assert fwd > 0 and bwd >= 0 and seen
+        assert set(seen) == {(dtype, True, dtype == torch.float32)}, (dtype, set(seen))
+        assert all(p.grad is None for p in module.parameters())
