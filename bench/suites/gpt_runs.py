@@ -31,7 +31,7 @@ from peerline.bench.runtime_timing import (
     time_anchor,
     time_captured,
 )
-from peerline.bench.suites.eager import child_device, child_spec, child_timer, on_rank0, run_fresh_child
+from peerline.bench.suites.fresh_child import child_device, child_spec, child_timer, on_rank0, run_fresh_child
 from peerline.bench.suites.gpt_anchor import (
     MODELS,
     GPTShape,
@@ -218,7 +218,7 @@ def _from_child(side: dict[str, Any], name: str) -> Measured:
 
 
 def single_child(spec: dict[str, Any], out_path: str) -> None:
-    """--gpt-single's process (one rank on its first visible device; eager.run_fresh_child starts it): the whole
+    """--gpt-single's process (one rank on its first visible device; fresh_child.run_fresh_child starts it): the whole
     plain torch GPT eager with bf16 parameters, then peerline --stages 1 --no-graph --precision bf16, on `spec`'s
     shape in bf16 with the same microbatches and seed; writes each side's timing, first losses and peak memory."""
     device = child_device()

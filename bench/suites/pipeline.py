@@ -30,7 +30,10 @@ Timing (benchkit.time_blocks): blocks of --pipeline-iters iterations with no hos
 together, the slowest rank's time per iteration; median over --reps blocks after --warmup blocks. Before timing,
 the first two iterations' losses of every variant are read and compared with the anchor's (same weights, same
 data: they agree to rounding in fp32). The ideal time of each variant comes from its own stages' forward and
-backward times measured alone (bench/ideal.py).
+backward times measured alone (bench/ideal.py). The bubble-free time (--pipeline-bubble-free, on by default, pp > 1;
+bench/suites/bubble_free.py) is the whole model on one GPU, 1F1B in one stage, with the fastest variant's recipe
+and graph setting, in a fresh process on rank 0's GPU, divided by pp: `<configuration> best vs bubble-free` is the
+fastest variant's fraction of it (goal >= 0.95 on a GPU).
 
 Every measurement goes through runtime_timing.measure_or_note, so with --isolate (bench/isolation.py) each one
 (the anchor with its candidates, each peerline variant) runs as a job of its own and the others replay its result.
@@ -58,6 +61,7 @@ from peerline.bench.runtime_timing import (
     time_anchor,
     time_captured,
 )
+from peerline.bench.suites import bubble_free
 from peerline.bench.suites.torch_pipelining import PipeShape, TorchPipelineAnchor, build_stage_module, measure_stage_ms
 from peerline.bench.suites.torch_schedules import (
     RECIPES,
@@ -111,6 +115,10 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="peerline's --precision recipes for the eager and graph variants: master, bf16 (torch's "
                             "bf16-parameter recipe), compact, autocast, e.g. master,bf16 (default master); those that "
                             "need bf16 weights are skipped, with a note, on an fp32 shape")
+    group.add_argument("--pipeline-bubble-free", action=argparse.BooleanOptionalAction, default=True,
+                       help="also time the whole model on one GPU (rank 0's, a fresh process) with peerline's fastest "
+                            "variant's recipe: the bubble-free time, / pp, and the fastest variant's fraction of it "
+                            "(pp > 1; default on)")
     group.add_argument("--pipeline-anchor-recipes", type=_csv, default=None,
                        help=f"the anchor's precision recipes to try: {','.join(RECIPES[:2])} for bf16 shapes "
                             "(default both), fp32 for fp32 shapes")
@@ -368,17 +376,30 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     failures: list[str] = []
     for key in configs:
         shape = CONFIGS[key]
-        run_configuration(args, ctx, shape, schedules, variants, _precisions_for(shape, precisions, ctx.note), dp,
-                          groups, failures)
+        fastest = run_configuration(args, ctx, shape, schedules, variants, _precisions_for(shape, precisions, ctx.note),
+                                    dp, groups, failures)
+        if fastest is not None and pp > 1 and getattr(args, "pipeline_bubble_free", True):
+            _bubble_free(args, ctx, key, pp, dp, fastest, failures)
     if failures:
         raise RuntimeError(f"{len(failures)} pipeline variant(s) failed: " + " | ".join(failures))
 
 
+def _bubble_free(args: argparse.Namespace, ctx: BenchContext, key: str, pp: int, dp: int,
+                 fastest: tuple[str, Measured], failures: list[str]) -> None:
+    """The whole model of configuration `key` on one GPU (bench/suites/bubble_free.py) and the fastest variant's
+    fraction of that time / pp."""
+    shape = CONFIGS[key]
+    one = measure_or_note(ctx, SUITE, f"{shape.name} one GPU (bubble-free)",
+                          lambda: bubble_free.measure(args, ctx, key, shape, fastest[1]), failures)
+    if isinstance(one, Measured):
+        bubble_free.record(ctx, shape, pp, dp, *fastest, one)
+
+
 def run_configuration(args: argparse.Namespace, ctx: BenchContext, shape: PipeShape, schedules: list[str],
                       variants: list[str], precisions: list[str], dp: int, groups: tuple[Any, Any],
-                      failures: list[str]) -> None:
+                      failures: list[str]) -> tuple[str, Measured] | None:
     """The anchor once (torch's fastest), then every peerline (schedule, variant, precision) against it, then
-    peerline's fastest against it."""
+    peerline's fastest against it; returns that fastest (its label and measurement), None when none ran."""
     pp = dist.get_world_size() // dp
     anchor: Measured | None = None
     if "torch" in variants:
@@ -411,6 +432,7 @@ def run_configuration(args: argparse.Namespace, ctx: BenchContext, shape: PipeSh
         bench.report_ideal(results)
         free_device(ctx.device)
     report_best(ctx, shape, pp, dp, anchor, fastest_peerline)
+    return min(fastest_peerline.items(), key=lambda kv: kv[1].timing.median_ms, default=None)
 
 
 def report_best(ctx: BenchContext, shape: PipeShape, pp: int, dp: int, anchor: Measured | None,

@@ -40,7 +40,7 @@ def test_failed_and_hung_variants_are_noted_and_the_bench_goes_on(tmp_path):
             "--schedules", "gpipe,1f1b,zb-h1", "--variants", "torch,eager", "--pipeline-anchor-schedules", "gpipe",
             "--deadline-s", f"{10 * scale:.0f}", "--isolate-timeout-s", f"{150 * scale:.0f}",
             "--inject-fault", "pipeline quick gpipe eager=raise:rank=1:iter=3",
-            "--inject-fault", "pipeline quick 1f1b eager=hang:rank=0:iter=3"]
+            "--inject-fault", "pipeline quick 1f1b eager=hang:rank=0:iter=3", "--no-pipeline-bubble-free"]
     env = dict(os.environ, PEERLINE_DEVICE="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, BENCH, *args], capture_output=True, text=True, cwd=tmp_path, env=env,
                           timeout=350 * scale)
@@ -69,7 +69,8 @@ def test_failed_and_hung_variants_are_noted_and_the_bench_goes_on(tmp_path):
 
 def test_a_failed_anchor_is_noted_and_the_variants_still_run(tmp_path):
     """The anchor's job fails on every rank (an unknown precision recipe raises inside the measurement): it is noted
-    with the rank's line, the variant after it still runs (its ideal-time record), and the missing anchor is said."""
+    with the rank's line, the variant after it still runs (its ideal-time record), the missing anchor is said, and
+    the bubble-free time runs as a job of its own against the variant's replayed result."""
     out = tmp_path / "out"
     scale = timeouts.scale()
     args = ["pipeline", "--quick", "--isolate", "--ranks", "2", "--out", str(out), "--schedules", "1f1b",
@@ -82,10 +83,15 @@ def test_a_failed_anchor_is_noted_and_the_variants_still_run(tmp_path):
     assert proc.returncode == 1, said
     outcomes = [json.loads(line) for line in (out / "measurements.jsonl").read_text().splitlines()]
     assert [(o["id"], o["status"]) for o in outcomes] == [("pipeline quick torch", "failed"),
-                                                          ("pipeline quick 1f1b eager", "ok")], said
+                                                          ("pipeline quick 1f1b eager", "ok"),
+                                                          ("pipeline quick one GPU (bubble-free)", "ok")], said
     assert outcomes[0]["error"].startswith("rank ") and "unknown precision recipe 'bogus'" in outcomes[0]["error"]
     recs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["case"] for r in recs] == ["quick 1f1b eager vs ideal"]
+    assert [r["case"] for r in recs] == ["quick 1f1b eager vs ideal", "quick best vs bubble-free"]
+    # its own job, against the variant an earlier job measured (replayed): the same losses from one process
+    free = recs[1]["extra"]
+    assert free["peerline_best"] == "1f1b eager"
+    assert max(abs(a - b) for a, b in zip(free["one_gpu_losses"], free["losses"], strict=True)) <= 1e-5
     md = (out / "results.md").read_text()
     assert "FAILED pipeline quick torch: rank " in md and "pipeline quick: no anchor" in md, md
     assert running_with(str(out)) == []

@@ -89,6 +89,12 @@ def test_pipeline_suite_two_ranks_with_timeline(tmp_path):
         assert f"timeline quick {schedule}" in md
     assert md.count(", consistent") == 2, md
     check_best(recs, {f"{s} fp32" for s in TORCH_SCHEDULES})  # 4 layers, M=4 at pp=2: every torch schedule applies
+    # the bubble-free time: the whole model in a fresh one-rank process, the same data and weights, so the same losses
+    (free,) = [r for r in recs if r["case"] == "quick best vs bubble-free"]
+    assert free["extra"]["peerline_best"] in {"gpipe eager", "1f1b eager"} and not free["extra"]["one_gpu_graph"]
+    assert free["anchor"] == pytest.approx(free["extra"]["one_gpu_ms"] / 2)
+    for a, b in zip(free["extra"]["one_gpu_losses"], free["extra"]["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (free["extra"]["one_gpu_losses"], free["extra"]["losses"])
 
 
 def test_pipeline_suite_pp2_dp2_anchor_with_ddp(tmp_path):
@@ -96,7 +102,8 @@ def test_pipeline_suite_pp2_dp2_anchor_with_ddp(tmp_path):
     proc = run_bench(4, ["--dp", "2", "--schedules", "1f1b"], out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = records(out)
-    assert {r["case"] for r in recs} == {"quick 1f1b eager", "quick 1f1b eager vs ideal", "quick best"}
+    assert {r["case"] for r in recs} == {"quick 1f1b eager", "quick 1f1b eager vs ideal", "quick best",
+                                         "quick best vs bubble-free"}
     assert recs[0]["sizes"]["dp"] == 2 and recs[0]["anchor_name"].endswith("+ DDP")
     check_losses(recs)
     check_best(recs, {"1f1b fp32", "gpipe fp32"})  # DDP: the schedules of one stage per rank
