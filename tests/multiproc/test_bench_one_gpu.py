@@ -1,4 +1,4 @@
-"""CPU smoke tests of the one-GPU parts (a fresh process on rank 0's device while the other ranks wait; the
+"""CPU smoke tests of the one-GPU parts (a fresh process on rank 0's device while the other ranks wait:
 fresh_child.run_fresh_child): the gpt suite's --gpt-single row on two gloo ranks (the whole plain
 torch GPT eager with bf16 parameters against peerline --stages 1 --no-graph --precision bf16, the quick shape in
 bf16) and the eager suite's one-GPU part on one rank. The bench runs from outside the checkout, so the child must
