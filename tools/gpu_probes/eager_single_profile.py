@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from top_kernels import device_times, host_self_times
+from top_kernels import busy_ms, device_times, host_self_times
 from torch.profiler import ProfilerActivity, profile
 
 from peerline.bench.benchkit import time_blocks_interleaved
@@ -40,25 +40,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="blocks (default: the shape's)")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches (default: the shape's)")
     p.add_argument("--iters", type=int, default=2, help="profiled iterations per side (default 2)")
-    p.add_argument("--timed", type=int, default=10, help="unprofiled iterations timed per side (default 5)")
+    p.add_argument("--timed", type=int, default=10,
+                   help="iterations per unprofiled block: 3 blocks per side, alternating, after a warm-up block "
+                        "(default 10)")
     p.add_argument("--top", type=int, default=20, help="rows per list (default 20)")
     p.add_argument("--with-stack", action=argparse.BooleanOptionalAction, default=True,
                    help="record Python functions in the profile (default on)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--trace-dir", default=None, help="also keep each side's chrome trace there (<side>.json.gz)")
     return p.parse_args(argv)
-
-
-def busy_ms(events: list[dict]) -> float:
-    """The union of the device's kernel, memcpy and memset intervals, ms."""
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    total, end = 0.0, float("-inf")
-    for start, stop in spans:
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total / 1000.0
 
 
 def _merge_names(counter: collections.Counter) -> collections.Counter:

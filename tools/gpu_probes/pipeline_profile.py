@@ -26,15 +26,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from top_kernels import device_times, kernel_class
+from top_kernels import busy_ms, device_events, device_times, kernel_class
 from torch.profiler import ProfilerActivity, profile
 
 from peerline.bench.ideal import stages_per_rank
 from peerline.bench.runtime_timing import first_losses, open_runtime
 from peerline.bench.suites.pipeline import CONFIGS
 from peerline.distributed.config import RunConfig
-
-DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,20 +46,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=15, help="rows per list (default 15)")
     p.add_argument("--trace-dir", default=None, help="also keep each rank's chrome trace there (rank<R>.json.gz)")
     return p.parse_args(argv)
-
-
-def device_events(events: list[dict]) -> list[dict]:
-    return [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
-
-
-def busy_us(spans: list[tuple[float, float]]) -> float:
-    """The length of the union of (start, stop) intervals."""
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(spans):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
 
 
 def longest_gaps(events: list[dict], top: int) -> tuple[int, list[tuple[float, str, str]]]:
@@ -101,7 +85,7 @@ def report(rank: int, events: list[dict], iters: int, wall_ms: float, top: int) 
     """INFO lines for one rank's profiled window; the figures per iteration."""
     dev = device_events(events)
     window = (max(e["ts"] + e.get("dur", 0) for e in dev) - min(e["ts"] for e in dev)) / 1e3 / iters if dev else 0.0
-    busy = busy_us([(e["ts"], e["ts"] + e.get("dur", 0)) for e in dev]) / 1e3 / iters
+    busy = busy_ms(events) / iters
     by_name, counts, by_class = device_times(events)
     streams = collections.Counter(e.get("tid", 0) for e in dev)
     print(f"INFO rank {rank}: wall {wall_ms:.2f} ms/iter unprofiled; profiled device window {window:.2f} ms/iter, "

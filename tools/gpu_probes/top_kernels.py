@@ -30,6 +30,22 @@ def kernel_class(name: str) -> str:
 
 
 HOST_CATS = ("cpu_op", "python_function", "cuda_runtime", "cuda_driver")
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def device_events(events: list[dict]) -> list[dict]:
+    """A chrome trace's kernels, memcpys and memsets."""
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
+
+
+def busy_ms(events: list[dict]) -> float:
+    """The union of the device's kernel, memcpy and memset intervals, ms."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in device_events(events)):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total / 1000.0
 
 
 def device_times(events: list[dict]) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
@@ -37,11 +53,10 @@ def device_times(events: list[dict]) -> tuple[collections.Counter, collections.C
     memsets (the last two named by their category, classed as copies)."""
     by_name: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            name = e["name"] if e["cat"] == "kernel" else e["cat"]
-            by_name[name] += e.get("dur", 0)
-            counts[name] += 1
+    for e in device_events(events):
+        name = e["name"] if e["cat"] == "kernel" else e["cat"]
+        by_name[name] += e.get("dur", 0)
+        counts[name] += 1
     classes: collections.Counter = collections.Counter()
     for name, us in by_name.items():
         classes[kernel_class(name) if not name.startswith("gpu_") else "copies"] += us
