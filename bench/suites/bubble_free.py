@@ -50,9 +50,8 @@ def measure(args: argparse.Namespace, ctx: BenchContext, key: str, shape: PipeSh
             ) -> Measured | str:
     """Rank 0 runs bubble_free_child for `shape` with `best`'s recipe and graph setting while every rank waits;
     every rank gets the one-GPU measurement ("one GPU"), or why there is none."""
-    spec = {**child_spec(args, ctx.quick, getattr(args, "pipeline_iters", None)), "config": key,
-            "shape": dataclasses.asdict(shape), "precision": best.extra.get("precision", "master"),
-            "graph": best.name.startswith("graph")}
+    spec = {**child_spec(args, ctx.quick, getattr(args, "pipeline_iters", None)), "shape": dataclasses.asdict(shape),
+            "precision": best.extra.get("precision", "master"), "graph": best.name.startswith("graph")}
     path = Path(ctx.out_dir) / f"bubble_free_{key}.json"
     shared = [on_rank0(lambda: run_fresh_child(ctx, f"{__name__}:bubble_free_child", spec, path))]
     dist.broadcast_object_list(shared, src=0)

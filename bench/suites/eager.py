@@ -316,7 +316,6 @@ def _record_single(ctx: BenchContext, key: str, result: dict[str, Any]) -> None:
                      f"peerline {rec.ratio:.2f}x plain torch (goal >= {GOAL:.2f}x)")
 
 
-# -- a fresh process on rank 0's GPU (the eager and gpt suites' one-GPU parts) -------------------------------------
 def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     """The pipeline part on pp = world, then the one-GPU part; see the module docstring."""
     configs = getattr(args, "eager_configs", None) or (["quick"] if ctx.quick else ["launch", "mid", "compute"])

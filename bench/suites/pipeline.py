@@ -431,17 +431,18 @@ def run_configuration(args: argparse.Namespace, ctx: BenchContext, shape: PipeSh
                          got.tokens_per_s(bench.tokens), ", ".join(f"{v:.6g}" for v in got.losses))
         bench.report_ideal(results)
         free_device(ctx.device)
-    report_best(ctx, shape, pp, dp, anchor, fastest_peerline)
-    return min(fastest_peerline.items(), key=lambda kv: kv[1].timing.median_ms, default=None)
+    fastest = min(fastest_peerline.items(), key=lambda kv: kv[1].timing.median_ms, default=None)
+    report_best(ctx, shape, pp, dp, anchor, fastest_peerline, fastest)
+    return fastest
 
 
 def report_best(ctx: BenchContext, shape: PipeShape, pp: int, dp: int, anchor: Measured | None,
-                peerline: dict[str, Measured]) -> None:
-    """`<configuration> best`: peerline's fastest (schedule, variant) against torch's fastest (schedule, recipe),
-    each named; on a GPU, the goal line."""
-    if anchor is None or not peerline:
+                peerline: dict[str, Measured], fastest: tuple[str, Measured] | None) -> None:
+    """`<configuration> best`: peerline's fastest (schedule, variant) of `peerline` (`fastest`: its label and
+    measurement) against torch's fastest (schedule, recipe), each named; on a GPU, the goal line."""
+    if anchor is None or fastest is None:
         return
-    label, best = min(peerline.items(), key=lambda kv: kv[1].timing.median_ms)
+    label, best = fastest
     tokens = shape.microbatches * shape.micro_batch_size * shape.seq * dp
     extra = {"peerline_best": label, "ms_per_iter": best.timing.median_ms,
              "anchor_ms_per_iter": anchor.timing.median_ms, "anchor_schedule": anchor.extra["schedule"],
