@@ -2,7 +2,9 @@
 fastest peerline variant's recipe and graph setting), divided by pp. A pipeline of pp GPUs can at best divide that
 work pp ways; its fraction of the bound is the schedules issue's measure of the bubble and of the pipeline's other
 costs (transfers, waits, imbalance between ranks). Measured in a fresh process on rank 0's GPU
-(bench/suites/fresh_child.py) while the other ranks wait.
+(bench/suites/fresh_child.py) while the other ranks wait. The record also names the schedule's own ceiling: the
+share of the bubble-free time its fill and drain allow with balanced stages and free transfers (bench/ideal.py
+schedule_bubble), below 1 for every schedule (the last rank waits for the first forward to reach it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from peerline.bench.benchkit import BenchContext, Record, Timing
+from peerline.bench.ideal import schedule_bubble, stages_per_rank
 from peerline.bench.runtime_timing import Measured, open_runtime, time_captured
 from peerline.bench.suites.fresh_child import child_device, child_spec, child_timer, on_rank0, run_fresh_child
 from peerline.bench.suites.torch_pipelining import PipeShape
@@ -64,17 +67,29 @@ def measure(args: argparse.Namespace, ctx: BenchContext, key: str, shape: PipeSh
                     {"graph": got["graph"], "precision": spec["precision"]})
 
 
+def schedule_ceiling(label: str, shape: PipeShape, pp: int) -> float:
+    """The share of the bubble-free time that the schedule of variant `label` ("zbv graph bf16") reaches at best:
+    balanced stages, forward : backward = 1 : 2, free transfers."""
+    schedule = label.split()[0]
+    return 1.0 - schedule_bubble(schedule, shape.microbatches, pp, stages_per_rank(schedule, pp, shape.layers))
+
+
 def record(ctx: BenchContext, shape: PipeShape, pp: int, dp: int, label: str, best: Measured, one: Measured
            ) -> None:
-    """`<configuration> best vs bubble-free`: the fastest peerline variant's ms/iter against the one-GPU time / pp;
-    on a GPU, the goal line."""
+    """`<configuration> best vs bubble-free`: the fastest peerline variant's ms/iter against the one-GPU time / pp,
+    with its schedule's ceiling; on a GPU, the goal line."""
     one_ms = one.timing.median_ms
+    ceiling = schedule_ceiling(label, shape, pp)
     rec = ctx.record(Record("pipeline", f"{shape.name} best vs bubble-free", "ms/iter", best.timing.median_ms,
                             one_ms / pp, f"one GPU running the whole model ({one_ms:.2f} ms, 1F1B, one stage), / pp",
                             higher_is_better=False, sizes={**shape.sizes(), "pp": pp, "dp": dp},
                             extra={"peerline_best": label, "one_gpu_ms": one_ms, "one_gpu_spread": one.timing.spread,
                                    "one_gpu_losses": one.losses, "one_gpu_graph": one.extra["graph"],
-                                   "precision": one.extra["precision"], "losses": best.losses}))
+                                   "precision": one.extra["precision"], "losses": best.losses,
+                                   "schedule_ceiling": ceiling}))
+    ctx.note(f"pipeline {shape.name} pp={pp}: {label.split()[0]} at M={shape.microbatches} reaches at most "
+             f"{ceiling:.3f} of the bubble-free time (its fill and drain with balanced stages, forward : backward "
+             f"1 : 2, free transfers); the best variant is at {rec.ratio:.3f}, {rec.ratio / ceiling:.3f} of that")
     if ctx.device.type == "cuda":
         ctx.note(f"GOAL {'MET' if rec.ratio >= GOAL else 'MISSED'} pipeline {shape.name} best: peerline {label} "
                  f"at {rec.ratio:.3f} of the bubble-free time (goal >= {GOAL})")

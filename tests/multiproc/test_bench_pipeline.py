@@ -93,6 +93,9 @@ def test_pipeline_suite_two_ranks_with_timeline(tmp_path):
     (free,) = [r for r in recs if r["case"] == "quick best vs bubble-free"]
     assert free["extra"]["peerline_best"] in {"gpipe eager", "1f1b eager"} and not free["extra"]["one_gpu_graph"]
     assert free["anchor"] == pytest.approx(free["extra"]["one_gpu_ms"] / 2)
+    # GPipe and 1F1B with balanced stages idle (P - 1) / (M + P - 1) of the time: the ceiling is M / (M + P - 1)
+    assert free["extra"]["schedule_ceiling"] == pytest.approx(4 / 5)
+    assert "at M=4 reaches at most 0.800 of the bubble-free time" in md
     for a, b in zip(free["extra"]["one_gpu_losses"], free["extra"]["losses"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (free["extra"]["one_gpu_losses"], free["extra"]["losses"])
 

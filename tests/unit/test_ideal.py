@@ -1,5 +1,6 @@
 """The ideal time of a pipelined iteration: the bubble bound and the schedule simulation."""
 
+import dataclasses
 import math
 
 import pytest
@@ -103,3 +104,18 @@ def test_stage_times_from_spans_takes_medians_per_stage():
     assert bwd == pytest.approx([2.0, 6.0])
     with pytest.raises(ValueError):
         ideal.stage_times_from_spans({0: spans[0]}, pp=2)
+
+
+@pytest.mark.parametrize("pp,m", [(2, 8), (4, 8), (4, 16)])
+def test_schedule_ceiling_is_the_fill_the_last_rank_cannot_avoid(pp, m):
+    """The bubble-free record's ceiling: 1F1B's is M / (M + P - 1); ZB-V's is the last rank's work over that work
+    plus its wait for the first forward to cross the P - 1 chunks before its own (a chunk's forward is 1/6 of its
+    forward + backward per microbatch, and each rank holds two chunks)."""
+    from peerline.bench.suites.bubble_free import schedule_ceiling
+    from peerline.bench.suites.pipeline import CONFIGS
+
+    shape = dataclasses.replace(CONFIGS["compute"], microbatches=m)
+    assert schedule_ceiling("1f1b graph", shape, pp) == pytest.approx(m / (m + pp - 1))
+    work = 2 * m * 3  # two chunks per rank, F + B + W of one unit each per microbatch
+    assert schedule_ceiling("zbv graph bf16", shape, pp) == pytest.approx(work / (work + pp - 1))
+    assert schedule_ceiling("zb-h1 graph", shape, pp) < schedule_ceiling("zbv graph", shape, pp) < 1.0
