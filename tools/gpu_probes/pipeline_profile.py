@@ -48,15 +48,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def longest_gaps(events: list[dict], top: int) -> tuple[int, list[tuple[float, str, str]]]:
-    """(the busiest stream, its `top` longest idle gaps as (us, kernel before, kernel after))."""
-    by_stream: dict[int, list[dict]] = collections.defaultdict(list)
-    for e in events:
-        by_stream[e.get("tid", 0)].append(e)
-    stream, evs = max(by_stream.items(), key=lambda kv: sum(e.get("dur", 0) for e in kv[1]))
-    evs.sort(key=lambda e: e["ts"])
-    gaps = [(b["ts"] - (a["ts"] + a.get("dur", 0)), a["name"][:60], b["name"][:60]) for a, b in zip(evs, evs[1:])]
-    return stream, sorted(gaps, reverse=True)[:top]
+def idle_gaps(events: list[dict], top: int) -> list[tuple[float, float, str, str]]:
+    """The `top` longest intervals in which no stream of the device runs anything, as (us, offset from the window's
+    start in us, the work that ended last before it, the work that starts it). A gap on one stream alone is not
+    idle time: a rank with two stages runs each on its own stream."""
+    evs = sorted(events, key=lambda e: e["ts"])
+    if not evs:
+        return []
+    t0, end, last = evs[0]["ts"], evs[0]["ts"] + evs[0].get("dur", 0), evs[0]
+    gaps = []
+    for e in evs[1:]:
+        if e["ts"] > end:
+            gaps.append((e["ts"] - end, end - t0, last["name"][:60], e["name"][:60]))
+        if e["ts"] + e.get("dur", 0) > end:
+            end, last = e["ts"] + e.get("dur", 0), e
+    return sorted(gaps, reverse=True)[:top]
 
 
 def host_waits(events: list[dict], top: int) -> list[tuple[float, int, str]]:
@@ -96,11 +102,13 @@ def report(rank: int, events: list[dict], iters: int, wall_ms: float, top: int) 
     for name, us in by_name.most_common(top):
         print(f"INFO rank {rank}: kernel {us / 1e3 / iters:8.3f} ms/iter  x{counts[name] // iters:<5d} "
               f"[{kernel_class(name)}] {name[:110]}", flush=True)
-    stream, gaps = longest_gaps(dev, top)
-    idle = sum(g for g, _, _ in gaps) / 1e3 / iters
-    print(f"INFO rank {rank}: stream {stream}'s {len(gaps)} longest gaps: {idle:.2f} ms/iter", flush=True)
-    for us, before, after in gaps:
-        print(f"INFO rank {rank}: gap {us / 1e3:.3f} ms after {before} | before {after}", flush=True)
+    gaps = idle_gaps(dev, top)
+    idle = sum(g for g, _, _, _ in gaps) / 1e3 / iters
+    print(f"INFO rank {rank}: the {len(gaps)} longest idle intervals (no stream busy): {idle:.2f} ms/iter",
+          flush=True)
+    for us, at, before, after in gaps:
+        print(f"INFO rank {rank}: idle {us / 1e3:.3f} ms at {at / 1e3:.2f} ms after {before} | before {after}",
+              flush=True)
     for us, n, chain in host_waits(events, top):
         print(f"INFO rank {rank}: host copy/wait {us / 1e3 / iters:.3f} ms/iter x{n / iters:g}: {chain[:400]}",
               flush=True)
