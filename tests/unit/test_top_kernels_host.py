@@ -92,3 +92,15 @@ def test_idle_waits_left_out(top_kernels: ModuleType) -> None:
     assert dict(calls) == {"watchdog.py(130): _run": 1, "aten::add": 1}
     every, _ = top_kernels.host_self_times(waits)
     assert every["<built-in method acquire of _thread.lock object>"] == 8800 and every["threading.py(655): wait"] == 200
+
+
+def test_idle_intervals_are_holes_in_every_stream_at_once(top_kernels: ModuleType) -> None:
+    """Two streams: a gap on one while the other runs is not idle; the holes in their union are, each with the work
+    on either side, and busy time is the span less the holes. Host events are left out."""
+    trace = [ev("kernel", "a", 0, 10, tid=7), ev("kernel", "b", 5, 20, tid=8), ev("gpu_memcpy", "c", 30, 5, tid=7),
+             ev("cpu_op", "host", 26, 3), ev("kernel", "d", 40, 2, tid=8), ev("gpu_memset", "e", 41, 4, tid=7)]
+    holes = top_kernels.idle_intervals(trace)
+    assert [(round((a - T0) / 100), round((b - T0) / 100), x["name"], y["name"]) for a, b, x, y in holes] == [
+        (25, 30, "b", "c"), (35, 40, "c", "d")]
+    assert top_kernels.busy_ms(trace) == pytest.approx((45 - 10) * 0.1)
+    assert top_kernels.idle_intervals([ev("cpu_op", "host", 0, 1)]) == [] and top_kernels.busy_ms([]) == 0.0

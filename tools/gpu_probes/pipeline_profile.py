@@ -3,10 +3,10 @@ running the whole model (pp=1), under torch.profiler.
 
 Per rank: wall ms per iteration (unprofiled: blocks of replays, synced at the end of a block), the GPU's busy time
 per iteration (the union of kernel and copy intervals) and the idle rest, device time by class and the top kernels,
-and the longest idle gaps of the busiest stream with the kernels on either side. Run once at pp=2 and once on one
-GPU (pp=1, every layer in one stage): the one-GPU time divided by pp is the bubble-free time of the schedules
-issue, and the two runs' kernel totals show whether the pipeline's extra time is idle (waits) or device time
-(slower or more kernels). INFO lines only.
+and the longest intervals in which no stream runs anything, with the work on either side. Run once at pp=2 and
+once on one GPU (pp=1, every layer in one stage): the one-GPU time divided by pp is the bubble-free time of the
+schedules issue, and the two runs' kernel totals show whether the pipeline's extra time is idle (waits) or device
+time (slower or more kernels). INFO lines only.
 
     torchrun --nproc_per_node=2 tools/gpu_probes/pipeline_profile.py [--config compute] [--schedule zbv]
         [--precision bf16] [--iters 2] [--timed 10]
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from top_kernels import busy_ms, device_events, device_times, kernel_class
+from top_kernels import busy_ms, device_events, device_times, idle_intervals, kernel_class
 from torch.profiler import ProfilerActivity, profile
 
 from peerline.bench.ideal import stages_per_rank
@@ -49,19 +49,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def idle_gaps(events: list[dict], top: int) -> list[tuple[float, float, str, str]]:
-    """The `top` longest intervals in which no stream of the device runs anything, as (us, offset from the window's
-    start in us, the work that ended last before it, the work that starts it). A gap on one stream alone is not
-    idle time: a rank with two stages runs each on its own stream."""
-    evs = sorted(events, key=lambda e: e["ts"])
-    if not evs:
+    """The `top` longest intervals in which no stream of the device runs anything (top_kernels.idle_intervals), as
+    (us, offset from the window's start in us, the work that ended last before it, the work that starts it). A gap
+    on one stream alone is not idle time: a rank with two stages runs each on its own stream."""
+    if not events:
         return []
-    t0, end, last = evs[0]["ts"], evs[0]["ts"] + evs[0].get("dur", 0), evs[0]
-    gaps = []
-    for e in evs[1:]:
-        if e["ts"] > end:
-            gaps.append((e["ts"] - end, end - t0, last["name"][:60], e["name"][:60]))
-        if e["ts"] + e.get("dur", 0) > end:
-            end, last = e["ts"] + e.get("dur", 0), e
+    t0 = min(e["ts"] for e in events)
+    gaps = [(stop - start, start - t0, before["name"][:60], after["name"][:60])
+            for start, stop, before, after in idle_intervals(events)]
     return sorted(gaps, reverse=True)[:top]
 
 

@@ -38,14 +38,29 @@ def device_events(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS]
 
 
+def idle_intervals(events: list[dict]) -> list[tuple[float, float, dict, dict]]:
+    """The holes in the union of the device's kernel, memcpy and memset intervals (no stream busy), in time order:
+    (start us, end us, the work that ended last before the hole, the work that ends it)."""
+    evs = sorted(device_events(events), key=lambda e: e["ts"])
+    if not evs:
+        return []
+    end, last = evs[0]["ts"] + evs[0].get("dur", 0), evs[0]
+    holes = []
+    for e in evs[1:]:
+        if e["ts"] > end:
+            holes.append((end, e["ts"], last, e))
+        if e["ts"] + e.get("dur", 0) > end:
+            end, last = e["ts"] + e.get("dur", 0), e
+    return holes
+
+
 def busy_ms(events: list[dict]) -> float:
-    """The union of the device's kernel, memcpy and memset intervals, ms."""
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in device_events(events)):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total / 1000.0
+    """The union of the device's kernel, memcpy and memset intervals, ms: its span less its idle intervals."""
+    dev = device_events(events)
+    if not dev:
+        return 0.0
+    span = max(e["ts"] + e.get("dur", 0) for e in dev) - min(e["ts"] for e in dev)
+    return (span - sum(stop - start for start, stop, _, _ in idle_intervals(dev))) / 1000.0
 
 
 def device_times(events: list[dict]) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
