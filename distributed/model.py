@@ -26,6 +26,7 @@ from peerline.kernels import ops
 from peerline.kernels.capture_state import capturing
 from peerline.kernels.cross_entropy import cross_entropy
 from peerline.kernels.fused_linear import FusedLinear
+from peerline.kernels.layer_norm import FusedLayerNorm
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +36,13 @@ class ResidualMLPBlock(nn.Module):
     or into fc1's GEMM epilogue where the block runs torch's ops (forward_torch_ops: --kernels torch, the CPU).
 
     fc1/fc2 are nn.Linear subclasses (same parameters, init and state_dict); with kernels="peerline" their weight
-    gradients are accumulated straight into the fp32 .grad (kernels/fused_linear.py)."""
+    gradients are accumulated straight into the fp32 .grad (kernels/fused_linear.py). The norm is nn.LayerNorm's
+    subclass FusedLayerNorm: one kernel forward and one backward for bf16 activations and parameters
+    (kernels/layer_norm.py), torch's layer_norm otherwise."""
 
     def __init__(self, hidden: int, kernels: str = "torch") -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(hidden)
+        self.norm = FusedLayerNorm(hidden, impl=kernels)
         self.fc1 = FusedLinear(hidden, 4 * hidden, bias=False, impl=kernels)
         self.fc1_bias = nn.Parameter(torch.empty(4 * hidden).uniform_(-hidden ** -0.5, hidden ** -0.5))
         self.fc2 = FusedLinear(4 * hidden, hidden, impl=kernels)

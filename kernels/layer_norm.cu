@@ -4,13 +4,13 @@
 //   backward  dx = rstd (g dy - mean(g dy) - xhat mean(g dy xhat)),  xhat = (x - mean) rstd
 //             dg = sum over rows of dy xhat,  db = sum over rows of dy
 //
-// A block of PL_LN_THREADS threads takes one row at a time (grid-stride over rows); thread t holds the row's 16-byte
-// vectors (8 elements) t, t + PL_LN_THREADS, ... in registers, V of them at most: H % 8 == 0 and
-// H <= 8 * PL_LN_THREADS * V (kernels/layer_norm.py picks the smallest V). The mean and the variance are two sums
-// over the values in registers (no second read of x). In the backward each thread keeps the dg and db sums of the
-// columns it owns over the rows its block takes and writes them as the block's partial sums [blocks, H] (fp32);
-// pl_ln_reduce adds the partials in block order, so every run sums in the same order (bitwise repeatable, as the
-// graph == eager tests need).
+// A block of PL_LN_THREADS threads takes R rows at a time (grid-stride over groups of R rows); thread t holds each
+// row's 16-byte vectors (8 elements) t, t + PL_LN_THREADS, ... in registers, V of them at most: H % 8 == 0 and
+// H <= 8 * PL_LN_THREADS * V (kernels/layer_norm.py picks the smallest V), and R = 4 / V. The mean and the variance
+// are two sums over the values in registers (no second read of x). In the backward each thread keeps the dg and db
+// sums of the columns it owns over the rows its block takes and writes them as the block's partial sums [blocks, H]
+// (fp32); pl_ln_reduce adds the partials in a fixed order, so every run sums in the same order (bitwise repeatable,
+// as the graph == eager tests need).
 
 #define PL_LN_THREADS 256
 
@@ -42,81 +42,122 @@ __device__ __forceinline__ void pl_ln_store8(bf16_bits* p, const float v[8]) {
     *reinterpret_cast<uint4*>(p) = make_uint4(u[0], u[1], u[2], u[3]);
 }
 
-// The sum of v over the block, returned to every thread (a fixed order: repeatable). `scratch`: 32 floats of shared
-// memory; the leading barrier lets a second call reuse it once every thread has read the first call's result.
-__device__ __forceinline__ float pl_ln_block_sum(float v, float* scratch) {
+// The sums of v[0..N) over the block, returned to every thread in v (a fixed order: repeatable). `scratch`: 32 N
+// floats of shared memory; the leading barrier lets a second call reuse it once every thread has read the first
+// call's result. N sums share the two barriers: a block that takes R rows at a time pays them once per R rows.
+template <int N>
+__device__ __forceinline__ void pl_ln_block_sums(float (&v)[N], float* scratch) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int i = 0; i < N; ++i) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float t = lane < (int)(blockDim.x >> 5) ? scratch[lane] : 0.f;
+    if (lane == 0) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
-    return t;
+        for (int i = 0; i < N; ++i) scratch[i * 32 + warp] = v[i];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        float t = lane < (int)(blockDim.x >> 5) ? scratch[i * 32 + lane] : 0.f;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+        v[i] = t;
+    }
 }
 
-template <int V>
+// A block takes R rows at a time (rows r0 .. r0 + R - 1, grid-stride over groups of R): every thread issues the
+// loads of all R rows before it waits on any, so V * R 16-byte vectors per thread are in flight, and the R rows'
+// sums share one pair of barriers.
+template <int V, int R>
 __device__ __forceinline__ void pl_ln_forward(const bf16_bits* __restrict__ x, const bf16_bits* __restrict__ g,
                                               const bf16_bits* __restrict__ b, bf16_bits* __restrict__ y,
                                               float* __restrict__ mean_out, float* __restrict__ rstd_out,
                                               long long rows, int H, float eps) {
-    __shared__ float scratch[32];
+    __shared__ float scratch[32 * R];
     const int vecs = H >> 3;
     const float inv_h = 1.f / (float)H;
-    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
-        const bf16_bits* xr = x + r * H;
-        float v[V][8];
-        float s = 0.f;
+    for (long long r0 = (long long)blockIdx.x * R; r0 < rows; r0 += (long long)gridDim.x * R) {
+        float v[R][V][8];
+        float s[R];
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-            const int c = j * PL_LN_THREADS + threadIdx.x;
-            if (c < vecs) {
-                pl_ln_load8(xr + c * 8, v[j]);
+        for (int i = 0; i < R; ++i) {
+            s[i] = 0.f;
 #pragma unroll
-                for (int k = 0; k < 8; ++k) s += v[j][k];
-            }
-        }
-        const float mean = pl_ln_block_sum(s, scratch) * inv_h;
-        float q = 0.f;
+            for (int j = 0; j < V; ++j) {
+                const int c = j * PL_LN_THREADS + threadIdx.x;
+                if (c < vecs && r0 + i < rows) {
+                    pl_ln_load8(x + (r0 + i) * H + c * 8, v[i][j]);
+                } else {
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-            if (j * PL_LN_THREADS + threadIdx.x < vecs) {
-#pragma unroll
-                for (int k = 0; k < 8; ++k) {
-                    const float d = v[j][k] - mean;
-                    q += d * d;
+                    for (int k = 0; k < 8; ++k) v[i][j][k] = 0.f;
                 }
             }
         }
-        const float rstd = rsqrtf(pl_ln_block_sum(q, scratch) * inv_h + eps);
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+#pragma unroll
+                for (int k = 0; k < 8; ++k) s[i] += v[i][j][k];
+            }
+        }
+        pl_ln_block_sums<R>(s, scratch);
+        float mean[R], q[R];
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            mean[i] = s[i] * inv_h;
+            q[i] = 0.f;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                if (j * PL_LN_THREADS + threadIdx.x < vecs) {
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) {
+                        const float d = v[i][j][k] - mean[i];
+                        q[i] += d * d;
+                    }
+                }
+            }
+        }
+        pl_ln_block_sums<R>(q, scratch);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
             const int c = j * PL_LN_THREADS + threadIdx.x;
             if (c < vecs) {
-                float gv[8], bv[8], o[8];
+                float gv[8], bv[8];
                 pl_ln_load8(g + c * 8, gv);
                 pl_ln_load8(b + c * 8, bv);
 #pragma unroll
-                for (int k = 0; k < 8; ++k) o[k] = (v[j][k] - mean) * rstd * gv[k] + bv[k];
-                pl_ln_store8(y + r * H + c * 8, o);
+                for (int i = 0; i < R; ++i) {
+                    if (r0 + i < rows) {
+                        const float rstd = rsqrtf(q[i] * inv_h + eps);
+                        float o[8];
+#pragma unroll
+                        for (int k = 0; k < 8; ++k) o[k] = (v[i][j][k] - mean[i]) * rstd * gv[k] + bv[k];
+                        pl_ln_store8(y + (r0 + i) * H + c * 8, o);
+                    }
+                }
             }
         }
-        if (threadIdx.x == 0) {
-            mean_out[r] = mean;
-            rstd_out[r] = rstd;
+#pragma unroll
+        for (int i = 0; i < R; ++i) {  // thread i writes row i's statistics (registers indexed at compile time)
+            if (threadIdx.x == i && r0 + i < rows) {
+                mean_out[r0 + i] = mean[i];
+                rstd_out[r0 + i] = rsqrtf(q[i] * inv_h + eps);
+            }
         }
     }
 }
 
-template <int V>
+template <int V, int R>
 __device__ __forceinline__ void pl_ln_backward(const bf16_bits* __restrict__ dy, const bf16_bits* __restrict__ x,
                                                const bf16_bits* __restrict__ g, const float* __restrict__ mean_in,
                                                const float* __restrict__ rstd_in, bf16_bits* __restrict__ dx,
                                                float* __restrict__ dg_part, float* __restrict__ db_part,
                                                long long rows, int H) {
-    __shared__ float scratch[32];
+    __shared__ float scratch[32 * 2 * R];
     const int vecs = H >> 3;
     const float inv_h = 1.f / (float)H;
     float gv[V][8], dgs[V][8], dbs[V][8];
@@ -127,38 +168,59 @@ __device__ __forceinline__ void pl_ln_backward(const bf16_bits* __restrict__ dy,
 #pragma unroll
         for (int k = 0; k < 8; ++k) dgs[j][k] = dbs[j][k] = 0.f;
     }
-    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float mean = mean_in[r], rstd = rstd_in[r];
-        float xh[V][8], wdy[V][8];
-        float s1 = 0.f, s2 = 0.f;
+    for (long long r0 = (long long)blockIdx.x * R; r0 < rows; r0 += (long long)gridDim.x * R) {
+        float xh[R][V][8], dv[R][V][8];
+        float sums[2 * R];  // s1 (mean of g dy xhat) of row i at i, s2 (mean of g dy) at R + i
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-            const int c = j * PL_LN_THREADS + threadIdx.x;
-            if (c < vecs) {
-                float xv[8], dv[8];
-                pl_ln_load8(x + r * H + c * 8, xv);
-                pl_ln_load8(dy + r * H + c * 8, dv);
+        for (int i = 0; i < R; ++i) {
 #pragma unroll
-                for (int k = 0; k < 8; ++k) {
-                    xh[j][k] = (xv[k] - mean) * rstd;
-                    wdy[j][k] = dv[k] * gv[j][k];
-                    s1 += wdy[j][k] * xh[j][k];
-                    s2 += wdy[j][k];
-                    dgs[j][k] += dv[k] * xh[j][k];
-                    dbs[j][k] += dv[k];
+            for (int j = 0; j < V; ++j) {
+                const int c = j * PL_LN_THREADS + threadIdx.x;
+                if (c < vecs && r0 + i < rows) {
+                    pl_ln_load8(x + (r0 + i) * H + c * 8, xh[i][j]);
+                    pl_ln_load8(dy + (r0 + i) * H + c * 8, dv[i][j]);
+                } else {
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) xh[i][j][k] = dv[i][j][k] = 0.f;
                 }
             }
         }
-        const float c1 = pl_ln_block_sum(s1, scratch) * inv_h;
-        const float c2 = pl_ln_block_sum(s2, scratch) * inv_h;
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-            const int c = j * PL_LN_THREADS + threadIdx.x;
-            if (c < vecs) {
-                float o[8];
+        for (int i = 0; i < R; ++i) {
+            const bool live = r0 + i < rows;
+            const float mean = live ? mean_in[r0 + i] : 0.f, rstd = live ? rstd_in[r0 + i] : 0.f;
+            float s1 = 0.f, s2 = 0.f;
 #pragma unroll
-                for (int k = 0; k < 8; ++k) o[k] = (wdy[j][k] - xh[j][k] * c1 - c2) * rstd;
-                pl_ln_store8(dx + r * H + c * 8, o);
+            for (int j = 0; j < V; ++j) {
+                if (j * PL_LN_THREADS + threadIdx.x < vecs) {
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) {
+                        xh[i][j][k] = (xh[i][j][k] - mean) * rstd;  // 0 on a row past the end (rstd 0)
+                        const float w = dv[i][j][k] * gv[j][k];
+                        s1 += w * xh[i][j][k];
+                        s2 += w;
+                        dgs[j][k] += dv[i][j][k] * xh[i][j][k];
+                        dbs[j][k] += dv[i][j][k];
+                    }
+                }
+            }
+            sums[i] = s1;
+            sums[R + i] = s2;
+        }
+        pl_ln_block_sums<2 * R>(sums, scratch);
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            if (r0 + i >= rows) continue;
+            const float rstd = rstd_in[r0 + i], c1 = sums[i] * inv_h, c2 = sums[R + i] * inv_h;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const int c = j * PL_LN_THREADS + threadIdx.x;
+                if (c < vecs) {
+                    float o[8];
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) o[k] = (dv[i][j][k] * gv[j][k] - xh[i][j][k] * c1 - c2) * rstd;
+                    pl_ln_store8(dx + (r0 + i) * H + c * 8, o);
+                }
             }
         }
     }
@@ -176,32 +238,54 @@ __device__ __forceinline__ void pl_ln_backward(const bf16_bits* __restrict__ dy,
     }
 }
 
+// Entries per register capacity V (16-byte vectors of a row per thread); R = 4 / V rows at a time keeps four
+// vectors per thread in flight whatever the width. Two backward blocks fit a multiprocessor below V = 4 (the launch
+// makes two per multiprocessor).
 #define PL_LN_ENTRIES(V)                                                                                            \
     extern "C" __global__ void __launch_bounds__(PL_LN_THREADS) pl_ln_forward_##V(                                  \
         const bf16_bits* x, const bf16_bits* g, const bf16_bits* b, bf16_bits* y, float* mean, float* rstd,         \
         long long rows, int H, float eps) {                                                                         \
-        pl_ln_forward<V>(x, g, b, y, mean, rstd, rows, H, eps);                                                     \
+        pl_ln_forward<V, 4 / V>(x, g, b, y, mean, rstd, rows, H, eps);                                              \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(PL_LN_THREADS) pl_ln_backward_##V(                                 \
+    extern "C" __global__ void __launch_bounds__(PL_LN_THREADS, V < 4 ? 2 : 1) pl_ln_backward_##V(                 \
         const bf16_bits* dy, const bf16_bits* x, const bf16_bits* g, const float* mean, const float* rstd,         \
         bf16_bits* dx, float* dg_part, float* db_part, long long rows, int H) {                                     \
-        pl_ln_backward<V>(dy, x, g, mean, rstd, dx, dg_part, db_part, rows, H);                                    \
+        pl_ln_backward<V, 4 / V>(dy, x, g, mean, rstd, dx, dg_part, db_part, rows, H);                             \
     }
 
 PL_LN_ENTRIES(1)
 PL_LN_ENTRIES(2)
 PL_LN_ENTRIES(4)
 
-// dg, db [H] (bf16) = the sums of the backward's partials [parts, H] (fp32), in part order.
-extern "C" __global__ void pl_ln_reduce(const float* __restrict__ dg_part, const float* __restrict__ db_part,
-                                        bf16_bits* __restrict__ dg, bf16_bits* __restrict__ db, int parts, int H) {
-    const int col = blockIdx.x * blockDim.x + threadIdx.x;
-    if (col >= H) return;
+// dg, db [H] (bf16) = the sums of the backward's partials [parts, H] (fp32). A block of PL_LN_THREADS threads takes
+// 32 columns: warp w sums parts w, w + 8, ... of its lane's column in order, then the block adds the eight warps'
+// sums in warp order. A fixed order (bitwise repeatable) that reads the partials with 8 x (columns / 32) warps in
+// parallel instead of one thread per column walking every part.
+#define PL_LN_REDUCE_WARPS (PL_LN_THREADS / 32)
+extern "C" __global__ void __launch_bounds__(PL_LN_THREADS) pl_ln_reduce(
+    const float* __restrict__ dg_part, const float* __restrict__ db_part, bf16_bits* __restrict__ dg,
+    bf16_bits* __restrict__ db, int parts, int H) {
+    __shared__ float partial[2][PL_LN_REDUCE_WARPS][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int col = blockIdx.x * 32 + lane;
     float a = 0.f, c = 0.f;
-    for (int p = 0; p < parts; ++p) {
-        a += dg_part[(long long)p * H + col];
-        c += db_part[(long long)p * H + col];
+    if (col < H) {
+        for (int p = warp; p < parts; p += PL_LN_REDUCE_WARPS) {
+            a += dg_part[(long long)p * H + col];
+            c += db_part[(long long)p * H + col];
+        }
     }
-    dg[col] = pl_ln_bf16(a);
-    db[col] = pl_ln_bf16(c);
+    partial[0][warp][lane] = a;
+    partial[1][warp][lane] = c;
+    __syncthreads();
+    if (warp == 0 && col < H) {
+        float ta = 0.f, tc = 0.f;
+#pragma unroll
+        for (int w = 0; w < PL_LN_REDUCE_WARPS; ++w) {
+            ta += partial[0][w][lane];
+            tc += partial[1][w][lane];
+        }
+        dg[col] = pl_ln_bf16(ta);
+        db[col] = pl_ln_bf16(tc);
+    }
 }

@@ -3,10 +3,12 @@ forward and one backward plus a small reduction (kernels/layer_norm.cu; Transfor
 LayerNorm do the same: each row's statistics in registers, the weight and bias gradients summed from per-block
 partials).
 
-  forward   one block per row at a time reads x once (16-byte loads), takes the mean and variance from registers,
-            writes y and keeps mean and rstd [rows] (fp32) for the backward
+  forward   a block takes a few rows at a time (their loads in flight together), reads x once (16-byte loads),
+            takes the mean and variance from registers, writes y and keeps mean and rstd [rows] (fp32) for the
+            backward
   backward  reads x and dy once: dx, and each block's partial sums of dg and db over the rows it took, which
-            pl_ln_reduce adds in block order (a repeatable sum: graph and eager runs agree to the bit)
+            pl_ln_reduce adds in a fixed order, warps in parallel (a repeatable sum: graph and eager runs agree to
+            the bit)
 
 `FusedLayerNorm` is nn.LayerNorm (same parameters, state_dict and init) whose forward takes this path for CUDA bf16
 inputs and bf16 parameters with a width the kernels take (`fused_supported`), and torch's layer_norm everywhere
@@ -33,6 +35,12 @@ KERNEL_SOURCE = Path(__file__).resolve().parent / "layer_norm.cu"
 THREADS = 256  # PL_LN_THREADS in layer_norm.cu
 VECTORS = (1, 2, 4)  # the kernels' register capacities: 16-byte vectors per thread
 MAX_WIDTH = 8 * THREADS * VECTORS[-1]
+REDUCE_COLUMNS = 32  # columns per block of pl_ln_reduce (a warp's lanes)
+
+
+def rows_at_a_time(vectors: int) -> int:
+    """Rows a block of the kernels takes at once for a register capacity (R = 4 / V in layer_norm.cu)."""
+    return 4 // vectors
 
 
 def fused_supported(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
@@ -75,8 +83,9 @@ def layer_norm_forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     mean = torch.empty(rows, dtype=torch.float32, device=x2.device)
     rstd = torch.empty_like(mean)
     if rows:
-        kernel = _kernel(f"pl_ln_forward_{vectors_for(width)}", x2.device)
-        launch_raw(kernel, min(rows, 65535), THREADS, "ppppppqif",
+        vectors = vectors_for(width)
+        kernel = _kernel(f"pl_ln_forward_{vectors}", x2.device)
+        launch_raw(kernel, min(-(-rows // rows_at_a_time(vectors)), 65535), THREADS, "ppppppqif",
                    (x2.data_ptr(), weight.data_ptr(), bias.data_ptr(), y.data_ptr(), mean.data_ptr(),
                     rstd.data_ptr(), rows, width, eps), x2.device)
     return y, mean, rstd
@@ -103,7 +112,7 @@ def layer_norm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tenso
         launch_raw(kernel, parts, THREADS, "ppppppppqi",
                    (dy2.data_ptr(), x2.data_ptr(), weight.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
                     dx.data_ptr(), partials[0].data_ptr(), partials[1].data_ptr(), rows, width), x2.device)
-    launch_raw(_kernel("pl_ln_reduce", x2.device), -(-width // THREADS), THREADS, "ppppii",
+    launch_raw(_kernel("pl_ln_reduce", x2.device), -(-width // REDUCE_COLUMNS), THREADS, "ppppii",
                (partials[0].data_ptr(), partials[1].data_ptr(), dweight.data_ptr(), dbias.data_ptr(), parts, width),
                x2.device)
     return dx, dweight, dbias
