@@ -36,11 +36,13 @@ THREADS = 256  # PL_LN_THREADS in layer_norm.cu
 VECTORS = (1, 2, 4)  # the kernels' register capacities: 16-byte vectors per thread
 MAX_WIDTH = 8 * THREADS * VECTORS[-1]
 REDUCE_COLUMNS = 32  # columns per block of pl_ln_reduce (a warp's lanes)
+ROW_VECTORS = 4  # PL_LN_ROW_VECTORS in layer_norm.cu
+BACKWARD_BLOCKS_PER_SM = 2  # PL_LN_BWD_BLOCKS in layer_norm.cu
 
 
 def rows_at_a_time(vectors: int) -> int:
-    """Rows a block of the kernels takes at once for a register capacity (R = 4 / V in layer_norm.cu)."""
-    return 4 // vectors
+    """Rows a block of the kernels takes at once for a register capacity (R in layer_norm.cu)."""
+    return max(1, ROW_VECTORS // vectors)
 
 
 def fused_supported(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
@@ -94,7 +96,8 @@ def layer_norm_forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 def layer_norm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                         mean: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx [rows, H], dweight [H], dbias [H]) in the parameters' dtype; the kernels on CUDA, torch's op on the
-    CPU. The partial sums: one fp32 row of dg and one of db per block, at most two blocks per multiprocessor."""
+    CPU. The partial sums: one fp32 row of dg and one of db per block, BACKWARD_BLOCKS_PER_SM blocks per
+    multiprocessor."""
     rows, width = x2.shape
     if not x2.is_cuda:
         return torch.ops.aten.native_layer_norm_backward(dy2, x2, [width], mean.view(rows, 1), rstd.view(rows, 1),
@@ -104,7 +107,7 @@ def layer_norm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tenso
     dx = torch.empty_like(x2)
     dweight = torch.empty_like(weight)
     dbias = torch.empty_like(bias)
-    parts = max(1, min(rows, 2 * _sm_count(x2.device.index)))
+    parts = max(1, min(rows, BACKWARD_BLOCKS_PER_SM * _sm_count(x2.device.index)))
     # Every block writes its whole partial row; with no rows no block runs and the sums are zeros.
     partials = (torch.empty if rows else torch.zeros)(2, parts, width, dtype=torch.float32, device=x2.device)
     if rows:
