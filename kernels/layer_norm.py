@@ -15,9 +15,10 @@ inputs and bf16 parameters with a width the kernels take (`fused_supported`), an
 else: fp32 runs, the CPU, `--kernels torch`. Under `--kernels auto` an eager launch (no graph capture) below the
 card's `eager_torch_below` bytes for "layer_norm" (card_table.py; 64 MiB where unmeasured) runs torch's op too:
 there the autograd Function's host time (Python, three launches) costs more than the kernels save on the device,
-while a captured launch pays no host time at replay. On the CPU the same autograd Function runs with torch's native
-layer norm ops standing in for the kernels, so CI checks its contract; the kernels are checked against float64 on a
-GPU (tests/gpu/test_layer_norm_gpu.py).
+while a captured launch pays no host time at replay; a captured launch below CAPTURED_TORCH_BELOW bytes runs
+torch's op as well, which takes less device time on small tensors. On the CPU the same autograd Function runs with
+torch's native layer norm ops standing in for the kernels, so CI checks its contract; the kernels are checked
+against float64 on a GPU (tests/gpu/test_layer_norm_gpu.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ VECTORS = (1, 2, 4)  # the kernels' register capacities: 16-byte vectors per thr
 MAX_WIDTH = 8 * THREADS * VECTORS[-1]
 REDUCE_COLUMNS = 32  # columns per block of pl_ln_reduce (a warp's lanes)
 ROW_VECTORS = 4  # PL_LN_ROW_VECTORS in layer_norm.cu
+# Bytes read and written (4 per element in bf16) below which a captured --kernels auto launch runs torch's layer
+# norm: torch's is faster on a 512 x 512 tensor (1 MiB), the kernels from 2048 x 2048 (16 MiB) on (docs/benchmarks/
+# code-notes.md).
+CAPTURED_TORCH_BELOW = 4 << 20
 BACKWARD_BLOCKS_PER_SM = 2  # PL_LN_BWD_BLOCKS in layer_norm.cu
 
 
@@ -162,10 +167,18 @@ def eager_takes_kernels(x: torch.Tensor) -> bool:
     return hit
 
 
+def auto_takes_kernels(x: torch.Tensor) -> bool:
+    """--kernels auto: a captured launch runs the kernels from CAPTURED_TORCH_BELOW bytes on (below it torch's two
+    kernels take less device time than the three launches here), an eager one by eager_takes_kernels."""
+    if capturing():
+        return 4 * x.numel() >= CAPTURED_TORCH_BELOW
+    return eager_takes_kernels(x)
+
+
 class FusedLayerNorm(nn.LayerNorm):
     """nn.LayerNorm whose forward runs the fused kernels where they apply (see the module doc): `impl` "peerline"
-    wherever they take the tensors, "auto" there too except eager launches below the card's threshold, "torch"
-    never."""
+    wherever they take the tensors, "auto" there too except small captured launches and eager launches below the
+    card's threshold (auto_takes_kernels), "torch" never."""
 
     def __init__(self, width: int, eps: float = 1e-5, impl: str = "torch") -> None:
         super().__init__(width, eps=eps)
@@ -173,6 +186,6 @@ class FusedLayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl != "torch" and fused_supported(x, self.weight, self.bias) and (
-                self.impl == "peerline" or capturing() or eager_takes_kernels(x)):
+                self.impl == "peerline" or auto_takes_kernels(x)):
             return LayerNormFunction.apply(x, self.weight, self.bias, self.eps)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)

@@ -119,8 +119,9 @@ def test_kernels_build_with_16_byte_accesses_and_no_spills(tmp_path):
 
 def test_auto_runs_torch_for_small_eager_launches_and_the_kernels_elsewhere(monkeypatch: pytest.MonkeyPatch):
     """--kernels auto: an eager launch below the card's "layer_norm" threshold runs torch's op (having loaded the
-    kernels once, for a later capture), a launch at or above it and any captured launch run the Function, and
-    impl "peerline" always does. The device parts are stood in for: this checks the rule, not the kernels."""
+    kernels once, for a later capture), a launch at or above it and a captured launch from CAPTURED_TORCH_BELOW bytes
+    on run the Function, and impl "peerline" always does. The device parts are stood in for: this checks the rule,
+    not the kernels."""
     from peerline.kernels import card_table as ct
     from peerline.kernels import elementwise as ew
 
@@ -146,7 +147,12 @@ def test_auto_runs_torch_for_small_eager_launches_and_the_kernels_elsewhere(monk
     auto(large)
     assert ran == [large.shape]
     capturing[0] = True
-    auto(small)
+    monkeypatch.setattr(ln, "CAPTURED_TORCH_BELOW", 4 * small.numel())
+    auto(small)  # captured: the kernels from CAPTURED_TORCH_BELOW bytes on
+    assert ran == [large.shape, small.shape]
+    monkeypatch.setattr(ln, "CAPTURED_TORCH_BELOW", 4 * small.numel() + 4)
+    torch.testing.assert_close(auto(small), F.layer_norm(small, (width,), auto.weight, auto.bias), rtol=0, atol=0)
+    assert ran == [large.shape, small.shape]  # one element short of the captured threshold: torch's op
     capturing[0] = False
     pinned(small)
     assert ran == [large.shape, small.shape, small.shape]
