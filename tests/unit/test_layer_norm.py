@@ -161,3 +161,17 @@ def test_auto_runs_torch_for_small_eager_launches_and_the_kernels_elsewhere(monk
     auto(torch.randn(2, 8 * ln.THREADS))
     assert loaded == ["pl_ln_forward_2", "pl_ln_backward_2", "pl_ln_reduce",
                       "pl_ln_forward_1", "pl_ln_backward_1", "pl_ln_reduce"]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "auto", "peerline"])
+def test_the_residual_mlp_block_norm_is_the_fused_layer_norm(kernels: str):
+    """The default model's norm takes the kernels' path under the block's --kernels (on a GPU, for bf16), and keeps
+    nn.LayerNorm's state: checkpoints name the same tensors, and on the CPU it computes torch's layer_norm."""
+    from peerline.distributed.model import ResidualMLPBlock
+
+    block = ResidualMLPBlock(16, kernels)
+    assert isinstance(block.norm, ln.FusedLayerNorm) and block.norm.impl == kernels
+    assert [k for k in block.state_dict() if k.startswith("norm.")] == ["norm.weight", "norm.bias"]
+    x = torch.randn(2, 3, 16)
+    want = F.layer_norm(x, (16,), block.norm.weight, block.norm.bias, block.norm.eps)
+    torch.testing.assert_close(block.norm(x), want, rtol=0, atol=0)
