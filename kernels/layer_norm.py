@@ -38,11 +38,11 @@ VECTORS = (1, 2, 4)  # the kernels' register capacities: 16-byte vectors per thr
 MAX_WIDTH = 8 * THREADS * VECTORS[-1]
 REDUCE_COLUMNS = 32  # columns per block of pl_ln_reduce (a warp's lanes)
 ROW_VECTORS = 4  # PL_LN_ROW_VECTORS in layer_norm.cu
+BACKWARD_BLOCKS_PER_SM = 2  # PL_LN_BWD_BLOCKS in layer_norm.cu
 # Bytes read and written (4 per element in bf16) below which a captured --kernels auto launch runs torch's layer
 # norm: torch's is faster on a 512 x 512 tensor (1 MiB), the kernels from 2048 x 2048 (16 MiB) on (docs/benchmarks/
 # code-notes.md).
 CAPTURED_TORCH_BELOW = 4 << 20
-BACKWARD_BLOCKS_PER_SM = 2  # PL_LN_BWD_BLOCKS in layer_norm.cu
 
 
 def rows_at_a_time(vectors: int) -> int:
