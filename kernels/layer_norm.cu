@@ -6,11 +6,11 @@
 //
 // A block of PL_LN_THREADS threads takes R rows at a time (grid-stride over groups of R rows); thread t holds each
 // row's 16-byte vectors (8 elements) t, t + PL_LN_THREADS, ... in registers, V of them at most: H % 8 == 0 and
-// H <= 8 * PL_LN_THREADS * V (kernels/layer_norm.py picks the smallest V), and R = 4 / V (at least 1). The mean and the variance
-// are two sums over the values in registers (no second read of x). In the backward each thread keeps the dg and db
-// sums of the columns it owns over the rows its block takes and writes them as the block's partial sums [blocks, H]
-// (fp32); pl_ln_reduce adds the partials in a fixed order, so every run sums in the same order (bitwise repeatable,
-// as the graph == eager tests need).
+// H <= 8 * PL_LN_THREADS * V (kernels/layer_norm.py picks the smallest V), and R = PL_LN_ROW_VECTORS / V (at least
+// 1). The mean and the variance are two sums over the values in registers (no second read of x). In the backward
+// each thread keeps the dg and db sums of the columns it owns over the rows its block takes and writes them as the
+// block's partial sums [blocks, H] (fp32); pl_ln_reduce adds the partials in a fixed order, so every run sums in the
+// same order (bitwise repeatable, as the graph == eager tests need).
 
 #define PL_LN_THREADS 256
 #ifndef PL_LN_ROW_VECTORS
@@ -252,12 +252,12 @@ __device__ __forceinline__ void pl_ln_backward(const bf16_bits* __restrict__ dy,
     extern "C" __global__ void __launch_bounds__(PL_LN_THREADS) pl_ln_forward_##V(                                  \
         const bf16_bits* x, const bf16_bits* g, const bf16_bits* b, bf16_bits* y, float* mean, float* rstd,         \
         long long rows, int H, float eps) {                                                                         \
-        pl_ln_forward<V, PL_LN_ROWS(V)>(x, g, b, y, mean, rstd, rows, H, eps);                                              \
+        pl_ln_forward<V, PL_LN_ROWS(V)>(x, g, b, y, mean, rstd, rows, H, eps);                                      \
     }                                                                                                               \
     extern "C" __global__ void __launch_bounds__(PL_LN_THREADS, V < 4 ? PL_LN_BWD_BLOCKS : 1) pl_ln_backward_##V(  \
         const bf16_bits* dy, const bf16_bits* x, const bf16_bits* g, const float* mean, const float* rstd,         \
         bf16_bits* dx, float* dg_part, float* db_part, long long rows, int H) {                                     \
-        pl_ln_backward<V, PL_LN_ROWS(V)>(dy, x, g, mean, rstd, dx, dg_part, db_part, rows, H);                             \
+        pl_ln_backward<V, PL_LN_ROWS(V)>(dy, x, g, mean, rstd, dx, dg_part, db_part, rows, H);                      \
     }
 
 PL_LN_ENTRIES(1)

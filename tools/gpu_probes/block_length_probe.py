@@ -49,10 +49,8 @@ def sweep(run, blocks: list[int], reps: int, device: torch.device) -> dict[int, 
 def fit(times: dict[int, float]) -> tuple[float, float]:
     """Least-squares (period, overhead) of block time N * t(N) = N * period + overhead."""
     ns = sorted(times)
-    xs, ys = ns, [n * times[n] for n in ns]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return slope, my - slope * mx
+    line = statistics.linear_regression(ns, [n * times[n] for n in ns])
+    return line.slope, line.intercept
 
 
 def report(rank: int, name: str, times: dict[int, float]) -> None:
