@@ -38,7 +38,8 @@ class ResidualMLPBlock(nn.Module):
     fc1/fc2 are nn.Linear subclasses (same parameters, init and state_dict); with kernels="peerline" their weight
     gradients are accumulated straight into the fp32 .grad (kernels/fused_linear.py). The norm is nn.LayerNorm's
     subclass FusedLayerNorm: one kernel forward and one backward for bf16 activations and parameters
-    (kernels/layer_norm.py), torch's layer_norm otherwise."""
+    (kernels/layer_norm.py), torch's layer_norm otherwise; where its kernels run, its backward also adds the
+    residual's gradient into x's and sums fc2's bias gradient (FusedLayerNorm.with_residual)."""
 
     def __init__(self, hidden: int, kernels: str = "torch") -> None:
         super().__init__()
@@ -55,8 +56,10 @@ class ResidualMLPBlock(nn.Module):
             p = self.torch_ops_params()
             if ops.mlp_block_on_torch(x, p.fc1_weight, p.fc1_bias, p.fc2_weight):
                 return self.forward_torch_ops(x, p)
-        h = ops.linear_bias_gelu(self.fc1, self.norm(x), self.fc1_bias, self.kernels)
-        return ops.residual_add(x, self.fc2(h), self.kernels)
+        n, residual, fc2_bias_done = self.norm.with_residual(x, self.fc2.bias)
+        h = ops.linear_bias_gelu(self.fc1, n, self.fc1_bias, self.kernels)
+        out = self.fc2.forward_bias_grad_elsewhere(h) if fc2_bias_done else self.fc2(h)
+        return ops.residual_add(residual, out, self.kernels)
 
     def torch_ops_params(self) -> BlockParams:
         """The block's parameters, read from the modules' own dictionaries: nn.Module's attribute fallback costs

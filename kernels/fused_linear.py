@@ -347,5 +347,12 @@ class FusedLinear(nn.Linear):
             raise ValueError("with_bias: this Linear has a bias of its own")
         return linear(x, self.weight, bias, self.impl, self._cast_cache)
 
+    def forward_bias_grad_elsewhere(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward with the bias added in the GEMM's epilogue but outside autograd: its gradient is summed by
+        another node (FusedLayerNorm.with_residual's backward), so this Linear's backward sums nothing for it."""
+        if self.bias is None:
+            raise ValueError("forward_bias_grad_elsewhere: this Linear has no bias")
+        return linear(x, self.weight, self.bias.detach(), self.impl, self._cast_cache)
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, impl={self.impl}"

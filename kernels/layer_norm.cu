@@ -3,6 +3,9 @@
 //   forward   y = (x - mean) rstd g + b; mean and rstd [rows] (fp32) are kept for the backward
 //   backward  dx = rstd (g dy - mean(g dy) - xhat mean(g dy xhat)),  xhat = (x - mean) rstd
 //             dg = sum over rows of dy xhat,  db = sum over rows of dy
+//   residual  (pl_ln_backward_res_*) the gradient dr of a residual branch that also reads x is added to dx in the
+//             same pass, and (pl_ln_backward_res_sum_*) its column sums kept as a third partial: a pre-norm block
+//             y = x + f(norm(x)) gets x's whole gradient, and the bias gradient of f's last Linear, from one kernel
 //
 // A block of PL_LN_THREADS threads takes R rows at a time (grid-stride over groups of R rows); thread t holds each
 // row's 16-byte vectors (8 elements) t, t + PL_LN_THREADS, ... in registers, V of them at most: H % 8 == 0 and
@@ -20,6 +23,9 @@
 #define PL_LN_BWD_BLOCKS 2  // backward blocks per multiprocessor below V = 4 (BACKWARD_BLOCKS_PER_SM in layer_norm.py)
 #endif
 #define PL_LN_ROWS(V) ((PL_LN_ROW_VECTORS / (V)) > 0 ? (PL_LN_ROW_VECTORS / (V)) : 1)
+// The residual backward with sums holds a fourth column accumulator: at V = 2 it takes half the rows at a time,
+// which keeps it within the registers two blocks per multiprocessor leave (128 a thread) without spilling.
+#define PL_LN_ROWS_RES_SUM(V) ((V) == 2 ? PL_LN_ROWS(V) / 2 : PL_LN_ROWS(V))
 
 typedef unsigned short bf16_bits;
 
@@ -158,22 +164,24 @@ __device__ __forceinline__ void pl_ln_forward(const bf16_bits* __restrict__ x, c
     }
 }
 
-template <int V, int R>
+// RES: 0 the LayerNorm alone; 1 dr [rows, H] added to dx; 2 also dr's column sums into dr_part.
+template <int V, int R, int RES>
 __device__ __forceinline__ void pl_ln_backward(const bf16_bits* __restrict__ dy, const bf16_bits* __restrict__ x,
                                                const bf16_bits* __restrict__ g, const float* __restrict__ mean_in,
-                                               const float* __restrict__ rstd_in, bf16_bits* __restrict__ dx,
-                                               float* __restrict__ dg_part, float* __restrict__ db_part,
+                                               const float* __restrict__ rstd_in, const bf16_bits* __restrict__ dr,
+                                               bf16_bits* __restrict__ dx, float* __restrict__ dg_part,
+                                               float* __restrict__ db_part, float* __restrict__ dr_part,
                                                long long rows, int H) {
     __shared__ float scratch[32 * 2 * R];
     const int vecs = H >> 3;
     const float inv_h = 1.f / (float)H;
-    float gv[V][8], dgs[V][8], dbs[V][8];
+    float gv[V][8], dgs[V][8], dbs[V][8], drs[V][8];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
         const int c = j * PL_LN_THREADS + threadIdx.x;
         if (c < vecs) pl_ln_load8(g + c * 8, gv[j]);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) dgs[j][k] = dbs[j][k] = 0.f;
+        for (int k = 0; k < 8; ++k) dgs[j][k] = dbs[j][k] = drs[j][k] = 0.f;
     }
     for (long long r0 = (long long)blockIdx.x * R; r0 < rows; r0 += (long long)gridDim.x * R) {
         float xh[R][V][8], dv[R][V][8];
@@ -226,6 +234,15 @@ __device__ __forceinline__ void pl_ln_backward(const bf16_bits* __restrict__ dy,
                     float o[8];
 #pragma unroll
                     for (int k = 0; k < 8; ++k) o[k] = (dv[i][j][k] * gv[j][k] - xh[i][j][k] * c1 - c2) * rstd;
+                    if (RES) {  // read here, after the row sums: registers for the R rows' x and dy only
+                        float rv[8];
+                        pl_ln_load8(dr + (r0 + i) * H + c * 8, rv);
+#pragma unroll
+                        for (int k = 0; k < 8; ++k) {
+                            o[k] += rv[k];
+                            if (RES == 2) drs[j][k] += rv[k];
+                        }
+                    }
                     pl_ln_store8(dx + (r0 + i) * H + c * 8, o);
                 }
             }
@@ -241,6 +258,11 @@ __device__ __forceinline__ void pl_ln_backward(const bf16_bits* __restrict__ dy,
             *reinterpret_cast<float4*>(dgp + 4) = make_float4(dgs[j][4], dgs[j][5], dgs[j][6], dgs[j][7]);
             *reinterpret_cast<float4*>(dbp) = make_float4(dbs[j][0], dbs[j][1], dbs[j][2], dbs[j][3]);
             *reinterpret_cast<float4*>(dbp + 4) = make_float4(dbs[j][4], dbs[j][5], dbs[j][6], dbs[j][7]);
+            if (RES == 2) {
+                float* drp = dr_part + (long long)blockIdx.x * H + c * 8;
+                *reinterpret_cast<float4*>(drp) = make_float4(drs[j][0], drs[j][1], drs[j][2], drs[j][3]);
+                *reinterpret_cast<float4*>(drp + 4) = make_float4(drs[j][4], drs[j][5], drs[j][6], drs[j][7]);
+            }
         }
     }
 }
@@ -248,51 +270,82 @@ __device__ __forceinline__ void pl_ln_backward(const bf16_bits* __restrict__ dy,
 // Entries per register capacity V (16-byte vectors of a row per thread); R = PL_LN_ROW_VECTORS / V rows at a time
 // keeps that many vectors per thread in flight whatever the width. PL_LN_BWD_BLOCKS backward blocks fit a
 // multiprocessor below V = 4 (the launch makes that many per multiprocessor).
+#define PL_LN_BWD_BOUNDS(V) __launch_bounds__(PL_LN_THREADS, V < 4 ? PL_LN_BWD_BLOCKS : 1)
 #define PL_LN_ENTRIES(V)                                                                                            \
     extern "C" __global__ void __launch_bounds__(PL_LN_THREADS) pl_ln_forward_##V(                                  \
         const bf16_bits* x, const bf16_bits* g, const bf16_bits* b, bf16_bits* y, float* mean, float* rstd,         \
         long long rows, int H, float eps) {                                                                         \
         pl_ln_forward<V, PL_LN_ROWS(V)>(x, g, b, y, mean, rstd, rows, H, eps);                                      \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(PL_LN_THREADS, V < 4 ? PL_LN_BWD_BLOCKS : 1) pl_ln_backward_##V(  \
+    extern "C" __global__ void PL_LN_BWD_BOUNDS(V) pl_ln_backward_##V(                                              \
         const bf16_bits* dy, const bf16_bits* x, const bf16_bits* g, const float* mean, const float* rstd,         \
         bf16_bits* dx, float* dg_part, float* db_part, long long rows, int H) {                                     \
-        pl_ln_backward<V, PL_LN_ROWS(V)>(dy, x, g, mean, rstd, dx, dg_part, db_part, rows, H);                      \
+        pl_ln_backward<V, PL_LN_ROWS(V), 0>(dy, x, g, mean, rstd, nullptr, dx, dg_part, db_part, nullptr, rows, H); \
+    }                                                                                                               \
+    extern "C" __global__ void PL_LN_BWD_BOUNDS(V) pl_ln_backward_res_##V(                                          \
+        const bf16_bits* dy, const bf16_bits* x, const bf16_bits* g, const float* mean, const float* rstd,         \
+        const bf16_bits* dr, bf16_bits* dx, float* dg_part, float* db_part, long long rows, int H) {               \
+        pl_ln_backward<V, PL_LN_ROWS(V), 1>(dy, x, g, mean, rstd, dr, dx, dg_part, db_part, nullptr, rows, H);      \
+    }                                                                                                               \
+    extern "C" __global__ void PL_LN_BWD_BOUNDS(V) pl_ln_backward_res_sum_##V(                                      \
+        const bf16_bits* dy, const bf16_bits* x, const bf16_bits* g, const float* mean, const float* rstd,         \
+        const bf16_bits* dr, bf16_bits* dx, float* dg_part, float* db_part, float* dr_part, long long rows,        \
+        int H) {                                                                                                    \
+        pl_ln_backward<V, PL_LN_ROWS_RES_SUM(V), 2>(dy, x, g, mean, rstd, dr, dx, dg_part, db_part, dr_part, rows,  \
+                                                    H);                                                             \
     }
 
 PL_LN_ENTRIES(1)
 PL_LN_ENTRIES(2)
 PL_LN_ENTRIES(4)
 
-// dg, db [H] (bf16) = the sums of the backward's partials [parts, H] (fp32). A block of PL_LN_THREADS threads takes
-// 32 columns: warp w sums parts w, w + 8, ... of its lane's column in order, then the block adds the eight warps'
-// sums in warp order. A fixed order (bitwise repeatable) that reads the partials with 8 x (columns / 32) warps in
-// parallel instead of one thread per column walking every part.
+// N outputs [H] (bf16: dg, db and, after a residual backward with sums, dr's) = the sums of the backward's partials
+// [parts, H] (fp32), N arrays of them. A block of PL_LN_THREADS threads takes 32 columns: warp w sums parts w, w + 8,
+// ... of its lane's column in order, then the block adds the eight warps' sums in warp order. A fixed order (bitwise
+// repeatable) that reads the partials with 8 x (columns / 32) warps in parallel instead of one thread per column
+// walking every part.
 #define PL_LN_REDUCE_WARPS (PL_LN_THREADS / 32)
+template <int N>
+__device__ __forceinline__ void pl_ln_reduce_n(const float* const (&part)[N], bf16_bits* const (&out)[N], int parts,
+                                               int H) {
+    __shared__ float partial[N][PL_LN_REDUCE_WARPS][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int col = blockIdx.x * 32 + lane;
+    float a[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) a[n] = 0.f;
+    if (col < H) {
+        for (int p = warp; p < parts; p += PL_LN_REDUCE_WARPS) {
+#pragma unroll
+            for (int n = 0; n < N; ++n) a[n] += part[n][(long long)p * H + col];
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < N; ++n) partial[n][warp][lane] = a[n];
+    __syncthreads();
+    if (warp == 0 && col < H) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            float t = 0.f;
+#pragma unroll
+            for (int w = 0; w < PL_LN_REDUCE_WARPS; ++w) t += partial[n][w][lane];
+            out[n][col] = pl_ln_bf16(t);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(PL_LN_THREADS) pl_ln_reduce(
     const float* __restrict__ dg_part, const float* __restrict__ db_part, bf16_bits* __restrict__ dg,
     bf16_bits* __restrict__ db, int parts, int H) {
-    __shared__ float partial[2][PL_LN_REDUCE_WARPS][32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int col = blockIdx.x * 32 + lane;
-    float a = 0.f, c = 0.f;
-    if (col < H) {
-        for (int p = warp; p < parts; p += PL_LN_REDUCE_WARPS) {
-            a += dg_part[(long long)p * H + col];
-            c += db_part[(long long)p * H + col];
-        }
-    }
-    partial[0][warp][lane] = a;
-    partial[1][warp][lane] = c;
-    __syncthreads();
-    if (warp == 0 && col < H) {
-        float ta = 0.f, tc = 0.f;
-#pragma unroll
-        for (int w = 0; w < PL_LN_REDUCE_WARPS; ++w) {
-            ta += partial[0][w][lane];
-            tc += partial[1][w][lane];
-        }
-        dg[col] = pl_ln_bf16(ta);
-        db[col] = pl_ln_bf16(tc);
-    }
+    const float* const part[2] = {dg_part, db_part};
+    bf16_bits* const out[2] = {dg, db};
+    pl_ln_reduce_n<2>(part, out, parts, H);
+}
+
+extern "C" __global__ void __launch_bounds__(PL_LN_THREADS) pl_ln_reduce3(
+    const float* __restrict__ dg_part, const float* __restrict__ db_part, const float* __restrict__ dr_part,
+    bf16_bits* __restrict__ dg, bf16_bits* __restrict__ db, bf16_bits* __restrict__ dr_sum, int parts, int H) {
+    const float* const part[3] = {dg_part, db_part, dr_part};
+    bf16_bits* const out[3] = {dg, db, dr_sum};
+    pl_ln_reduce_n<3>(part, out, parts, H);
 }

@@ -99,31 +99,46 @@ def layer_norm_forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def layer_norm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                        mean: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx [rows, H], dweight [H], dbias [H]) in the parameters' dtype; the kernels on CUDA, torch's op on the
-    CPU. The partial sums: one fp32 row of dg and one of db per block, BACKWARD_BLOCKS_PER_SM blocks per
-    multiprocessor."""
+                        mean: torch.Tensor, rstd: torch.Tensor, residual: torch.Tensor | None = None,
+                        residual_sum: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dx [rows, H], dweight [H], dbias [H], residual's column sums [H] or None) in the parameters' dtype; the
+    kernels on CUDA, torch's ops on the CPU. `residual` [rows, H]: the gradient of a branch that also reads x, added
+    to dx in the same pass; with `residual_sum` its sums over the rows come back too (the bias gradient of a Linear
+    whose output that gradient is). The partial sums: one fp32 row per sum and block, BACKWARD_BLOCKS_PER_SM blocks
+    per multiprocessor."""
     rows, width = x2.shape
     if not x2.is_cuda:
-        return torch.ops.aten.native_layer_norm_backward(dy2, x2, [width], mean.view(rows, 1), rstd.view(rows, 1),
-                                                         weight, bias, [True, True, True])
+        dx, dweight, dbias = torch.ops.aten.native_layer_norm_backward(
+            dy2, x2, [width], mean.view(rows, 1), rstd.view(rows, 1), weight, bias, [True, True, True])
+        if residual is None:
+            return dx, dweight, dbias, None
+        acc = torch.promote_types(x2.dtype, torch.float32)  # the kernels' fp32 sums; float64 stays float64
+        summed = residual.sum(0, dtype=acc).to(bias.dtype) if residual_sum else None
+        return (dx.to(acc) + residual.to(acc)).to(dx.dtype), dweight, dbias, summed
     from peerline.kernels.elementwise import launch_raw
 
     dx = torch.empty_like(x2)
-    dweight = torch.empty_like(weight)
-    dbias = torch.empty_like(bias)
+    sums = 3 if residual_sum else 2
+    outputs = [torch.empty_like(weight), torch.empty_like(bias)] + ([torch.empty_like(bias)] if residual_sum else [])
     parts = max(1, min(rows, BACKWARD_BLOCKS_PER_SM * _sm_count(x2.device.index)))
-    # Every block writes its whole partial row; with no rows no block runs and the sums are zeros.
-    partials = (torch.empty if rows else torch.zeros)(2, parts, width, dtype=torch.float32, device=x2.device)
+    # Every block writes its whole partial rows; with no rows no block runs and the sums are zeros.
+    partials = (torch.empty if rows else torch.zeros)(sums, parts, width, dtype=torch.float32, device=x2.device)
     if rows:
-        kernel = _kernel(f"pl_ln_backward_{vectors_for(width)}", x2.device)
-        launch_raw(kernel, parts, THREADS, "ppppppppqi",
-                   (dy2.data_ptr(), x2.data_ptr(), weight.data_ptr(), mean.data_ptr(), rstd.data_ptr(),
-                    dx.data_ptr(), partials[0].data_ptr(), partials[1].data_ptr(), rows, width), x2.device)
-    launch_raw(_kernel("pl_ln_reduce", x2.device), -(-width // REDUCE_COLUMNS), THREADS, "ppppii",
-               (partials[0].data_ptr(), partials[1].data_ptr(), dweight.data_ptr(), dbias.data_ptr(), parts, width),
-               x2.device)
-    return dx, dweight, dbias
+        vectors = vectors_for(width)
+        head = (dy2.data_ptr(), x2.data_ptr(), weight.data_ptr(), mean.data_ptr(), rstd.data_ptr())
+        if residual is None:
+            name, sig, args = f"pl_ln_backward_{vectors}", "ppppppppqi", (*head, dx.data_ptr())
+        else:
+            kind = "res_sum" if residual_sum else "res"
+            name, sig = f"pl_ln_backward_{kind}_{vectors}", "p" * (7 + sums) + "qi"
+            args = (*head, residual.data_ptr(), dx.data_ptr())
+        launch_raw(_kernel(name, x2.device), parts, THREADS, sig,
+                   (*args, *(p.data_ptr() for p in partials), rows, width), x2.device)
+    launch_raw(_kernel("pl_ln_reduce3" if residual_sum else "pl_ln_reduce", x2.device), -(-width // REDUCE_COLUMNS),
+               THREADS, "p" * (2 * sums) + "ii",
+               (*(p.data_ptr() for p in partials), *(o.data_ptr() for o in outputs), parts, width), x2.device)
+    return dx, outputs[0], outputs[1], (outputs[2] if residual_sum else None)
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -140,8 +155,34 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x2, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dweight, dbias = layer_norm_backward(dy.reshape(x2.shape).contiguous(), x2, weight, bias, mean, rstd)
+        dx, dweight, dbias, _ = layer_norm_backward(dy.reshape(x2.shape).contiguous(), x2, weight, bias, mean, rstd)
         return dx.view(dy.shape), dweight, dbias, None
+
+
+class ResidualLayerNormFunction(torch.autograd.Function):
+    """(LayerNorm(x), x) for a pre-norm block y = x + f(LayerNorm(x)): the second output is x itself, to be added
+    back as the residual. The backward adds the residual's gradient into dx in the LayerNorm's own pass (no separate
+    add of x's two gradients), and where `out_bias` is given (the bias of f's last Linear, whose output gradient is
+    the residual's: the block's output gradient) returns that bias's gradient as the residual gradient's sums over
+    the rows, so that Linear's backward sums nothing."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                out_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y, mean, rstd = layer_norm_forward(x2, weight, bias, eps)
+        ctx.save_for_backward(x2, weight, bias, mean, rstd)
+        ctx.sum_residual = out_bias is not None
+        return y.view(x.shape), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor, dres: torch.Tensor):
+        x2, weight, bias, mean, rstd = ctx.saved_tensors
+        needs_sum = ctx.sum_residual and ctx.needs_input_grad[4]
+        dx, dweight, dbias, dout_bias = layer_norm_backward(
+            dy.reshape(x2.shape).contiguous(), x2, weight, bias, mean, rstd,
+            residual=dres.reshape(x2.shape).to(x2.dtype).contiguous(), residual_sum=needs_sum)
+        return dx.view(dy.shape), dweight, dbias, None, dout_bias
 
 
 # (elements, width, device index) -> whether an eager --kernels auto launch runs the kernels
@@ -161,10 +202,17 @@ def eager_takes_kernels(x: torch.Tensor) -> bool:
 
         hit = _EAGER_CHOICE[key] = card_table(x.device.index).pick("layer_norm", "bf16", 4 * x.numel(),
                                                                    eager=True) == PEERLINE
-        width = x.shape[-1]
-        for name in (f"pl_ln_forward_{vectors_for(width)}", f"pl_ln_backward_{vectors_for(width)}", "pl_ln_reduce"):
+        for name in kernel_names(x.shape[-1]):
             _kernel(name, x.device)
     return hit
+
+
+def kernel_names(width: int) -> list[str]:
+    """The kernels a LayerNorm of rows of `width` may launch: forward, the backward alone and with a residual
+    (with and without its sums), the two reductions."""
+    v = vectors_for(width)
+    return [f"pl_ln_forward_{v}", f"pl_ln_backward_{v}", f"pl_ln_backward_res_{v}", f"pl_ln_backward_res_sum_{v}",
+            "pl_ln_reduce", "pl_ln_reduce3"]
 
 
 def auto_takes_kernels(x: torch.Tensor) -> bool:
@@ -184,8 +232,27 @@ class FusedLayerNorm(nn.LayerNorm):
         super().__init__(width, eps=eps)
         self.impl = impl
 
+    def takes_kernels(self, x: torch.Tensor) -> bool:
+        """Whether a forward of `x` runs the fused kernels."""
+        return self.impl != "torch" and fused_supported(x, self.weight, self.bias) and (
+            self.impl == "peerline" or auto_takes_kernels(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.impl != "torch" and fused_supported(x, self.weight, self.bias) and (
-                self.impl == "peerline" or auto_takes_kernels(x)):
+        if self.takes_kernels(x):
             return LayerNormFunction.apply(x, self.weight, self.bias, self.eps)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def with_residual(self, x: torch.Tensor, out_bias: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(norm(x), the residual x, whether out_bias's gradient comes from here) for a pre-norm block
+        y = x + f(norm(x)). Where the kernels run, the residual's gradient joins x's in the LayerNorm's backward
+        pass (ResidualLayerNormFunction) and, with `out_bias` (the bias of f's last Linear, a bf16 tensor of the
+        width), so does that bias's gradient: the caller then runs that Linear with its bias out of autograd
+        (FusedLinear.forward_bias_grad_elsewhere). Elsewhere: (forward(x), x, False)."""
+        if not self.takes_kernels(x):
+            return self.forward(x), x, False
+        summed = out_bias is not None and out_bias.requires_grad and out_bias.dtype == self.bias.dtype and (
+            out_bias.shape == self.bias.shape and out_bias.device == x.device)
+        y, residual = ResidualLayerNormFunction.apply(x, self.weight, self.bias, self.eps,
+                                                      out_bias if summed else None)
+        return y, residual, summed

@@ -95,9 +95,12 @@ class GPTBlock(nn.Module):
         return self.proj(y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = ops.residual_add(x, self.attention(self.norm1(x)), self.kernels)
-        h = ops.linear_bias_gelu(self.fc1, self.norm2(x), self.fc1_bias, self.kernels)
-        return ops.residual_add(x, self.fc2(h), self.kernels)
+        n, residual, _ = self.norm1.with_residual(x)
+        x = ops.residual_add(residual, self.attention(n), self.kernels)
+        n, residual, fc2_bias_done = self.norm2.with_residual(x, self.fc2.bias)
+        h = ops.linear_bias_gelu(self.fc1, n, self.fc1_bias, self.kernels)
+        out = self.fc2.forward_bias_grad_elsewhere(h) if fc2_bias_done else self.fc2(h)
+        return ops.residual_add(residual, out, self.kernels)
 
 
 class LMHead(nn.Module):

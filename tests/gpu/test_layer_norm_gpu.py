@@ -93,3 +93,57 @@ def test_module_in_a_bf16_model_matches_torch_layer_norm() -> None:
     assert ln.fused_supported(a, norm.weight, norm.bias)
     for got, want in ((a.grad, c.grad), (norm.weight.grad, plain.weight.grad), (norm.bias.grad, plain.bias.grad)):
         assert got is not None and _rel(got, want.double()) < 2e-2
+
+
+@pytest.mark.parametrize("rows,width", SHAPES)
+@pytest.mark.parametrize("summed", [True, False])
+def test_residual_backward_matches_float64(rows: int, width: int, summed: bool) -> None:
+    """The residual kernels (pl_ln_backward_res[_sum]_V): dx is the LayerNorm's plus the residual gradient, and with
+    sums the residual gradient's column sums come back, all against float64."""
+    x, w, b, dy = _inputs(rows, width)
+    dres = torch.randn(rows, width, device="cuda").to(torch.bfloat16)
+    leaves = [t.double().requires_grad_(True) for t in (x, w, b)]
+    F.layer_norm(leaves[0], (width,), leaves[1], leaves[2], 1e-5).backward(dy.double())
+    _, mean, rstd = ln.layer_norm_forward(x, w, b, 1e-5)
+    dx, dw, db, dsum = ln.layer_norm_backward(dy, x, w, b, mean, rstd, residual=dres, residual_sum=summed)
+    assert (dsum is not None) == summed
+    wants = [(dx, leaves[0].grad + dres.double()), (dw, leaves[1].grad), (db, leaves[2].grad)]
+    if summed:
+        wants.append((dsum, dres.double().sum(0)))
+    for got, want in wants:
+        assert got.dtype == torch.bfloat16 and torch.isfinite(got.float()).all()
+        assert _rel(got, want) < 1e-2, (rows, width)
+    again = ln.layer_norm_backward(dy, x, w, b, mean, rstd, residual=dres, residual_sum=summed)
+    for a, c in zip((dx, dw, db, dsum), again, strict=True):
+        assert (a is None and c is None) or torch.equal(a, c)  # repeatable to the bit
+
+
+@pytest.mark.parametrize("block_kind", ["mlp", "gpt"])
+def test_blocks_with_the_residual_norm_match_torch_ops_in_bf16(block_kind: str) -> None:
+    """The residual-MLP and GPT blocks on bf16 with peerline's kernels (the norms' residual backward, fc2's bias
+    gradient from it) against the same blocks in torch's ops: output, input gradient and every parameter's
+    gradient, relative to the bf16 rounding."""
+    from peerline.distributed.model import ResidualMLPBlock
+    from peerline.models.gpt import GPTBlock
+
+    def make(kernels: str) -> torch.nn.Module:
+        block = ResidualMLPBlock(1024, kernels) if block_kind == "mlp" else GPTBlock(1024, 8, kernels, max_seq=256)
+        return block.cuda().to(torch.bfloat16)
+
+    fused, plain = make("peerline"), make("torch")
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.normal_(0.0, 0.05).add_(1.0 if p.dim() == 1 and p.shape[0] == 1024 else 0.0)
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(4, 256, 1024, device="cuda").to(torch.bfloat16)
+    dy = torch.randn_like(x)
+    assert fused.norm.takes_kernels(x) if block_kind == "mlp" else fused.norm2.takes_kernels(x)
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    outs = [fused(xs[0]), plain(xs[1])]
+    for out in outs:
+        out.backward(dy)
+    assert _rel(outs[0], outs[1].double()) < 2e-2
+    assert _rel(xs[0].grad, xs[1].grad.double()) < 2e-2
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None and torch.isfinite(p.grad.float()).all(), name
+        assert _rel(p.grad, q.grad.double()) < 3e-2, name

@@ -107,14 +107,15 @@ def test_kernels_build_with_16_byte_accesses_and_no_spills(tmp_path):
     src = str(ln.KERNEL_SOURCE)
     ptx = inspect_sass.ptx_of(ln.KERNEL_SOURCE, NVCC)
     for v in ln.VECTORS:
-        for name in (f"pl_ln_forward_{v}", f"pl_ln_backward_{v}"):
+        for name in (f"pl_ln_forward_{v}", f"pl_ln_backward_{v}", f"pl_ln_backward_res_{v}",
+                     f"pl_ln_backward_res_sum_{v}"):
             body = inspect_sass.ptx_entry(ptx, name)
             assert re.search(r"ld\.global(\.nc)?\.v4\.u32", body) and "st.global.v4.u32" in body, name
             assert not re.search(r"(ld|st)\.global(\.nc)?\.(u16|b16)", body), name
     r = subprocess.run([NVCC, "-cubin", "-arch=sm_90", "-Xptxas", "-v", "-o", str(tmp_path / "ln.cubin"), src],
                        check=True, capture_output=True, text=True, timeout=150)
     props = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", r.stderr)
-    assert len(props) == 2 * len(ln.VECTORS) + 1 and all(p == ("0", "0") for p in props), r.stderr
+    assert len(props) == 4 * len(ln.VECTORS) + 2 and all(p == ("0", "0") for p in props), r.stderr
 
 
 def test_auto_runs_torch_for_small_eager_launches_and_the_kernels_elsewhere(monkeypatch: pytest.MonkeyPatch):
@@ -141,9 +142,9 @@ def test_auto_runs_torch_for_small_eager_launches_and_the_kernels_elsewhere(monk
     small, large = torch.randn(7, width), torch.randn(2, 4, width)  # 7 rows below the threshold, 8 at it
 
     torch.testing.assert_close(auto(small), F.layer_norm(small, (width,), auto.weight, auto.bias), rtol=0, atol=0)
-    assert ran == [] and loaded == ["pl_ln_forward_1", "pl_ln_backward_1", "pl_ln_reduce"]
+    assert ran == [] and loaded == ln.kernel_names(width)
     auto(small)
-    assert ran == [] and len(loaded) == 3  # the choice and the loads happen once per size
+    assert ran == [] and len(loaded) == len(ln.kernel_names(width))  # the choice and loads happen once per size
     auto(large)
     assert ran == [large.shape]
     capturing[0] = True
@@ -159,8 +160,8 @@ def test_auto_runs_torch_for_small_eager_launches_and_the_kernels_elsewhere(monk
     del loaded[:]
     auto(torch.randn(1, 2 * 8 * ln.THREADS))  # as many elements as another size, wider: its own kernels load
     auto(torch.randn(2, 8 * ln.THREADS))
-    assert loaded == ["pl_ln_forward_2", "pl_ln_backward_2", "pl_ln_reduce",
-                      "pl_ln_forward_1", "pl_ln_backward_1", "pl_ln_reduce"]
+    assert loaded == ln.kernel_names(2 * 8 * ln.THREADS) + ln.kernel_names(8 * ln.THREADS)
+    assert "pl_ln_backward_res_sum_2" in ln.kernel_names(2 * 8 * ln.THREADS)
 
 
 @pytest.mark.parametrize("kernels", ["torch", "auto", "peerline"])
@@ -175,3 +176,87 @@ def test_the_residual_mlp_block_norm_is_the_fused_layer_norm(kernels: str):
     x = torch.randn(2, 3, 16)
     want = F.layer_norm(x, (16,), block.norm.weight, block.norm.bias, block.norm.eps)
     torch.testing.assert_close(block.norm(x), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape,out_bias", [((2, 5, 16), True), ((7, 24), False), ((3, 0, 16), True)])
+def test_residual_function_equals_layer_norm_and_the_residual_add(shape, out_bias: bool):
+    """ResidualLayerNormFunction (the CPU's stand-ins for the residual kernels) in float64: y = x + f(norm(x)) with
+    f a Linear whose bias is outside autograd there, against the same block in torch's ops; x's gradient (the
+    residual's added in the LayerNorm's pass), the norm's and the Linear's bias gradient (the residual gradient's
+    column sums) all equal."""
+    gen = _gen()
+    width = shape[-1]
+    x, dy = (torch.randn(*shape, dtype=torch.float64, generator=gen) for _ in range(2))
+    w, b, bias2 = (torch.randn(width, dtype=torch.float64, generator=gen) for _ in range(3))
+    w2 = torch.randn(width, width, dtype=torch.float64, generator=gen)
+
+    def leaves():
+        return [t.clone().requires_grad_(True) for t in (x, w, b, bias2)]
+
+    ref = leaves()
+    (ref[0] + F.linear(torch.tanh(F.layer_norm(ref[0], (width,), ref[1], ref[2], 1e-5)), w2, ref[3])).backward(dy)
+    got = leaves()
+    n, residual = ln.ResidualLayerNormFunction.apply(*got[:3], 1e-5, got[3] if out_bias else None)
+    assert residual.shape == x.shape and residual.data_ptr() == got[0].data_ptr()  # x itself, viewed
+    out = F.linear(torch.tanh(n), w2, got[3].detach() if out_bias else got[3])
+    (residual + out).backward(dy)
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g.grad, r.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_residual_function_adds_in_the_bf16_rounding_once():
+    """On bf16 tensors the residual gradient joins dx before its one rounding to bf16 (as the kernel does): dx is
+    within bf16's rounding of float64's x gradient plus the residual's; the column sums are the residual's."""
+    gen = _gen()
+    x, dy, dres = (torch.randn(64, 32, generator=gen).to(torch.bfloat16) for _ in range(3))
+    w, b = torch.ones(32, dtype=torch.bfloat16), torch.zeros(32, dtype=torch.bfloat16)
+    _, mean, rstd = ln.layer_norm_forward(x, w, b, 1e-5)
+    dx, _, _, summed = ln.layer_norm_backward(dy, x, w, b, mean, rstd, residual=dres, residual_sum=True)
+    leaf = x.double().requires_grad_(True)
+    F.layer_norm(leaf, (32,), w.double(), b.double(), 1e-5).backward(dy.double())
+    want = leaf.grad + dres.double()
+    assert dx.dtype == summed.dtype == torch.bfloat16
+    assert (dx.double() - want).abs().max() <= 2 ** -7 * want.abs().max()  # within bf16 rounding of the largest
+    torch.testing.assert_close(summed.double(), dres.double().sum(0), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("block_kind", ["mlp", "gpt"])
+def test_blocks_with_the_residual_norm_match_torch_ops(monkeypatch: pytest.MonkeyPatch, block_kind: str):
+    """The residual-MLP and GPT blocks where their norms take the kernels' path (stood in for on the CPU: on a GPU
+    the bf16 kernels, tests/gpu/test_layer_norm_gpu.py): the residual's gradient and fc2's bias gradient come from
+    the norm's backward, fc2 sums nothing; output, input gradient and every parameter's gradient equal the blocks
+    in torch's ops (float64)."""
+    from peerline.distributed.model import ResidualMLPBlock
+    from peerline.models.gpt import GPTBlock
+
+    monkeypatch.setattr(ln, "fused_supported", lambda x, w, b: True)
+    ran = []
+    backward = ln.layer_norm_backward
+    monkeypatch.setattr(ln, "layer_norm_backward", lambda *a, **k: ran.append(
+        (k.get("residual") is not None, k.get("residual_sum"))) or backward(*a, **k))
+
+    def make(kernels: str) -> nn.Module:
+        torch.manual_seed(3)
+        block = ResidualMLPBlock(16, kernels) if block_kind == "mlp" else GPTBlock(16, 4, kernels, max_seq=8)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(generator=gen)
+        return block.double()
+
+    gen = _gen()
+    state = make("torch").state_dict()
+    fused, plain = make("peerline"), make("torch")
+    fused.load_state_dict(state)
+    plain.load_state_dict(state)
+    x, dy = (torch.randn(2, 8, 16, dtype=torch.float64, generator=gen) for _ in range(2))
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    outs = [fused(xs[0]), plain(xs[1])]
+    for out in outs:
+        out.backward(dy)
+    want = [(True, True)] if block_kind == "mlp" else [(True, True), (True, False)]
+    assert ran == want  # the norms took the residual path (the GPT's attention branch has no bias to sum)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(fused.named_parameters(), plain.parameters(), strict=True):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)

@@ -7,6 +7,11 @@ taken in turn so drift falls on all of them; medians over --reps replays. bf16 i
 
 --extra NAME=PATH times another copy of kernels/layer_norm.py (for example the committed one, beside an edit) as a
 third side. Each side's results are checked against torch's (relative error of y, dx, dweight, dbias).
+
+--residual times the backward of a pre-norm block's LayerNorm with its residual: dx plus the residual's gradient,
+and that gradient's column sums (the bias gradient of the Linear before the residual add). Sides: torch (its layer
+norm backward, the add, the sum), "fused" (the residual kernel: one pass) and "fused+adds" (the LayerNorm kernel,
+then torch's add and sum: the blocks' path before the residual kernel).
 """
 
 from __future__ import annotations
@@ -44,7 +49,25 @@ def _torch_side() -> tuple[Callable, Callable]:
 
 
 def _module_side(module: ModuleType) -> tuple[Callable, Callable]:
-    return (lambda x, w, b: module.layer_norm_forward(x, w, b, EPS)), module.layer_norm_backward
+    return (lambda x, w, b: module.layer_norm_forward(x, w, b, EPS)), (
+        lambda *args: tuple(module.layer_norm_backward(*args)[:3]))  # an older copy returns three tensors
+
+
+def _with_adds(backward: Callable) -> Callable:
+    """A plain backward followed by torch's add of the residual gradient and its column sums."""
+    def run(dy, x, w, b, mean, rstd, dres):
+        dx, dw, db = backward(dy, x, w, b, mean, rstd)[:3]
+        return dx + dres, dw, db, dres.sum(0, dtype=b.dtype)
+    return run
+
+
+def _residual_sides() -> dict[str, tuple[Callable, Callable]]:
+    torch_fwd, torch_bwd = _torch_side()
+    fused_fwd, fused_bwd = _module_side(ln)
+    fused = (fused_fwd, lambda dy, x, w, b, mean, rstd, dres: ln.layer_norm_backward(
+        dy, x, w, b, mean, rstd, residual=dres, residual_sum=True))
+    return {"torch": (torch_fwd, _with_adds(torch_bwd)), "fused": fused,
+            "fused+adds": (fused_fwd, _with_adds(fused_bwd))}
 
 
 def _graph(fn: Callable) -> torch.cuda.CUDAGraph:
@@ -73,17 +96,19 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
 
 
-def probe_shape(rows: int, width: int, sides: dict[str, tuple[Callable, Callable]], reps: int) -> None:
+def probe_shape(rows: int, width: int, sides: dict[str, tuple[Callable, Callable]], reps: int,
+                residual: bool = False) -> None:
     x = (torch.randn(rows, width, device="cuda") * 2 + 0.5).to(torch.bfloat16)
     w = (torch.randn(width, device="cuda") * 0.5 + 1).to(torch.bfloat16)
     b = (torch.randn(width, device="cuda") * 0.1).to(torch.bfloat16)
     dy = torch.randn(rows, width, device="cuda").to(torch.bfloat16)
+    extra = (torch.randn(rows, width, device="cuda").to(torch.bfloat16),) if residual else ()
     graphs, results = {}, {}
     for name, (fwd, bwd) in sides.items():
         y, mean, rstd = fwd(x, w, b)
-        results[name] = (y, *bwd(dy, x, w, b, mean, rstd))
+        results[name] = (y, *bwd(dy, x, w, b, mean, rstd, *extra))
         graphs[name] = (_graph(lambda fwd=fwd: fwd(x, w, b)),
-                        _graph(lambda bwd=bwd, mean=mean, rstd=rstd: bwd(dy, x, w, b, mean, rstd)))
+                        _graph(lambda bwd=bwd, mean=mean, rstd=rstd: bwd(dy, x, w, b, mean, rstd, *extra)))
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in sides}
     for _ in range(3):  # warm-up replays
         for f, g in graphs.values():
@@ -97,6 +122,12 @@ def probe_shape(rows: int, width: int, sides: dict[str, tuple[Callable, Callable
     for name, (f, g) in times.items():
         fwd_us, bwd_us = statistics.median(f), statistics.median(g)
         errors = ", ".join(f"{_rel(a, c):.1e}" for a, c in zip(results[name], results["torch"], strict=True))
+        if residual:  # the backward alone: the forward is the LayerNorm's either way
+            base_bwd = statistics.median(times["torch"][1])
+            print(f"{rows}x{width} ({mib:.0f} MiB) {name:>10}: backward with residual {bwd_us:8.2f} us "
+                  f"({4 * mib / bwd_us * 1.048576:.2f} TB/s), torch / this {base_bwd / bwd_us:.3f}; rel. error to "
+                  f"torch y, dx, dw, db, residual sums: {errors}", flush=True)
+            continue
         print(f"{rows}x{width} ({mib:.0f} MiB) {name:>8}: forward {fwd_us:8.2f} us ({2 * mib / fwd_us * 1.048576:.2f}"
               f" TB/s), backward {bwd_us:8.2f} us ({3 * mib / bwd_us * 1.048576:.2f} TB/s), total "
               f"{fwd_us + bwd_us:8.2f} us, torch / this {base / (fwd_us + bwd_us):.3f}; rel. error to torch y, dx, "
@@ -110,9 +141,11 @@ def main() -> None:
                         help="rows x width, comma-separated (default: the MLP's compute and mid shapes, the GPTs')")
     parser.add_argument("--extra", action="append", default=[], help="NAME=PATH of another layer_norm.py copy")
     parser.add_argument("--reps", type=int, default=30, help="timed replays per side (default 30)")
+    parser.add_argument("--residual", action="store_true",
+                        help="time the backward with a residual gradient added and summed (see above)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    sides = {"torch": _torch_side(), "fused": _module_side(ln)}
+    sides = _residual_sides() if args.residual else {"torch": _torch_side(), "fused": _module_side(ln)}
     for item in args.extra:
         name, _, path = item.partition("=")
         sides[name] = _module_side(_load(path, name))
@@ -120,7 +153,7 @@ def main() -> None:
           f"and writes y, backward reads x and dy and writes dx", flush=True)
     for shape in args.shapes.split(","):
         rows, width = (int(v) for v in shape.lower().split("x"))
-        probe_shape(rows, width, sides, args.reps)
+        probe_shape(rows, width, sides, args.reps, args.residual)
 
 
 if __name__ == "__main__":
