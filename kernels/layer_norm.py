@@ -251,7 +251,7 @@ class FusedLayerNorm(nn.LayerNorm):
         (FusedLinear.forward_bias_grad_elsewhere). Elsewhere: (forward(x), x, False)."""
         if not self.takes_kernels(x):  # torch's op, called here: the check above is not made twice
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps), x, False
-        summed = out_bias is not None and out_bias.requires_grad and out_bias.dtype == torch.bfloat16 and (
+        summed = out_bias is not None and out_bias.requires_grad and out_bias.dtype == self.bias.dtype and (
             out_bias.shape == self.bias.shape)
         y, residual = ResidualLayerNormFunction.apply(x, self.weight, self.bias, self.eps,
                                                       out_bias if summed else None)
