@@ -8,7 +8,8 @@
                                   compute dtype (the loss upcasts them a chunk at a time, kernels/cross_entropy.py)
 
 Positions come from RoPE inside attention, so every boundary between layers carries one tensor, [B, T, H].
-The Linears are FusedLinear, the LayerNorms FusedLayerNorm (bf16 kernels, kernels/layer_norm.py), and the
+The Linears are FusedLinear, the LayerNorms FusedLayerNorm (bf16 kernels, kernels/layer_norm.py; each block's
+two norms take the residual's gradient in their backward, the second also fc2's bias gradient), and the
 bias+GELU and residual adds go through peerline.kernels.ops, as in the residual-MLP model. Every layer is
 initialised under its own seed (distributed/model.py's layer_seed), so any split builds the weights the
 single-process model has.
