@@ -124,3 +124,40 @@ def test_mostly_plain_weights_keep_the_graph_form():
     pending = SB.backward_input([model(x).sum()], [None], [x], list(model.parameters()))
     assert pending.groups and pending.roots
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("form", ["lean", "graph"])
+def test_residual_norm_blocks_split_equal_one_backward(monkeypatch, form):
+    """The residual-MLP block where its norm takes the kernels' path (stood in for on the CPU): the norm's backward
+    node also yields the residual's gradient and fc2's bias gradient. Split into B and W, in either form (the graph
+    form re-runs that node in W for the norm's and fc2's bias parameters), it equals one whole backward, and each
+    parameter's post-accumulate hooks run once."""
+    from peerline.distributed.model import ResidualMLPBlock
+    from peerline.kernels import layer_norm as ln
+
+    monkeypatch.setattr(ln, "fused_supported", lambda x, w, b: True)
+    if form == "graph":
+        monkeypatch.setattr(SB, "_lean", lambda by_node, in_graph: False)
+    seed = int(torch.randint(0, 1 << 30, ()))
+
+    def model():
+        torch.manual_seed(seed)
+        return nn.Sequential(ResidualMLPBlock(8, "peerline"), ResidualMLPBlock(8, "peerline")).double()
+
+    ref, split = model(), model()
+    for m in (ref, split):
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+    finals = {id(p): 0 for p in split.parameters()}
+    for p in split.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: finals.__setitem__(id(p), finals[id(p)] + 1))
+    x0, dy = torch.randn(3, 5, 8, dtype=torch.float64), torch.randn(3, 5, 8, dtype=torch.float64)
+    xr, xs = x0.clone().requires_grad_(True), x0.clone().requires_grad_(True)
+    ref(xr).backward(dy)
+    pending = SB.backward_input([split(xs)], [dy], [xs], list(split.parameters()))
+    assert bool(pending.groups) == (form == "graph") and len(pending.queue) == 4
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=1e-12, atol=1e-12)
+    SB.backward_weight(pending, list(split.parameters()))
+    for (name, got), want in zip(split.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12, msg=name)
+    assert set(finals.values()) == {1}, "each parameter's hooks run once, in B or in W"
