@@ -9,6 +9,10 @@ partials).
   backward  reads x and dy once: dx, and each block's partial sums of dg and db over the rows it took, which
             pl_ln_reduce adds in a fixed order, warps in parallel (a repeatable sum: graph and eager runs agree to
             the bit)
+  residual  for a pre-norm block y = x + f(norm(x)): the residual's gradient read in the same pass and added into
+            dx, and optionally its sums over the rows (the bias gradient of f's last Linear) as a third partial
+            (flash-attention's dropout_add_layer_norm, after Apex's FastLayerNorm, adds the residual's gradient
+            the same way); no separate add of x's two gradients, no separate column sum
 
 `FusedLayerNorm` is nn.LayerNorm (same parameters, state_dict and init) whose forward takes this path for CUDA bf16
 inputs and bf16 parameters with a width the kernels take (`fused_supported`), and torch's layer_norm everywhere
