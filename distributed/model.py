@@ -56,10 +56,7 @@ class ResidualMLPBlock(nn.Module):
             p = self.torch_ops_params()
             if ops.mlp_block_on_torch(x, p.fc1_weight, p.fc1_bias, p.fc2_weight):
                 return self.forward_torch_ops(x, p)
-        n, residual, fc2_bias_done = self.norm.with_residual(x, self.fc2.bias)
-        h = ops.linear_bias_gelu(self.fc1, n, self.fc1_bias, self.kernels)
-        out = self.fc2.forward_bias_grad_elsewhere(h) if fc2_bias_done else self.fc2(h)
-        return ops.residual_add(residual, out, self.kernels)
+        return ops.pre_norm_mlp(x, self.norm, self.fc1, self.fc1_bias, self.fc2, self.kernels)
 
     def torch_ops_params(self) -> BlockParams:
         """The block's parameters, read from the modules' own dictionaries: nn.Module's attribute fallback costs

@@ -145,22 +145,37 @@ def layer_norm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tenso
     return dx, outputs[0], outputs[1], (outputs[2] if residual_sum else None)
 
 
+def _forward_saving(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm(x) for an autograd Function's forward, keeping x, mean and rstd for its backward (what torch's layer
+    norm keeps)."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y, mean, rstd = layer_norm_forward(x2, weight, bias, eps)
+    ctx.save_for_backward(x2, weight, bias, mean, rstd)
+    return y.view(x.shape)
+
+
+def _backward_saved(ctx, dy: torch.Tensor, residual: torch.Tensor | None = None, residual_sum: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """layer_norm_backward of what _forward_saving kept; dx in dy's shape."""
+    x2, weight, bias, mean, rstd = ctx.saved_tensors
+    if residual is not None:
+        residual = residual.reshape(x2.shape).to(x2.dtype).contiguous()
+    dx, dweight, dbias, summed = layer_norm_backward(dy.reshape(x2.shape).contiguous(), x2, weight, bias, mean, rstd,
+                                                     residual=residual, residual_sum=residual_sum)
+    return dx.view(dy.shape), dweight, dbias, summed
+
+
 class LayerNormFunction(torch.autograd.Function):
-    """x [..., H] -> LayerNorm(x) with weight and bias [H]; keeps x, mean and rstd for the backward (what torch's
-    layer norm keeps)."""
+    """x [..., H] -> LayerNorm(x) with weight and bias [H]."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        y, mean, rstd = layer_norm_forward(x2, weight, bias, eps)
-        ctx.save_for_backward(x2, weight, bias, mean, rstd)
-        return y.view(x.shape)
+        return _forward_saving(ctx, x, weight, bias, eps)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x2, weight, bias, mean, rstd = ctx.saved_tensors
-        dx, dweight, dbias, _ = layer_norm_backward(dy.reshape(x2.shape).contiguous(), x2, weight, bias, mean, rstd)
-        return dx.view(dy.shape), dweight, dbias, None
+        dx, dweight, dbias, _ = _backward_saved(ctx, dy)
+        return dx, dweight, dbias, None
 
 
 class ResidualLayerNormFunction(torch.autograd.Function):
@@ -173,20 +188,13 @@ class ResidualLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                 out_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        y, mean, rstd = layer_norm_forward(x2, weight, bias, eps)
-        ctx.save_for_backward(x2, weight, bias, mean, rstd)
         ctx.sum_residual = out_bias is not None
-        return y.view(x.shape), x.view_as(x)
+        return _forward_saving(ctx, x, weight, bias, eps), x.view_as(x)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor, dres: torch.Tensor):
-        x2, weight, bias, mean, rstd = ctx.saved_tensors
-        needs_sum = ctx.sum_residual and ctx.needs_input_grad[4]
-        dx, dweight, dbias, dout_bias = layer_norm_backward(
-            dy.reshape(x2.shape).contiguous(), x2, weight, bias, mean, rstd,
-            residual=dres.reshape(x2.shape).to(x2.dtype).contiguous(), residual_sum=needs_sum)
-        return dx.view(dy.shape), dweight, dbias, None, dout_bias
+        dx, dweight, dbias, dout_bias = _backward_saved(ctx, dy, dres, ctx.sum_residual and ctx.needs_input_grad[4])
+        return dx, dweight, dbias, None, dout_bias
 
 
 # (elements, width, device index) -> whether an eager --kernels auto launch runs the kernels

@@ -12,6 +12,8 @@ semantics:
                                                run bias+GELU: the bias in the GEMM's epilogue
   linear(x, w, b)     = F.linear(x, w, b)      under the caller's autocast; "peerline" accumulates dW straight
                                                into the fp32 w.grad (fused_linear.linear), also on the CPU
+  pre_norm_mlp(x, norm, fc1, b, fc2, impl) = x + fc2(gelu(fc1(norm(x)) + b)), with the norm's residual backward
+                                               (the residual-MLP block, the GPT block's MLP half)
   mlp_block_on_torch(x, fc1, b, fc2)           "auto", eager: whether every op of the residual-MLP block runs
                                                torch's, so the block may call them directly (distributed/model.py)
 
@@ -31,10 +33,11 @@ from peerline.choices import KERNEL_IMPLEMENTATIONS as IMPLEMENTATIONS
 from peerline.choices import KERNELS
 from peerline.kernels.capture_state import capturing
 from peerline.kernels.fused_linear import FusedLinear, compute_dtype, eager_plain, linear
+from peerline.kernels.layer_norm import FusedLayerNorm
 from peerline.kernels.reference import bias_gelu_reference, residual_add_reference
 
 __all__ = ["IMPLEMENTATIONS", "bias_gelu", "bias_gelu_reference", "linear", "linear_bias_gelu", "mlp_block_on_torch",
-           "residual_add", "residual_add_reference", "resolve_impl"]
+           "pre_norm_mlp", "residual_add", "residual_add_reference", "resolve_impl"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +79,17 @@ def linear_bias_gelu(linear: FusedLinear, x: torch.Tensor, bias: torch.Tensor, i
                                                     x.get_device()):
                 return F.gelu(linear.with_bias(x, bias))
     return bias_gelu(linear(x), bias, impl)
+
+
+def pre_norm_mlp(x: torch.Tensor, norm: FusedLayerNorm, fc1: FusedLinear, fc1_bias: torch.Tensor, fc2: FusedLinear,
+                 impl: str = "torch") -> torch.Tensor:
+    """x + fc2(gelu(fc1(norm(x)) + fc1_bias)). Where the norm's kernels run, its backward also adds the residual's
+    gradient into x's and sums fc2's bias gradient (FusedLayerNorm.with_residual); fc2 then runs with its bias
+    outside autograd, so that gradient is counted once."""
+    n, residual, fc2_bias_done = norm.with_residual(x, fc2.bias)
+    h = linear_bias_gelu(fc1, n, fc1_bias, impl)
+    out = fc2.forward_bias_grad_elsewhere(h) if fc2_bias_done else fc2(h)
+    return residual_add(residual, out, impl)
 
 
 def mlp_block_on_torch(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor,

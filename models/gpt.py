@@ -98,10 +98,7 @@ class GPTBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n, residual, _ = self.norm1.with_residual(x)
         x = ops.residual_add(residual, self.attention(n), self.kernels)
-        n, residual, fc2_bias_done = self.norm2.with_residual(x, self.fc2.bias)
-        h = ops.linear_bias_gelu(self.fc1, n, self.fc1_bias, self.kernels)
-        out = self.fc2.forward_bias_grad_elsewhere(h) if fc2_bias_done else self.fc2(h)
-        return ops.residual_add(residual, out, self.kernels)
+        return ops.pre_norm_mlp(x, self.norm2, self.fc1, self.fc1_bias, self.fc2, self.kernels)
 
 
 class LMHead(nn.Module):
