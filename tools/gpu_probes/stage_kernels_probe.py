@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="profiled iterations, after as many timed unprofiled (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="iterations before profiling (default: %(default)s)")
     p.add_argument("--top", type=int, default=15, help="kernels listed per side (default: %(default)s)")
+    p.add_argument("--torch-compile", action="store_true",
+                   help="the torch side's blocks each torch.compile'd (plain_gpt.compile_blocks, as the gpt suite's "
+                        "compiled anchor runs them)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=("cuda", "cpu"),
                    help="default: %(default)s")
@@ -63,6 +66,8 @@ def build_torch(a: argparse.Namespace, device: torch.device) -> tuple[nn.Module,
     RoPE table stays complex64). Returns the model and its blocks."""
     model = plain_gpt.PlainGPT(vocab=VOCAB, hidden=a.hidden, heads=a.heads, layers=2 * a.blocks, seq=a.seq,
                                start=1, stop=a.blocks + 1).to(device, torch.bfloat16)
+    if a.torch_compile:
+        plain_gpt.compile_blocks(model)
     return model, list(model.layers.values())
 
 
@@ -97,6 +102,16 @@ def stage_iteration(model: nn.Module, x: torch.Tensor, microbatches: int) -> Non
     for _ in range(microbatches):
         inp = x.detach().requires_grad_(True)
         model(inp).float().square().mean().backward()
+
+
+def held_by_forward(model: nn.Module, x: torch.Tensor, blocks: list[nn.Module]) -> float:
+    """Device bytes one microbatch's forward leaves allocated for its backward, per block (the output excluded)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = model(x.detach().requires_grad_(True))
+    held = torch.cuda.memory_allocated() - before - out.untyped_storage().nbytes()
+    del out
+    return held / len(blocks)
 
 
 def op_class(name: str) -> str:
@@ -155,6 +170,9 @@ def profile_side(name: str, a: argparse.Namespace, device: torch.device) -> dict
     sync()
     wall_ms = (time.perf_counter() - start) * 1e3 / a.iters
     on_gpu = device.type == "cuda"
+    if on_gpu:
+        print(f"INFO {name}: one microbatch's forward holds {held_by_forward(model, x, blocks) / 2**20:.1f} MiB per "
+              "block (what backward keeps)", flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof:
         for _ in range(a.iters):
