@@ -52,6 +52,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="profiled iterations, after as many timed unprofiled (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="iterations before profiling (default: %(default)s)")
     p.add_argument("--top", type=int, default=15, help="kernels listed per side (default: %(default)s)")
+    p.add_argument("--kernels", default="auto", choices=("auto", "peerline", "torch"),
+                   help="peerline's --kernels (default: %(default)s). The probe runs eagerly, where auto sends a "
+                        "LayerNorm below 64 MiB to torch's op; peerline takes the kernels a captured iteration of "
+                        "these sizes runs")
     p.add_argument("--torch-compile", action="store_true",
                    help="the torch side's blocks each torch.compile'd (plain_gpt.compile_blocks, as the gpt suite's "
                         "compiled anchor runs them)")
@@ -73,7 +77,7 @@ def build_torch(a: argparse.Namespace, device: torch.device) -> tuple[nn.Module,
 
 def peerline_config(a: argparse.Namespace) -> RunConfig:
     return RunConfig(model="gpt", precision="bf16", hidden=a.hidden, heads=a.heads, layers=2 * a.blocks, seq=a.seq,
-                     micro_batch_size=a.micro_batch, microbatches=a.microbatches)
+                     micro_batch_size=a.micro_batch, microbatches=a.microbatches, kernels=a.kernels)
 
 
 def build_peerline(a: argparse.Namespace, device: torch.device) -> tuple[nn.Module, list[nn.Module]]:
