@@ -70,3 +70,25 @@ def test_host_rows_keep_the_autograd_engine_that_the_cpu_rows_leave_out(probe: M
     assert any(name.startswith("autograd::engine") for name in host), sorted(host)
     assert cpu and all(name.startswith("aten::") for name in cpu) and calls["aten::mm"] >= 1, sorted(cpu)
     assert set(cpu) <= set(host)
+
+
+def test_sides_take_their_iterations_in_turn_the_first_swapped_each_round(probe: ModuleType,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    a = probe.parse_args([*TINY, "--iters", "3", "--warmup", "2"])
+    ran: list[str] = []
+    models: dict[int, str] = {}
+    builders = {name: (lambda args, dev, name=name, build=probe.BUILDERS[name]: _named(build(args, dev), name, models))
+                for name in probe.SIDES}
+    monkeypatch.setattr(probe, "BUILDERS", builders)
+    monkeypatch.setattr(probe, "stage_iteration", lambda model, x, m: ran.append(models[id(model)]))
+    sides = probe.run_sides(a, torch.device("cpu"))
+    first, second = probe.SIDES
+    warm = [first] * 2 + [second] * 2
+    rounds = [first, second, second, first, first, second]  # 3 timed rounds, then the same for the profiled ones
+    assert ran == warm + rounds + rounds
+    assert [s.name for s in sides] == list(probe.SIDES) and all(s.wall_s > 0 for s in sides)
+
+
+def _named(built: tuple, name: str, models: dict[int, str]) -> tuple:
+    models[id(built[0])] = name
+    return built

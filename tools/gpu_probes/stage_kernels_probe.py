@@ -3,8 +3,9 @@ stage of peerline's GPT (models/gpt.py, built as --model gpt --precision bf16 bu
 by kernel: forward + backward of M microbatches through the same blocks with bf16 parameters, under torch.profiler.
 Per side: device time per iteration by class (top_kernels.kernel_class) and the top kernels, on a GPU also the host
 ops by self CPU time (where an eager side's wall time above its device time goes); then the classes side by side,
-and the attention backend each side runs. One GPU; on the CPU the rows are aten ops by self CPU time (what the unit
-test runs). INFO lines only.
+and the attention backend each side runs. Both sides stay resident and take their iterations in turn, the first
+swapped every round, so a GPU that heats up over the run weighs on both alike. One GPU; on the CPU the rows are aten
+ops by self CPU time (what the unit test runs). INFO lines only.
 
     PYTHONPATH=$PWD python3 tools/gpu_probes/stage_kernels_probe.py [--blocks 12 --hidden 2048 --microbatches 8 ...]
 """
@@ -15,6 +16,7 @@ import argparse
 import collections
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -159,46 +161,76 @@ def host_rows(prof: profile) -> tuple[collections.Counter, collections.Counter]:
     return _tally(_host_ops(prof, aten_only=False), lambda e: e.self_cpu_time_total)
 
 
-def profile_side(name: str, a: argparse.Namespace, device: torch.device) -> dict[str, float]:
-    """Builds one side, times `iters` iterations unprofiled and profiles `iters` more; prints its lines and returns
-    its ms per iteration by class."""
-    model, blocks = BUILDERS[name](a, device)
+@dataclass
+class Side:
+    """One side of the probe, resident for the whole run, with what its iterations gathered."""
+
+    name: str
+    model: nn.Module
+    blocks: list[nn.Module]
+    wall_s: float = 0.0
+    us: collections.Counter = field(default_factory=collections.Counter)
+    calls: collections.Counter = field(default_factory=collections.Counter)
+    host_us: collections.Counter = field(default_factory=collections.Counter)
+    host_calls: collections.Counter = field(default_factory=collections.Counter)
+
+
+def run_sides(a: argparse.Namespace, device: torch.device) -> list[Side]:
+    """Builds both sides and keeps them resident; warms each, then takes their timed and their profiled iterations
+    in turn, the side that goes first swapped every round: a GPU that heats up over the run (and clocks lower under
+    its power cap) then weighs on both sides alike."""
+    sides = [Side(name, *BUILDERS[name](a, device)) for name in SIDES]
     x = torch.randn(a.micro_batch, a.seq, a.hidden, device=device, dtype=torch.bfloat16)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(a.warmup):
-        stage_iteration(model, x, a.microbatches)
-    sync()
-    start = time.perf_counter()
-    for _ in range(a.iters):
-        stage_iteration(model, x, a.microbatches)
-    sync()
-    wall_ms = (time.perf_counter() - start) * 1e3 / a.iters
     on_gpu = device.type == "cuda"
-    if on_gpu:
-        print(f"INFO {name}: one microbatch's forward holds {held_by_forward(model, x, blocks) / 2**20:.1f} MiB per "
-              "block (what backward keeps)", flush=True)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof:
-        for _ in range(a.iters):
-            stage_iteration(model, x, a.microbatches)
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    for side in sides:
+        for _ in range(a.warmup):
+            stage_iteration(side.model, x, a.microbatches)
         sync()
-    us, calls = device_rows(prof, on_gpu)
+        if on_gpu:
+            print(f"INFO {side.name}: one microbatch's forward holds "
+                  f"{held_by_forward(side.model, x, side.blocks) / 2**20:.1f} MiB per block (what backward keeps)",
+                  flush=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    for i in range(a.iters):
+        for side in (sides if i % 2 == 0 else sides[::-1]):
+            start = time.perf_counter()
+            stage_iteration(side.model, x, a.microbatches)
+            sync()
+            side.wall_s += time.perf_counter() - start
+    for i in range(a.iters):
+        for side in (sides if i % 2 == 0 else sides[::-1]):
+            with profile(activities=activities) as prof:
+                stage_iteration(side.model, x, a.microbatches)
+                sync()
+            us, calls = device_rows(prof, on_gpu)
+            side.us.update(us)
+            side.calls.update(calls)
+            if on_gpu:
+                host_us, host_calls = host_rows(prof)
+                side.host_us.update(host_us)
+                side.host_calls.update(host_calls)
+    return sides
+
+
+def report_side(side: Side, a: argparse.Namespace, on_gpu: bool) -> dict[str, float]:
+    """Prints one side's lines; returns its ms per iteration by class."""
     per_it = a.iters * 1000.0  # us -> ms per iteration
     classes: collections.Counter = collections.Counter()
-    for kernel, t in us.items():
+    for kernel, t in side.us.items():
         classes[op_class(kernel)] += t / per_it
-    params = block_params(blocks)
-    print(f"INFO {name}: {len(blocks)} blocks of {params[0]} parameters; {'device' if on_gpu else 'self CPU'} time "
-          f"{sum(classes.values()):.2f} ms per iteration (wall {wall_ms:.2f} ms unprofiled): "
+    params = block_params(side.blocks)
+    print(f"INFO {side.name}: {len(side.blocks)} blocks of {params[0]} parameters; "
+          f"{'device' if on_gpu else 'self CPU'} time {sum(classes.values()):.2f} ms per iteration (wall "
+          f"{side.wall_s * 1e3 / a.iters:.2f} ms unprofiled): "
           + ", ".join(f"{k} {v:.2f}" for k, v in classes.most_common()), flush=True)
-    for kernel, t in us.most_common(a.top):
-        print(f"INFO {name:8s} {t / per_it:8.2f} ms  x{calls[kernel] / a.iters:6.0f}  {kernel[:100]}")
+    for kernel, t in side.us.most_common(a.top):
+        print(f"INFO {side.name:8s} {t / per_it:8.2f} ms  x{side.calls[kernel] / a.iters:6.0f}  {kernel[:100]}")
     if on_gpu:  # where the host's time goes, for an eager run slower than its device time
-        host_us, host_calls = host_rows(prof)
-        print(f"INFO {name} host: self CPU {sum(host_us.values()) / per_it:.2f} ms per iteration over "
-              f"{sum(host_calls.values()) / a.iters:.0f} op calls", flush=True)
-        for op, t in host_us.most_common(a.top):
-            print(f"INFO {name:8s} host {t / per_it:8.2f} ms  x{host_calls[op] / a.iters:6.0f}  {op[:100]}")
+        print(f"INFO {side.name} host: self CPU {sum(side.host_us.values()) / per_it:.2f} ms per iteration over "
+              f"{sum(side.host_calls.values()) / a.iters:.0f} op calls", flush=True)
+        for op, t in side.host_us.most_common(a.top):
+            print(f"INFO {side.name:8s} host {t / per_it:8.2f} ms  x{side.host_calls[op] / a.iters:6.0f}  {op[:100]}")
     return dict(classes)
 
 
@@ -228,12 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"INFO {where}, torch {torch.__version__}: {a.blocks} blocks, hidden {a.hidden}, {a.heads} heads, seq "
           f"{a.seq}, micro-batch {a.micro_batch}, {a.microbatches} microbatches; per side {a.warmup} warm-up "
-          f"iterations, {a.iters} timed, {a.iters} profiled", flush=True)
-    by_side = {}
-    for name in SIDES:
-        by_side[name] = profile_side(name, a, device)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+          f"iterations, then {a.iters} timed and {a.iters} profiled, the sides in turn", flush=True)
+    by_side = {side.name: report_side(side, a, device.type == "cuda") for side in run_sides(a, device)}
     extra = sorted({k for c in by_side.values() for k in c} - set(CLASSES))
     print(f"INFO {'class':10s} {'torch':>9s} {'peerline':>9s} {'peerline-torch':>15s}  (ms per iteration)")
     for cls in (*CLASSES, *extra, "total"):
