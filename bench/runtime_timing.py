@@ -124,11 +124,13 @@ def measure_or_note(ctx: BenchContext, suite: str, case: str, measure: Callable[
     return None if isinstance(got, str) else got
 
 
-def peak_gb_per_rank(device: torch.device) -> list[float]:
-    """Every rank's peak allocated device memory since the last `free_device`, GiB, by rank ([] on the CPU)."""
+def peak_gb_per_rank(device: torch.device, others_bytes: int = 0) -> list[float]:
+    """Every rank's peak allocated device memory since the last `free_device` (or peak-counter reset), less
+    `others_bytes` (what another resident side holds throughout), GiB, by rank ([] on the CPU)."""
     if device.type != "cuda":
         return []
-    mine = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], dtype=torch.float64, device=device)
+    mine = torch.tensor([(torch.cuda.max_memory_allocated(device) - others_bytes) / 2**30], dtype=torch.float64,
+                        device=device)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [float(mine.item())]
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]

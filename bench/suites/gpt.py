@@ -34,7 +34,12 @@ in bf16 (the quick shape too, on the CPU). Record `<configuration> one-GPU eager
 torch GPT eager, one GPU" (pp 1); the note gives both sides' ms/iter and first losses.
 
 Timing is the pipeline suite's (bench/runtime_timing.py): blocks of --gpt-iters iterations, the slowest rank's time,
-median over --reps blocks after --warmup blocks (the one-GPU child's too). Each time comes with its host lead
+median over --reps blocks after --warmup blocks (the one-GPU child's too). With --gpt-paired (the default) each
+peerline variant of the main table is timed with the anchor's fastest candidate built again beside it, their blocks
+taken in turn, and recorded against that time (extra: anchor_paired, and the search's own time as
+anchor_search_ms): the search measures its compiled candidates right after their compile, on a GPU that was idle and
+cooler, and a GPU at its power cap clocks lower as it warms. Peak memory stays each side's own (peerline's: the
+peak of its first iterations less what the idle anchor holds). Each time comes with its host lead
 (benchkit.Timing.host_lead_ms): the device work still queued when the host had issued a block. An eager anchor with
 a lead near 0 is host-bound, and its time follows the speed of the host it runs on, so compare such figures only
 within one machine.
@@ -109,6 +114,11 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--gpt-compile-backend", default=None,
                        help="torch.compile's backend for the anchor's compiled blocks (default inductor; aot_eager "
                             "traces without generating code, for CPU tests)")
+    group.add_argument("--gpt-paired", action=argparse.BooleanOptionalAction, default=True,
+                       help="time each peerline variant with the anchor's fastest candidate built again beside it, "
+                            "their blocks in turn, and record it against that time (the search's time in the "
+                            "record's extra, anchor_search_ms): the anchor's compile leaves the GPU idle and cooler, "
+                            "and a GPU at its power cap clocks lower as it warms (default: on)")
     group.add_argument("--gpt-iters", type=int, default=None, help="iterations per timed block (default 5)")
     group.add_argument("--gpt-recompute", action="store_true",
                        help="also the recompute table: peerline --recompute off / N (half a stage's layers) / full "

@@ -94,7 +94,9 @@ class GPTReport:
         if mine["mfu"] is not None:
             self.ctx.record(Record(SUITE, f"{case} MFU", "MFU %", mine["mfu"], theirs["mfu"], name,
                                    sizes=self.sizes))
-        self.ctx.note(f"gpt {case} pp={self.pp}: {self.describe(m)}")
+        paired = (f"; the anchor taken in turn with it {theirs['ms_per_iter']:.2f} ms/iter (in its search "
+                  f"{m.extra['anchor_search_ms']:.2f})" if m.extra.get("anchor_paired") else "")
+        self.ctx.note(f"gpt {case} pp={self.pp}: {self.describe(m)}{paired}")
         goal = GOALS.get(self.shape.name)
         if goal is not None and m.name.startswith("graph") and self.ctx.device.type == "cuda":
             self.ctx.note(f"GOAL {'MET' if rec.ratio >= goal else 'MISSED'} gpt {self.shape.name} pp={self.pp}: "

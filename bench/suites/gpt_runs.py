@@ -24,10 +24,13 @@ from peerline.bench.ideal import SPLIT, stages_per_rank
 from peerline.bench.runtime_timing import (
     BlockTimer,
     Measured,
+    anchor_losses_and_block,
+    first_losses,
     free_device,
     measure_or_note,
     open_runtime,
     peak_gb_per_rank,
+    runtime_block,
     time_anchor,
     time_captured,
 )
@@ -71,6 +74,10 @@ class GPTBench:
         self.report = GPTReport(ctx, shape, self.vocab, self.pp)
         self.results: dict[str, Measured] = {}
         self._pairs: list[tuple[str, str]] | None = None
+        # the anchor's fastest candidate (its StageCache, schedule, recipe, blocks), for --gpt-paired
+        self._best: tuple[StageCache, str, str, str] | None = None
+        # a peerline variant's name -> the anchor's timing taken in turn with it (--gpt-paired)
+        self._paired: dict[str, Timing] = {}
 
     def run_variants(self, variants: list[str], failures: list[str]) -> dict[str, Measured]:
         """Measure each variant (the anchor first) and record it against the anchor as soon as both exist."""
@@ -86,12 +93,12 @@ class GPTBench:
             measure = (lambda v=variant: self.best_anchor(v, failures)) if variant in TORCH_VARIANTS else (
                 lambda graph=variant == "graph", schedule=schedule, precision=precision, kernels=kernels,
                 memory=memory: self.peerline(graph, schedule=schedule, precision=precision, kernels=kernels,
-                                             zb_memory=memory))
+                                             zb_memory=memory, paired=True))
             got = self._measure(label, measure, failures)
             if got is None:
                 continue
             self.results[label] = got
-            self.report.variant(got, self.results.get("torch"))
+            self.report.variant(got, self._anchor_for(got))
         if "torch" in variants and "torch" not in self.results:
             self.ctx.note(f"gpt {self.shape.name}: no anchor (the plain torch GPT under torch.distributed.pipelining "
                           "failed or did not run, see above): the other variants get no records against it")
@@ -121,13 +128,30 @@ class GPTBench:
         if best is None:
             return f"no torch candidate ran ({MODELS[model]})"
         best.name = variant
+        if variant == "torch":
+            self._best = (stages, best.extra["schedule"], best.extra["recipe"], best.extra["blocks"])
         self.report.candidates(measured, best)
         return best
 
+    def _anchor_for(self, got: Measured) -> Measured | None:
+        """The anchor a variant is recorded against: the search's fastest candidate, with the time it took in turn
+        with this variant where --gpt-paired measured one (the search's own time kept in the variant's extra)."""
+        anchor = self.results.get("torch")
+        paired = self._paired.pop(got.name, None)
+        if anchor is None or paired is None:
+            return anchor
+        got.extra["anchor_search_ms"] = anchor.timing.median_ms
+        got.extra["anchor_paired"] = True
+        return replace(anchor, timing=paired)
+
+    def torch_anchor(self, stages: StageCache, schedule: str, recipe: str, blocks: str) -> TorchGPTAnchor:
+        """The plain torch GPT under torch.distributed.pipelining: one anchor candidate, built."""
+        return TorchGPTAnchor(stages, self.fill, schedule, recipe, self.pp, self.rank, self.device, blocks,
+                              getattr(self.args, "gpt_compile_backend", None) or "inductor")
+
     def anchor(self, stages: StageCache, schedule: str, recipe: str, blocks: str) -> Measured:
         """One candidate: its first losses, then timed blocks of its iterations."""
-        anchor = TorchGPTAnchor(stages, self.fill, schedule, recipe, self.pp, self.rank, self.device, blocks,
-                                getattr(self.args, "gpt_compile_backend", None) or "inductor")
+        anchor = self.torch_anchor(stages, schedule, recipe, blocks)
         losses, timing = time_anchor(anchor, LOSS_CHECK_ITERS, self.timer)
         per_rank = peak_gb_per_rank(self.device)
         held = state_bytes_per_rank(state_bytes([p for m in anchor.modules for p in m.parameters()],
@@ -138,22 +162,40 @@ class GPTBench:
 
     # -- peerline ------------------------------------------------------------------------------------------------
     def peerline(self, graph: bool, recompute: str = "off", schedule: str = "1f1b", precision: str = "master",
-                 kernels: str = "auto", zb_memory: str = "fast") -> Measured | str:
+                 kernels: str = "auto", zb_memory: str = "fast", paired: bool = False) -> Measured | str:
         """peerline with `schedule`, `precision` (--precision), `kernels` (--kernels) and `zb_memory` (--zb-memory)
-        on the same shape and data; why not, when the iteration was not captured."""
+        on the same shape and data; why not, when the iteration was not captured. `paired` (with --gpt-paired and
+        an anchor measured): the anchor's fastest candidate built again beside it, and their timed blocks taken in
+        turn (BlockTimer.interleaved), so a GPU that warms up and clocks lower under its power cap, or a host that
+        slows down, weighs on both; the anchor's time goes to `_paired`. Peak memory is then peerline's own: the
+        peak of its first iterations less what the idle anchor holds."""
         cfg = peerline_config(self.shape, self.device, graph=graph, recompute=recompute, schedule=schedule,
                               stages=stages_per_rank(schedule, self.pp, self.shape.layers), precision=precision,
                               kernels=kernels, zb_memory=zb_memory)
+        name = ("graph" if graph else "eager") + variant_suffix(schedule, precision, kernels, zb_memory)
+        pair, held = None, 0
+        if paired and self._best is not None and getattr(self.args, "gpt_paired", True):
+            pair = anchor_losses_and_block(self.torch_anchor(*self._best), LOSS_CHECK_ITERS)[1]
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                held = torch.cuda.memory_allocated(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
         with open_runtime(cfg) as rt:
-            measured = time_captured(rt, graph, LOSS_CHECK_ITERS, self.timer)
-            if isinstance(measured, str):
-                return measured
-            losses, timing = measured
-            per_rank = peak_gb_per_rank(self.device)
+            if pair is None:
+                measured = time_captured(rt, graph, LOSS_CHECK_ITERS, self.timer)
+                if isinstance(measured, str):
+                    return measured
+                losses, timing = measured
+                per_rank = peak_gb_per_rank(self.device)
+            else:
+                losses, not_captured = first_losses(rt, LOSS_CHECK_ITERS, graph)
+                if not_captured:
+                    return f"the iteration was not captured into a CUDA graph: {not_captured}"
+                per_rank = peak_gb_per_rank(self.device, held)
+                self._paired[name], timing = self.timer.interleaved([pair, runtime_block(rt)])
             extra: dict[str, Any] = {"model": "peerline's GPT", "transport": rt.transport_name,
                                      "recompute": recompute, "stage_layers": _most_stage_layers(rt, self.device),
                                      "state_bytes": rt.state_bytes_per_rank()}
-        name = ("graph" if graph else "eager") + variant_suffix(schedule, precision, kernels, zb_memory)
         extra["schedule"] = schedule
         extra["precision"] = precision
         extra["kernels"] = kernels

@@ -105,6 +105,10 @@ def test_gpt_suite_two_ranks_with_recompute_table(tmp_path):
         assert rec["extra"]["kernels"] == "torch" and rec["anchor_name"] == eager["anchor_name"], rec["extra"]
         assert close(rec["extra"]["losses"], ex["losses"], 1e-6), rec["extra"]  # the CPU runs torch's ops either way
     assert ex["kernels"] == "auto"
+    for case, rec in by_case.items():  # --gpt-paired (default): each variant against the anchor timed in turn with it
+        if case.startswith("quick eager"):
+            assert rec["extra"]["anchor_paired"] is True and rec["extra"]["anchor_search_ms"] > 0, (case, rec["extra"])
+            assert rec["extra"]["anchor_ms_per_iter"] > 0 and rec["anchor"] > 0, (case, rec["extra"])
     capped = by_case["quick eager zbv zb-memory-1f1b"]["extra"]  # --gpt-zb-memory: the zero-bubble schedules only
     assert capped["zb_memory"] == "1f1b" and close(capped["losses"], ex["losses"], 1e-5), capped
     assert not any("zb-memory" in case for case in by_case if " zbv" not in case), sorted(by_case)
