@@ -39,7 +39,8 @@ peerline variant of the main table is timed with the anchor's fastest candidate 
 taken in turn, and recorded against that time (extra: anchor_paired, and the search's own time as
 anchor_search_ms): the search measures its compiled candidates right after their compile, on a GPU that was idle and
 cooler, and a GPU at its power cap clocks lower as it warms. Peak memory stays each side's own (peerline's: the
-peak of its first iterations less what the idle anchor holds). Each time comes with its host lead
+peak of its first iterations less what the idle anchor holds). Under --isolate, where each measurement runs in a job
+of its own, the variants are recorded against the search's time. Each time comes with its host lead
 (benchkit.Timing.host_lead_ms): the device work still queued when the host had issued a block. An eager anchor with
 a lead near 0 is host-bound, and its time follows the speed of the host it runs on, so compare such figures only
 within one machine.
