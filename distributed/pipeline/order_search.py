@@ -1,0 +1,127 @@
+"""A local search over the zero-bubble schedules' rank orders (zbv, zb-interleaved), for PEERLINE_ZB_ORDER=searched.
+
+List scheduling (rank_schedule.list_orders) plans in unit time: F, B and W one unit each, and transfers free. On
+GPUs the input-gradient pass B runs longer than the weight pass W (it also holds the elementwise backward), and a
+message between ranks arrives some time after its producer ends. A rank waiting on its neighbour's B then has no
+deferred W left to fill the wait. The search starts from the list-scheduled order and moves one compute of one rank
+a few places earlier or later at a time. It keeps a move when:
+- the summed makespan over JUDGES does not grow, and
+- no rank holds more than before: forwards whose weight pass is still to come (#F - #W over every prefix of its
+  order), so the activations and the deferred weight passes stay within the list order's peak.
+
+At the end, the result is kept only if no judge finds it slower than the start, and it still plays on a rendezvous
+transport (rank_sim). Otherwise the list order is returned. The search is deterministic (a fixed seed and number of
+moves), so every rank finds the same order. In the model, at pp=2 with M=8 and B : W = 1.15 : 0.85 plus a transfer of
+0.05 F, it lifts the share of the bubble-free time from 0.955 to 0.974.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+from peerline.distributed.pipeline.placement import Placement
+from peerline.distributed.pipeline.timed import dependency
+
+Compute = tuple[str, int, int]  # (op, stage, mb), as rank_schedule's
+
+#: (F, B, W, transfer between ranks) in units of F that a searched order is judged by: unit time (what list
+#: scheduling plans with), B longer than W as on GPUs with a short transfer, and a longer B and transfer
+JUDGES: tuple[tuple[float, float, float, float], ...] = ((1.0, 1.0, 1.0, 0.0), (1.0, 1.15, 0.85, 0.05),
+                                                         (1.0, 1.3, 0.7, 0.1))
+#: the search's budget: moves tried, in all, scaled down for large programs so that it ends within a few seconds
+MOVE_STEPS = 1_500_000
+MAX_MOVES = 6000
+SEED = 0
+
+
+def makespan(orders: list[list[Compute]], placement: Placement, judge: tuple[float, float, float, float]
+             ) -> float | None:
+    """When the last compute ends, each rank running its order as soon as its input exists: F, B and W taking the
+    judge's times, an input from another rank arriving the judge's transfer time after its producer ends. None when
+    the orders wait on each other."""
+    cost = {"F": judge[0], "B": judge[1], "W": judge[2]}
+    transfer, n = judge[3], placement.n_stages
+    ends: dict[Compute, float] = {}
+    pcs, free = [0] * len(orders), [0.0] * len(orders)
+    left = sum(len(o) for o in orders)
+    while left:
+        moved = False
+        for r, order in enumerate(orders):
+            while pcs[r] < len(order):
+                c = order[pcs[r]]
+                dep = dependency(*c, n)
+                ready = 0.0
+                if dep is not None:
+                    if dep not in ends:
+                        break
+                    ready = ends[dep] + (transfer if placement.rank_of(dep[1]) != r else 0.0)
+                free[r] = max(free[r], ready) + cost[c[0]]
+                ends[c] = free[r]
+                pcs[r] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            return None
+    return max(free)
+
+
+def held_peak(order: list[Compute]) -> int:
+    """The most forwards a rank holds whose weight pass is still to come, over its order."""
+    held = peak = 0
+    for op, _, _ in order:
+        held += 1 if op == "F" else -1 if op == "W" else 0
+        peak = max(peak, held)
+    return peak
+
+
+def _score(orders: list[list[Compute]], placement: Placement) -> float | None:
+    total = 0.0
+    for judge in JUDGES:
+        span = makespan(orders, placement, judge)
+        if span is None:
+            return None
+        total += span
+    return total
+
+
+def searched_orders(placement: Placement, m: int, start: list[list[Compute]]) -> list[list[Compute]]:
+    """`start` (every rank's order) improved by the local search of the module doc; `start` itself where the
+    search finds nothing the judges all agree on."""
+    return [list(o) for o in _search(placement, m, tuple(tuple(o) for o in start))]
+
+
+@functools.lru_cache(maxsize=16)
+def _search(placement: Placement, m: int, start: tuple[tuple[Compute, ...], ...]) -> tuple[tuple[Compute, ...], ...]:
+    from peerline.distributed.pipeline import rank_schedule, rank_sim  # rank_schedule imports this module
+
+    caps = [held_peak(list(o)) for o in start]
+    current = [list(o) for o in start]
+    best = _score(current, placement)
+    if best is None:
+        return start
+    ops = sum(len(o) for o in current)
+    rng = random.Random(SEED)
+    for _ in range(min(MAX_MOVES, MOVE_STEPS // (ops * len(JUDGES)))):
+        r = rng.randrange(len(current))
+        order = current[r]
+        i = rng.randrange(len(order))
+        j = min(max(i + rng.choice((-3, -2, -1, 1, 1, 2, 3)), 0), len(order) - 1)
+        if i == j:
+            continue
+        moved = list(order)
+        moved.insert(j, moved.pop(i))
+        if held_peak(moved) > caps[r]:
+            continue
+        candidate = current[:r] + [moved] + current[r + 1:]
+        score = _score(candidate, placement)
+        if score is not None and score <= best:
+            current, best = candidate, score
+    base = [list(o) for o in start]
+    if any(makespan(current, placement, j) > makespan(base, placement, j) for j in JUDGES):
+        return start
+    try:
+        rank_sim.simulate_ranks(rank_schedule.with_rank_messages(current, placement), placement, m, None)
+    except rank_schedule.ScheduleError:
+        return start
+    return tuple(tuple(o) for o in current)

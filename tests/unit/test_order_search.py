@@ -1,0 +1,65 @@
+"""PEERLINE_ZB_ORDER=searched (distributed/pipeline/order_search.py): the searched rank orders of zbv and
+zb-interleaved hold the same computes as the list-scheduled ones, never hold more per rank, are no slower under any
+judging cost model and faster under the GPU-like one, play on a rendezvous transport, and come out the same on
+every call (every rank computes its own)."""
+
+from __future__ import annotations
+
+import pytest
+
+from peerline.distributed.config import ConfigError
+from peerline.distributed.pipeline import order_search, rank_schedule, rank_sim
+from peerline.distributed.pipeline.placed import placed_schedule
+from peerline.distributed.pipeline.placement import placement_for
+
+pytestmark = pytest.mark.timeout(120)
+
+CASES = [("zbv", 2, 2, 8), ("zb-interleaved", 2, 4, 5), ("zbv", 4, 2, 6)]
+
+
+def _orders(monkeypatch: pytest.MonkeyPatch, how: str, schedule: str, pp: int, per_rank: int, m: int) -> list:
+    monkeypatch.setenv("PEERLINE_ZB_ORDER", how)
+    return rank_schedule.zero_bubble_orders(placement_for(schedule, pp, per_rank), m)
+
+
+@pytest.mark.parametrize("schedule,pp,per_rank,m", CASES)
+def test_searched_orders_keep_the_computes_and_the_peak_and_lose_under_no_judge(
+        monkeypatch: pytest.MonkeyPatch, schedule: str, pp: int, per_rank: int, m: int) -> None:
+    placement = placement_for(schedule, pp, per_rank)
+    listed = _orders(monkeypatch, "list", schedule, pp, per_rank, m)
+    order_search._search.cache_clear()
+    searched = _orders(monkeypatch, "searched", schedule, pp, per_rank, m)
+    assert searched != listed
+    for got, start, r in zip(searched, listed, range(pp), strict=True):
+        assert sorted(got) == sorted(start) and {s for _, s, _ in got} == set(placement.stages_of(r))
+        assert order_search.held_peak(got) <= order_search.held_peak(start)
+    spans = [(order_search.makespan(searched, placement, j), order_search.makespan(listed, placement, j))
+             for j in order_search.JUDGES]
+    assert all(s <= base for s, base in spans), spans
+    gpu_like = order_search.JUDGES[1]
+    assert gpu_like[1] > gpu_like[2] > 0  # B longer than W, a transfer between ranks
+    assert spans[1][0] < 0.99 * spans[1][1], spans  # at least 1 % less makespan where B outlasts W
+    rank_sim.simulate_ranks(rank_schedule.with_rank_messages(searched, placement), placement, m, None)
+    order_search._search.cache_clear()
+    assert _orders(monkeypatch, "searched", schedule, pp, per_rank, m) == searched  # deterministic
+
+
+def test_placed_schedule_runs_the_searched_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PEERLINE_ZB_ORDER", "searched")
+    ps = placed_schedule("zbv", 2, 2, 8)
+    computes = [[c for _, step in program for c in step if c.op in "FBW"] for program in ps.programs]
+    searched = rank_schedule.zero_bubble_orders(ps.placement, 8)
+    assert [[(a.op, a.stage, a.mb) for a in program] for program in computes] == searched
+    assert ps.min_capacity() >= 1
+
+
+def test_unknown_order_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PEERLINE_ZB_ORDER", "best")
+    with pytest.raises(ConfigError, match="PEERLINE_ZB_ORDER='best': choose one of list, searched"):
+        rank_schedule.zero_bubble_orders(placement_for("zbv", 2, 2), 4)
+
+
+def test_a_move_past_a_rank_s_peak_is_not_taken() -> None:
+    order = [("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("W", 0, 0), ("B", 0, 1), ("W", 0, 1)]
+    assert order_search.held_peak(order) == 2
+    assert order_search.held_peak([("F", 0, 0), ("B", 0, 0), ("W", 0, 0), ("F", 0, 1)]) == 1
