@@ -9,9 +9,10 @@ a few places earlier or later at a time. It keeps a move when:
 - no rank holds more than before: forwards whose weight pass is still to come (#F - #W over every prefix of its
   order), so the activations and the deferred weight passes stay within the list order's peak.
 
-At the end, the result is kept only if no judge finds it slower than the start, and it still plays on a rendezvous
-transport (rank_sim). Otherwise the list order is returned. The search is deterministic (a fixed seed and number of
-moves), so every rank finds the same order. In the model, at pp=2 with M=8 and B : W = 1.15 : 0.85 plus a transfer of
+At the end, the result is kept only if no judge finds it slower than the start, it still plays on a rendezvous
+transport (rank_sim), and the copy engine's ring need not be deeper. Otherwise the search runs again with the next
+seed, and after SEEDS the list order is returned. The search is deterministic (fixed seeds and numbers of moves),
+so every rank finds the same order. In the model, at pp=2 with M=8 and B : W = 1.15 : 0.85 plus a transfer of
 0.05 F, it lifts the share of the bubble-free time from 0.955 to 0.974.
 """
 
@@ -32,7 +33,8 @@ JUDGES: tuple[tuple[float, float, float, float], ...] = ((1.0, 1.0, 1.0, 0.0), (
 #: the search's budget: moves tried, in all, scaled down for large programs so that it ends within a few seconds
 MOVE_STEPS = 1_500_000
 MAX_MOVES = 6000
-SEED = 0
+#: the searches tried in turn, each from the list order, until one passes every check
+SEEDS = (0, 1, 2)
 
 
 def makespan(orders: list[list[Compute]], placement: Placement, judge: tuple[float, float, float, float]
@@ -93,15 +95,34 @@ def searched_orders(placement: Placement, m: int, start: list[list[Compute]]) ->
 
 @functools.lru_cache(maxsize=16)
 def _search(placement: Placement, m: int, start: tuple[tuple[Compute, ...], ...]) -> tuple[tuple[Compute, ...], ...]:
+    """The first of SEEDS whose search passes every check of the module doc, else `start`."""
     from peerline.distributed.pipeline import rank_schedule, rank_sim  # rank_schedule imports this module
 
-    caps = [held_peak(list(o)) for o in start]
+    base = [list(o) for o in start]
+    ring = rank_sim.min_rank_capacity(rank_schedule.with_rank_messages(base, placement), placement, m)
+    for seed in SEEDS:
+        found = _moves(placement, base, seed)
+        if found is None or any(makespan(found, placement, j) > makespan(base, placement, j) for j in JUDGES):
+            continue
+        try:
+            programs = rank_schedule.with_rank_messages(found, placement)
+            rank_sim.simulate_ranks(programs, placement, m, None)
+        except rank_schedule.ScheduleError:
+            continue
+        if rank_sim.min_rank_capacity(programs, placement, m) <= ring:  # the copy engine's ring no deeper
+            return tuple(tuple(o) for o in found)
+    return start
+
+
+def _moves(placement: Placement, start: list[list[Compute]], seed: int) -> list[list[Compute]] | None:
+    """The local search from `start` with one seed: the orders it ends with (None when `start` does not play)."""
+    caps = [held_peak(o) for o in start]
     current = [list(o) for o in start]
     best = _score(current, placement)
     if best is None:
-        return start
+        return None
     ops = sum(len(o) for o in current)
-    rng = random.Random(SEED)
+    rng = random.Random(seed)
     for _ in range(min(MAX_MOVES, MOVE_STEPS // (ops * len(JUDGES)))):
         r = rng.randrange(len(current))
         order = current[r]
@@ -117,11 +138,4 @@ def _search(placement: Placement, m: int, start: tuple[tuple[Compute, ...], ...]
         score = _score(candidate, placement)
         if score is not None and score <= best:
             current, best = candidate, score
-    base = [list(o) for o in start]
-    if any(makespan(current, placement, j) > makespan(base, placement, j) for j in JUDGES):
-        return start
-    try:
-        rank_sim.simulate_ranks(rank_schedule.with_rank_messages(current, placement), placement, m, None)
-    except rank_schedule.ScheduleError:
-        return start
-    return tuple(tuple(o) for o in current)
+    return current

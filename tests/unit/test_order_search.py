@@ -14,7 +14,7 @@ from peerline.distributed.pipeline.placement import placement_for
 
 pytestmark = pytest.mark.timeout(120)
 
-CASES = [("zbv", 2, 2, 8), ("zb-interleaved", 2, 4, 5), ("zbv", 4, 2, 6)]
+CASES = [("zbv", 2, 2, 8), ("zb-interleaved", 2, 4, 5), ("zbv", 4, 2, 8)]
 
 
 def _orders(monkeypatch: pytest.MonkeyPatch, how: str, schedule: str, pp: int, per_rank: int, m: int) -> list:
@@ -39,9 +39,17 @@ def test_searched_orders_keep_the_computes_and_the_peak_and_lose_under_no_judge(
     gpu_like = order_search.JUDGES[1]
     assert gpu_like[1] > gpu_like[2] > 0  # B longer than W, a transfer between ranks
     assert spans[1][0] < 0.99 * spans[1][1], spans  # at least 1 % less makespan where B outlasts W
-    rank_sim.simulate_ranks(rank_schedule.with_rank_messages(searched, placement), placement, m, None)
+    programs = [rank_schedule.with_rank_messages(o, placement) for o in (searched, listed)]
+    rank_sim.simulate_ranks(programs[0], placement, m, None)
+    ring, listed_ring = (rank_sim.min_rank_capacity(p, placement, m) for p in programs)
+    assert ring <= listed_ring  # the copy engine's ring no deeper
     order_search._search.cache_clear()
     assert _orders(monkeypatch, "searched", schedule, pp, per_rank, m) == searched  # deterministic
+
+
+def test_the_list_order_stays_where_every_seed_needs_a_deeper_ring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """zbv at pp=2, M=16: each seed's search ends in orders whose copy-engine ring would be deeper."""
+    assert _orders(monkeypatch, "searched", "zbv", 2, 2, 16) == _orders(monkeypatch, "list", "zbv", 2, 2, 16)
 
 
 def test_placed_schedule_runs_the_searched_order(monkeypatch: pytest.MonkeyPatch) -> None:
