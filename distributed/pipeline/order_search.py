@@ -27,7 +27,8 @@ from peerline.distributed.pipeline.timed import dependency
 Compute = tuple[str, int, int]  # (op, stage, mb), as rank_schedule's
 
 #: (F, B, W, transfer between ranks) in units of F that a searched order is judged by: unit time (what list
-#: scheduling plans with), B longer than W as on GPUs with a short transfer, and a longer B and transfer
+#: scheduling plans with), B longer than W as on GPUs with a short transfer (the residual MLP's compute shape on an
+#: H200, docs/benchmarks/code-notes.md), and a longer B and transfer
 JUDGES: tuple[tuple[float, float, float, float], ...] = ((1.0, 1.0, 1.0, 0.0), (1.0, 1.15, 0.85, 0.05),
                                                          (1.0, 1.3, 0.7, 0.1))
 #: the search's budget: moves tried, in all, scaled down for large programs so that it ends within a few seconds
