@@ -81,15 +81,13 @@ def stages_per_rank(schedule: str, pp: int = 1, layers: int = 0) -> int:
 
 def rank_orders(schedule: str, stages: int, microbatches: int, per_rank: int = 2) -> list[list[tuple[str, int, int]]]:
     """Each rank's (op, stage, mb) order of a placed schedule over `stages` global stages."""
-    from peerline.distributed.pipeline import rank_schedule
+    from peerline.distributed.pipeline.order_search import run_orders
     from peerline.distributed.pipeline.placement import Placement, placement_for
 
     if stages % per_rank:
         raise ValueError(f"{schedule}: {stages} stages do not fill ranks of {per_rank}")
     placement: Placement = placement_for(schedule, stages // per_rank, per_rank)
-    if schedule in SPLIT:
-        return rank_schedule.zero_bubble_orders(placement, microbatches)
-    return [rank_schedule.interleaved_order(r, placement.pp, per_rank, microbatches) for r in range(placement.pp)]
+    return run_orders(schedule, placement, microbatches)
 
 
 def _placed_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: list[float], per_rank: int) -> float:

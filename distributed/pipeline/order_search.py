@@ -21,10 +21,16 @@ from __future__ import annotations
 import functools
 import random
 
+from peerline import overrides
+from peerline.distributed.config import ConfigError
+from peerline.distributed.pipeline import rank_sim
 from peerline.distributed.pipeline.placement import Placement
+from peerline.distributed.pipeline.rank_schedule import Compute, rank_orders, with_rank_messages
+from peerline.distributed.pipeline.schedule import ScheduleError
 from peerline.distributed.pipeline.timed import dependency
 
-Compute = tuple[str, int, int]  # (op, stage, mb), as rank_schedule's
+ORDERS = ("list", "searched")  # PEERLINE_ZB_ORDER
+SEARCHED = ("zbv", "zb-interleaved")  # the schedules whose orders the search takes
 
 #: (F, B, W, transfer between ranks) in units of F that a searched order is judged by: unit time (what list
 #: scheduling plans with), B longer than W as on GPUs with a short transfer (the residual MLP's compute shape on an
@@ -88,27 +94,42 @@ def _score(orders: list[list[Compute]], placement: Placement) -> float | None:
     return total
 
 
+def chosen() -> str:
+    """PEERLINE_ZB_ORDER, checked: list (the default) or searched."""
+    how = overrides.get_str("PEERLINE_ZB_ORDER", "list")
+    if how not in ORDERS:
+        raise ConfigError(f"PEERLINE_ZB_ORDER={how!r}: choose one of {', '.join(ORDERS)}")
+    return how
+
+
+def run_orders(schedule: str, placement: Placement, m: int, memory: str = "fast") -> list[list[Compute]]:
+    """The compute orders a run of `schedule` uses: rank_schedule.rank_orders', searched where PEERLINE_ZB_ORDER
+    says so and the schedule is zero-bubble."""
+    orders = rank_orders(schedule, placement, m, memory)
+    if schedule in SEARCHED and chosen() == "searched":
+        return searched_orders(placement, m, orders)
+    return orders
+
+
 def searched_orders(placement: Placement, m: int, start: list[list[Compute]]) -> list[list[Compute]]:
     """`start` (every rank's order) improved by the local search of the module doc; `start` itself where the
     search finds nothing the judges all agree on."""
     return [list(o) for o in _search(placement, m, tuple(tuple(o) for o in start))]
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=16)  # a process that builds the same run again (the benches) searches once
 def _search(placement: Placement, m: int, start: tuple[tuple[Compute, ...], ...]) -> tuple[tuple[Compute, ...], ...]:
     """The first of SEEDS whose search passes every check of the module doc, else `start`."""
-    from peerline.distributed.pipeline import rank_schedule, rank_sim  # rank_schedule imports this module
-
     base = [list(o) for o in start]
-    ring = rank_sim.min_rank_capacity(rank_schedule.with_rank_messages(base, placement), placement, m)
+    ring = rank_sim.min_rank_capacity(with_rank_messages(base, placement), placement, m)
     for seed in SEEDS:
         found = _moves(placement, base, seed)
         if found is None or any(makespan(found, placement, j) > makespan(base, placement, j) for j in JUDGES):
             continue
         try:
-            programs = rank_schedule.with_rank_messages(found, placement)
+            programs = with_rank_messages(found, placement)
             rank_sim.simulate_ranks(programs, placement, m, None)
-        except rank_schedule.ScheduleError:
+        except ScheduleError:
             continue
         if rank_sim.min_rank_capacity(programs, placement, m) <= ring:  # the copy engine's ring no deeper
             return tuple(tuple(o) for o in found)

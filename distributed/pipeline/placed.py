@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from peerline.distributed.config import ConfigError
 from peerline.distributed.p2p.base import ACT, GRAD, Links, TensorSpec
 from peerline.distributed.pipeline import rank_sim
+from peerline.distributed.pipeline.order_search import run_orders
 from peerline.distributed.pipeline.placement import (
     MessageKey,
     Placement,
@@ -17,7 +18,7 @@ from peerline.distributed.pipeline.placement import (
     message_keys,
     placement_for,
 )
-from peerline.distributed.pipeline.rank_schedule import RankProgram, build_ranks, stage_programs
+from peerline.distributed.pipeline.rank_schedule import RankProgram, stage_programs, with_rank_messages
 from peerline.distributed.pipeline.schedule import Step
 
 
@@ -34,7 +35,8 @@ class PlacedSchedule:
     keys: dict[MessageKey, tuple[str, int]] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.programs = build_ranks(self.schedule, self.placement, self.microbatches, self.memory)
+        self.programs = with_rank_messages(run_orders(self.schedule, self.placement, self.microbatches, self.memory),
+                                           self.placement)
         rank_sim.simulate_ranks(self.programs, self.placement, self.microbatches, None)
         self.keys = message_keys(self.programs, self.placement)
 

@@ -14,7 +14,7 @@ stream wait) and cost nothing.
                order found by list scheduling (`zero_bubble_orders`): a ready B first, then a ready F while the rank
                holds fewer than 2pp microbatches' activations (1F1B's memory), the deferred Ws in the gaps;
                --zb-memory 1f1b counts the deferred Ws too and plans with B longer than W (PLAN_COSTS);
-               PEERLINE_ZB_ORDER=searched improves either order by order_search.py's local search.
+               PEERLINE_ZB_ORDER=searched improves either order (order_search.py).
   zb-interleaved  the loop placement of interleaved with the backward split as zbv's, V stages per rank: the
                same list scheduling (`zero_bubble_orders`); more stages per rank shorten the warm-up each rank
                waits through (in unit time at pp=4, M=8: 0.970 of the bubble-free time with 4 stages per rank
@@ -25,9 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from peerline import overrides
-from peerline.distributed.config import ConfigError
-from peerline.distributed.pipeline import order_search
 from peerline.distributed.pipeline.placement import LOOP, V_SHAPE, Placement
 from peerline.distributed.pipeline.schedule import Action, ScheduleError, Step
 from peerline.distributed.pipeline.timed import dependency, is_ready
@@ -35,7 +32,6 @@ from peerline.distributed.pipeline.timed import dependency, is_ready
 Compute = tuple[str, int, int]  # (op, stage, mb)
 RankProgram = list[tuple[int, Step]]
 RANK_SCHEDULES = ("interleaved", "zbv", "zb-interleaved")
-ZB_ORDERS = ("list", "searched")  # PEERLINE_ZB_ORDER
 
 
 def interleaved_order(rank: int, pp: int, v: int, m: int) -> list[Compute]:
@@ -91,18 +87,13 @@ def zero_bubble_orders(placement: Placement, m: int, memory: str = "fast") -> li
     played in unit time stalls forwards once B outlasts W, so the capped order is planned under each of PLAN_COSTS
     and the one with the least mean makespan over JUDGE_COSTS is kept. Deterministic, so every rank gets the same
     order. "fast" stays in unit time: planned under those costs, ZB-V is slower on GPUs (code-notes.md).
-    PEERLINE_ZB_ORDER=searched improves either order by order_search's local search (same peak per rank)."""
+    (order_search.py may improve either order: PEERLINE_ZB_ORDER=searched.)"""
     if memory != "1f1b":
-        orders = list_orders(placement, m, hold=False)
-    else:
-        plans = [list_orders(placement, m, hold=True, costs=plan) for plan in PLAN_COSTS]
-        # rounded: orders whose makespans differ only in float rounding tie, and the first plan's wins
-        orders = min(plans, key=lambda o: round(sum(makespan(o, placement.n_stages, judge)
-                                                    for judge in JUDGE_COSTS), 6))
-    how = overrides.get_str("PEERLINE_ZB_ORDER", "list")
-    if how not in ZB_ORDERS:
-        raise ConfigError(f"PEERLINE_ZB_ORDER={how!r}: choose one of {', '.join(ZB_ORDERS)}")
-    return order_search.searched_orders(placement, m, orders) if how == "searched" else orders
+        return list_orders(placement, m, hold=False)
+    plans = [list_orders(placement, m, hold=True, costs=plan) for plan in PLAN_COSTS]
+    # rounded: orders whose makespans differ only in float rounding tie, and the first plan's wins
+    return min(plans, key=lambda orders: round(sum(makespan(orders, placement.n_stages, judge)
+                                                   for judge in JUDGE_COSTS), 6))
 
 
 def makespan(orders: list[list[Compute]], n_stages: int, costs: tuple[float, float, float]) -> float:
@@ -223,16 +214,19 @@ def with_rank_messages(orders: list[list[Compute]], placement: Placement) -> lis
     return [[(s, step) for _, s, step in sorted(ev, key=lambda e: e[0])] for ev in events]
 
 
-def build_ranks(schedule: str, placement: Placement, m: int, memory: str = "fast") -> list[RankProgram]:
-    """Every pipeline position's program for `schedule` (interleaved, zbv or zb-interleaved) on `placement`;
+def rank_orders(schedule: str, placement: Placement, m: int, memory: str = "fast") -> list[list[Compute]]:
+    """Every pipeline position's compute order for `schedule` (interleaved, zbv or zb-interleaved) on `placement`;
     `memory`: --zb-memory."""
     if schedule == "interleaved" and placement.shape == LOOP:
-        orders = [interleaved_order(r, placement.pp, placement.per_rank, m) for r in range(placement.pp)]
-    elif (schedule, placement.shape) in (("zbv", V_SHAPE), ("zb-interleaved", LOOP)):
-        orders = zero_bubble_orders(placement, m, memory)
-    else:
-        raise ScheduleError(f"schedule {schedule!r} does not run on a {placement.shape} placement")
-    return with_rank_messages(orders, placement)
+        return [interleaved_order(r, placement.pp, placement.per_rank, m) for r in range(placement.pp)]
+    if (schedule, placement.shape) in (("zbv", V_SHAPE), ("zb-interleaved", LOOP)):
+        return zero_bubble_orders(placement, m, memory)
+    raise ScheduleError(f"schedule {schedule!r} does not run on a {placement.shape} placement")
+
+
+def build_ranks(schedule: str, placement: Placement, m: int, memory: str = "fast") -> list[RankProgram]:
+    """Every pipeline position's program (`rank_orders` with its messages)."""
+    return with_rank_messages(rank_orders(schedule, placement, m, memory), placement)
 
 
 def stage_programs(rank_programs: list[RankProgram], n_stages: int) -> list[list[Step]]:

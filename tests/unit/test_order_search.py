@@ -19,7 +19,7 @@ CASES = [("zbv", 2, 2, 8), ("zb-interleaved", 2, 4, 5), ("zbv", 4, 2, 8)]
 
 def _orders(monkeypatch: pytest.MonkeyPatch, how: str, schedule: str, pp: int, per_rank: int, m: int) -> list:
     monkeypatch.setenv("PEERLINE_ZB_ORDER", how)
-    return rank_schedule.zero_bubble_orders(placement_for(schedule, pp, per_rank), m)
+    return order_search.run_orders(schedule, placement_for(schedule, pp, per_rank), m)
 
 
 @pytest.mark.parametrize("schedule,pp,per_rank,m", CASES)
@@ -56,7 +56,8 @@ def test_placed_schedule_runs_the_searched_order(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("PEERLINE_ZB_ORDER", "searched")
     ps = placed_schedule("zbv", 2, 2, 8)
     computes = [[c for _, step in program for c in step if c.op in "FBW"] for program in ps.programs]
-    searched = rank_schedule.zero_bubble_orders(ps.placement, 8)
+    searched = order_search.run_orders("zbv", ps.placement, 8)
+    assert searched != rank_schedule.rank_orders("zbv", ps.placement, 8)
     assert [[(a.op, a.stage, a.mb) for a in program] for program in computes] == searched
     assert ps.min_capacity() >= 1
 
@@ -64,7 +65,13 @@ def test_placed_schedule_runs_the_searched_order(monkeypatch: pytest.MonkeyPatch
 def test_unknown_order_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PEERLINE_ZB_ORDER", "best")
     with pytest.raises(ConfigError, match="PEERLINE_ZB_ORDER='best': choose one of list, searched"):
-        rank_schedule.zero_bubble_orders(placement_for("zbv", 2, 2), 4)
+        placed_schedule("zbv", 2, 2, 4)
+
+
+def test_interleaved_keeps_its_order_under_searched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the zero-bubble schedules' orders are searched; interleaved 1F1B has no W to move."""
+    assert _orders(monkeypatch, "searched", "interleaved", 2, 2, 4) == _orders(monkeypatch, "list", "interleaved",
+                                                                               2, 2, 4)
 
 
 def test_a_move_past_a_rank_s_peak_is_not_taken() -> None:
