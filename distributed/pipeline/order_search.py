@@ -23,11 +23,10 @@ import random
 
 from peerline import overrides
 from peerline.distributed.config import ConfigError
-from peerline.distributed.pipeline import rank_sim
+from peerline.distributed.pipeline import rank_schedule, rank_sim
 from peerline.distributed.pipeline.placement import Placement
-from peerline.distributed.pipeline.rank_schedule import Compute, rank_orders, with_rank_messages
+from peerline.distributed.pipeline.rank_schedule import Compute
 from peerline.distributed.pipeline.schedule import ScheduleError
-from peerline.distributed.pipeline.timed import dependency
 
 ORDERS = ("list", "searched")  # PEERLINE_ZB_ORDER
 SEARCHED = ("zbv", "zb-interleaved")  # the schedules whose orders the search takes
@@ -46,33 +45,12 @@ SEEDS = (0, 1, 2)
 
 def makespan(orders: list[list[Compute]], placement: Placement, judge: tuple[float, float, float, float]
              ) -> float | None:
-    """When the last compute ends, each rank running its order as soon as its input exists: F, B and W taking the
-    judge's times, an input from another rank arriving the judge's transfer time after its producer ends. None when
-    the orders wait on each other."""
-    cost = {"F": judge[0], "B": judge[1], "W": judge[2]}
-    transfer, n = judge[3], placement.n_stages
-    ends: dict[Compute, float] = {}
-    pcs, free = [0] * len(orders), [0.0] * len(orders)
-    left = sum(len(o) for o in orders)
-    while left:
-        moved = False
-        for r, order in enumerate(orders):
-            while pcs[r] < len(order):
-                c = order[pcs[r]]
-                dep = dependency(*c, n)
-                ready = 0.0
-                if dep is not None:
-                    if dep not in ends:
-                        break
-                    ready = ends[dep] + (transfer if placement.rank_of(dep[1]) != r else 0.0)
-                free[r] = max(free[r], ready) + cost[c[0]]
-                ends[c] = free[r]
-                pcs[r] += 1
-                left -= 1
-                moved = True
-        if not moved:
-            return None
-    return max(free)
+    """rank_schedule.makespan under `judge`'s F, B, W and transfer times; None when the orders wait on each
+    other."""
+    try:
+        return rank_schedule.makespan(orders, placement.n_stages, judge[:3], judge[3])
+    except ScheduleError:
+        return None
 
 
 def held_peak(order: list[Compute]) -> int:
@@ -105,7 +83,7 @@ def chosen() -> str:
 def run_orders(schedule: str, placement: Placement, m: int, memory: str = "fast") -> list[list[Compute]]:
     """The compute orders a run of `schedule` uses: rank_schedule.rank_orders', searched where PEERLINE_ZB_ORDER
     says so and the schedule is zero-bubble."""
-    orders = rank_orders(schedule, placement, m, memory)
+    orders = rank_schedule.rank_orders(schedule, placement, m, memory)
     if schedule in SEARCHED and chosen() == "searched":
         return searched_orders(placement, m, orders)
     return orders
@@ -121,13 +99,13 @@ def searched_orders(placement: Placement, m: int, start: list[list[Compute]]) ->
 def _search(placement: Placement, m: int, start: tuple[tuple[Compute, ...], ...]) -> tuple[tuple[Compute, ...], ...]:
     """The first of SEEDS whose search passes every check of the module doc, else `start`."""
     base = [list(o) for o in start]
-    ring = rank_sim.min_rank_capacity(with_rank_messages(base, placement), placement, m)
+    ring = rank_sim.min_rank_capacity(rank_schedule.with_rank_messages(base, placement), placement, m)
     for seed in SEEDS:
         found = _moves(placement, base, seed)
         if found is None or any(makespan(found, placement, j) > makespan(base, placement, j) for j in JUDGES):
             continue
         try:
-            programs = with_rank_messages(found, placement)
+            programs = rank_schedule.with_rank_messages(found, placement)
             rank_sim.simulate_ranks(programs, placement, m, None)
         except ScheduleError:
             continue

@@ -96,10 +96,12 @@ def zero_bubble_orders(placement: Placement, m: int, memory: str = "fast") -> li
                                                    for judge in JUDGE_COSTS), 6))
 
 
-def makespan(orders: list[list[Compute]], n_stages: int, costs: tuple[float, float, float]) -> float:
-    """When the last compute of `orders` ends, F, B and W taking `costs`."""
+def makespan(orders: list[list[Compute]], n_stages: int, costs: tuple[float, float, float],
+             transfer: float = 0.0) -> float:
+    """When the last compute of `orders` ends, F, B and W taking `costs` (an input from another rank arriving
+    `transfer` after its producer ends)."""
     by_op = dict(zip("FBW", costs, strict=True))
-    return max(end for _, end in compute_times(orders, n_stages, lambda op, _s: by_op[op]).values())
+    return max(end for _, end in compute_times(orders, n_stages, lambda op, _s: by_op[op], transfer).values())
 
 
 def list_orders(placement: Placement, m: int, hold: bool,
@@ -145,14 +147,16 @@ def list_orders(placement: Placement, m: int, hold: bool,
     return orders
 
 
-def compute_times(orders: list[list[Compute]], n_stages: int,
-                  duration: Callable[[str, int], float] | None = None) -> dict[Compute, tuple[float, float]]:
+def compute_times(orders: list[list[Compute]], n_stages: int, duration: Callable[[str, int], float] | None = None,
+                  transfer: float = 0.0) -> dict[Compute, tuple[float, float]]:
     """(start, end) of every compute when each rank runs its order as soon as the inputs exist; `duration(op,
-    stage)` gives each compute's time (default unit time: F, B and W one unit each, an unsplit B two)."""
+    stage)` gives each compute's time (default unit time: F, B and W one unit each, an unsplit B two); an input
+    made on another rank arrives `transfer` after its producer ends."""
     split = any(op == "W" for order in orders for op, _, _ in order)
     if duration is None:
         def duration(op: str, _s: int) -> float:
             return 2 if op == "B" and not split else 1
+    rank_of = {s: r for r, order in enumerate(orders) for _, s, _ in order}
     times: dict[Compute, tuple[float, float]] = {}
     pcs, free = [0] * len(orders), [0.0] * len(orders)
     while any(pc < len(o) for pc, o in zip(pcs, orders)):
@@ -163,7 +167,8 @@ def compute_times(orders: list[list[Compute]], n_stages: int,
                 dep = dependency(op, s, mb, n_stages)
                 if dep is not None and dep not in times:
                     break
-                start = max(free[r], times[dep][1] if dep is not None else 0)
+                start = free[r] if dep is None else \
+                    max(free[r], times[dep][1] + (transfer if rank_of[dep[1]] != r else 0.0))
                 free[r] = start + duration(op, s)
                 times[(op, s, mb)] = (start, free[r])
                 pcs[r] += 1
