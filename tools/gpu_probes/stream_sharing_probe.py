@@ -129,7 +129,7 @@ def run_case(case: Case, graph: bool, reps: int) -> tuple[float, float, float]:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="INFO %(message)s")
     args = parse_args(argv)
-    device = torch.device("cuda")
+    device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     gemm = gemm_alone_ms(args, device, args.reps)
     log.info("%s: GEMM [%d x %d] @ [%d x %d] bf16 alone: %.3f ms; A queues %d, B's release after %.1f GEMMs",
