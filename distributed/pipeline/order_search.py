@@ -23,12 +23,12 @@ import random
 
 from peerline import overrides
 from peerline.distributed.config import ConfigError
-from peerline.distributed.pipeline import rank_schedule, rank_sim
+from peerline.distributed.pipeline import rank_schedule, rank_sim, zbv_paper
 from peerline.distributed.pipeline.placement import Placement
 from peerline.distributed.pipeline.rank_schedule import Compute
 from peerline.distributed.pipeline.schedule import ScheduleError
 
-ORDERS = ("list", "searched")  # PEERLINE_ZB_ORDER
+ORDERS = ("list", "searched", "paper")  # PEERLINE_ZB_ORDER
 SEARCHED = ("zbv", "zb-interleaved")  # the schedules whose orders the search takes
 
 #: (F, B, W, transfer between ranks) in units of F that a searched order is judged by: unit time (what list
@@ -73,7 +73,7 @@ def _score(orders: list[list[Compute]], placement: Placement) -> float | None:
 
 
 def chosen() -> str:
-    """PEERLINE_ZB_ORDER, checked: list (the default) or searched."""
+    """PEERLINE_ZB_ORDER, checked: list (the default), searched, or paper (zbv only: zbv_paper.py)."""
     how = overrides.get_str("PEERLINE_ZB_ORDER", "list")
     if how not in ORDERS:
         raise ConfigError(f"PEERLINE_ZB_ORDER={how!r}: choose one of {', '.join(ORDERS)}")
@@ -82,7 +82,10 @@ def chosen() -> str:
 
 def run_orders(schedule: str, placement: Placement, m: int, memory: str = "fast") -> list[list[Compute]]:
     """The compute orders a run of `schedule` uses: rank_schedule.rank_orders', searched where PEERLINE_ZB_ORDER
-    says so and the schedule is zero-bubble."""
+    says so and the schedule is zero-bubble; with PEERLINE_ZB_ORDER=paper, zbv takes the paper's construction
+    (zbv_paper.py, at 1F1B's memory whatever `memory` says) and the other schedules keep theirs."""
+    if schedule == "zbv" and chosen() == "paper":
+        return zbv_paper.paper_orders(placement, m)
     orders = rank_schedule.rank_orders(schedule, placement, m, memory)
     if schedule in SEARCHED and chosen() == "searched":
         return searched_orders(placement, m, orders)
