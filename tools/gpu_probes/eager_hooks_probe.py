@@ -1,0 +1,70 @@
+"""What the run's hooks cost a host-bound eager iteration on one GPU: the eager suite's one-GPU cell (plain torch
+eager against peerline --stages 1 --no-graph, same recipe) with a third side, peerline without the failsafe (no
+watchdog or heartbeat thread, no per-iteration memory reads), all three resident and timed in alternating blocks.
+
+    PYTHONPATH=$PWD:$PWD/tools/gpu_probes python3 tools/gpu_probes/eager_hooks_probe.py [--config launch] \
+        [--recipe bf16] [--timed 10] [--reps 5]
+
+INFO lines: each side's median ms per iteration and torch / side.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import torch
+
+from peerline.bench.benchkit import time_blocks_interleaved
+from peerline.bench.runtime_timing import open_runtime
+from peerline.bench.suites.eager import SINGLE_RECIPES, PlainTorch
+from peerline.bench.suites.pipeline import CONFIGS
+from peerline.distributed.config import RunConfig
+from peerline.distributed.runtime import Runtime
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="launch", choices=sorted(CONFIGS), help="the pipeline suite's shape")
+    p.add_argument("--recipe", default="bf16", choices=sorted(SINGLE_RECIPES), help="precision recipe")
+    p.add_argument("--timed", type=int, default=10, help="iterations per timed block (default 10)")
+    p.add_argument("--reps", type=int, default=5, help="timed blocks per side (default 5)")
+    p.add_argument("--layers", type=int, default=None, help="blocks (default: the shape's)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    device = torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    shape = CONFIGS[a.config]
+    if a.layers:
+        shape = replace(shape, layers=a.layers)
+    param_dtype, precision = SINGLE_RECIPES[a.recipe]
+    if device.type != "cuda":
+        param_dtype, precision = None, "autocast"
+    plain = PlainTorch(shape, device, param_dtype)
+    cfg = RunConfig(schedule="1f1b", microbatches=shape.microbatches, micro_batch_size=shape.micro_batch_size,
+                    seq=shape.seq, hidden=shape.hidden, layers=shape.layers, seed=shape.seed, lr=shape.lr,
+                    dtype=shape.dtype, device=device.type, graph=False, iters=10**9, log_every=10**9, stages=1,
+                    precision=precision)
+    bare = Runtime.create(cfg)  # no hooks: no failsafe threads
+    try:
+        with open_runtime(cfg) as rt:  # as the eager suite runs it: the bench's failsafe attached
+            sides = {"torch": lambda n: [plain.step() for _ in range(n)],
+                     "peerline": lambda n: rt.train(rt.iteration + n),
+                     "peerline, no failsafe": lambda n: bare.train(bare.iteration + n)}
+            walls = time_blocks_interleaved(list(sides.values()), iters=a.timed, reps=a.reps, warmup=1,
+                                            device=device)
+    finally:
+        bare.close()
+    base = walls[0].median_ms
+    print(f"INFO {shape.name}, {a.recipe}, {device}: {shape.layers} blocks h={shape.hidden}, M={shape.microbatches}")
+    for name, wall in zip(sides, walls):
+        print(f"INFO {name:24s} {wall.median_ms:8.2f} ms/iter  torch / side {base / wall.median_ms:.3f}")
+
+
+if __name__ == "__main__":
+    main()
