@@ -79,21 +79,23 @@ def stages_per_rank(schedule: str, pp: int = 1, layers: int = 0) -> int:
     return 2 if schedule in PLACED else 1
 
 
-def rank_orders(schedule: str, stages: int, microbatches: int, per_rank: int = 2) -> list[list[tuple[str, int, int]]]:
-    """Each rank's (op, stage, mb) order of a placed schedule over `stages` global stages."""
+def rank_orders(schedule: str, stages: int, microbatches: int, per_rank: int = 2, order: str = "list"
+                ) -> list[list[tuple[str, int, int]]]:
+    """Each rank's (op, stage, mb) order of a placed schedule over `stages` global stages (`order`: --zb-order)."""
     from peerline.distributed.pipeline.order_search import run_orders
     from peerline.distributed.pipeline.placement import Placement, placement_for
 
     if stages % per_rank:
         raise ValueError(f"{schedule}: {stages} stages do not fill ranks of {per_rank}")
     placement: Placement = placement_for(schedule, stages // per_rank, per_rank)
-    return run_orders(schedule, placement, microbatches)
+    return run_orders(schedule, placement, microbatches, order=order)
 
 
-def _placed_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: list[float], per_rank: int) -> float:
+def _placed_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: list[float], per_rank: int,
+               order: str = "list") -> float:
     """simulate_ms of a placed schedule: ranks run their orders, each action as soon as its input exists."""
     n = len(fwd_ms)
-    orders = rank_orders(schedule, n, microbatches, per_rank)
+    orders = rank_orders(schedule, n, microbatches, per_rank, order)
     split = schedule in SPLIT
 
     def duration(op: str, s: int) -> float:
@@ -103,24 +105,24 @@ def _placed_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: li
     return max(end for _, end in compute_times(orders, n, duration).values())
 
 
-def schedule_bubble(schedule: str, microbatches: int, pp: int, per_rank: int = 1) -> float:
+def schedule_bubble(schedule: str, microbatches: int, pp: int, per_rank: int = 1, order: str = "list") -> float:
     """Idle share of each rank of a balanced pipeline (forward 1, backward 2 per stage's work) under `schedule`:
     1 - work / makespan; 1f1b and gpipe give (pp - 1) / (M + pp - 1)."""
     v = per_rank if schedule in PLACED else 1
     n = pp * v
-    ms = simulate_ms(schedule, microbatches, [1.0 / v] * n, [2.0 / v] * n, per_rank=v)
+    ms = simulate_ms(schedule, microbatches, [1.0 / v] * n, [2.0 / v] * n, per_rank=v, order=order)
     return 1.0 - 3.0 * microbatches / ms
 
 
 def simulate_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: list[float],
-                per_rank: int = 2) -> float:
+                per_rank: int = 2, order: str = "list") -> float:
     """Makespan of the schedule with free communication: each stage runs its order; an action starts when the
     stage is free and its inputs exist (F after the previous stage's F, B after the next stage's B and the
     stage's own F). `per_rank`: stages per rank of the placed schedules (interleaved, zbv,
     zb-interleaved)."""
     _check(microbatches, fwd_ms, bwd_ms)
     if schedule in PLACED:
-        return _placed_ms(schedule, microbatches, fwd_ms, bwd_ms, per_rank)
+        return _placed_ms(schedule, microbatches, fwd_ms, bwd_ms, per_rank, order)
     p = len(fwd_ms)
     orders = [stage_order(schedule, s, p, microbatches) for s in range(p)]
     split = any(kind == "W" for order in orders for kind, _ in order)

@@ -142,7 +142,8 @@ def plan_grid(cfg: RunConfig, info: LaunchInfo | None) -> Grid:
     info = info or detect_launch()
     pp = cfg.resolved_pp(info.world_size)
     n_stages = pp * cfg.stages
-    placed = placed_schedule(cfg.schedule, pp, cfg.stages, cfg.microbatches, cfg.zb_memory)  # interleaved, zbv
+    placed = placed_schedule(cfg.schedule, pp, cfg.stages, cfg.microbatches, cfg.zb_memory,  # interleaved, zbv
+                             cfg.zb_order)
     # validates M against the stages
     programs = placed.stage_programs() if placed else sched.build(cfg.schedule, n_stages, cfg.microbatches,
                                                                   memory=cfg.zb_memory)

@@ -33,6 +33,7 @@ from peerline.choices import (
     STAGINGS,
     TOKEN_DATA,  # noqa: F401 - re-exported
     ZB_MEMORY,
+    ZB_ORDERS,
 )
 
 #: The `--help` groups, in the order they are shown.
@@ -109,6 +110,13 @@ class RunConfig:
                             "the placed schedules' orders are planned with B longer than W) "
                             "(default: %(default)s)", choices=ZB_MEMORY)
     """Zero-bubble memory: fast, or 1f1b (a deferred W counts as a held microbatch; pipeline/timed.py)."""
+    zb_order: str = option("list", BATCH, "the rank orders of zbv and zb-interleaved: list (list scheduling in unit "
+                           "time), searched (a local search of the list order for B longer than W and a transfer "
+                           "time; a few seconds at start-up) or paper (zbv only: the zero-bubble paper's order, as "
+                           "torch's ScheduleZBVZeroBubble runs it, at 1F1B's memory whatever --zb-memory says); "
+                           "searched and paper are not yet measured on GPUs: docs/TUNING.md (default: %(default)s)",
+                           choices=ZB_ORDERS)
+    """Rank orders of the placed zero-bubble schedules: list, searched or paper (pipeline/order_search.py)."""
     microbatches: int = option(4, BATCH, "microbatches per iteration and replica (default: %(default)s)",
                                short="-m", minimum=1)
     """Microbatches per iteration and replica (M)."""
@@ -579,4 +587,5 @@ def _derive_batch(cfg: RunConfig) -> None:
 __all__ = ["RunConfig", "ConfigError", "ReportedElsewhere", "Flag", "GROUPS", "flags", "flag_name", "SCHEDULES",
            "DTYPES", "DEVICES",
            "KERNEL_IMPLEMENTATIONS", "KERNELS", "P2P", "GRAD_SYNCS", "ALLREDUCE_PRIORITIES", "ALLOCATORS",
-           "STAGINGS", "DATA_SOURCES", "TOKEN_DATA", "MODELS", "LOSSES", "RECOMPUTE", "ZB_MEMORY", "is_spec"]
+           "STAGINGS", "DATA_SOURCES", "TOKEN_DATA", "MODELS", "LOSSES", "RECOMPUTE", "ZB_MEMORY", "ZB_ORDERS",
+           "is_spec"]

@@ -107,7 +107,8 @@ def print_schedule(cfg: RunConfig) -> None:
     gpu = cfg.device != "cpu" and torch.cuda.is_available()
     pp = cfg.pp if info.world_size == 1 and cfg.pp is not None else cfg.resolved_pp(info.world_size)
     n_stages = pp * cfg.stages
-    placed = placed_schedule(cfg.schedule, pp, cfg.stages, cfg.microbatches, cfg.zb_memory)  # several per rank
+    placed = placed_schedule(cfg.schedule, pp, cfg.stages, cfg.microbatches, cfg.zb_memory,  # several per rank
+                             cfg.zb_order)
     programs = None if placed else schedule.build(cfg.schedule, n_stages, cfg.microbatches, memory=cfg.zb_memory)
     table = placed.render() if placed else schedule.render(programs)
     ring = None

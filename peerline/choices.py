@@ -9,6 +9,8 @@ from __future__ import annotations
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zbv", "zb-interleaved")
 #: --zb-memory: how many microbatches a zero-bubble stage may hold (pipeline/timed.py)
 ZB_MEMORY = ("fast", "1f1b")
+#: --zb-order: the rank orders of zbv and zb-interleaved (pipeline/order_search.py, pipeline/zbv_paper.py)
+ZB_ORDERS = ("list", "searched", "paper")
 DTYPES = ("bf16", "fp32")
 #: --precision: where the weights, gradients and AdamW state live (docs/PRECISION.md)
 PRECISIONS = ("master", "autocast", "bf16", "compact")
@@ -29,4 +31,4 @@ RECOMPUTE = ("off", "full")  # --recompute also takes N: the first N layers of e
 
 __all__ = ["SCHEDULES", "DTYPES", "PRECISIONS", "DEVICES", "KERNEL_IMPLEMENTATIONS", "KERNELS", "P2P", "GRAD_SYNCS",
            "ALLREDUCE_PRIORITIES", "ALLOCATORS", "STAGINGS", "DATA_SOURCES",
-           "TOKEN_DATA", "MODELS", "LOSSES", "RECOMPUTE", "ZB_MEMORY"]
+           "TOKEN_DATA", "MODELS", "LOSSES", "RECOMPUTE", "ZB_MEMORY", "ZB_ORDERS"]

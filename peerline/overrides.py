@@ -46,9 +46,6 @@ OVERRIDES: tuple[Override, ...] = (
     Override("PEERLINE_KERNEL_GELU", "1", "how bias+GELU evaluates Phi (kernels/compile.py GELU_*)"),
     Override("PEERLINE_KERNEL_LINEINFO", "0", "1: compile kernels with -lineinfo (compute-sanitizer)"),
     Override("PEERLINE_ATTENTION", "auto", "fused RoPE attention: auto (torch SDPA's pick), flash, cudnn, cudnn-ops"),
-    Override("PEERLINE_ZB_ORDER", "list", "zbv / zb-interleaved rank orders: list (unit-time list scheduling), "
-                                          "searched (improved for B longer than W and transfer time), "
-                                          "paper (zbv: the zero-bubble paper's order, as torch runs it)"),
     Override("PEERLINE_P2P_BATCH", "1", "0: one driver call per copy-engine flag operation"),
     Override("PEERLINE_P2P_SPLIT_MIN", "1048576", "bytes below which --p2p-split sends a message whole"),
     Override("PEERLINE_HOST_ID", "host name", "this rank's host for the per-edge transport; a,a,b,b: one per rank"),

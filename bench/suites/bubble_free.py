@@ -68,10 +68,13 @@ def measure(args: argparse.Namespace, ctx: BenchContext, key: str, shape: PipeSh
 
 
 def schedule_ceiling(label: str, shape: PipeShape, pp: int) -> float:
-    """The share of the bubble-free time that the schedule of variant `label` ("zbv graph bf16") reaches at best:
-    balanced stages, forward : backward = 1 : 2, free transfers."""
+    """The share of the bubble-free time that the schedule of variant `label` ("zbv graph bf16", "zbv graph bf16
+    zb-order-paper") reaches at best, in its rank order: balanced stages, forward : backward = 1 : 2, free
+    transfers."""
     schedule = label.split()[0]
-    return 1.0 - schedule_bubble(schedule, shape.microbatches, pp, stages_per_rank(schedule, pp, shape.layers))
+    order = next((word.removeprefix("zb-order-") for word in label.split() if word.startswith("zb-order-")), "list")
+    return 1.0 - schedule_bubble(schedule, shape.microbatches, pp, stages_per_rank(schedule, pp, shape.layers),
+                                 order)
 
 
 def record(ctx: BenchContext, shape: PipeShape, pp: int, dp: int, label: str, best: Measured, one: Measured

@@ -61,7 +61,7 @@ from peerline.bench.benchkit import BenchContext
 from peerline.bench.runtime_timing import free_device
 from peerline.bench.suites.gpt_anchor import GPTShape
 from peerline.bench.suites.gpt_runs import GPTBench, one_gpu
-from peerline.choices import KERNELS, ZB_MEMORY
+from peerline.choices import KERNELS, ZB_MEMORY, ZB_ORDERS
 
 CONFIGS = {
     "compute": GPTShape("compute-bound", layers=24, hidden=2048, heads=16, seq=2048, micro_batch_size=1,
@@ -106,6 +106,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--gpt-zb-memory", type=_csv, default=None,
                        help="peerline's --zb-memory for its zero-bubble schedules (zb-h1, zbv): fast, 1f1b, e.g. "
                             "fast,1f1b (default fast)")
+    group.add_argument("--gpt-zb-orders", type=_csv, default=None,
+                       help="peerline's --zb-order for zbv and zb-interleaved: list, searched, paper, e.g. list,paper "
+                            "(default list)")
     group.add_argument("--gpt-anchor-schedules", type=_csv, default=None,
                        help="the anchor's torch schedules to try: 1f1b,gpipe,interleaved-1f1b,interleaved-zb,zbv,"
                             "dualpipev (default all that apply)")
@@ -183,7 +186,7 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     rows."""
     shapes = selected_shapes(args, ctx.quick)
     variants = _variants(args, ctx)
-    for flag, allowed in (("gpt_kernels", KERNELS), ("gpt_zb_memory", ZB_MEMORY)):
+    for flag, allowed in (("gpt_kernels", KERNELS), ("gpt_zb_memory", ZB_MEMORY), ("gpt_zb_orders", ZB_ORDERS)):
         unknown = [k for k in getattr(args, flag, None) or [] if k not in allowed]
         if unknown:
             raise ValueError(f"gpt: unknown --{flag.replace('_', '-')} {unknown[0]!r}; choose from "

@@ -85,15 +85,17 @@ class GPTBench:
         precisions = getattr(self.args, "gpt_precisions", None) or ["master"]
         kernel_impls = getattr(self.args, "gpt_kernels", None) or ["auto"]
         memories = getattr(self.args, "gpt_zb_memory", None) or ["fast"]
-        runs = [(v, None, None, None, None) if v in TORCH_VARIANTS else (v, s, p, k, z)
+        orders = getattr(self.args, "gpt_zb_orders", None) or ["list"]
+        runs = [(v, None, None, None, None, None) if v in TORCH_VARIANTS else (v, s, p, k, z, o)
                 for v in variants for s in schedules for p in precisions for k in kernel_impls
-                for z in (memories if s in ZERO_BUBBLE else ["fast"])]
-        for variant, schedule, precision, kernels, memory in dict.fromkeys(runs):
-            label = variant + variant_suffix(schedule, precision, kernels, memory)
+                for z in (memories if s in ZERO_BUBBLE else ["fast"]) for o in (orders if s in SPLIT else ["list"])]
+        for variant, schedule, precision, kernels, memory, order in dict.fromkeys(runs):
+            label = variant + variant_suffix(schedule, precision, kernels, memory, order)
             measure = (lambda v=variant: self.best_anchor(v, failures)) if variant in TORCH_VARIANTS else (
                 lambda graph=variant == "graph", schedule=schedule, precision=precision, kernels=kernels,
-                memory=memory: self.peerline(graph, schedule=schedule, precision=precision, kernels=kernels,
-                                             zb_memory=memory, paired=True))
+                memory=memory, order=order: self.peerline(graph, schedule=schedule, precision=precision,
+                                                          kernels=kernels, zb_memory=memory, zb_order=order,
+                                                          paired=True))
             got = self._measure(label, measure, failures)
             if got is None:
                 continue
@@ -162,8 +164,10 @@ class GPTBench:
 
     # -- peerline ------------------------------------------------------------------------------------------------
     def peerline(self, graph: bool, recompute: str = "off", schedule: str = "1f1b", precision: str = "master",
-                 kernels: str = "auto", zb_memory: str = "fast", paired: bool = False) -> Measured | str:
-        """peerline with `schedule`, `precision` (--precision), `kernels` (--kernels) and `zb_memory` (--zb-memory)
+                 kernels: str = "auto", zb_memory: str = "fast", zb_order: str = "list", paired: bool = False
+                 ) -> Measured | str:
+        """peerline with `schedule`, `precision` (--precision), `kernels` (--kernels), `zb_memory` (--zb-memory) and
+        `zb_order` (--zb-order)
         on the same shape and data; why not, when the iteration was not captured. `paired` (with --gpt-paired and
         an anchor measured): the anchor's fastest candidate built again beside it, and their timed blocks taken in
         turn (BlockTimer.interleaved), so a GPU that warms up and clocks lower under its power cap, or a host that
@@ -171,8 +175,8 @@ class GPTBench:
         peak of its first iterations less what the idle anchor holds."""
         cfg = peerline_config(self.shape, self.device, graph=graph, recompute=recompute, schedule=schedule,
                               stages=stages_per_rank(schedule, self.pp, self.shape.layers), precision=precision,
-                              kernels=kernels, zb_memory=zb_memory)
-        name = ("graph" if graph else "eager") + variant_suffix(schedule, precision, kernels, zb_memory)
+                              kernels=kernels, zb_memory=zb_memory, zb_order=zb_order)
+        name = ("graph" if graph else "eager") + variant_suffix(schedule, precision, kernels, zb_memory, zb_order)
         pair, held = None, 0
         if paired and self._best is not None and getattr(self.args, "gpt_paired", True):
             pair = anchor_losses_and_block(self.torch_anchor(*self._best), LOSS_CHECK_ITERS)[1]
@@ -200,6 +204,7 @@ class GPTBench:
         extra["precision"] = precision
         extra["kernels"] = kernels
         extra["zb_memory"] = zb_memory
+        extra["zb_order"] = zb_order
         return Measured(name, timing, losses, None, max(per_rank, default=0.0), extra, per_rank)
 
     def recompute_table(self, failures: list[str]) -> None:
@@ -222,12 +227,13 @@ class GPTBench:
         return measure_or_note(self.ctx, "gpt", f"{self.shape.name} {label}", measure, failures)
 
 
-def variant_suffix(schedule: str | None, precision: str | None, kernels: str | None, memory: str | None = None
-                   ) -> str:
+def variant_suffix(schedule: str | None, precision: str | None, kernels: str | None, memory: str | None = None,
+                   order: str | None = None) -> str:
     """What a peerline variant's name adds to eager / graph: each setting that is not the default."""
     return (("" if schedule in (None, "1f1b") else f" {schedule}") + ("" if precision in (None, "master") else
             f" {precision}") + ("" if kernels in (None, "auto") else f" kernels-{kernels}")
-            + ("" if memory in (None, "fast") else f" zb-memory-{memory}"))
+            + ("" if memory in (None, "fast") else f" zb-memory-{memory}")
+            + ("" if order in (None, "list") else f" zb-order-{order}"))
 
 
 def peerline_config(shape: GPTShape, device: torch.device, **overrides: Any) -> RunConfig:

@@ -6,7 +6,7 @@ one's distance to the ideal time.
     torchrun --nproc_per_node=2 launch/bench.py pipeline [--pipeline-configs compute,launch] [--schedules 1f1b]
         [--variants torch,eager,graph] [--dp 1] [--pipeline-iters 5] [--pipeline-timeline]
         [--pipeline-anchor-schedules 1f1b,zbv] [--pipeline-anchor-recipes bf16-params]
-        [--pipeline-precisions master,bf16]
+        [--pipeline-precisions master,bf16] [--pipeline-zb-orders list,paper]
 
 The anchor, measured once per configuration, is torch's fastest (schedule, precision recipe): every torch schedule
 that applies (1F1B, GPipe, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; with dp > 1 those of
@@ -15,6 +15,8 @@ with the gpt suite (bench/suites/torch_schedules.py). Every peerline (schedule, 
 and `<configuration> best` records peerline's fastest against it, each naming what won. `--pipeline-precisions`
 runs each peerline variant under several --precision recipes (default master; bf16 is torch's bf16-parameter recipe:
 bf16 AdamW state, no fp32 masters); a recipe other than master is named in the case, e.g. `compute zbv graph bf16`.
+`--pipeline-zb-orders` does the same with --zb-order for zbv and zb-interleaved (`compute zbv graph bf16
+zb-order-paper`), so the rank orders are compared against one anchor in one run.
 
 The anchor's model is the default residual MLP written in plain PyTorch (bench/suites/plain_mlp.py: nn.Linear
 with its bias, F.gelu), holding peerline's initial weights.
@@ -50,7 +52,7 @@ from typing import Any
 import torch.distributed as dist
 
 from peerline.bench.benchkit import BenchContext, Record, Timing
-from peerline.bench.ideal import IdealReport, stages_per_rank
+from peerline.bench.ideal import SPLIT, IdealReport, stages_per_rank
 from peerline.bench.runtime_timing import (
     BlockTimer,
     Measured,
@@ -72,7 +74,7 @@ from peerline.bench.suites.torch_schedules import (
     param_dtype,
     recipes_for,
 )
-from peerline.choices import PRECISIONS, SCHEDULES
+from peerline.choices import PRECISIONS, SCHEDULES, ZB_ORDERS
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,10 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="peerline's --precision recipes for the eager and graph variants: master, bf16 (torch's "
                             "bf16-parameter recipe), compact, autocast, e.g. master,bf16 (default master); those that "
                             "need bf16 weights are skipped, with a note, on an fp32 shape")
+    group.add_argument("--pipeline-zb-orders", type=_csv, default=None,
+                       help=f"peerline's --zb-order for zbv and zb-interleaved: {','.join(ZB_ORDERS)}, e.g. list,paper "
+                            "(default list); each multiplies those schedules' variants, measured against the same "
+                            "anchor")
     group.add_argument("--pipeline-bubble-free", action=argparse.BooleanOptionalAction, default=True,
                        help="also time the whole model on one GPU (rank 0's, a fresh process) with peerline's fastest "
                             "variant's recipe: the bubble-free time, / pp, and the fastest variant's fraction of it "
@@ -215,8 +221,8 @@ class PipelineBench:
         return s.microbatches * s.micro_batch_size * s.seq * self.dp
 
     # -- (a), (b) peerline -------------------------------------------------------------------------------------
-    def peerline(self, graph: bool, precision: str = "master") -> Measured | str:
-        """Measured (named by variant_label), or why the variant could not run."""
+    def peerline(self, graph: bool, precision: str = "master", order: str = "list") -> Measured | str:
+        """Measured (named by variant_label), or why the variant could not run; `order`: --zb-order."""
         try:
             from peerline.distributed.config import RunConfig
         except ImportError as exc:
@@ -227,7 +233,7 @@ class PipelineBench:
                         microbatches=s.microbatches,
                         micro_batch_size=s.micro_batch_size, seq=s.seq, hidden=s.hidden, layers=s.layers,
                         seed=s.seed, lr=s.lr, dtype=s.dtype, precision=precision, device=self.device.type,
-                        graph=graph, iters=10**9, log_every=1)
+                        graph=graph, iters=10**9, log_every=1, zb_order=order)
         with open_runtime(cfg) as rt:
             measured = time_captured(rt, graph, LOSS_CHECK_ITERS, self._time)
             if isinstance(measured, str):
@@ -239,7 +245,8 @@ class PipelineBench:
                 extra["timeline"] = self._timeline(rt)
             ideal = self._peerline_ideal(rt, timing)
         extra["precision"] = precision
-        return Measured(variant_label(graph, precision), timing, losses, ideal, peak, extra)
+        extra["zb_order"] = order
+        return Measured(variant_label(graph, precision, order), timing, losses, ideal, peak, extra)
 
     def _peerline_ideal(self, rt, timing: Timing) -> IdealReport | None:
         if len(rt.engine.stages) != 1:
@@ -315,9 +322,11 @@ class PipelineBench:
                                       else None}))
 
 
-def variant_label(graph: bool, precision: str) -> str:
-    """A peerline variant's name in the cases: eager or graph, then its --precision where it is not master."""
-    return ("graph" if graph else "eager") + ("" if precision == "master" else f" {precision}")
+def variant_label(graph: bool, precision: str, order: str = "list") -> str:
+    """A peerline variant's name in the cases: eager or graph, then its --precision where it is not master and its
+    --zb-order where it is not list."""
+    return (("graph" if graph else "eager") + ("" if precision == "master" else f" {precision}")
+            + ("" if order == "list" else f" zb-order-{order}"))
 
 
 def _precisions_for(shape: PipeShape, precisions: list[str], note) -> list[str]:
@@ -356,8 +365,10 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     schedules = getattr(args, "schedules", None) or list(SCHEDULES)
     variants = getattr(args, "variants", None) or list(VARIANTS)
     precisions = list(dict.fromkeys(getattr(args, "pipeline_precisions", None) or ["master"]))
+    orders = list(dict.fromkeys(getattr(args, "pipeline_zb_orders", None) or ["list"]))
     for bad, allowed, what in ((configs, CONFIGS, "configuration"), (schedules, SCHEDULES, "schedule"),
-                               (variants, VARIANTS, "variant"), (precisions, PRECISIONS, "precision")):
+                               (variants, VARIANTS, "variant"), (precisions, PRECISIONS, "precision"),
+                               (orders, ZB_ORDERS, "zb order")):
         unknown = [v for v in bad if v not in allowed]
         if unknown:
             raise ValueError(f"pipeline: unknown {what} {unknown[0]!r}; choose from {', '.join(allowed)}")
@@ -377,7 +388,7 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     for key in configs:
         shape = CONFIGS[key]
         fastest = run_configuration(args, ctx, shape, schedules, variants, _precisions_for(shape, precisions, ctx.note),
-                                    dp, groups, failures)
+                                    dp, groups, failures, orders)
         if fastest is not None and pp > 1 and getattr(args, "pipeline_bubble_free", True):
             _bubble_free(args, ctx, key, pp, dp, fastest, failures)
     if failures:
@@ -397,9 +408,11 @@ def _bubble_free(args: argparse.Namespace, ctx: BenchContext, key: str, pp: int,
 
 def run_configuration(args: argparse.Namespace, ctx: BenchContext, shape: PipeShape, schedules: list[str],
                       variants: list[str], precisions: list[str], dp: int, groups: tuple[Any, Any],
-                      failures: list[str]) -> tuple[str, Measured] | None:
-    """The anchor once (torch's fastest), then every peerline (schedule, variant, precision) against it, then
-    peerline's fastest against it; returns that fastest (its label and measurement), None when none ran."""
+                      failures: list[str], orders: tuple[str, ...] | list[str] = ("list",)
+                      ) -> tuple[str, Measured] | None:
+    """The anchor once (torch's fastest), then every peerline (schedule, variant, precision, and for zbv and
+    zb-interleaved each of `orders`) against it, then peerline's fastest against it; returns that fastest (its label
+    and measurement), None when none ran."""
     pp = dist.get_world_size() // dp
     anchor: Measured | None = None
     if "torch" in variants:
@@ -416,11 +429,13 @@ def run_configuration(args: argparse.Namespace, ctx: BenchContext, shape: PipeSh
     for schedule in schedules:
         bench = PipelineBench(args, ctx, shape, schedule, dp)
         results: dict[str, Measured] = {"torch": anchor} if anchor is not None else {}
-        runs = [(v == "graph", p) for v in variants if v != "torch" for p in precisions]
-        for graph, precision in runs:
-            variant = variant_label(graph, precision)
+        runs = [(v == "graph", p, o) for v in variants if v != "torch" for p in precisions
+                for o in (orders if schedule in SPLIT else ["list"])]
+        for graph, precision, order in runs:
+            variant = variant_label(graph, precision, order)
             got = measure_or_note(ctx, SUITE, f"{shape.name} {schedule} {variant}",
-                                  lambda g=graph, p=precision, bench=bench: bench.peerline(g, p), failures)
+                                  lambda g=graph, p=precision, o=order, bench=bench: bench.peerline(g, p, o),
+                                  failures)
             if not isinstance(got, Measured):
                 continue
             results[variant] = fastest_peerline[f"{schedule} {variant}"] = got

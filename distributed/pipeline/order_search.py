@@ -1,4 +1,4 @@
-"""A local search over the zero-bubble schedules' rank orders (zbv, zb-interleaved), for PEERLINE_ZB_ORDER=searched.
+"""A local search over the zero-bubble schedules' rank orders (zbv, zb-interleaved), for --zb-order searched.
 
 List scheduling (rank_schedule.list_orders) plans in unit time: F, B and W one unit each, and transfers free. On
 GPUs the input-gradient pass B runs longer than the weight pass W (it also holds the elementwise backward), and a
@@ -21,14 +21,12 @@ from __future__ import annotations
 import functools
 import random
 
-from peerline import overrides
-from peerline.distributed.config import ConfigError
+from peerline.choices import ZB_ORDERS
 from peerline.distributed.pipeline import rank_schedule, rank_sim, zbv_paper
 from peerline.distributed.pipeline.placement import Placement
 from peerline.distributed.pipeline.rank_schedule import Compute
 from peerline.distributed.pipeline.schedule import ScheduleError
 
-ORDERS = ("list", "searched", "paper")  # PEERLINE_ZB_ORDER
 SEARCHED = ("zbv", "zb-interleaved")  # the schedules whose orders the search takes
 
 #: (F, B, W, transfer between ranks) in units of F that a searched order is judged by: unit time (what list
@@ -72,22 +70,18 @@ def _score(orders: list[list[Compute]], placement: Placement) -> float | None:
     return total
 
 
-def chosen() -> str:
-    """PEERLINE_ZB_ORDER, checked: list (the default), searched, or paper (zbv only: zbv_paper.py)."""
-    how = overrides.get_str("PEERLINE_ZB_ORDER", "list")
-    if how not in ORDERS:
-        raise ConfigError(f"PEERLINE_ZB_ORDER={how!r}: choose one of {', '.join(ORDERS)}")
-    return how
-
-
-def run_orders(schedule: str, placement: Placement, m: int, memory: str = "fast") -> list[list[Compute]]:
-    """The compute orders a run of `schedule` uses: rank_schedule.rank_orders', searched where PEERLINE_ZB_ORDER
-    says so and the schedule is zero-bubble; with PEERLINE_ZB_ORDER=paper, zbv takes the paper's construction
-    (zbv_paper.py, at 1F1B's memory whatever `memory` says) and the other schedules keep theirs."""
-    if schedule == "zbv" and chosen() == "paper":
+def run_orders(schedule: str, placement: Placement, m: int, memory: str = "fast", order: str = "list"
+               ) -> list[list[Compute]]:
+    """The compute orders a run of `schedule` uses (`memory`: --zb-memory, `order`: --zb-order):
+    rank_schedule.rank_orders', searched where `order` says so and the schedule is zero-bubble; with "paper", zbv
+    takes the paper's construction (zbv_paper.py, at 1F1B's memory whatever `memory` says) and the other schedules
+    keep theirs."""
+    if order not in ZB_ORDERS:
+        raise ValueError(f"zb order {order!r}: choose one of {', '.join(ZB_ORDERS)}")
+    if schedule == "zbv" and order == "paper":
         return zbv_paper.paper_orders(placement, m)
     orders = rank_schedule.rank_orders(schedule, placement, m, memory)
-    if schedule in SEARCHED and chosen() == "searched":
+    if schedule in SEARCHED and order == "searched":
         return searched_orders(placement, m, orders)
     return orders
 

@@ -31,11 +31,13 @@ class PlacedSchedule:
     placement: Placement
     microbatches: int
     memory: str = "fast"  # --zb-memory (zbv)
+    order: str = "list"  # --zb-order (zbv, zb-interleaved)
     programs: list[RankProgram] = field(init=False)
     keys: dict[MessageKey, tuple[str, int]] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.programs = with_rank_messages(run_orders(self.schedule, self.placement, self.microbatches, self.memory),
+        self.programs = with_rank_messages(run_orders(self.schedule, self.placement, self.microbatches, self.memory,
+                                                     self.order),
                                            self.placement)
         rank_sim.simulate_ranks(self.programs, self.placement, self.microbatches, None)
         self.keys = message_keys(self.programs, self.placement)
@@ -93,9 +95,10 @@ def placed_links(ps: PlacedSchedule, position: int, prev_rank: int | None, next_
                  grad_in=one[GRAD] if next_rank is not None else None)
 
 
-def placed_schedule(schedule: str, pp: int, per_rank: int, m: int, memory: str = "fast") -> PlacedSchedule | None:
+def placed_schedule(schedule: str, pp: int, per_rank: int, m: int, memory: str = "fast", order: str = "list"
+                    ) -> PlacedSchedule | None:
     """The checked rank programs of a schedule that places stages (interleaved, zbv); None for the others (one
     program per stage: pipeline/schedule.py). ConfigError for a grid the schedule cannot run. `memory`:
-    --zb-memory."""
+    --zb-memory; `order`: --zb-order."""
     placement = placement_for(schedule, pp, per_rank)
-    return None if placement is None else PlacedSchedule(schedule, placement, m, memory)
+    return None if placement is None else PlacedSchedule(schedule, placement, m, memory, order)

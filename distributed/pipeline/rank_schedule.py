@@ -14,8 +14,8 @@ stream wait) and cost nothing.
                order found by list scheduling (`zero_bubble_orders`): a ready B first, then a ready F while the rank
                holds fewer than 2pp microbatches' activations (1F1B's memory), the deferred Ws in the gaps;
                --zb-memory 1f1b counts the deferred Ws too and plans with B longer than W (PLAN_COSTS);
-               PEERLINE_ZB_ORDER=searched improves either order (order_search.py); PEERLINE_ZB_ORDER=paper
-               takes the paper's construction instead (zbv_paper.py).
+               --zb-order searched improves either order (order_search.py); --zb-order paper takes the
+               paper's construction instead (zbv_paper.py).
   zb-interleaved  the loop placement of interleaved with the backward split as zbv's, V stages per rank: the
                same list scheduling (`zero_bubble_orders`); more stages per rank shorten the warm-up each rank
                waits through (in unit time at pp=4, M=8: 0.970 of the bubble-free time with 4 stages per rank
@@ -88,7 +88,7 @@ def zero_bubble_orders(placement: Placement, m: int, memory: str = "fast") -> li
     played in unit time stalls forwards once B outlasts W, so the capped order is planned under each of PLAN_COSTS
     and the one with the least mean makespan over JUDGE_COSTS is kept. Deterministic, so every rank gets the same
     order. "fast" stays in unit time: planned under those costs, ZB-V is slower on GPUs (code-notes.md).
-    (order_search.py may improve either order: PEERLINE_ZB_ORDER=searched.)"""
+    (order_search.py may improve either order: --zb-order searched.)"""
     if memory != "1f1b":
         return list_orders(placement, m, hold=False)
     plans = [list_orders(placement, m, hold=True, costs=plan) for plan in PLAN_COSTS]

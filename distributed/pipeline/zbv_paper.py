@@ -1,5 +1,5 @@
 """ZB-V's rank orders as the zero-bubble paper constructs them (Qi et al., "Zero Bubble Pipeline Parallelism",
-section 6), the order torch.distributed.pipelining's ScheduleZBVZeroBubble runs: PEERLINE_ZB_ORDER=paper.
+section 6), the order torch.distributed.pipelining's ScheduleZBVZeroBubble runs: --zb-order paper.
 
 Rank r of pp holds chunk 0 = stage r and chunk 1 = stage 2pp-1-r (the V placement). Its order:
 - warm-up: 2(pp-r)-1 forwards of chunk 0; r pairs (F chunk 1, F chunk 0); pp-r triples (F, B, W) of chunk 1;

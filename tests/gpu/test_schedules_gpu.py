@@ -69,6 +69,29 @@ def test_pp2_matches_one_gpu_bitwise(pipeline_runs, schedule: str, p2p: str, gra
     assert_matches(got, ref, want)
 
 
+@pytest.mark.parametrize("order", ["searched", "paper"])
+def test_one_gpu_zbv_orders_match_zb_h1(pipeline_runs, order: str) -> None:
+    """--zb-order searched and paper on one GPU (zbv's two stages as streams of the device, captured) against the
+    same two stages under zb-h1: each stage's W still runs in microbatch order, so only the order of the ranks'
+    computes changes (1e-6, captured)."""
+    args = (*TINY, "--stages", "2", "-m", "3")
+    r = Run(f"sched_zbv_s2_{order}_graph", (*args, "--schedule", "zbv", "--zb-order", order, "--graph"))
+    ref = Run("sched_ref_zb-h1_s2_m3", (*args, "--schedule", "zb-h1", "--no-graph"))
+    got, want = pipeline_runs.results(r, ref)
+    assert_matches(got, want, Expect(GRAPH_TOL, graph=True))
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("order", ["searched", "paper"])
+def test_zbv_orders_pp2_match_one_gpu(pipeline_runs, order: str) -> None:
+    """--zb-order searched and paper at pp=2 over the copy engine with graphs, against the one-GPU reference of
+    the list order (1e-6, captured)."""
+    r, want = _placed("zbv", 2, "copy-engine", "--graph")
+    r = Run(f"{r.name}_zb_order_{order}", (*r.args, "--zb-order", order), nproc=2)
+    got, ref = pipeline_runs.results(r, _placed_ref("zbv", 2))
+    assert_matches(got, ref, want)
+
+
 @pytest.mark.gpu4
 @pytest.mark.parametrize("graph", ["--graph", "--no-graph"])
 @pytest.mark.parametrize("p2p", ["copy-engine", "nccl"])

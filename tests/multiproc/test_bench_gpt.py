@@ -66,7 +66,7 @@ def test_gpt_suite_two_ranks_with_recompute_table(tmp_path):
     out = tmp_path / "gpt"
     proc = run_bench(2, ["--gpt-recompute", "--gpt-anchor-compile", "both", "--gpt-compile-backend", "aot_eager",
                          "--gpt-schedules", "1f1b,zbv,interleaved", "--gpt-kernels", "auto,torch",
-                         "--gpt-zb-memory", "fast,1f1b"], out, suites=("gpt",))
+                         "--gpt-zb-memory", "fast,1f1b", "--gpt-zb-orders", "list,paper"], out, suites=("gpt",))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     by_case = {r["case"]: r for r in gpt_records(out)}
     eager = by_case["quick eager"]
@@ -112,6 +112,9 @@ def test_gpt_suite_two_ranks_with_recompute_table(tmp_path):
     capped = by_case["quick eager zbv zb-memory-1f1b"]["extra"]  # --gpt-zb-memory: the zero-bubble schedules only
     assert capped["zb_memory"] == "1f1b" and close(capped["losses"], ex["losses"], 1e-5), capped
     assert not any("zb-memory" in case for case in by_case if " zbv" not in case), sorted(by_case)
+    paper = by_case["quick eager zbv zb-order-paper"]["extra"]  # --gpt-zb-orders: zbv and zb-interleaved only
+    assert paper["zb_order"] == "paper" and close(paper["losses"], ex["losses"], 1e-5), paper
+    assert not any("zb-order" in case for case in by_case if " zbv" not in case), sorted(by_case)
 
     half = ex["stage_layers"] // 2
     assert half >= 1

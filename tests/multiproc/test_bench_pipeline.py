@@ -100,6 +100,22 @@ def test_pipeline_suite_two_ranks_with_timeline(tmp_path):
         assert abs(a - b) <= 1e-5 * abs(b), (free["extra"]["one_gpu_losses"], free["extra"]["losses"])
 
 
+def test_pipeline_suite_times_each_zb_order_against_one_anchor(tmp_path):
+    """--pipeline-zb-orders: zbv once per order, each named by it and recorded against the same anchor, with the
+    same losses (the orders change when each compute runs, not what it computes)."""
+    out = tmp_path / "orders"
+    proc = run_bench(2, ["--schedules", "zbv", "--variants", "torch,eager", "--pipeline-anchor-schedules", "1f1b",
+                         "--pipeline-zb-orders", "list,paper", "--no-pipeline-bubble-free"], out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    by_case = {r["case"]: r for r in records(out)}
+    listed, paper = by_case["quick zbv eager"], by_case["quick zbv eager zb-order-paper"]
+    assert listed["extra"]["zb_order"] == "list" and paper["extra"]["zb_order"] == "paper"
+    assert listed["anchor"] == paper["anchor"] and listed["anchor_name"] == paper["anchor_name"]
+    for a, b in zip(paper["extra"]["losses"], listed["extra"]["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (paper["extra"]["losses"], listed["extra"]["losses"])
+    check_losses(list(by_case.values()))
+
+
 def test_pipeline_suite_pp2_dp2_anchor_with_ddp(tmp_path):
     out = tmp_path / "pp2dp2"
     proc = run_bench(4, ["--dp", "2", "--schedules", "1f1b"], out)

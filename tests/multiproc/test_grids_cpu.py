@@ -95,13 +95,14 @@ def test_a_hung_rank_under_zbv_is_named_by_microbatch_and_stages(tmp_path):
 @pytest.mark.parametrize("schedule,m,v,order", [("zbv", 8, 2, "searched"), ("zb-interleaved", 5, 4, "searched"),
                                                  ("zbv", 5, 2, "paper")])
 def test_other_zero_bubble_orders_equal_single_process(tmp_path, schedule, m, v, order):
-    """PEERLINE_ZB_ORDER=searched (pipeline/order_search.py: the rank orders moved for B longer than W) and paper
+    """--zb-order searched (pipeline/order_search.py: the rank orders moved for B longer than W) and paper
     (pipeline/zbv_paper.py: the paper's ZB-V order) at pp=2, with graphs, against one process running the same
     layers."""
     args = [a if a != "1f1b" else schedule for a in GRID_ARGS]
     proc, ref = run_job([sys.executable], [*GRID_ARGS, "-m", str(m)], tmp_path, "ref")
     assert proc.returncode == 0, proc.stderr
-    proc, res = run_job(forkrun_cmd(2), [*args, "-m", str(m), "--pp", "2", "--stages", str(v), "--graph"], tmp_path,
-                        f"{schedule}-{order}", timeout=500, env=cpu_env(PEERLINE_ZB_ORDER=order))
+    proc, res = run_job(forkrun_cmd(2), [*args, "-m", str(m), "--pp", "2", "--stages", str(v), "--graph",
+                                         "--zb-order", order], tmp_path, f"{schedule}-{order}", timeout=500,
+                        env=cpu_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_run(res, ref)

@@ -1,4 +1,4 @@
-"""PEERLINE_ZB_ORDER=searched (distributed/pipeline/order_search.py): the searched rank orders of zbv and
+"""--zb-order searched (distributed/pipeline/order_search.py): the searched rank orders of zbv and
 zb-interleaved hold the same computes as the list-scheduled ones, never hold more per rank, are no slower under any
 judging cost model and faster under the GPU-like one, play on a rendezvous transport, and come out the same on
 every call (every rank computes its own)."""
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from peerline.distributed.config import ConfigError
 from peerline.distributed.pipeline import order_search, rank_schedule, rank_sim
 from peerline.distributed.pipeline.placed import placed_schedule
 from peerline.distributed.pipeline.placement import placement_for
@@ -17,18 +16,17 @@ pytestmark = pytest.mark.timeout(120)
 CASES = [("zbv", 2, 2, 8), ("zb-interleaved", 2, 4, 5), ("zbv", 4, 2, 8)]
 
 
-def _orders(monkeypatch: pytest.MonkeyPatch, how: str, schedule: str, pp: int, per_rank: int, m: int) -> list:
-    monkeypatch.setenv("PEERLINE_ZB_ORDER", how)
-    return order_search.run_orders(schedule, placement_for(schedule, pp, per_rank), m)
+def _orders(how: str, schedule: str, pp: int, per_rank: int, m: int) -> list:
+    return order_search.run_orders(schedule, placement_for(schedule, pp, per_rank), m, order=how)
 
 
 @pytest.mark.parametrize("schedule,pp,per_rank,m", CASES)
 def test_searched_orders_keep_the_computes_and_the_peak_and_lose_under_no_judge(
-        monkeypatch: pytest.MonkeyPatch, schedule: str, pp: int, per_rank: int, m: int) -> None:
+        schedule: str, pp: int, per_rank: int, m: int) -> None:
     placement = placement_for(schedule, pp, per_rank)
-    listed = _orders(monkeypatch, "list", schedule, pp, per_rank, m)
+    listed = _orders("list", schedule, pp, per_rank, m)
     order_search._search.cache_clear()
-    searched = _orders(monkeypatch, "searched", schedule, pp, per_rank, m)
+    searched = _orders("searched", schedule, pp, per_rank, m)
     assert searched != listed
     for got, start, r in zip(searched, listed, range(pp), strict=True):
         assert sorted(got) == sorted(start) and {s for _, s, _ in got} == set(placement.stages_of(r))
@@ -44,33 +42,31 @@ def test_searched_orders_keep_the_computes_and_the_peak_and_lose_under_no_judge(
     ring, listed_ring = (rank_sim.min_rank_capacity(p, placement, m) for p in programs)
     assert ring <= listed_ring  # the copy engine's ring no deeper
     order_search._search.cache_clear()
-    assert _orders(monkeypatch, "searched", schedule, pp, per_rank, m) == searched  # deterministic
+    assert _orders("searched", schedule, pp, per_rank, m) == searched  # deterministic
 
 
-def test_the_list_order_stays_where_every_seed_needs_a_deeper_ring(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_list_order_stays_where_every_seed_needs_a_deeper_ring() -> None:
     """zbv at pp=2, M=16: each seed's search ends in orders whose copy-engine ring would be deeper."""
-    assert _orders(monkeypatch, "searched", "zbv", 2, 2, 16) == _orders(monkeypatch, "list", "zbv", 2, 2, 16)
+    assert _orders("searched", "zbv", 2, 2, 16) == _orders("list", "zbv", 2, 2, 16)
 
 
-def test_placed_schedule_runs_the_searched_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PEERLINE_ZB_ORDER", "searched")
-    ps = placed_schedule("zbv", 2, 2, 8)
+def test_placed_schedule_runs_the_searched_order() -> None:
+    ps = placed_schedule("zbv", 2, 2, 8, order="searched")
     computes = [[c for _, step in program for c in step if c.op in "FBW"] for program in ps.programs]
-    searched = order_search.run_orders("zbv", ps.placement, 8)
+    searched = order_search.run_orders("zbv", ps.placement, 8, order="searched")
     assert searched != rank_schedule.rank_orders("zbv", ps.placement, 8)
     assert [[(a.op, a.stage, a.mb) for a in program] for program in computes] == searched
     assert ps.min_capacity() >= 1
 
 
-def test_unknown_order_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PEERLINE_ZB_ORDER", "best")
-    with pytest.raises(ConfigError, match="PEERLINE_ZB_ORDER='best': choose one of list, searched"):
-        placed_schedule("zbv", 2, 2, 4)
+def test_unknown_order_is_refused() -> None:
+    with pytest.raises(ValueError, match="zb order 'best': choose one of list, searched, paper"):
+        placed_schedule("zbv", 2, 2, 4, order="best")
 
 
-def test_interleaved_keeps_its_order_under_searched(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interleaved_keeps_its_order_under_searched() -> None:
     """Only the zero-bubble schedules' orders are searched; interleaved 1F1B has no W to move."""
-    assert _orders(monkeypatch, "searched", "interleaved", 2, 2, 4) == _orders(monkeypatch, "list", "interleaved",
+    assert _orders("searched", "interleaved", 2, 2, 4) == _orders("list", "interleaved",
                                                                                2, 2, 4)
 
 

@@ -1,4 +1,4 @@
-"""PEERLINE_ZB_ORDER=paper (distributed/pipeline/zbv_paper.py): ZB-V's rank orders by the zero-bubble paper's
+"""--zb-order paper (distributed/pipeline/zbv_paper.py): ZB-V's rank orders by the zero-bubble paper's
 construction are the orders torch.distributed.pipelining's ScheduleZBVZeroBubble builds, hold every compute of
 their stages once in dependency order, keep a rank at 1F1B's activations, play on a rendezvous transport and on the
 copy engine's ring, and reach only zbv."""
@@ -52,20 +52,19 @@ def test_every_compute_once_in_dependency_order_at_1f1b_memory(pp: int, m: int) 
 
 
 @pytest.mark.parametrize("pp,m", [(2, 8), (2, 16), (4, 8), (4, 4)])
-def test_the_paper_order_plays_on_both_transports(monkeypatch: pytest.MonkeyPatch, pp: int, m: int) -> None:
-    monkeypatch.setenv("PEERLINE_ZB_ORDER", "paper")
-    ps = placed_schedule("zbv", pp, 2, m)  # built against a rendezvous transport
+def test_the_paper_order_plays_on_both_transports(pp: int, m: int) -> None:
+    ps = placed_schedule("zbv", pp, 2, m, order="paper")  # built against a rendezvous transport
     computes = [[(a.op, a.stage, a.mb) for _, step in program for a in step if a.op in "FBW"]
                 for program in ps.programs]
     assert computes == zbv_paper.paper_orders(ps.placement, m)
     ps.check(ps.min_capacity())  # and on the ring at its depth
 
 
-def test_the_paper_order_is_faster_than_the_list_order_where_b_outlasts_w(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_paper_order_is_faster_than_the_list_order_where_b_outlasts_w() -> None:
     """In the model with B longer than W and a transfer: the reason to measure it (zbv pp=2, M=8)."""
     placement = placement_for("zbv", 2, 2)
-    paper = zbv_paper.paper_orders(placement, 8)
-    monkeypatch.setenv("PEERLINE_ZB_ORDER", "list")
+    paper = order_search.run_orders("zbv", placement, 8, order="paper")
+    assert paper == zbv_paper.paper_orders(placement, 8)
     listed = order_search.run_orders("zbv", placement, 8)
     gpu_like = order_search.JUDGES[1]
     assert order_search.makespan(paper, placement, gpu_like) < 0.98 * order_search.makespan(listed, placement,
@@ -73,11 +72,9 @@ def test_the_paper_order_is_faster_than_the_list_order_where_b_outlasts_w(monkey
     assert order_search.held_peak(paper[0]) < order_search.held_peak(listed[0])
 
 
-def test_paper_reaches_zbv_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_paper_reaches_zbv_only() -> None:
     placement = placement_for("zb-interleaved", 2, 2)
-    monkeypatch.setenv("PEERLINE_ZB_ORDER", "paper")
-    paper_env = order_search.run_orders("zb-interleaved", placement, 4)
-    monkeypatch.setenv("PEERLINE_ZB_ORDER", "list")
-    assert paper_env == order_search.run_orders("zb-interleaved", placement, 4)
+    assert order_search.run_orders("zb-interleaved", placement, 4, order="paper") == order_search.run_orders(
+        "zb-interleaved", placement, 4)
     with pytest.raises(ScheduleError, match="V placement with two stages per rank"):
         zbv_paper.paper_orders(placement, 4)
