@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-from dataclasses import replace
 
-import torch
+from eager_single_profile import one_gpu_cell
 
 from peerline.bench.benchkit import time_blocks_interleaved
 from peerline.bench.runtime_timing import open_runtime
-from peerline.bench.suites.eager import SINGLE_RECIPES, PlainTorch
+from peerline.bench.suites.eager import SINGLE_RECIPES
 from peerline.bench.suites.pipeline import CONFIGS
-from peerline.distributed.config import RunConfig
 from peerline.distributed.runtime import Runtime
 
 
@@ -41,20 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    device = torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    shape = CONFIGS[a.config]
-    if a.layers:
-        shape = replace(shape, layers=a.layers)
-    param_dtype, precision = SINGLE_RECIPES[a.recipe]
-    if device.type != "cuda":
-        param_dtype, precision = None, "autocast"
-    plain = PlainTorch(shape, device, param_dtype)
-    cfg = RunConfig(schedule="1f1b", microbatches=shape.microbatches, micro_batch_size=shape.micro_batch_size,
-                    seq=shape.seq, hidden=shape.hidden, layers=shape.layers, seed=shape.seed, lr=shape.lr,
-                    dtype=shape.dtype, device=device.type, graph=False, iters=10**9, log_every=10**9, stages=1,
-                    precision=precision)
+    device, shape, plain, cfg = one_gpu_cell(a)
     bare = Runtime.create(cfg)  # no hooks: no failsafe threads
     try:
         with open_runtime(cfg) as rt:  # as the eager suite runs it: the bench's failsafe attached

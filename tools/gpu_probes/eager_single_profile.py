@@ -20,6 +20,7 @@ import os
 import re
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from peerline.bench.benchkit import time_blocks_interleaved
 from peerline.bench.runtime_timing import open_runtime
 from peerline.bench.suites.eager import SINGLE_RECIPES, PlainTorch
 from peerline.bench.suites.pipeline import CONFIGS
+from peerline.bench.suites.torch_pipelining import PipeShape
 from peerline.distributed.config import RunConfig
 
 
@@ -103,26 +105,32 @@ def profile_side(name: str, run: Callable[[int], None], device: torch.device, a:
             "host_calls": {k: v / a.iters for k, v in calls.items()}}
 
 
-def main(argv: list[str] | None = None) -> None:
-    a = parse_args(argv)
+def one_gpu_cell(a: argparse.Namespace) -> tuple[torch.device, PipeShape, PlainTorch, RunConfig]:
+    """The eager suite's one-GPU cell of `a.config` (with `a.layers` / `a.microbatches` where set) and `a.recipe`
+    on `a.device`: the device (made current), the shape, plain torch's side and peerline's RunConfig (--stages 1
+    --no-graph, the loss read once per block)."""
     device = torch.device(a.device, 0) if a.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     shape = CONFIGS[a.config]
-    if a.layers or a.microbatches:
-        from dataclasses import replace
-
-        shape = replace(shape, layers=a.layers or shape.layers, microbatches=a.microbatches or shape.microbatches)
+    layers, microbatches = getattr(a, "layers", None), getattr(a, "microbatches", None)
+    if layers or microbatches:
+        shape = replace(shape, layers=layers or shape.layers, microbatches=microbatches or shape.microbatches)
     param_dtype, precision = SINGLE_RECIPES[a.recipe]
     if device.type != "cuda":
         param_dtype, precision = None, "autocast"  # bf16 parameters need bf16 compute
-    print(f"INFO shape {shape.name}: {shape.layers} blocks h={shape.hidden}, micro-batch {shape.micro_batch_size}x"
-          f"{shape.seq}, M={shape.microbatches}; recipe {a.recipe}; {device}")
-    plain = PlainTorch(shape, device, param_dtype)
     cfg = RunConfig(schedule="1f1b", microbatches=shape.microbatches, micro_batch_size=shape.micro_batch_size,
                     seq=shape.seq, hidden=shape.hidden, layers=shape.layers, seed=shape.seed, lr=shape.lr,
                     dtype=shape.dtype, device=device.type, graph=False, iters=10**9, log_every=10**9, stages=1,
                     precision=precision)
+    return device, shape, PlainTorch(shape, device, param_dtype), cfg
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    device, shape, plain, cfg = one_gpu_cell(a)
+    print(f"INFO shape {shape.name}: {shape.layers} blocks h={shape.hidden}, micro-batch {shape.micro_batch_size}x"
+          f"{shape.seq}, M={shape.microbatches}; recipe {a.recipe}; {device}")
     with open_runtime(cfg) as rt:
         sides = {"torch": lambda n: [plain.step() for _ in range(n)], "peerline": lambda n: rt.train(rt.iteration + n)}
         # Both resident, timed in alternating blocks (A B, B A, ...) before either is profiled: a host that drifts
