@@ -49,6 +49,13 @@ ONE_GPU = {
     "pure_bf16_vs_master": (PURE_REF4, BF16_REF4, BF16_TOL),
     "zb_h1_stages2_vs_1f1b": (Run("gpt_zb_s2", (*FP32, "--no-graph", "-m", "4", "--schedule", "zb-h1", "--stages",
                                                 "2")), REF4, FP32_TOL),
+    # --zb-order: zbv's two stages as streams of one GPU in the searched and the paper's orders, captured
+    "zbv_stages2_searched_graph_vs_1f1b": (Run("gpt_zbv_s2_searched", (*FP32, "--graph", "-m", "4", "--schedule",
+                                                                      "zbv", "--stages", "2", "--zb-order",
+                                                                      "searched")), REF4, FP32_TOL),
+    "zbv_stages2_paper_graph_vs_1f1b": (Run("gpt_zbv_s2_paper", (*FP32, "--graph", "-m", "4", "--schedule", "zbv",
+                                                                "--stages", "2", "--zb-order", "paper")), REF4,
+                                        FP32_TOL),
 }
 
 # pp=2 check -> (flags, reference, rtol, transport)
@@ -74,6 +81,8 @@ PP2 = {
     "zb-h1-zb-memory-1f1b-graph": (("--schedule", "zb-h1", "--graph", "--zb-memory", "1f1b"), REF4, FP32_TOL,
                                    "copy-engine"),
     "zbv-zb-memory-1f1b-graph": (("--schedule", "zbv", "--stages", "2", "--graph", "--zb-memory", "1f1b"), REF4,
+                                 FP32_TOL, "copy-engine"),
+    "zbv-zb-order-paper-graph": (("--schedule", "zbv", "--stages", "2", "--graph", "--zb-order", "paper"), REF4,
                                  FP32_TOL, "copy-engine"),
     # zb-interleaved: 3 stages per rank over the 6 flat layers (embedding, 4 blocks, head)
     "zb-interleaved-stages3-graph": (("--schedule", "zb-interleaved", "--stages", "3", "--graph"), REF4, FP32_TOL,
