@@ -46,7 +46,6 @@ from peerline.distributed.pipeline.boundary_shapes import (
     exchange_placed_specs,
 )
 from peerline.distributed.pipeline.engine import CounterDataFeed, DataFeed, Engine, GradSync, LocalStage
-from peerline.distributed.pipeline.order_search import order_note
 from peerline.distributed.pipeline.placed import PlacedSchedule, placed_links, placed_schedule
 from peerline.distributed.pipeline.recompute import with_recompute
 from peerline.distributed.precision import apply_precision, resolve_autocast
@@ -120,10 +119,9 @@ def assemble(cfg: RunConfig, info: LaunchInfo | None = None) -> RunParts:
     layer_offsets = {sid: work.bounds[sid][0] for sid in grid.stage_ids}
     if cfg.shard_optimizer and grid.mesh.dp == 1:
         work.notices.append("--shard-optimizer: dp=1 has no replicas to shard over; the optimizer is unsharded")
-    if grid.placed is not None:
-        note = order_note(cfg.schedule, grid.placed.placement, cfg.microbatches, cfg.zb_memory, cfg.zb_order)
-        if note:
-            work.notices.append(note)
+    note = grid.placed.order_note() if grid.placed is not None else None
+    if note:
+        work.notices.append(note)
     engine = make_engine(cfg, grid, stages, program, transport, streams, first_in, out_specs[-1], autocast_dtype,
                          tokens=work.tokens, layer_offsets=layer_offsets)
     n_params = sum(p.numel() for stage in stages for layer in stage.module for p in layer.parameters())

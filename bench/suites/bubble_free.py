@@ -67,12 +67,10 @@ def measure(args: argparse.Namespace, ctx: BenchContext, key: str, shape: PipeSh
                     {"graph": got["graph"], "precision": spec["precision"]})
 
 
-def schedule_ceiling(label: str, shape: PipeShape, pp: int) -> float:
-    """The share of the bubble-free time that the schedule of variant `label` ("zbv graph bf16", "zbv graph bf16
-    zb-order-paper") reaches at best, in its rank order: balanced stages, forward : backward = 1 : 2, free
-    transfers."""
+def schedule_ceiling(label: str, shape: PipeShape, pp: int, order: str = "list") -> float:
+    """The share of the bubble-free time that the schedule of variant `label` ("zbv graph bf16") reaches at best in
+    the rank order `order` (--zb-order): balanced stages, forward : backward = 1 : 2, free transfers."""
     schedule = label.split()[0]
-    order = next((word.removeprefix("zb-order-") for word in label.split() if word.startswith("zb-order-")), "list")
     return 1.0 - schedule_bubble(schedule, shape.microbatches, pp, stages_per_rank(schedule, pp, shape.layers),
                                  order)
 
@@ -82,7 +80,7 @@ def record(ctx: BenchContext, shape: PipeShape, pp: int, dp: int, label: str, be
     """`<configuration> best vs bubble-free`: the fastest peerline variant's ms/iter against the one-GPU time / pp,
     with its schedule's ceiling; on a GPU, the goal line."""
     one_ms = one.timing.median_ms
-    ceiling = schedule_ceiling(label, shape, pp)
+    ceiling = schedule_ceiling(label, shape, pp, best.extra.get("zb_order", "list"))
     rec = ctx.record(Record("pipeline", f"{shape.name} best vs bubble-free", "ms/iter", best.timing.median_ms,
                             one_ms / pp, f"one GPU running the whole model ({one_ms:.2f} ms, 1F1B, one stage), / pp",
                             higher_is_better=False, sizes={**shape.sizes(), "pp": pp, "dp": dp},

@@ -86,14 +86,17 @@ def run_orders(schedule: str, placement: Placement, m: int, memory: str = "fast"
     return orders
 
 
-def order_note(schedule: str, placement: Placement, m: int, memory: str = "fast", order: str = "list") -> str | None:
-    """The start-up line of a run whose --zb-order is not list: the orders it runs against the list order, as the
-    model sees them (share of the bubble-free time under the GPU-like judge, most forwards a rank holds awaiting
-    their W); None where the order is list or the schedule has no zero-bubble rank orders."""
-    if order == "list" or schedule not in SEARCHED or (schedule != "zbv" and order == "paper"):
+def order_note(schedule: str, placement: Placement, m: int, memory: str, order: str, ran: list[list[Compute]]
+               ) -> str | None:
+    """The start-up line of a run whose --zb-order is not list: `ran` (the orders run_orders gave it) against the
+    list order, as the model sees them (share of the bubble-free time under the GPU-like judge, most forwards a
+    rank holds awaiting their W); None where the order is list or the schedule takes the list order anyway."""
+    if order == "list" or schedule not in SEARCHED:
         return None
     listed = rank_schedule.rank_orders(schedule, placement, m, memory)
-    ran = run_orders(schedule, placement, m, memory, order)
+    if ran == listed:  # paper reaches zbv alone; a search may keep the list order
+        return None if order == "paper" else (f"--zb-order {order}: no searched order passed every check at "
+                                              f"pp={placement.pp}, M={m}; the list order runs")
     judge = JUDGES[1]
     work = m * placement.n_stages // placement.pp * sum(judge[:3])
 
@@ -101,9 +104,6 @@ def order_note(schedule: str, placement: Placement, m: int, memory: str = "fast"
         return work / rank_schedule.makespan(orders, placement.n_stages, judge[:3], judge[3])
 
     held = max(held_peak(o) for o in ran), max(held_peak(o) for o in listed)
-    if ran == listed:
-        return (f"--zb-order {order}: no searched order passed every check at pp={placement.pp}, M={m}; the list "
-                "order runs")
     what = "searched rank orders" if order == "searched" else "the zero-bubble paper's rank orders (torch's)"
     return (f"--zb-order {order}: {schedule} runs {what}: in the model (F, B, W, transfer = "
             f"{', '.join(f'{c:g}' for c in judge)}) {share(ran):.3f} of the bubble-free time against the list order's "

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from peerline.distributed.config import ConfigError
 from peerline.distributed.p2p.base import ACT, GRAD, Links, TensorSpec
 from peerline.distributed.pipeline import rank_sim
-from peerline.distributed.pipeline.order_search import run_orders
+from peerline.distributed.pipeline.order_search import order_note, run_orders
 from peerline.distributed.pipeline.placement import (
     MessageKey,
     Placement,
@@ -18,7 +18,7 @@ from peerline.distributed.pipeline.placement import (
     message_keys,
     placement_for,
 )
-from peerline.distributed.pipeline.rank_schedule import RankProgram, stage_programs, with_rank_messages
+from peerline.distributed.pipeline.rank_schedule import Compute, RankProgram, stage_programs, with_rank_messages
 from peerline.distributed.pipeline.schedule import Step
 
 
@@ -32,13 +32,13 @@ class PlacedSchedule:
     microbatches: int
     memory: str = "fast"  # --zb-memory (zbv)
     order: str = "list"  # --zb-order (zbv, zb-interleaved)
+    orders: list[list[Compute]] = field(init=False)  # each rank's computes, the programs' order
     programs: list[RankProgram] = field(init=False)
     keys: dict[MessageKey, tuple[str, int]] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.programs = with_rank_messages(run_orders(self.schedule, self.placement, self.microbatches, self.memory,
-                                                     self.order),
-                                           self.placement)
+        self.orders = run_orders(self.schedule, self.placement, self.microbatches, self.memory, self.order)
+        self.programs = with_rank_messages(self.orders, self.placement)
         rank_sim.simulate_ranks(self.programs, self.placement, self.microbatches, None)
         self.keys = message_keys(self.programs, self.placement)
 
@@ -55,6 +55,10 @@ class PlacedSchedule:
 
     def route(self, kind: str, boundary: int, mb: int) -> tuple[str, int]:
         return self.keys[(kind, boundary, mb)]
+
+    def order_note(self) -> str | None:
+        """The start-up line of a run whose --zb-order is not list (order_search.order_note)."""
+        return order_note(self.schedule, self.placement, self.microbatches, self.memory, self.order, self.orders)
 
     def min_capacity(self) -> int:
         """Fewest ring slots per channel the programs run with (the copy engine's depth)."""

@@ -230,11 +230,6 @@ def rank_orders(schedule: str, placement: Placement, m: int, memory: str = "fast
     raise ScheduleError(f"schedule {schedule!r} does not run on a {placement.shape} placement")
 
 
-def build_ranks(schedule: str, placement: Placement, m: int, memory: str = "fast") -> list[RankProgram]:
-    """Every pipeline position's program (`rank_orders` with its messages)."""
-    return with_rank_messages(rank_orders(schedule, placement, m, memory), placement)
-
-
 def stage_programs(rank_programs: list[RankProgram], n_stages: int) -> list[list[Step]]:
     """Each stage's own steps (its actions of every rank step, without the stage tag): for check_program and the
     per-stage view."""

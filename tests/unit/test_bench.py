@@ -250,7 +250,7 @@ def test_a_zb_order_names_its_variant_and_sets_its_ceiling():
     assert pipeline.variant_label(True, "bf16", "paper") == "graph bf16 zb-order-paper"
     assert pipeline.variant_label(True, "bf16", "list") == "graph bf16"
     shape = replace(pipeline.CONFIGS["quick"], layers=8, microbatches=4)
-    paper = bubble_free.schedule_ceiling("zbv graph bf16 zb-order-paper", shape, 4)
+    paper = bubble_free.schedule_ceiling("zbv graph bf16 zb-order-paper", shape, 4, "paper")
     listed = bubble_free.schedule_ceiling("zbv graph bf16", shape, 4)
     assert paper == pytest.approx(1 - schedule_bubble("zbv", 4, 4, 2, "paper"))
     assert listed == pytest.approx(1 - schedule_bubble("zbv", 4, 4, 2)) and paper < listed

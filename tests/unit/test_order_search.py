@@ -79,13 +79,15 @@ def test_a_move_past_a_rank_s_peak_is_not_taken() -> None:
 def test_the_start_up_line_says_which_orders_run() -> None:
     """A run with --zb-order searched or paper says at start-up what runs, with the model's figures; list says
     nothing, and so does an order the schedule does not take."""
-    zbv, loop = placement_for("zbv", 2, 2), placement_for("zb-interleaved", 2, 2)
-    searched = order_search.order_note("zbv", zbv, 8, order="searched")
+    def note(schedule: str, m: int, order: str = "list") -> str | None:
+        return placed_schedule(schedule, 2, 2, m, order=order).order_note()
+
+    searched = note("zbv", 8, "searched")
     assert searched and "0.979 of the bubble-free time against the list order's 0.953" in searched, searched
-    paper = order_search.order_note("zbv", zbv, 8, order="paper")
+    paper = note("zbv", 8, "paper")
     assert paper and "paper's rank orders" in paper, paper
     assert "at most 4 forwards awaiting their W per rank against 7" in paper, paper
-    assert "the list order runs" in order_search.order_note("zbv", zbv, 16, order="searched")
-    assert order_search.order_note("zbv", zbv, 8) is None
-    assert order_search.order_note("zb-interleaved", loop, 4, order="paper") is None
-    assert order_search.order_note("interleaved", loop, 4, order="searched") is None
+    assert "the list order runs" in note("zbv", 16, "searched")
+    assert note("zbv", 8) is None
+    assert note("zb-interleaved", 4, "paper") is None
+    assert note("interleaved", 4, "searched") is None
