@@ -1,5 +1,5 @@
 """The test session's defaults against load (tests/timeouts.py): torch's threads per test process, set before
-torch loads, and each test's timeout multiplied by the machine's load when the test starts."""
+torch loads, and each test's timeout multiplied by the machine's load when the test starts; the slow tests first."""
 
 from __future__ import annotations
 
@@ -36,3 +36,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     if base:
         item.add_marker(pytest.mark.timeout(timeouts.scaled(base, timeouts.scale()), **kwargs), append=False)
     yield
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests marked slow first, each group in its collected order: under pytest-xdist the long multi-process
+    tests start early and the short ones fill the workers around them, instead of a long test running alone at the
+    end while the other worker has nothing left."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

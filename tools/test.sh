@@ -57,10 +57,11 @@ describe() {
 phase_install() { python -m pip install -q -e '.[test]'; }
 phase_mpirun() { preflight && echo "tools/test.sh: mpirun and mpi4py work"; }
 phase_lint() { ruff check distributed kernels launch bench peerline tests; }
-# Two workers: a multi-process test spends most of its time waiting on its ranks. The reliability suite goes
-# first, so its minutes overlap the rest.
+# Two workers: a multi-process test spends most of its time waiting on its ranks. The slow tests go first
+# (tests/conftest.py) and an idle worker takes queued tests from the busy one (--dist worksteal), so the long
+# ones overlap the rest instead of one worker running them alone at the end.
 phase_cpu() {
-  python -m pytest -q -p no:cacheprovider -n "${PEERLINE_TEST_WORKERS:-2}" --durations=15 \
+  python -m pytest -q -p no:cacheprovider -n "${PEERLINE_TEST_WORKERS:-2}" --dist worksteal --durations=15 \
       tests/reliability tests/unit tests/multiproc tests/gpu
 }
 phase_mpi() { "${MPIRUN[@]}" python -m pytest --with-mpi -q -p no:cacheprovider tests/integration; }

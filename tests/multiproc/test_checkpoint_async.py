@@ -25,7 +25,7 @@ from peerline.distributed.resilience.preemption import EXIT_PREEMPTED
 from tests.helpers import PIPELINE, cpu_env, forkrun_cmd, run_command, uninterrupted_run
 from tests.ports import free_port
 
-pytestmark = [pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 MODEL = ["--hidden", "16", "--layers", "2", "--seq", "8", "--micro-batch-size", "2", "-m", "2", "--device", "cpu",
          "--timeout-s", "60"]

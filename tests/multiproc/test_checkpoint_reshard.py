@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import PIPELINE, cpu_env, forkrun_cmd, run_command, uninterrupted_run, worst_difference
 
-pytestmark = [pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 MODEL = ["--hidden", "16", "--layers", "4", "--seq", "8", "--micro-batch-size", "2", "--device", "cpu",
          "--timeout-s", "60"]

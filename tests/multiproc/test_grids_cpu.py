@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import assert_same_run, cpu_env, forkrun_cmd, run_job, torchrun_cmd
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 GRID_ARGS = ["--hidden", "16", "--layers", "8", "--seq", "4", "--micro-batch-size", "1", "--iters", "2",
              "--schedule", "1f1b"]

@@ -21,7 +21,7 @@ from peerline.distributed.resilience import dcp_io
 from peerline.launch import export_checkpoint
 from tests.helpers import TINY, assert_same_run, forkrun_cmd, run_job
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 GPT = ["--model", "gpt", "--heads", "4", *TINY]
 MASTER = ["--dtype", "bf16", "--precision", "master"]

@@ -14,6 +14,8 @@ import torch.multiprocessing as mp
 
 from peerline.distributed.mesh import Mesh
 
+pytestmark = pytest.mark.slow
+
 
 def _worker(rank: int, world: int, init_file: str, results: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

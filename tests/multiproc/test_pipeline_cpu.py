@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import REPO, TINY, assert_same_run, forkrun_cmd, mpirun_cmd, run_job, torchrun_cmd
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

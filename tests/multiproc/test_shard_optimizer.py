@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import assert_same_run, forkrun_cmd, run_job
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 ARGS = ["--hidden", "16", "--layers", "4", "--seq", "4", "--micro-batch-size", "1", "--iters", "3",
         "--first-bucket-mb", "0.001", "--bucket-mb", "0.004"]  # several buckets of a small model

@@ -18,6 +18,8 @@ import torch.nn as nn
 from peerline.distributed.grad_sync.sharded import ShardedGradBuckets
 from peerline.distributed.grad_sync.sharded_adamw import ShardedAdamW, full_param_names
 
+pytestmark = pytest.mark.slow
+
 TOL = 1e-6
 HYPER = {"lr": 1e-2, "weight_decay": 0.1}
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.reliability.cases import OUTCOMES, all_cases, run_case, write_models
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 WORKERS = 4  # jobs at once: most of a case is waiting (imports, rendezvous, deadlines), not computing
 

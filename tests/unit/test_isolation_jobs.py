@@ -17,7 +17,7 @@ from peerline.bench.ideal import IdealReport
 from peerline.bench.isolation_child import measured_from_dict, measured_to_dict
 from peerline.bench.runtime_timing import Measured
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.slow]
 
 # A job like torchrun's: it starts a "rank" in a session of its own that ignores SIGTERM, says which measurement
 # it took, prints a rank's error line, and never ends.

@@ -11,7 +11,7 @@ from peerline.distributed.pipeline import order_search, rank_schedule, rank_sim
 from peerline.distributed.pipeline.placed import placed_schedule
 from peerline.distributed.pipeline.placement import placement_for
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 CASES = [("zbv", 2, 2, 8), ("zb-interleaved", 2, 4, 5), ("zbv", 4, 2, 8)]
 
