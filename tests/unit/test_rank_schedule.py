@@ -35,10 +35,15 @@ def test_placements():
     assert placement_for("1f1b", 1, 4) is None  # stages as streams of one device
 
 
+def _programs(schedule: str, placement: Placement, m: int, memory: str = "fast") -> list[R.RankProgram]:
+    """Every pipeline position's program: the schedule's rank orders with their messages."""
+    return R.with_rank_messages(R.rank_orders(schedule, placement, m, memory), placement)
+
+
 @pytest.mark.parametrize("schedule,shape,pp,v,m", CASES)
 def test_rank_programs_run_on_rendezvous_and_rings(schedule, shape, pp, v, m):
     placement = Placement(pp, v, shape)
-    programs = R.with_rank_messages(R.rank_orders(schedule, placement, m), placement)
+    programs = _programs(schedule, placement, m)
     rank_sim.simulate_ranks(programs, placement, m, None)
     k = rank_sim.min_rank_capacity(programs, placement, m)
     rank_sim.simulate_ranks(programs, placement, m, k)
@@ -59,8 +64,7 @@ def test_ring_depth_does_not_grow_with_m():
     """The rings hold what is in flight, not a slot per microbatch."""
     for schedule, shape, pp, v in [("interleaved", LOOP, 2, 2), ("zbv", V_SHAPE, 2, 2), ("zb-interleaved", LOOP, 2, 4)]:
         placement = Placement(pp, v, shape)
-        depths = {rank_sim.min_rank_capacity(R.with_rank_messages(R.rank_orders(schedule, placement, m), placement),
-                                             placement, m) for m in (16, 32)}
+        depths = {rank_sim.min_rank_capacity(_programs(schedule, placement, m), placement, m) for m in (16, 32)}
         assert len(depths) == 1 and depths.pop() < 32  # a channel carries 2M (zbv) or up to VM messages
 
 
@@ -92,7 +96,7 @@ def _drop(programs, rank, action):
 @pytest.mark.parametrize("schedule,shape", [("interleaved", LOOP), ("zbv", V_SHAPE), ("zb-interleaved", LOOP)])
 def test_broken_variants_are_rejected(schedule, shape):
     placement = Placement(2, 2, shape)
-    programs = R.with_rank_messages(R.rank_orders(schedule, placement, 4), placement)
+    programs = _programs(schedule, placement, 4)
     # a missing send (rank 0's stage 0 never hands microbatch 1 on)
     with pytest.raises(S.ScheduleError, match="stage 0: microbatch 1 has no SA"):
         rank_sim.simulate_ranks(_drop(programs, 0, S.Action("SA", 1, 0)), placement, 4)
@@ -120,7 +124,7 @@ def test_broken_variants_are_rejected(schedule, shape):
 def test_waiting_ranks_are_shown_in_a_table():
     """Two ranks whose groups no longer meet deadlock on rendezvous; the table marks where each waits."""
     placement = Placement(2, 2, LOOP)
-    programs = R.with_rank_messages(R.rank_orders("interleaved", placement, 2), placement)
+    programs = _programs("interleaved", placement, 2)
     rank0 = list(programs[0])
     i = next(i for i, (_, st) in enumerate(rank0) if S.Action("SA", 0, 0) in st)
     rank0.insert(len(rank0) - 1, rank0.pop(i))  # the first send posted at the end: rank 1 waits for it
@@ -152,7 +156,7 @@ def test_zbv_within_1f1b_memory(pp, m):
     orders = R.zero_bubble_orders(placement, m, memory="1f1b")
     for order in orders:
         assert _peak_held(order) <= 2 * pp
-    programs = R.with_rank_messages(R.rank_orders("zbv", placement, m, memory="1f1b"), placement)
+    programs = _programs("zbv", placement, m, memory="1f1b")
     rank_sim.simulate_ranks(programs, placement, m, None)
     rank_sim.simulate_ranks(programs, placement, m, rank_sim.min_rank_capacity(programs, placement, m))
 
