@@ -19,13 +19,15 @@ from peerline.distributed.pipeline.placement import (
     placement_for,
 )
 from peerline.distributed.pipeline.rank_schedule import Compute, RankProgram, stage_programs, with_rank_messages
-from peerline.distributed.pipeline.schedule import Step
+from peerline.distributed.pipeline.schedule import ScheduleError, Step
 
 
 @dataclass
 class PlacedSchedule:
-    """The rank programs of `schedule` on `placement` with M microbatches, checked against a rendezvous
-    transport (the strictest model) when built."""
+    """The rank programs of `schedule` on `placement` with M microbatches, in two forms: `programs` for a
+    rendezvous transport (NCCL, gloo; checked against it, the strictest model, when built) and `ring_programs`
+    for a ring transport (the copy engine: each receive just before its consumer, rank_schedule.with_rank_messages).
+    A transport with a capacity runs the ring form where it plays with that capacity, else the rendezvous form."""
 
     schedule: str
     placement: Placement
@@ -34,13 +36,15 @@ class PlacedSchedule:
     order: str = "list"  # --zb-order (zbv, zb-interleaved)
     orders: list[list[Compute]] = field(init=False)  # each rank's computes, the programs' order
     programs: list[RankProgram] = field(init=False)
+    ring_programs: list[RankProgram] = field(init=False)
     keys: dict[MessageKey, tuple[str, int]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.orders = run_orders(self.schedule, self.placement, self.microbatches, self.memory, self.order)
         self.programs = with_rank_messages(self.orders, self.placement)
         rank_sim.simulate_ranks(self.programs, self.placement, self.microbatches, None)
-        self.keys = message_keys(self.programs, self.placement)
+        self.ring_programs = with_rank_messages(self.orders, self.placement, rendezvous=False)
+        self.keys = message_keys(self.programs, self.placement)  # the sends, and so the keys, are the same in both
 
     @property
     def ids(self) -> int:
@@ -50,8 +54,19 @@ class PlacedSchedule:
     def stage_programs(self) -> list[list[Step]]:
         return stage_programs(self.programs, self.placement.n_stages)
 
-    def program_of(self, position: int) -> list[tuple[int, Step]]:
-        return self.programs[position]
+    def programs_for(self, capacity: int | None) -> list[RankProgram]:
+        """The form a transport of `capacity` runs (None: rendezvous): the ring form where it plays with that
+        capacity, else the rendezvous form (which plays on any transport the checks passed)."""
+        if capacity is not None:
+            try:
+                rank_sim.simulate_ranks(self.ring_programs, self.placement, self.microbatches, capacity)
+                return self.ring_programs
+            except ScheduleError:
+                pass
+        return self.programs
+
+    def program_of(self, position: int, capacity: int | None = None) -> list[tuple[int, Step]]:
+        return self.programs_for(capacity)[position]
 
     def route(self, kind: str, boundary: int, mb: int) -> tuple[str, int]:
         return self.keys[(kind, boundary, mb)]
@@ -61,12 +76,14 @@ class PlacedSchedule:
         return order_note(self.schedule, self.placement, self.microbatches, self.memory, self.order, self.orders)
 
     def min_capacity(self) -> int:
-        """Fewest ring slots per channel the programs run with (the copy engine's depth)."""
-        return rank_sim.min_rank_capacity(self.programs, self.placement, self.microbatches)
+        """Fewest ring slots per channel both forms run with (the copy engine's depth: a transport that mixes
+        the copy engine with a rendezvous one runs the rendezvous form)."""
+        return max(rank_sim.min_rank_capacity(programs, self.placement, self.microbatches)
+                   for programs in (self.programs, self.ring_programs))
 
     def check(self, capacity: int | None) -> None:
-        """Play the programs against the transport this rank runs on (ScheduleError with the table if stuck)."""
-        rank_sim.simulate_ranks(self.programs, self.placement, self.microbatches, capacity)
+        """Play the form this rank's transport runs against it (ScheduleError with the table if stuck)."""
+        rank_sim.simulate_ranks(self.programs_for(capacity), self.placement, self.microbatches, capacity)
 
     def render(self) -> str:
         return rank_sim.rank_table(self.programs) + "\n" + LEGEND
@@ -75,7 +92,8 @@ class PlacedSchedule:
 LEGEND = ("legend: Fn@s / Bn@s / Wn@s forward / input gradient (the whole backward without W) / weight gradient of "
           "microbatch n on stage s;\n        SAn@s / RAn@s stage s sends its activation to stage s+1 / receives it "
           "from s-1;\n        SGn@s / RGn@s stage s sends its input gradient to s-1 / receives its output's from "
-          "s+1; a+b posted together")
+          "s+1; a+b posted together (the receives as a rendezvous transport posts them: the copy engine posts each\n"
+          "        receive alone, just before the compute that reads it)")
 
 
 def placed_links(ps: PlacedSchedule, position: int, prev_rank: int | None, next_rank: int | None,

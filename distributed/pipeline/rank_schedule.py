@@ -1,11 +1,12 @@
 """Schedules of several stages per rank, as each rank's program: interleaved 1F1B, ZB-V and interleaved zero bubble.
 
 A rank program is a list of (stage, step): a compute step of one of its stages, or a group of communication
-actions posted together, each action naming its stage (`Action.stage`). Between two computes of a rank one group
-holds the sends of the first and the receives of the second, whichever stages they belong to: the pattern that
-keeps two ranks that send to each other from deadlocking on a rendezvous transport (Megatron posts the same
-pairs together). Messages between two stages of one rank stay in the program (the engine hands them over by a
-stream wait) and cost nothing.
+actions posted together, each action naming its stage (`Action.stage`). For a rendezvous transport, between two
+computes of a rank one group holds the sends of the first and the receives of the second, whichever stages they
+belong to: the pattern that keeps two ranks that send to each other from deadlocking (Megatron posts the same
+pairs together). For the copy engine, each receive is posted alone just before its consumer (`with_rank_messages`).
+Messages between two stages of one rank stay in the program (the engine hands them over by a stream wait) and
+cost nothing.
 
   interleaved  Megatron's virtual pipeline: rank r holds stages r, r+pp, ...; forwards go chunk by chunk over
                groups of pp microbatches (so M must be a multiple of pp), backwards the same in reverse chunk
@@ -188,12 +189,16 @@ def _messages(op: str, s: int, mb: int, n_stages: int) -> tuple[Action | None, A
     return None, None
 
 
-def with_rank_messages(orders: list[list[Compute]], placement: Placement) -> list[RankProgram]:
-    """Every rank's compute order with its messages. A message between ranks is posted at both ends in one group
-    at the moment its producer finishes (in the unit-time play of `compute_times`): at every such moment each
-    rank posts one group, so on a rendezvous transport every group finds its partners posting theirs (ranks
-    meet moment by moment, never waiting on each other in a cycle). A message inside a rank is taken (RA / RG:
-    a stream wait) just before its consumer."""
+def with_rank_messages(orders: list[list[Compute]], placement: Placement, rendezvous: bool = True
+                       ) -> list[RankProgram]:
+    """Every rank's compute order with its messages. A send is posted when its producer finishes. On a rendezvous
+    transport (NCCL, gloo) its receive is posted in the same group at the other end, at that moment of the
+    unit-time play of `compute_times`: at every such moment each rank posts one group, so every group finds its
+    partners posting theirs (ranks meet moment by moment, never waiting on each other in a cycle). `rendezvous`
+    False (a ring transport, the copy engine: a receive is a stream wait for a flag) posts each receive alone just
+    before its consumer, so a rank waits only where its next compute needs the message; a unit-time moment would
+    stall its stream early whenever the passes' real times differ (B longer than W). A message inside a rank is
+    taken (RA / RG: a stream wait) just before its consumer."""
     n = placement.n_stages
     times = compute_times(orders, n)
     events: list[list[tuple[tuple[int, int], int, Step]]] = [[] for _ in orders]  # ((time, 0 group | 1 compute),
@@ -206,12 +211,11 @@ def with_rank_messages(orders: list[list[Compute]], placement: Placement) -> lis
             if send is not None:
                 consumer = recv.stage
                 groups[r].setdefault(end, []).append(send)
-                if placement.remote(s, consumer):
+                if rendezvous and placement.remote(s, consumer):
                     groups[placement.rank_of(consumer)].setdefault(end, []).append(recv)
             need = _messages("F", s - 1, mb, n)[1] if op == "F" and s > 0 else \
                 _messages("B", s + 1, mb, n)[1] if op == "B" and s < n - 1 else None
-            local = need is not None and not placement.remote(s, s - 1 if op == "F" else s + 1)
-            if local:
+            if need is not None and (not rendezvous or not placement.remote(s, s - 1 if op == "F" else s + 1)):
                 events[r].append(((start, 1), s, (need,)))
             events[r].append(((start, 2), s, (Action(op, mb, s),)))
     for r, by_time in enumerate(groups):

@@ -60,6 +60,39 @@ def test_rank_programs_run_on_rendezvous_and_rings(schedule, shape, pp, v, m):
         assert channel == placement.channel(kind, boundary)
 
 
+@pytest.mark.parametrize("schedule,shape,pp,v,m", [c for c in CASES if c[3] > 1 and c[2] > 1])
+def test_ring_form_posts_each_receive_just_before_its_consumer(schedule, shape, pp, v, m):
+    """The copy engine's form (rendezvous=False): the same computes and sends in the same order, each receive from
+    another rank alone just before the compute that reads it (a stream wait placed earlier would stall the rank
+    wherever the passes' real times differ from unit time); it runs with no deeper a ring than the rendezvous
+    form, and the placed schedule hands it to a transport with a capacity."""
+    placement = Placement(pp, v, shape)
+    orders = R.rank_orders(schedule, placement, m)
+    meet, ring = (R.with_rank_messages(orders, placement, rendezvous=r) for r in (True, False))
+
+    def sends(program):
+        return [(a.op, a.stage, a.mb) for _, step in program for a in step if a.op in ("SA", "SG")]
+
+    def computes(program):
+        return [(a.op, a.stage, a.mb) for _, step in program for a in step if a.op in S.COMPUTE]
+
+    for r in range(pp):
+        assert computes(ring[r]) == computes(meet[r]) and sends(ring[r]) == sends(meet[r])
+        steps = [step for _, step in ring[r]]
+        for i, step in enumerate(steps):
+            for a in step:
+                if a.op not in ("RA", "RG"):
+                    continue
+                consumer = ("F", a.stage, a.mb) if a.op == "RA" else ("B", a.stage, a.mb)
+                assert len(step) == 1, f"rank {r}: receive {a} posted with {S.step_str(step)}"
+                assert (steps[i + 1][0].op, steps[i + 1][0].stage, steps[i + 1][0].mb) == consumer
+    assert rank_sim.min_rank_capacity(ring, placement, m) <= rank_sim.min_rank_capacity(meet, placement, m)
+    placed = placed_schedule(schedule, pp, v, m)
+    depth = placed.min_capacity()
+    assert placed.programs_for(depth) == ring and placed.programs_for(None) == meet
+    placed.check(depth)
+
+
 def test_ring_depth_does_not_grow_with_m():
     """The rings hold what is in flight, not a slot per microbatch."""
     for schedule, shape, pp, v in [("interleaved", LOOP, 2, 2), ("zbv", V_SHAPE, 2, 2), ("zb-interleaved", LOOP, 2, 4)]:
