@@ -50,7 +50,8 @@ class Hang(AssertionError):
 def spawn(n: int, args: list[str], cwd: Path, env: dict[str, str], limit_s: float = 120) -> list[Rank]:
     """Start n ranks of ENTRY with `args`; wait at most limit_s for all of them, else kill them and raise Hang."""
     cmd = [*forkrun_cmd(n), ENTRY, *args]
-    if forkjob.enabled() and forkjob.split_command(cmd):
+    # CPU jobs only: the GPU failure tests (tests/gpu/test_failures_gpu.py) keep real processes, one CUDA context each.
+    if env.get("PEERLINE_DEVICE") == "cpu" and forkjob.enabled() and forkjob.split_command(cmd):
         # PYTHONFAULTHANDLER: a hung rank's report carries every thread's stack (SIGABRT at the timeout).
         try:
             exits = forkjob.ForkServer.shared().run_ranks(cmd, cwd, dict(env, PYTHONFAULTHANDLER="1"), limit_s)
