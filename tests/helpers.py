@@ -34,10 +34,11 @@ def forkrun_cmd(nproc: int) -> list[str]:
 
 def run_command(cmd: list[str], cwd: str | os.PathLike, env: dict[str, str] | None = None,
                 timeout: float = 240) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd, capture_output=True, text=True): the main job alone or under forkrun_cmd runs as a fork
-    of the test session's fork server (PEERLINE_TEST_FORKSERVER=0: as a real process), anything else as given."""
+    """subprocess.run(cmd, capture_output=True, text=True): the main job or the bench, alone or under forkrun_cmd,
+    runs as a fork of the test session's fork server (PEERLINE_TEST_FORKSERVER=0: as a real process), anything
+    else as given."""
     env = env or cpu_env()
-    if forkjob.split_command(cmd) and os.environ.get("PEERLINE_TEST_FORKSERVER", "1") != "0":
+    if forkjob.split_command(cmd) and forkjob.enabled():
         return forkjob.ForkServer.shared().run(cmd, cwd, env, timeout)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 

@@ -1,5 +1,6 @@
-"""Start the ranks of a failure test as plain processes (torchrun's environment variables, no agent), so each
-rank's own exit code and stderr can be checked; shared by tests/multiproc/test_failures.py and
+"""Start the ranks of a failure test with torchrun's environment variables and no agent, so each rank's own exit code
+and stderr can be checked: forked from the test fork server (tests/forkjob.py: ForkServer.run_ranks), or as plain
+processes with PEERLINE_TEST_FORKSERVER=0; shared by tests/multiproc/test_failures.py and
 tests/gpu/test_failures_gpu.py."""
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.helpers import REPO
+from tests import forkjob
+from tests.helpers import REPO, forkrun_cmd
 from tests.ports import free_port
 
 STARTUP_S = 60  # importing torch on a loaded 2-core CI machine, rendezvous, CUDA context
@@ -47,6 +49,16 @@ class Hang(AssertionError):
 
 def spawn(n: int, args: list[str], cwd: Path, env: dict[str, str], limit_s: float = 120) -> list[Rank]:
     """Start n ranks of ENTRY with `args`; wait at most limit_s for all of them, else kill them and raise Hang."""
+    cmd = [*forkrun_cmd(n), ENTRY, *args]
+    # CPU jobs only: the GPU failure tests (tests/gpu/test_failures_gpu.py) keep real processes, one CUDA context each.
+    if env.get("PEERLINE_DEVICE") == "cpu" and forkjob.enabled() and forkjob.split_command(cmd):
+        # PYTHONFAULTHANDLER: a hung rank's report carries every thread's stack (SIGABRT at the timeout).
+        try:
+            exits = forkjob.ForkServer.shared().run_ranks(cmd, cwd, dict(env, PYTHONFAULTHANDLER="1"), limit_s)
+        except forkjob.RanksTimeout as exc:
+            tails = "\n".join(_tail(r, e.rc, e.out + e.err, e.timed_out) for r, e in enumerate(exc.ranks))
+            raise Hang(f"ranks still running after {limit_s} s: {' '.join(args)}\n{tails}") from None
+        return [Rank(e.rc, e.out, e.err, e.seconds) for e in exits]
     port = str(free_port())
     procs = []
     t0 = time.monotonic()
@@ -72,13 +84,19 @@ def spawn(n: int, args: list[str], cwd: Path, env: dict[str, str], limit_s: floa
     return ranks
 
 
-def _tails(procs: list[subprocess.Popen], done: list[Rank], chars: int = 1500) -> str:
+def _tail(rank: int, rc: int | None, text: str, hung: bool, chars: int = 1500) -> str:
+    """One rank's part of a hang's report: its exit code and what it wrote last (more of a hung rank's: its
+    stacks)."""
+    return f"--- rank {rank} (exit {rc}), last output:\n{text[-(4 * chars if hung else chars):]}"
+
+
+def _tails(procs: list[subprocess.Popen], done: list[Rank]) -> str:
     """End the ranks still running and return what each rank wrote last (those already ended included), so a
     hang's report says where every rank stood. A running rank first gets SIGABRT: faulthandler (which needs no
     GIL) writes every thread's Python stack, then it is killed."""
     parts = []
     for r, p in enumerate(procs):
-        keep = chars
+        hung = False
         if r < len(done):
             rc, text = done[r].rc, done[r].out + done[r].err
         else:
@@ -91,8 +109,7 @@ def _tails(procs: list[subprocess.Popen], done: list[Rank], chars: int = 1500) -
                     p.kill()
             out, err = p.communicate()
             rc, text = p.returncode, out + err
-            keep = 4 * chars if hung else chars  # the stacks
-        parts.append(f"--- rank {r} (exit {rc}), last output:\n{text[-keep:]}")
+        parts.append(_tail(r, rc, text, hung))
     return "\n".join(parts)
 
 

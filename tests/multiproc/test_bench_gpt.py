@@ -1,4 +1,4 @@
-"""CPU smoke test of launch/bench.py's gpt suite (gloo, torchrun with 2 ranks: pp=2): a tiny fp32 GPT on the
+"""CPU smoke test of launch/bench.py's gpt suite (gloo, 2 forked ranks: pp=2): a tiny fp32 GPT on the
 default corpus, peerline eager (1F1B, and zbv and interleaved with two stages per rank) against every
 torch.distributed.pipelining candidate of the anchor (the plain torch GPT of bench/suites/plain_gpt.py: each torch
 schedule, 1F1B, GPipe, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, with its blocks eager and,

@@ -1,8 +1,9 @@
-"""CPU smoke tests of launch/bench.py's pipeline suite (gloo): torchrun with 2 ranks (pp=2) and 4 ranks
-(pp=2 x dp=2, the anchor with DDP), and a single process. The JSON must validate, ratios must be finite, and the
-anchor (torch.distributed.pipelining) must compute the same losses as peerline from the same weights and data,
-every candidate schedule of it: the two runs only share the model definition and the data recipe, so equal
-losses check the anchor's wiring. The `best` record names peerline's and torch's fastest."""
+"""CPU smoke tests of launch/bench.py's pipeline suite (gloo): 2 ranks (pp=2) and 4 ranks (pp=2 x dp=2, the anchor
+with DDP), forked as torchrun would start them (tests/forkjob.py), a single process, and a stuck rank under the real
+torchrun. The JSON must validate, ratios must be finite, and the anchor (torch.distributed.pipelining) must compute
+the same losses as peerline from the same weights and data, every candidate schedule of it: the two runs only share
+the model definition and the data recipe, so equal losses check the anchor's wiring. The `best` record names
+peerline's and torch's fastest."""
 
 import json
 import math
@@ -15,19 +16,21 @@ import pytest
 
 from peerline.bench.ideal import PLACED
 from peerline.bench.suites.torch_schedules import TORCH_SCHEDULES
+from tests import forkjob
+from tests.helpers import forkrun_cmd, run_command
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
-REPO = Path(__file__).resolve().parents[2]
-BENCH = str(REPO / "launch" / "bench.py")
+BENCH = forkjob.BENCH
 
 
 def run_bench(nproc: int, args: list[str], out: Path, suites: tuple[str, ...] = ("pipeline",)
               ) -> subprocess.CompletedProcess:
+    """The bench's suites as the job torchrun would start (one rank: a plain process), its ranks forked from the
+    test fork server (run_command): the subject is the bench, not the launcher. The children the bench starts
+    itself (its one-GPU parts) are real processes."""
     env = dict(os.environ, PEERLINE_DEVICE="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    f"--nproc_per_node={nproc}"]
-    return subprocess.run([*launcher, BENCH, *suites, "--quick", "--out", str(out), *args], capture_output=True,
-                          text=True, timeout=200, env=env, cwd=out.parent)
+    launcher = [sys.executable] if nproc == 1 else forkrun_cmd(nproc)
+    return run_command([*launcher, BENCH, *suites, "--quick", "--out", str(out), *args], out.parent, env, timeout=200)
 
 
 def records(out: Path, suite: str = "pipeline") -> list[dict]:

@@ -1,8 +1,9 @@
 """Failure behaviour on the CPU (gloo), every run bounded in time (issue 10).
 
-Ranks are started as plain processes with torchrun's environment variables, so each rank's own exit code and
-stderr can be checked (torchrun and mpirun would end the survivors themselves); one test each runs under torchrun
-(`--max-restarts=1`: killed, restarted, resumed) and mpirun (a killed rank ends the job).
+Ranks are started with torchrun's environment variables and no launcher, so each rank's own exit code and stderr
+can be checked (torchrun and mpirun would end the survivors themselves): forked from the test fork server
+(failures_util.spawn), or real processes where a fork would change the subject: the frozen rank (SIGSTOP), one test
+under torchrun (`--max-restarts=1`: killed, restarted, resumed) and one under mpirun (a killed rank ends the job).
 
   - resume: 6 iterations == 3 iterations + checkpoint + resume to 6, bitwise; a rank delayed under the deadline
     in the resumed part changes nothing
