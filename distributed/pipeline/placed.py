@@ -76,10 +76,10 @@ class PlacedSchedule:
         return order_note(self.schedule, self.placement, self.microbatches, self.memory, self.order, self.orders)
 
     def min_capacity(self) -> int:
-        """Fewest ring slots per channel both forms run with (the copy engine's depth: a transport that mixes
-        the copy engine with a rendezvous one runs the rendezvous form)."""
-        return max(rank_sim.min_rank_capacity(programs, self.placement, self.microbatches)
-                   for programs in (self.programs, self.ring_programs))
+        """Fewest ring slots per channel the rendezvous form runs with (the copy engine's depth: a transport that
+        mixes the copy engine with a rendezvous one runs that form). The ring form never needs more (its receives
+        only come later); `programs_for` still plays it at the depth given before handing it out."""
+        return rank_sim.min_rank_capacity(self.programs, self.placement, self.microbatches)
 
     def check(self, capacity: int | None) -> None:
         """Play the form this rank's transport runs against it (ScheduleError with the table if stuck)."""
