@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from peerline.choices import SCHEDULES
+from peerline.choices import DEFAULT_ZB_ORDER, SCHEDULES
 from peerline.distributed.observe.timeline import Span
 from peerline.distributed.observe.timeline_check import compute_kind, default_placement, local_stage
 
@@ -79,7 +79,7 @@ def stages_per_rank(schedule: str, pp: int = 1, layers: int = 0) -> int:
     return 2 if schedule in PLACED else 1
 
 
-def rank_orders(schedule: str, stages: int, microbatches: int, per_rank: int = 2, order: str = "list"
+def rank_orders(schedule: str, stages: int, microbatches: int, per_rank: int = 2, order: str = DEFAULT_ZB_ORDER
                 ) -> list[list[tuple[str, int, int]]]:
     """Each rank's (op, stage, mb) order of a placed schedule over `stages` global stages (`order`: --zb-order)."""
     from peerline.distributed.pipeline.order_search import run_orders
@@ -92,7 +92,7 @@ def rank_orders(schedule: str, stages: int, microbatches: int, per_rank: int = 2
 
 
 def _placed_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: list[float], per_rank: int,
-               order: str = "list") -> float:
+               order: str = DEFAULT_ZB_ORDER) -> float:
     """simulate_ms of a placed schedule: ranks run their orders, each action as soon as its input exists."""
     n = len(fwd_ms)
     orders = rank_orders(schedule, n, microbatches, per_rank, order)
@@ -105,7 +105,8 @@ def _placed_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: li
     return max(end for _, end in compute_times(orders, n, duration).values())
 
 
-def schedule_bubble(schedule: str, microbatches: int, pp: int, per_rank: int = 1, order: str = "list") -> float:
+def schedule_bubble(schedule: str, microbatches: int, pp: int, per_rank: int = 1, order: str = DEFAULT_ZB_ORDER
+                    ) -> float:
     """Idle share of each rank of a balanced pipeline (forward 1, backward 2 per stage's work) under `schedule`:
     1 - work / makespan; 1f1b and gpipe give (pp - 1) / (M + pp - 1)."""
     v = per_rank if schedule in PLACED else 1
@@ -115,7 +116,7 @@ def schedule_bubble(schedule: str, microbatches: int, pp: int, per_rank: int = 1
 
 
 def simulate_ms(schedule: str, microbatches: int, fwd_ms: list[float], bwd_ms: list[float],
-                per_rank: int = 2, order: str = "list") -> float:
+                per_rank: int = 2, order: str = DEFAULT_ZB_ORDER) -> float:
     """Makespan of the schedule with free communication: each stage runs its order; an action starts when the
     stage is free and its inputs exist (F after the previous stage's F, B after the next stage's B and the
     stage's own F). `per_rank`: stages per rank of the placed schedules (interleaved, zbv,

@@ -19,6 +19,7 @@ from peerline.choices import (
     ALLOCATORS,
     ALLREDUCE_PRIORITIES,
     DATA_SOURCES,
+    DEFAULT_ZB_ORDER,
     DEVICES,
     DTYPES,
     GRAD_SYNCS,
@@ -107,14 +108,16 @@ class RunConfig:
                             "fast (up to pp deferred weight passes per stage on top of 1F1B's microbatches: the "
                             "fewest bubbles) or 1f1b (at most 1F1B's microbatches, deferred weight passes counted: "
                             "1F1B's peak activation memory; a few percent slower: zb-h1 leaves some bubbles unfilled; "
-                            "the placed schedules' orders are planned with B longer than W) "
-                            "(default: %(default)s)", choices=ZB_MEMORY)
+                            "the placed schedules' orders are planned with B longer than W); zbv's default order "
+                            "(--zb-order paper) holds 1F1B's memory either way (default: %(default)s)",
+                            choices=ZB_MEMORY)
     """Zero-bubble memory: fast, or 1f1b (a deferred W counts as a held microbatch; pipeline/timed.py)."""
-    zb_order: str = option("list", BATCH, "the rank orders of zbv and zb-interleaved: list (list scheduling in unit "
-                           "time), searched (a local search of the list order for B longer than W and a transfer "
-                           "time; a few seconds at start-up) or paper (zbv only: the zero-bubble paper's order, as "
-                           "torch's ScheduleZBVZeroBubble runs it, at 1F1B's memory whatever --zb-memory says); "
-                           "searched and paper are not yet measured on GPUs: docs/TUNING.md (default: %(default)s)",
+    zb_order: str = option(DEFAULT_ZB_ORDER, BATCH, "the rank orders of zbv and zb-interleaved: paper (zbv: the "
+                           "zero-bubble paper's order, as torch's ScheduleZBVZeroBubble runs it, at 1F1B's memory "
+                           "whatever --zb-memory says; the fastest measured on GPUs; zb-interleaved runs its list "
+                           "order), list (list scheduling in unit time; with --zb-memory fast, zbv's order that holds "
+                           "the most) or searched (a local search of the list order for B longer than W and a "
+                           "transfer time; a few seconds at start-up): docs/TUNING.md (default: %(default)s)",
                            choices=ZB_ORDERS)
     """Rank orders of the placed zero-bubble schedules: list, searched or paper (pipeline/order_search.py)."""
     microbatches: int = option(4, BATCH, "microbatches per iteration and replica (default: %(default)s)",
@@ -588,4 +591,4 @@ __all__ = ["RunConfig", "ConfigError", "ReportedElsewhere", "Flag", "GROUPS", "f
            "DTYPES", "DEVICES",
            "KERNEL_IMPLEMENTATIONS", "KERNELS", "P2P", "GRAD_SYNCS", "ALLREDUCE_PRIORITIES", "ALLOCATORS",
            "STAGINGS", "DATA_SOURCES", "TOKEN_DATA", "MODELS", "LOSSES", "RECOMPUTE", "ZB_MEMORY", "ZB_ORDERS",
-           "is_spec"]
+           "DEFAULT_ZB_ORDER", "is_spec"]

@@ -11,6 +11,9 @@ SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved", "zbv", "zb-interleaved")
 ZB_MEMORY = ("fast", "1f1b")
 #: --zb-order: the rank orders of zbv and zb-interleaved (pipeline/order_search.py, pipeline/zbv_paper.py)
 ZB_ORDERS = ("list", "searched", "paper")
+#: --zb-order's default: zbv in the zero-bubble paper's order, the fastest measured on GPUs and at 1F1B's memory
+#: (docs/TUNING.md); zb-interleaved has no paper order and runs its list order under it
+DEFAULT_ZB_ORDER = "paper"
 DTYPES = ("bf16", "fp32")
 #: --precision: where the weights, gradients and AdamW state live (docs/PRECISION.md)
 PRECISIONS = ("master", "autocast", "bf16", "compact")
@@ -31,4 +34,5 @@ RECOMPUTE = ("off", "full")  # --recompute also takes N: the first N layers of e
 
 __all__ = ["SCHEDULES", "DTYPES", "PRECISIONS", "DEVICES", "KERNEL_IMPLEMENTATIONS", "KERNELS", "P2P", "GRAD_SYNCS",
            "ALLREDUCE_PRIORITIES", "ALLOCATORS", "STAGINGS", "DATA_SOURCES",
-           "TOKEN_DATA", "MODELS", "LOSSES", "RECOMPUTE", "ZB_MEMORY", "ZB_ORDERS"]
+           "TOKEN_DATA", "MODELS", "LOSSES", "RECOMPUTE", "ZB_MEMORY", "ZB_ORDERS",
+           "DEFAULT_ZB_ORDER"]

@@ -22,6 +22,7 @@ from peerline.bench.ideal import schedule_bubble, stages_per_rank
 from peerline.bench.runtime_timing import Measured, open_runtime, time_captured
 from peerline.bench.suites.fresh_child import child_device, child_spec, child_timer, on_rank0, run_fresh_child
 from peerline.bench.suites.torch_pipelining import PipeShape
+from peerline.choices import DEFAULT_ZB_ORDER
 
 #: the schedules issue's goal: a pipeline's time within this fraction of the bubble-free time
 GOAL = 0.95
@@ -67,7 +68,7 @@ def measure(args: argparse.Namespace, ctx: BenchContext, key: str, shape: PipeSh
                     {"graph": got["graph"], "precision": spec["precision"]})
 
 
-def schedule_ceiling(label: str, shape: PipeShape, pp: int, order: str = "list") -> float:
+def schedule_ceiling(label: str, shape: PipeShape, pp: int, order: str = DEFAULT_ZB_ORDER) -> float:
     """The share of the bubble-free time that the schedule of variant `label` ("zbv graph bf16") reaches at best in
     the rank order `order` (--zb-order): balanced stages, forward : backward = 1 : 2, free transfers."""
     schedule = label.split()[0]
@@ -80,7 +81,7 @@ def record(ctx: BenchContext, shape: PipeShape, pp: int, dp: int, label: str, be
     """`<configuration> best vs bubble-free`: the fastest peerline variant's ms/iter against the one-GPU time / pp,
     with its schedule's ceiling; on a GPU, the goal line."""
     one_ms = one.timing.median_ms
-    ceiling = schedule_ceiling(label, shape, pp, best.extra.get("zb_order", "list"))
+    ceiling = schedule_ceiling(label, shape, pp, best.extra.get("zb_order", DEFAULT_ZB_ORDER))
     rec = ctx.record(Record("pipeline", f"{shape.name} best vs bubble-free", "ms/iter", best.timing.median_ms,
                             one_ms / pp, f"one GPU running the whole model ({one_ms:.2f} ms, 1F1B, one stage), / pp",
                             higher_is_better=False, sizes={**shape.sizes(), "pp": pp, "dp": dp},

@@ -61,7 +61,7 @@ from peerline.bench.benchkit import BenchContext
 from peerline.bench.runtime_timing import free_device
 from peerline.bench.suites.gpt_anchor import GPTShape
 from peerline.bench.suites.gpt_runs import GPTBench, one_gpu
-from peerline.choices import KERNELS, ZB_MEMORY, ZB_ORDERS
+from peerline.choices import DEFAULT_ZB_ORDER, KERNELS, ZB_MEMORY, ZB_ORDERS
 
 CONFIGS = {
     "compute": GPTShape("compute-bound", layers=24, hidden=2048, heads=16, seq=2048, micro_batch_size=1,
@@ -108,7 +108,7 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                             "fast,1f1b (default fast)")
     group.add_argument("--gpt-zb-orders", type=_csv, default=None,
                        help="peerline's --zb-order for zbv and zb-interleaved: list, searched, paper, e.g. list,paper "
-                            "(default list)")
+                            f"(default {DEFAULT_ZB_ORDER}, the run's)")
     group.add_argument("--gpt-anchor-schedules", type=_csv, default=None,
                        help="the anchor's torch schedules to try: 1f1b,gpipe,interleaved-1f1b,interleaved-zb,zbv,"
                             "dualpipev (default all that apply)")

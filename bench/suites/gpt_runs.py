@@ -45,6 +45,7 @@ from peerline.bench.suites.gpt_anchor import (
 )
 from peerline.bench.suites.gpt_report import GPTReport
 from peerline.bench.suites.torch_schedules import AXES_WITH_BLOCKS, candidates, fastest, recipes_for, with_blocks
+from peerline.choices import DEFAULT_ZB_ORDER
 from peerline.distributed.memory.state_bytes import per_rank as state_bytes_per_rank
 from peerline.distributed.memory.state_bytes import state_bytes
 
@@ -85,10 +86,11 @@ class GPTBench:
         precisions = getattr(self.args, "gpt_precisions", None) or ["master"]
         kernel_impls = getattr(self.args, "gpt_kernels", None) or ["auto"]
         memories = getattr(self.args, "gpt_zb_memory", None) or ["fast"]
-        orders = getattr(self.args, "gpt_zb_orders", None) or ["list"]
+        orders = getattr(self.args, "gpt_zb_orders", None) or [DEFAULT_ZB_ORDER]
         runs = [(v, None, None, None, None, None) if v in TORCH_VARIANTS else (v, s, p, k, z, o)
                 for v in variants for s in schedules for p in precisions for k in kernel_impls
-                for z in (memories if s in ZERO_BUBBLE else ["fast"]) for o in (orders if s in SPLIT else ["list"])]
+                for z in (memories if s in ZERO_BUBBLE else ["fast"])
+                for o in (orders if s in SPLIT else [DEFAULT_ZB_ORDER])]
         for variant, schedule, precision, kernels, memory, order in dict.fromkeys(runs):
             label = variant + variant_suffix(schedule, precision, kernels, memory, order)
             measure = (lambda v=variant: self.best_anchor(v, failures)) if variant in TORCH_VARIANTS else (
@@ -164,7 +166,7 @@ class GPTBench:
 
     # -- peerline ------------------------------------------------------------------------------------------------
     def peerline(self, graph: bool, recompute: str = "off", schedule: str = "1f1b", precision: str = "master",
-                 kernels: str = "auto", zb_memory: str = "fast", zb_order: str = "list", paired: bool = False
+                 kernels: str = "auto", zb_memory: str = "fast", zb_order: str = DEFAULT_ZB_ORDER, paired: bool = False
                  ) -> Measured | str:
         """peerline with `schedule`, `precision` (--precision), `kernels` (--kernels), `zb_memory` (--zb-memory) and
         `zb_order` (--zb-order)
@@ -233,7 +235,7 @@ def variant_suffix(schedule: str | None, precision: str | None, kernels: str | N
     return (("" if schedule in (None, "1f1b") else f" {schedule}") + ("" if precision in (None, "master") else
             f" {precision}") + ("" if kernels in (None, "auto") else f" kernels-{kernels}")
             + ("" if memory in (None, "fast") else f" zb-memory-{memory}")
-            + ("" if order in (None, "list") else f" zb-order-{order}"))
+            + ("" if order in (None, DEFAULT_ZB_ORDER) else f" zb-order-{order}"))
 
 
 def peerline_config(shape: GPTShape, device: torch.device, **overrides: Any) -> RunConfig:

@@ -74,7 +74,7 @@ from peerline.bench.suites.torch_schedules import (
     param_dtype,
     recipes_for,
 )
-from peerline.choices import PRECISIONS, SCHEDULES, ZB_ORDERS
+from peerline.choices import DEFAULT_ZB_ORDER, PRECISIONS, SCHEDULES, ZB_ORDERS
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +119,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                             "need bf16 weights are skipped, with a note, on an fp32 shape")
     group.add_argument("--pipeline-zb-orders", type=_csv, default=None,
                        help=f"peerline's --zb-order for zbv and zb-interleaved: {','.join(ZB_ORDERS)}, e.g. list,paper "
-                            "(default list); each multiplies those schedules' variants, measured against the same "
-                            "anchor")
+                            f"(default {DEFAULT_ZB_ORDER}, the run's); each multiplies those schedules' variants, "
+                            "measured against the same anchor")
     group.add_argument("--pipeline-bubble-free", action=argparse.BooleanOptionalAction, default=True,
                        help="also time the whole model on one GPU (rank 0's, a fresh process) with peerline's fastest "
                             "variant's recipe: the bubble-free time, / pp, and the fastest variant's fraction of it "
@@ -221,7 +221,7 @@ class PipelineBench:
         return s.microbatches * s.micro_batch_size * s.seq * self.dp
 
     # -- (a), (b) peerline -------------------------------------------------------------------------------------
-    def peerline(self, graph: bool, precision: str = "master", order: str = "list") -> Measured | str:
+    def peerline(self, graph: bool, precision: str = "master", order: str = DEFAULT_ZB_ORDER) -> Measured | str:
         """Measured (named by variant_label), or why the variant could not run; `order`: --zb-order."""
         try:
             from peerline.distributed.config import RunConfig
@@ -322,11 +322,11 @@ class PipelineBench:
                                       else None}))
 
 
-def variant_label(graph: bool, precision: str, order: str = "list") -> str:
+def variant_label(graph: bool, precision: str, order: str = DEFAULT_ZB_ORDER) -> str:
     """A peerline variant's name in the cases: eager or graph, then its --precision where it is not master and its
-    --zb-order where it is not list."""
+    --zb-order where it is not the run's default."""
     return (("graph" if graph else "eager") + ("" if precision == "master" else f" {precision}")
-            + ("" if order == "list" else f" zb-order-{order}"))
+            + ("" if order == DEFAULT_ZB_ORDER else f" zb-order-{order}"))
 
 
 def _precisions_for(shape: PipeShape, precisions: list[str], note) -> list[str]:
@@ -365,7 +365,7 @@ def run(args: argparse.Namespace, ctx: BenchContext) -> None:
     schedules = getattr(args, "schedules", None) or list(SCHEDULES)
     variants = getattr(args, "variants", None) or list(VARIANTS)
     precisions = list(dict.fromkeys(getattr(args, "pipeline_precisions", None) or ["master"]))
-    orders = list(dict.fromkeys(getattr(args, "pipeline_zb_orders", None) or ["list"]))
+    orders = list(dict.fromkeys(getattr(args, "pipeline_zb_orders", None) or [DEFAULT_ZB_ORDER]))
     for bad, allowed, what in ((configs, CONFIGS, "configuration"), (schedules, SCHEDULES, "schedule"),
                                (variants, VARIANTS, "variant"), (precisions, PRECISIONS, "precision"),
                                (orders, ZB_ORDERS, "zb order")):
@@ -408,7 +408,7 @@ def _bubble_free(args: argparse.Namespace, ctx: BenchContext, key: str, pp: int,
 
 def run_configuration(args: argparse.Namespace, ctx: BenchContext, shape: PipeShape, schedules: list[str],
                       variants: list[str], precisions: list[str], dp: int, groups: tuple[Any, Any],
-                      failures: list[str], orders: tuple[str, ...] | list[str] = ("list",)
+                      failures: list[str], orders: tuple[str, ...] | list[str] = (DEFAULT_ZB_ORDER,)
                       ) -> tuple[str, Measured] | None:
     """The anchor once (torch's fastest), then every peerline (schedule, variant, precision, and for zbv and
     zb-interleaved each of `orders`) against it, then peerline's fastest against it; returns that fastest (its label
@@ -430,7 +430,7 @@ def run_configuration(args: argparse.Namespace, ctx: BenchContext, shape: PipeSh
         bench = PipelineBench(args, ctx, shape, schedule, dp)
         results: dict[str, Measured] = {"torch": anchor} if anchor is not None else {}
         runs = [(v == "graph", p, o) for v in variants if v != "torch" for p in precisions
-                for o in (orders if schedule in SPLIT else ["list"])]
+                for o in (orders if schedule in SPLIT else [DEFAULT_ZB_ORDER])]
         for graph, precision, order in runs:
             variant = variant_label(graph, precision, order)
             got = measure_or_note(ctx, SUITE, f"{shape.name} {schedule} {variant}",

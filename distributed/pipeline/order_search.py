@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import random
 
-from peerline.choices import ZB_ORDERS
+from peerline.choices import DEFAULT_ZB_ORDER, ZB_ORDERS
 from peerline.distributed.pipeline import rank_schedule, rank_sim, zbv_paper
 from peerline.distributed.pipeline.placement import Placement
 from peerline.distributed.pipeline.rank_schedule import Compute
@@ -70,8 +70,8 @@ def _score(orders: list[list[Compute]], placement: Placement) -> float | None:
     return total
 
 
-def run_orders(schedule: str, placement: Placement, m: int, memory: str = "fast", order: str = "list"
-               ) -> list[list[Compute]]:
+def run_orders(schedule: str, placement: Placement, m: int, memory: str = "fast",
+               order: str = DEFAULT_ZB_ORDER) -> list[list[Compute]]:
     """The compute orders a run of `schedule` uses (`memory`: --zb-memory, `order`: --zb-order):
     rank_schedule.rank_orders', searched where `order` says so and the schedule is zero-bubble; with "paper", zbv
     takes the paper's construction (zbv_paper.py, at 1F1B's memory whatever `memory` says) and the other schedules

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from peerline.choices import DEFAULT_ZB_ORDER
 from peerline.distributed.config import ConfigError
 from peerline.distributed.p2p.base import ACT, GRAD, Links, TensorSpec
 from peerline.distributed.pipeline import rank_sim
@@ -33,7 +34,7 @@ class PlacedSchedule:
     placement: Placement
     microbatches: int
     memory: str = "fast"  # --zb-memory (zbv)
-    order: str = "list"  # --zb-order (zbv, zb-interleaved)
+    order: str = DEFAULT_ZB_ORDER  # --zb-order (zbv, zb-interleaved)
     orders: list[list[Compute]] = field(init=False)  # each rank's computes, the programs' order
     programs: list[RankProgram] = field(init=False)
     ring_programs: list[RankProgram] = field(init=False)
@@ -117,8 +118,8 @@ def placed_links(ps: PlacedSchedule, position: int, prev_rank: int | None, next_
                  grad_in=one[GRAD] if next_rank is not None else None)
 
 
-def placed_schedule(schedule: str, pp: int, per_rank: int, m: int, memory: str = "fast", order: str = "list"
-                    ) -> PlacedSchedule | None:
+def placed_schedule(schedule: str, pp: int, per_rank: int, m: int, memory: str = "fast",
+                    order: str = DEFAULT_ZB_ORDER) -> PlacedSchedule | None:
     """The checked rank programs of a schedule that places stages (interleaved, zbv); None for the others (one
     program per stage: pipeline/schedule.py). ConfigError for a grid the schedule cannot run. `memory`:
     --zb-memory; `order`: --zb-order."""

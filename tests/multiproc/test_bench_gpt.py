@@ -109,11 +109,12 @@ def test_gpt_suite_two_ranks_with_recompute_table(tmp_path):
         if case.startswith("quick eager"):
             assert rec["extra"]["anchor_paired"] is True and rec["extra"]["anchor_search_ms"] > 0, (case, rec["extra"])
             assert rec["extra"]["anchor_ms_per_iter"] > 0 and rec["anchor"] > 0, (case, rec["extra"])
-    capped = by_case["quick eager zbv zb-memory-1f1b"]["extra"]  # --gpt-zb-memory: the zero-bubble schedules only
+    capped = by_case["quick eager zbv zb-memory-1f1b zb-order-list"]["extra"]  # --gpt-zb-memory: zero-bubble only
     assert capped["zb_memory"] == "1f1b" and close(capped["losses"], ex["losses"], 1e-5), capped
     assert not any("zb-memory" in case for case in by_case if " zbv" not in case), sorted(by_case)
-    paper = by_case["quick eager zbv zb-order-paper"]["extra"]  # --gpt-zb-orders: zbv and zb-interleaved only
-    assert paper["zb_order"] == "paper" and close(paper["losses"], ex["losses"], 1e-5), paper
+    listed = by_case["quick eager zbv zb-order-list"]["extra"]  # --gpt-zb-orders: zbv and zb-interleaved only
+    assert listed["zb_order"] == "list" and close(listed["losses"], ex["losses"], 1e-5), listed
+    assert by_case["quick eager zbv"]["extra"]["zb_order"] == "paper"  # the run's default
     assert not any("zb-order" in case for case in by_case if " zbv" not in case), sorted(by_case)
 
     half = ex["stage_layers"] // 2

@@ -240,17 +240,18 @@ def test_pipeline_precisions_keep_bf16_weights_to_bf16_shapes():
 
 
 def test_a_zb_order_names_its_variant_and_sets_its_ceiling():
-    """--pipeline-zb-orders: a variant's name carries its --zb-order unless it is list, and the bubble-free record's
-    ceiling is that order's (zbv at pp=4, M=4: the paper's order fills later than the list order)."""
+    """--pipeline-zb-orders: a variant's name carries its --zb-order unless it is the run's default (paper), and the
+    bubble-free record's ceiling is that order's (zbv at pp=4, M=4: the paper's order fills later than the list
+    order)."""
     from dataclasses import replace
 
     from peerline.bench.ideal import schedule_bubble
     from peerline.bench.suites import bubble_free, pipeline
 
-    assert pipeline.variant_label(True, "bf16", "paper") == "graph bf16 zb-order-paper"
-    assert pipeline.variant_label(True, "bf16", "list") == "graph bf16"
+    assert pipeline.variant_label(True, "bf16", "list") == "graph bf16 zb-order-list"
+    assert pipeline.variant_label(True, "bf16", "paper") == pipeline.variant_label(True, "bf16") == "graph bf16"
     shape = replace(pipeline.CONFIGS["quick"], layers=8, microbatches=4)
-    paper = bubble_free.schedule_ceiling("zbv graph bf16 zb-order-paper", shape, 4, "paper")
-    listed = bubble_free.schedule_ceiling("zbv graph bf16", shape, 4)
+    paper = bubble_free.schedule_ceiling("zbv graph bf16", shape, 4)
+    listed = bubble_free.schedule_ceiling("zbv graph bf16 zb-order-list", shape, 4, "list")
     assert paper == pytest.approx(1 - schedule_bubble("zbv", 4, 4, 2, "paper"))
-    assert listed == pytest.approx(1 - schedule_bubble("zbv", 4, 4, 2)) and paper < listed
+    assert listed == pytest.approx(1 - schedule_bubble("zbv", 4, 4, 2, "list")) and paper < listed

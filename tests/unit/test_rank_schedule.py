@@ -87,7 +87,7 @@ def test_ring_form_posts_each_receive_just_before_its_consumer(schedule, shape, 
                 assert len(step) == 1, f"rank {r}: receive {a} posted with {S.step_str(step)}"
                 assert (steps[i + 1][0].op, steps[i + 1][0].stage, steps[i + 1][0].mb) == consumer
     assert rank_sim.min_rank_capacity(ring, placement, m) <= rank_sim.min_rank_capacity(meet, placement, m)
-    placed = placed_schedule(schedule, pp, v, m)
+    placed = placed_schedule(schedule, pp, v, m, order="list")
     depth = placed.min_capacity()
     assert placed.programs_for(depth) == ring and placed.programs_for(None) == meet
     placed.check(depth)
