@@ -105,7 +105,8 @@ def order_note(schedule: str, placement: Placement, m: int, memory: str, order: 
 
     held = max(held_peak(o) for o in ran), max(held_peak(o) for o in listed)
     what = "searched rank orders" if order == "searched" else "the zero-bubble paper's rank orders (torch's)"
-    return (f"--zb-order {order}: {schedule} runs {what}: in the model (F, B, W, transfer = "
+    default = " (the default)" if order == DEFAULT_ZB_ORDER else ""
+    return (f"--zb-order {order}{default}: {schedule} runs {what}: in the model (F, B, W, transfer = "
             f"{', '.join(f'{c:g}' for c in judge)}) {share(ran):.3f} of the bubble-free time against the list order's "
             f"{share(listed):.3f}, at most {held[0]} forwards awaiting their W per rank against {held[1]}")
 

@@ -80,9 +80,9 @@ PP2 = {
     # --zb-memory 1f1b: the zero-bubble orders that hold no more microbatches than 1F1B (other orders at M=4)
     "zb-h1-zb-memory-1f1b-graph": (("--schedule", "zb-h1", "--graph", "--zb-memory", "1f1b"), REF4, FP32_TOL,
                                    "copy-engine"),
-    "zbv-zb-memory-1f1b-graph": (("--schedule", "zbv", "--stages", "2", "--graph", "--zb-memory", "1f1b"), REF4,
-                                 FP32_TOL, "copy-engine"),
-    "zbv-zb-order-paper-graph": (("--schedule", "zbv", "--stages", "2", "--graph", "--zb-order", "paper"), REF4,
+    "zbv-zb-memory-1f1b-graph": (("--schedule", "zbv", "--stages", "2", "--graph", "--zb-memory", "1f1b",
+                                  "--zb-order", "list"), REF4, FP32_TOL, "copy-engine"),  # paper ignores --zb-memory
+    "zbv-zb-order-list-graph": (("--schedule", "zbv", "--stages", "2", "--graph", "--zb-order", "list"), REF4,
                                  FP32_TOL, "copy-engine"),
     # zb-interleaved: 3 stages per rank over the 6 flat layers (embedding, 4 blocks, head)
     "zb-interleaved-stages3-graph": (("--schedule", "zb-interleaved", "--stages", "3", "--graph"), REF4, FP32_TOL,

@@ -93,11 +93,11 @@ def test_a_hung_rank_under_zbv_is_named_by_microbatch_and_stages(tmp_path):
 
 
 @pytest.mark.parametrize("schedule,m,v,order", [("zbv", 8, 2, "searched"), ("zb-interleaved", 5, 4, "searched"),
-                                                 ("zbv", 5, 2, "paper")])
+                                                 ("zbv", 5, 2, "list")])
 def test_other_zero_bubble_orders_equal_single_process(tmp_path, schedule, m, v, order):
-    """--zb-order searched (pipeline/order_search.py: the rank orders moved for B longer than W) and paper
-    (pipeline/zbv_paper.py: the paper's ZB-V order) at pp=2, with graphs, against one process running the same
-    layers."""
+    """--zb-order searched (pipeline/order_search.py: the rank orders moved for B longer than W) and list (list
+    scheduling in unit time; zbv's default, the paper's order, runs in the grids above) at pp=2, with graphs,
+    against one process running the same layers."""
     args = [a if a != "1f1b" else schedule for a in GRID_ARGS]
     proc, ref = run_job([sys.executable], [*GRID_ARGS, "-m", str(m)], tmp_path, "ref")
     assert proc.returncode == 0, proc.stderr

@@ -85,7 +85,7 @@ def test_the_start_up_line_says_which_orders_run() -> None:
     searched = note("zbv", 8, "searched")
     assert searched and "0.979 of the bubble-free time against the list order's 0.953" in searched, searched
     paper = note("zbv", 8, "paper")
-    assert paper and "paper's rank orders" in paper, paper
+    assert paper and paper.startswith("--zb-order paper (the default): zbv runs the zero-bubble paper's rank orders")
     assert "at most 4 forwards awaiting their W per rank against 7" in paper, paper
     assert "the list order runs" in note("zbv", 16, "searched")
     assert note("zbv", 8) is None
