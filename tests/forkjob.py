@@ -10,7 +10,8 @@ process imports them and every job is a fork of it:
     ForkServer.shared().run_ranks(cmd, cwd, env, timeout)                       the same, each rank's own exit
                                                                                 code, output and exit time
 
-The job is launch/pipeline.py or launch/bench.py. A job of N ranks gets torchrun's variables (RANK, WORLD_SIZE,
+The job is launch/pipeline.py, launch/bench.py, or (one process) `python -m peerline.launch.export_checkpoint`. A job
+of N ranks gets torchrun's variables (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so peerline sees the job torchrun would start; N=1 is
 `python launch/pipeline.py`. Tests whose subject is a launcher (torchrun's agent, mpirun, signals, restarts) start
 real processes instead; so does every test with PEERLINE_TEST_FORKSERVER=0.
@@ -42,6 +43,7 @@ from tests.ports import free_port  # noqa: E402
 
 PIPELINE = str(REPO / "launch" / "pipeline.py")
 BENCH = str(REPO / "launch" / "bench.py")
+EXPORT = "peerline.launch.export_checkpoint"  # run as `python -m EXPORT`
 SCRIPT = str(Path(__file__).resolve())
 GRACE_S = 30.0  # how long the other ranks may take to end on their own once one failed (their own deadlines)
 ABORT_S = 10.0  # run_ranks' timeout: how long a rank sent SIGABRT may take to write its stacks before SIGKILL
@@ -60,10 +62,11 @@ def import_once() -> dict[str, object]:
     import torch.distributed.checkpoint  # noqa: F401 - checkpoints import it on first use (a second)
 
     from peerline.bench.main import main as bench
+    from peerline.launch.export_checkpoint import main as export
     from peerline.launch.pipeline import main as pipeline
     if torch.cuda.is_initialized():
         raise RuntimeError("importing the jobs' modules initialized CUDA, which a fork cannot use")
-    return {PIPELINE: pipeline, BENCH: bench}
+    return {PIPELINE: pipeline, BENCH: bench, EXPORT: export}
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -139,11 +142,13 @@ def run_job(main, argv: list[str], nproc: int) -> int:
 
 
 def split_command(cmd: list[str]) -> tuple[str, int, list[str]] | None:
-    """(script, nproc, its flags) of a command this module can run: `python SCRIPT ...` or
-    `python tests/forkjob.py --nproc_per_node=N SCRIPT ...`, SCRIPT launch/pipeline.py or launch/bench.py; None
-    for any other command."""
+    """(script, nproc, its flags) of a command this module can run: `python SCRIPT ...`,
+    `python tests/forkjob.py --nproc_per_node=N SCRIPT ...`, SCRIPT launch/pipeline.py or launch/bench.py, or
+    `python -m peerline.launch.export_checkpoint ...` (EXPORT, one process); None for any other command."""
     if len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1] in (PIPELINE, BENCH):
         return cmd[1], 1, cmd[2:]
+    if len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1:3] == ["-m", EXPORT]:
+        return EXPORT, 1, cmd[3:]
     if len(cmd) >= 4 and cmd[0] == sys.executable and cmd[1] == SCRIPT and cmd[3] in (PIPELINE, BENCH):
         return cmd[3], int(cmd[2].split("=", 1)[1]), cmd[4:]
     return None
