@@ -155,11 +155,11 @@ def names_rank(rank: int) -> Callable[[Result], str]:
 
 
 #: Every bad input runs as forked ranks (tests/forkjob.py: torchrun's variables, a fraction of the start-up cost).
-#: Under the real torchrun: one of each way a bad input reaches the job (a flag's value, argparse, the environment, a
-#: fault spec, a model factory, a model's output), since torchrun's plugin (peerline/torchrun_report.py) prints an
-#: error at start-up once, at the end, and one in training as the worker's and the agent's last line.
-UNDER_TORCHRUN = ("lr nan", "unknown flag", "PEERLINE_LOG=BOGUS", "fault at a missing rank",
-                  "model raises on import", "tuple output")
+#: Under the real torchrun, whose plugin (peerline/torchrun_report.py) prints an error at start-up once, at the end,
+#: and one in training as the worker's and the agent's last line: the environment, a model factory, a model's
+#: output. A flag's value and argparse run under torchrun in tests/multiproc/test_newcomer_launch.py, a grid check
+#: and a factory's result in test_pipeline_cpu.py, each with the same last-line and exit-code check.
+UNDER_TORCHRUN = ("PEERLINE_LOG=BOGUS", "model raises on import", "tuple output")
 #: Under mpirun the check is the forked ranks' (one line); what differs is that ranks learn their rank from Open MPI's
 #: variables and mpirun ends the others: one input before the process group on rank 0 alone (argparse), one read
 #: from the environment, one a model factory, one in training after the process group (a model's output).
