@@ -10,7 +10,8 @@ process imports them and every job is a fork of it:
     ForkServer.shared().run_ranks(cmd, cwd, env, timeout)                       the same, each rank's own exit
                                                                                 code, output and exit time
 
-The job is launch/pipeline.py or launch/bench.py. A job of N ranks gets torchrun's variables (RANK, WORLD_SIZE,
+The job is launch/pipeline.py, launch/bench.py, or (one process) `python -m peerline.launch.export_checkpoint`. A job
+of N ranks gets torchrun's variables (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so peerline sees the job torchrun would start; N=1 is
 `python launch/pipeline.py`. Tests whose subject is a launcher (torchrun's agent, mpirun, signals, restarts) start
 real processes instead; so does every test with PEERLINE_TEST_FORKSERVER=0.
@@ -42,6 +43,7 @@ from tests.ports import free_port  # noqa: E402
 
 PIPELINE = str(REPO / "launch" / "pipeline.py")
 BENCH = str(REPO / "launch" / "bench.py")
+EXPORT = "peerline.launch.export_checkpoint"  # run as `python -m EXPORT`
 SCRIPT = str(Path(__file__).resolve())
 GRACE_S = 30.0  # how long the other ranks may take to end on their own once one failed (their own deadlines)
 ABORT_S = 10.0  # run_ranks' timeout: how long a rank sent SIGABRT may take to write its stacks before SIGKILL
@@ -60,10 +62,11 @@ def import_once() -> dict[str, object]:
     import torch.distributed.checkpoint  # noqa: F401 - checkpoints import it on first use (a second)
 
     from peerline.bench.main import main as bench
+    from peerline.launch.export_checkpoint import main as export
     from peerline.launch.pipeline import main as pipeline
     if torch.cuda.is_initialized():
         raise RuntimeError("importing the jobs' modules initialized CUDA, which a fork cannot use")
-    return {PIPELINE: pipeline, BENCH: bench}
+    return {PIPELINE: pipeline, BENCH: bench, EXPORT: export}
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -139,11 +142,13 @@ def run_job(main, argv: list[str], nproc: int) -> int:
 
 
 def split_command(cmd: list[str]) -> tuple[str, int, list[str]] | None:
-    """(script, nproc, its flags) of a command this module can run: `python SCRIPT ...` or
-    `python tests/forkjob.py --nproc_per_node=N SCRIPT ...`, SCRIPT launch/pipeline.py or launch/bench.py; None
-    for any other command."""
+    """(script, nproc, its flags) of a command this module can run: `python SCRIPT ...`,
+    `python tests/forkjob.py --nproc_per_node=N SCRIPT ...`, SCRIPT launch/pipeline.py or launch/bench.py, or
+    `python -m peerline.launch.export_checkpoint ...` (EXPORT, one process); None for any other command."""
     if len(cmd) >= 2 and cmd[0] == sys.executable and cmd[1] in (PIPELINE, BENCH):
         return cmd[1], 1, cmd[2:]
+    if len(cmd) >= 3 and cmd[0] == sys.executable and cmd[1:3] == ["-m", EXPORT]:
+        return EXPORT, 1, cmd[3:]
     if len(cmd) >= 4 and cmd[0] == sys.executable and cmd[1] == SCRIPT and cmd[3] in (PIPELINE, BENCH):
         return cmd[3], int(cmd[2].split("=", 1)[1]), cmd[4:]
     return None
@@ -158,10 +163,12 @@ def _redirect(out: str, err: str) -> None:
 
 
 def _run_ranks(main, argv: list[str], nproc: int, outs: list[str], errs: list[str], conn: socket.socket) -> None:
-    """Fork nproc ranks, each writing to its own files, and answer `rank exit-code seconds` on conn as each ends
-    (the exit code as Popen's returncode; the seconds since the job started). No rank is ended because another
-    failed: each rank's own behaviour is what the tests check. `abort` from the client ends the ranks still
-    running: SIGABRT (faulthandler writes every thread's stack), then SIGKILL after ABORT_S."""
+    """Fork nproc ranks, each writing to its own files, and answer `rank exit-code seconds stopped` on conn as each
+    ends (the exit code as Popen's returncode; the seconds since the job started; when it was first seen stopped by
+    SIGSTOP, or `-`). No rank is ended because another failed: each rank's own behaviour is what the tests check,
+    except that once some rank has ended and every rank still running is stopped (a `stop` fault, a frozen node),
+    those are killed: a stopped rank cannot go on. `abort` from the client ends the ranks still running: SIGABRT
+    (faulthandler writes every thread's stack), then SIGKILL after ABORT_S."""
     port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -176,13 +183,20 @@ def _run_ranks(main, argv: list[str], nproc: int, outs: list[str], errs: list[st
                 faulthandler.enable()
             _rank(main, argv, rank, nproc, port)
         pids[pid] = rank
-    aborted_at = None
+    aborted_at, stopped_at = None, {}
     while pids:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid:
             code = os.waitstatus_to_exitcode(status)
-            conn.sendall(f"{pids.pop(pid)} {code} {time.monotonic() - t0:.3f}\n".encode())
+            stopped = f"{stopped_at[pid]:.3f}" if pid in stopped_at else "-"
+            conn.sendall(f"{pids.pop(pid)} {code} {time.monotonic() - t0:.3f} {stopped}\n".encode())
             continue
+        for p in pids:
+            if p not in stopped_at and _stopped(p):
+                stopped_at[p] = time.monotonic() - t0
+        if len(pids) < nproc and all(p in stopped_at for p in pids):
+            for p in pids:
+                os.kill(p, signal.SIGKILL)
         if aborted_at is None and select.select([conn], [], [], 0)[0]:  # `abort`, or the client is gone
             aborted_at = time.monotonic()
             for p in pids:
@@ -249,13 +263,15 @@ def serve(path: str) -> None:
 @dataclass
 class RankExit:
     """One rank of ForkServer.run_ranks: its exit code (Popen's returncode: minus the signal that ended it), the
-    seconds from the job's start to its exit, its output, and whether it was still running at the timeout."""
+    seconds from the job's start to its exit, its output, whether it was still running at the timeout, and the
+    seconds from the job's start to the moment it was first seen stopped (SIGSTOP; None: never)."""
 
     rc: int
     seconds: float
     out: str
     err: str
     timed_out: bool
+    stopped_s: float | None = None
 
 
 class RanksTimeout(Exception):
@@ -286,11 +302,11 @@ class _Lines:
         line, self.buffer = self.buffer.split(b"\n", 1)
         return line.decode()
 
-    def collect(self, exits: dict[int, tuple[int, float]], nproc: int, deadline: float) -> None:
-        """Read `rank code seconds` lines into exits until all nproc ranks are in, or the deadline."""
+    def collect(self, exits: dict[int, tuple[int, float, float | None]], nproc: int, deadline: float) -> None:
+        """Read `rank code seconds stopped` lines into exits until all nproc ranks are in, or the deadline."""
         while len(exits) < nproc and (line := self.read(deadline)) is not None:
-            rank, code, seconds = line.split()
-            exits[int(rank)] = (int(code), float(seconds))
+            rank, code, seconds, stopped = line.split()
+            exits[int(rank)] = (int(code), float(seconds), None if stopped == "-" else float(stopped))
 
 
 class ForkServer:
@@ -339,11 +355,12 @@ class ForkServer:
     def run_ranks(self, cmd: list[str], cwd: str | os.PathLike, env: dict[str, str],
                   timeout: float) -> list[RankExit]:
         """Each rank's exit of a command that split_command accepts, its ranks forked with torchrun's variables
-        (one rank too) and left to end on their own. Past `timeout`, the ranks still running are sent SIGABRT,
-        then the job is killed, and RanksTimeout carries every rank's exit and output."""
+        (one rank too) and left to end on their own (stopped ones are killed once they are all that is left). Past
+        `timeout`, the ranks still running are sent SIGABRT, then the job is killed, and RanksTimeout carries every
+        rank's exit and output."""
         script, nproc, argv = split_command(cmd)
         files = [[self._new_file(f".r{rank}{suffix}") for suffix in (".out", ".err")] for rank in range(nproc)]
-        exits: dict[int, tuple[int, float]] = {}
+        exits: dict[int, tuple[int, float, float | None]] = {}
         with socket.socket(socket.AF_UNIX) as conn:
             conn.connect(self.path)
             request = {"script": script, "argv": argv, "nproc": nproc, "ranks": True, "cwd": str(cwd), "env": env,
@@ -363,8 +380,10 @@ class ForkServer:
                 lines.collect(exits, nproc, time.monotonic() + ABORT_S + 5)
                 with contextlib.suppress(ProcessLookupError):  # the job's leader ends once every rank did
                     os.killpg(pid, signal.SIGKILL)
-        ranks = [RankExit(*exits.get(rank, (-signal.SIGKILL, timeout)), self._read(out), self._read(err),
-                          rank in running) for rank, (out, err) in enumerate(files)]
+        ranks = []
+        for rank, (out, err) in enumerate(files):
+            code, seconds, stopped = exits.get(rank, (-signal.SIGKILL, timeout, None))
+            ranks.append(RankExit(code, seconds, self._read(out), self._read(err), rank in running, stopped))
         if running:
             raise RanksTimeout(ranks)
         return ranks

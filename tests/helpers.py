@@ -32,6 +32,19 @@ def forkrun_cmd(nproc: int) -> list[str]:
     return [sys.executable, forkjob.SCRIPT, f"--nproc_per_node={nproc}"]
 
 
+def forkserver(preload: tuple[str, ...] = ("torch", "torch.distributed")):
+    """multiprocessing's forkserver context, with OMP_NUM_THREADS=1 and torch imported once in its server: the
+    processes a test starts with it (torch.multiprocessing.start_processes(..., start_method="forkserver"), its
+    Manager) are forks of that server, not fresh interpreters importing torch each (seconds of CPU apiece).
+    The first call in a process starts the server; later preloads are ignored."""
+    import multiprocessing
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    return ctx
+
+
 def run_command(cmd: list[str], cwd: str | os.PathLike, env: dict[str, str] | None = None,
                 timeout: float = 240) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True): the main job or the bench, alone or under forkrun_cmd,

@@ -1,6 +1,6 @@
 """Stage boundaries of several tensors on the CPU (gloo): a user model whose layers hand each other tuples and dicts
-of float, bf16 and int64 tensors (models/tuple_model.py), split at pp=2 and pp=4 under torchrun and as stages of one
-process, against the single-process run of the same model and seed.
+of float, bf16 and int64 tensors (models/tuple_model.py), split at pp=2 and pp=4 (ranks forked with torchrun's
+variables: tests/forkjob.py) and as stages of one process, against the single-process run of the same model and seed.
 
 fp32 on the CPU: a split reorders no arithmetic inside a layer and packing moves bytes unchanged, so losses and
 every layer's parameters match to 1e-6 relative (in practice bitwise).
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, assert_same_run, cpu_env, forkrun_cmd, run_job, torchrun_cmd
+from tests.helpers import REPO, assert_same_run, cpu_env, forkrun_cmd, run_job
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -55,7 +55,7 @@ def test_stages_of_one_process_pass_structures_by_reference(tmp_path, reference,
 
 def test_a_boundary_no_transport_can_carry_is_one_line(tmp_path):
     args = [*ARGS[:-1], "tuple_model:bad_boundary", "--pp", "2"]
-    proc, _ = run_job(torchrun_cmd(2), args, tmp_path, "bad", timeout=120, env=env())
+    proc, _ = run_job(forkrun_cmd(2), args, tmp_path, "bad", timeout=120, env=env())
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("peerline: error:")]
     assert 1 <= len(lines) <= 2, proc.stderr  # stage 0's rank, and stage 1's that it handed the line to

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from peerline.distributed.resilience.preemption import EXIT_PREEMPTED
-from tests.helpers import PIPELINE, cpu_env, run_command, torchrun_cmd, uninterrupted_run
+from tests.helpers import PIPELINE, cpu_env, forkrun_cmd, run_command, torchrun_cmd, uninterrupted_run
 from tests.ports import free_port
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -63,8 +63,10 @@ def reference(tmp_path_factory) -> dict:
 
 
 def _resume_matches(tmp: Path, reference: dict) -> None:
-    p = subprocess.run([*torchrun_cmd(2), PIPELINE, *MODEL, "--resume", "ck", "--json", "res.json"], cwd=tmp,
-                       env=cpu_env(), capture_output=True, text=True, timeout=180)
+    """The resume of the preempted job, its ranks forked (tests/forkjob.py): the checkpoint is the subject here, the
+    signal's path through the launcher is each test's own."""
+    p = run_command([*forkrun_cmd(2), PIPELINE, *MODEL, "--resume", "ck", "--json", "res.json"], tmp,
+                    timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "peerline: resumed from ck at iteration 3" in p.stdout
     got = json.loads((tmp / "res.json").read_text())

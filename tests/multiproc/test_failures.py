@@ -2,8 +2,9 @@
 
 Ranks are started with torchrun's environment variables and no launcher, so each rank's own exit code and stderr
 can be checked (torchrun and mpirun would end the survivors themselves): forked from the test fork server
-(failures_util.spawn), or real processes where a fork would change the subject: the frozen rank (SIGSTOP), one test
-under torchrun (`--max-restarts=1`: killed, restarted, resumed) and one under mpirun (a killed rank ends the job).
+(failures_util.spawn, and ForkServer.run_ranks for the frozen rank, whose freeze it sees in /proc), or real processes
+where a fork would change the subject: one test under torchrun (`--max-restarts=1`: killed, restarted, resumed) and
+one under mpirun (a killed rank ends the job).
 
   - resume: 6 iterations == 3 iterations + checkpoint + resume to 6, bitwise; a rank delayed under the deadline
     in the resumed part changes nothing
@@ -30,7 +31,8 @@ from pathlib import Path
 import pytest
 
 from peerline.distributed.resilience.watchdog import EXIT_MARGIN_S
-from tests.helpers import cpu_env, mpirun_cmd, torchrun_cmd
+from tests import forkjob
+from tests.helpers import cpu_env, forkrun_cmd, mpirun_cmd, torchrun_cmd
 from tests.multiproc.failures_util import ENTRY, STARTUP_S, Rank, losses
 from tests.multiproc.failures_util import spawn as _spawn
 from tests.ports import free_port
@@ -228,7 +230,19 @@ def _frozen(pid: int) -> bool:
 def spawn_with_a_frozen_rank(n: int, args: list[str], tmp: Path, fault: str, frozen: int,
                              limit_s: float) -> list[Rank]:
     """Like `spawn`, with rank `frozen` stopping itself (a `stop` fault): each other rank's `seconds` counts from
-    the moment it froze to its exit; the frozen rank is killed once the others are out (or at `limit_s`)."""
+    the moment it froze to its exit; the frozen rank is killed once the others are out (or at `limit_s`). The
+    ranks are forked from the test fork server, which sees the freeze in /proc as this loop does
+    (PEERLINE_TEST_FORKSERVER=0: plain processes)."""
+    if forkjob.enabled():
+        try:
+            exits = forkjob.ForkServer.shared().run_ranks([*forkrun_cmd(n), ENTRY, *MODEL, *args], tmp,
+                                                          cpu_env(PEERLINE_FAULT=fault), limit_s)
+        except forkjob.RanksTimeout as exc:
+            exits = exc.ranks
+        froze_at = exits[frozen].stopped_s
+        assert froze_at is not None, f"rank {frozen} never froze: {exits[frozen].err}"
+        return [Rank(e.rc, e.out, e.err, float("inf") if r == frozen or e.timed_out else e.seconds - froze_at)
+                for r, e in enumerate(exits)]
     port = str(free_port())
     procs, files = [], []
     for r in range(n):

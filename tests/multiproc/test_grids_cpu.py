@@ -1,15 +1,16 @@
 """The 4- and 8-rank grids of issue 11 on the CPU (gloo), against the single-process reference.
 
 Machines with 4 and 8 GPUs are not lent yet; these runs check the same code paths (mesh layout, dp groups per
-stage, pipelines of 4 and 8 stages, 1F1B) with torchrun on the CPU. Each grid with M microbatches per replica
-equals one process with M x dp microbatches (fp32, 1e-5 relative).
+stage, pipelines of 4 and 8 stages, 1F1B) on the CPU, the ranks forked as torchrun would start them
+(tests/forkjob.py). Each grid with M microbatches per replica equals one process with M x dp microbatches (fp32, 1e-5
+relative).
 """
 
 import sys
 
 import pytest
 
-from tests.helpers import assert_same_run, cpu_env, forkrun_cmd, run_job, torchrun_cmd
+from tests.helpers import assert_same_run, cpu_env, forkrun_cmd, run_job
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -64,7 +65,7 @@ def test_placed_schedules_equal_single_process(tmp_path, schedule, nproc, pp, dp
 
 def test_interleaved_m_not_a_multiple_of_pp_is_one_error_line(tmp_path):
     args = [a if a != "1f1b" else "interleaved" for a in GRID_ARGS]
-    proc, _ = run_job(torchrun_cmd(2), [*args, "-m", "3", "--pp", "2", "--stages", "2"], tmp_path, "bad")
+    proc, _ = run_job(forkrun_cmd(2), [*args, "-m", "3", "--pp", "2", "--stages", "2"], tmp_path, "bad")
     assert proc.returncode != 0
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("peerline: error:")]
     assert len(lines) == 1 and "M=3 is not a multiple of pp=2" in lines[0], proc.stderr[-2000:]

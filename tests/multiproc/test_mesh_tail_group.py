@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from peerline.distributed.mesh import Mesh
+from tests.helpers import forkserver
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +35,11 @@ def _worker(rank: int, world: int, init_file: str, results: dict) -> None:
 @pytest.mark.timeout(120)
 def test_capped_dp_groups_get_an_uncapped_tail_twin() -> None:
     world = 4
-    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+    ctx = forkserver()
+    with tempfile.TemporaryDirectory() as tmp, ctx.Manager() as manager:
         results = manager.dict()
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), results), nprocs=world, join=True)
+        mp.start_processes(_worker, args=(world, os.path.join(tmp, "init"), results), nprocs=world, join=True,
+                           start_method="forkserver")
         got = dict(results)
     # stage 0: ranks 0 and 2 (sum 2); stage 1: ranks 1 and 3 (sum 4)
     assert got == {0: (True, 2, 2.0), 1: (True, 2, 4.0), 2: (True, 2, 2.0), 3: (True, 2, 4.0)}

@@ -1,4 +1,4 @@
-"""ShardedAdamW over 2 CPU ranks (gloo, spawned here) against torch's AdamW over whole gradients averaged by hand:
+"""ShardedAdamW over 2 CPU ranks (gloo, forked here) against torch's AdamW over whole gradients averaged by hand:
 the parameters after each step, `full_state()` against the plain AdamW's state, and the round trips the
 checkpoints rely on: a plain AdamW's state loaded into a fresh sharded optimizer (`load_full_state`) and a sharded
 optimizer's `full_state()` loaded into a fresh plain AdamW both continue exactly as the uninterrupted reference."""
@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from peerline.distributed.grad_sync.sharded import ShardedGradBuckets
 from peerline.distributed.grad_sync.sharded_adamw import ShardedAdamW, full_param_names
+from tests.helpers import forkserver
 
 pytestmark = pytest.mark.slow
 
@@ -119,10 +120,11 @@ def _worker(rank: int, world: int, init_file: str, results: dict) -> None:
 
 @pytest.mark.timeout(120)
 def test_sharded_adamw_matches_adamw_and_round_trips_its_state() -> None:
-    with tempfile.TemporaryDirectory() as tmp, mp.Manager() as manager:
+    ctx = forkserver()
+    with tempfile.TemporaryDirectory() as tmp, ctx.Manager() as manager:
         results = manager.dict()
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        mp.spawn(_worker, args=(2, os.path.join(tmp, "init"), results), nprocs=2, join=True)
+        mp.start_processes(_worker, args=(2, os.path.join(tmp, "init"), results), nprocs=2, join=True,
+                           start_method="forkserver")
         got = {rank: dict(v) for rank, v in results.items()}
     for rank, out in got.items():
         assert "error" not in out, (rank, out["error"])

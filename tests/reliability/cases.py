@@ -1,5 +1,5 @@
 """The reliability suite's table: each bad input as forked ranks (some also under torchrun and mpirun), each
-fault on pp=2 and pp=2 x dp=2.
+fault on pp=2 (forked ranks) and pp=2 x dp=2 (torchrun).
 
 A case is a command line and what a clean outcome looks like; its check sorts what happened into one of
 clean / traceback / hang / silent wrong / misnamed / data lost (see OUTCOMES). More cases join the table from the
@@ -78,7 +78,9 @@ BAD_INPUTS: list[tuple[str, list[str], dict[str, str]]] = [
 
 #: (name, PEERLINE_FAULT, the rank that stops): every rank out within the deadline, every line naming that rank.
 FAULTS = [("kill", "kill:rank=1:iter=2", 1), ("hang", "hang:rank=1:iter=2", 1)]
-GRIDS = [("pp=2", 2, []), ("pp=2 x dp=2", 4, ["--dp", "2"])]
+#: (grid, ranks, flags, launcher): torchrun's agent ends the survivors of a fault (SIGTERM) before their own
+#: deadlines; pp=2 x dp=2 has pp=2's survivor (rank 0, waiting on rank 1) and more, so pp=2 runs as forked ranks.
+GRIDS = [("pp=2", 2, [], "forked"), ("pp=2 x dp=2", 4, ["--dp", "2"], "torchrun")]
 FAULT_TIMEOUT_S = 8
 
 
@@ -152,11 +154,16 @@ def names_rank(rank: int) -> Callable[[Result], str]:
     return check
 
 
-#: The bad inputs also run under the real torchrun and mpirun: one of each way a bad input reaches the job (a flag's
-#: value, argparse, the environment, a fault spec, a model factory, a model's output). Every bad input runs as
-#: forked ranks (tests/forkjob.py: torchrun's variables, a fraction of the start-up cost).
-UNDER_EACH_LAUNCHER = ("lr nan", "unknown flag", "PEERLINE_LOG=BOGUS", "fault at a missing rank",
-                       "model raises on import", "tuple output")
+#: Every bad input runs as forked ranks (tests/forkjob.py: torchrun's variables, a fraction of the start-up cost).
+#: Under the real torchrun, whose plugin (peerline/torchrun_report.py) prints an error at start-up once, at the end,
+#: and one in training as the worker's and the agent's last line: the environment, a model factory, a model's
+#: output. A flag's value and argparse run under torchrun in tests/multiproc/test_newcomer_launch.py, a grid check
+#: and a factory's result in test_pipeline_cpu.py, each with the same last-line and exit-code check.
+UNDER_TORCHRUN = ("PEERLINE_LOG=BOGUS", "model raises on import", "tuple output")
+#: Under mpirun the check is the forked ranks' (one line); what differs is that ranks learn their rank from Open MPI's
+#: variables and mpirun ends the others: one input before the process group on rank 0 alone (argparse), one read
+#: from the environment, one a model factory, one in training after the process group (a model's output).
+UNDER_MPIRUN = ("unknown flag", "PEERLINE_LOG=BOGUS", "model raises on import", "tuple output")
 
 
 def launcher(kind: str, n: int) -> list[str]:
@@ -184,21 +191,23 @@ def all_cases(workdir: Path) -> list[Case]:
 
 
 def base_cases(workdir: Path) -> list[Case]:
-    """The bad inputs (under each launcher where UNDER_EACH_LAUNCHER says) and the faults."""
-    assert set(UNDER_EACH_LAUNCHER) <= {name for name, _, _ in BAD_INPUTS}, UNDER_EACH_LAUNCHER
+    """The bad inputs (under torchrun and mpirun where UNDER_TORCHRUN and UNDER_MPIRUN say) and the faults."""
+    assert set(UNDER_TORCHRUN) | set(UNDER_MPIRUN) <= {name for name, _, _ in BAD_INPUTS}
     cases = []
     env_models = {"PYTHONPATH": f"{workdir}:{Path(__file__).resolve().parents[2]}"}
+    under = {"forked": {name for name, _, _ in BAD_INPUTS}, "torchrun": set(UNDER_TORCHRUN),
+             "mpirun": set(UNDER_MPIRUN)}
     for kind in ("forked", "torchrun", "mpirun"):
         for name, args, env in BAD_INPUTS:
-            if kind == "forked" or name in UNDER_EACH_LAUNCHER:
+            if name in under[kind]:
                 check = last_line_exit_2 if kind == "torchrun" else one_clean_line
                 cases.append(Case(f"{kind}: {name}", [*launcher(kind, 2), PIPELINE, *TINY, *args],
                                   cpu_env(**env_models, **env), STARTUP_S, check))
-    for grid, n, args in GRIDS:
+    for grid, n, args, kind in GRIDS:
         for name, fault, rank in FAULTS:
             limit = STARTUP_S + FAULT_TIMEOUT_S + 40
-            cases.append(Case(f"torchrun {grid}: {name} rank {rank}", [
-                *torchrun_cmd(n), PIPELINE, *TINY, "--iters", "6", "--timeout-s", str(FAULT_TIMEOUT_S), *args],
+            cases.append(Case(f"{kind} {grid}: {name} rank {rank}", [
+                *launcher(kind, n), PIPELINE, *TINY, "--iters", "6", "--timeout-s", str(FAULT_TIMEOUT_S), *args],
                 cpu_env(PEERLINE_FAULT=fault), limit, names_rank(rank)))
     return cases
 

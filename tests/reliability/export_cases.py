@@ -1,5 +1,6 @@
 """export_checkpoint's bad inputs for the reliability suite (loaded by tests/reliability/cases.py): `cases(workdir)`
-returns one `Case` per input, each `python -m peerline.launch.export_checkpoint DIR --to FILE` as a real process.
+returns one `Case` per input, each `python -m peerline.launch.export_checkpoint DIR --to FILE`, forked from the test
+fork server (tests/forkjob.py: the exporter's own checks are the subject, not a fresh interpreter's start-up).
 
 Built once here: a checkpoint folder of a one-process run saving at 2 and 4. A bad DIR, a checkpoint that does not
 verify, a --to that cannot be written or has an unknown suffix, a missing flag: one `peerline: error:` line naming

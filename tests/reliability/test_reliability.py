@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.forkjob import split_command
 from tests.reliability.cases import OUTCOMES, all_cases, run_case, write_models
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
@@ -19,7 +20,8 @@ WORKERS = 4  # jobs at once: most of a case is waiting (imports, rendezvous, dea
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed")
 def test_every_case_ends_cleanly(tmp_path):
     write_models(tmp_path)
-    cases = all_cases(tmp_path)
+    # The long cases first (real launchers, then injected faults), so that no long one starts last and runs alone.
+    cases = sorted(all_cases(tmp_path), key=lambda c: (split_command(c.cmd) is not None, "PEERLINE_FAULT" not in c.env))
     with ThreadPoolExecutor(WORKERS) as pool:
         outcomes = list(pool.map(lambda c: run_case(c, tmp_path), cases))
     counts = {k: sum(1 for o, _ in outcomes if o == k) for k in OUTCOMES}

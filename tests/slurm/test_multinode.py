@@ -91,7 +91,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def submit(cluster: MultiNodeCluster, args: list[str], tmp_path: Path, nodes: int = 2, timeout_s: float = 150,
            time_min: int = 4, **env: str) -> JobResult:
     """multinode.sbatch in its CPU form on `nodes` nodes, one agent of 2 ranks each, gloo on each node's eth0;
-    `time_min` is the job's Slurm time limit, `timeout_s` how long `sbatch --wait` may take."""
+    `time_min` is the job's Slurm time limit, `timeout_s` how long the job may take from its submission."""
     job_env = clean_env(PEERLINE_DEVICE="cpu", PEERLINE_PYTHON=sys.executable, PEERLINE_IFNAME="eth0", **env)
     return cluster.sbatch(SCRIPT, args, options=[f"--time={time_min}", f"--nodes={nodes}", "--ntasks-per-node=1",
                                                  "--gpus-per-node=0", f"--cpus-per-task={2}"],
@@ -141,7 +141,7 @@ def test_two_nodes_equal_single_process(grid: str, cluster: MultiNodeCluster, re
 MARGIN_S = 1.0 + EXIT_MARGIN_S
 LOADED_S = 3.0
 #: The whole job on a quiet machine takes about 45 s (two attempts' start-up, 100 iterations, the cut); its Slurm
-#: limit is this many minutes times the load factor, and `sbatch --wait` gets 30 s more, so a slow job ends by
+#: limit is this many minutes times the load factor, and the wait for it gets 30 s more, so a slow job ends by
 #: Slurm's limit with its log, not by the wait's.
 JOB_MIN = 4
 
@@ -219,7 +219,7 @@ def test_lost_node_ends_every_rank_then_the_job_resumes(cluster: MultiNodeCluste
     finally:
         cluster.set_link("node2", up=True)
     submitter.join(timeout=wait_s + 30)
-    assert "r" in job, f"sbatch --wait still running after {wait_s + 30:.0f} s"
+    assert "r" in job, f"the job still not waited for after {wait_s + 30:.0f} s"
     result = job["r"]
     late = {p: before[p] for p in before if ended.get(p, float("inf")) > deadline_s + margin_s}
     print(f"load factor {load:.2f}; first checkpoint {cut_at - t0:.1f} s after sbatch; ranks of the first attempt "

@@ -36,13 +36,22 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
-def _reference(tmp_path: Path) -> dict:
-    out = tmp_path / "ref.json"
+def _start_reference(tmp_path: Path) -> subprocess.Popen:
+    """The uninterrupted run under torchrun, started beside the Slurm job (most of which is waiting: the pause, the
+    requeue); `_reference` collects it."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "launch" / "pipeline.py"), "--device", "cpu", *MODEL, "--json", str(out)]
-    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180, cwd=tmp_path)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return json.loads(out.read_text())
+           str(REPO / "launch" / "pipeline.py"), "--device", "cpu", *MODEL, "--json", str(tmp_path / "ref.json")]
+    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=tmp_path)
+
+
+def _reference(proc: subprocess.Popen, tmp_path: Path) -> dict:
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    return json.loads((tmp_path / "ref.json").read_text())
 
 
 def _wait_for(what: str, ready, timeout_s: float, describe) -> None:
@@ -61,7 +70,7 @@ def _state(cluster: SlurmCluster, job: str) -> str:
 
 
 def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_losses(slurm_cluster, tmp_path):
-    reference = _reference(tmp_path)
+    reference_run = _start_reference(tmp_path)
     ck, res = tmp_path / "ck", tmp_path / "res.json"
     cmd = ["sbatch", "--parsable", f"--output={tmp_path}/%x_%j.out", "--time=5", "--gpus-per-node=0",
            "--cpus-per-task=2", str(SLURM_DIR / "pipeline.sbatch"), *MODEL, "--save", str(ck), "--resume", str(ck),
@@ -99,6 +108,7 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_losses(slurm
     assert " after iteration 3: checkpoint of iteration 3 in " in log_text, describe()
     assert re.search(r"preempted \(exit code \d+\): requeued", log_text), describe()  # torchrun's own code
     assert f"peerline: resumed from {ck} at iteration 3" in log_text, describe()
+    reference = _reference(reference_run, tmp_path)
     got = json.loads(res.read_text())
     assert got["iterations"] == [4, 5, 6], describe()
     assert got["losses"] == reference["losses"][3:], "the requeued run differs from the uninterrupted one"

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 from peerline.kernels import fused_linear
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.forkjob import BENCH
+from tests.helpers import run_command
 
 
 def test_autocast_off_switches_off_and_restores_reentrantly() -> None:
@@ -70,8 +69,9 @@ def test_fused_linear_backward_under_autocast_matches_disabled_backward() -> Non
 def test_hostcost_and_eager_suites_run_on_the_cpu(tmp_path: Path) -> None:
     """Both suites' --quick runs: the engine's per-action host times and the eager comparison, every variant."""
     env = {**os.environ, "PEERLINE_DEVICE": "cpu"}
-    proc = subprocess.run([sys.executable, str(REPO / "launch" / "bench.py"), "hostcost", "eager", "--quick",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    # the bench forked from the test fork server (tests/forkjob.py); the children it starts are real processes
+    proc = run_command([sys.executable, BENCH, "hostcost", "eager", "--quick", "--out", str(tmp_path)], tmp_path,
+                       env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     cases = {r["suite"]: [] for r in records}

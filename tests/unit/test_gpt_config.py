@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +20,7 @@ from peerline.distributed.grad_sync.tied import TiedGradSum
 from peerline.distributed.model import build_stages, make_loss
 from peerline.distributed.observe.progress import format_stats
 from peerline.distributed.pipeline.recompute import RecomputeSequential, with_recompute
-from tests.helpers import cpu_env
+from tests.helpers import PIPELINE, cpu_env, run_command
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = str(REPO / "tests" / "multiproc" / "models")
@@ -204,8 +203,8 @@ def test_progress_line() -> None:
 ])
 def test_bad_model_or_data_is_one_line_exit_2(tmp_path: Path, args: list[str], line: str) -> None:
     env = cpu_env(PYTHONPATH=f"{MODELS}:{REPO}")
-    run = subprocess.run([sys.executable, str(REPO / "launch" / "pipeline.py"), *args, "--iters", "1"],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    # forked from the test fork server (tests/forkjob.py): the job's checks are the subject, not its start-up
+    run = run_command([sys.executable, PIPELINE, *args, "--iters", "1"], tmp_path, env, timeout=120)
     assert run.returncode == 2, run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and run.stderr.startswith(line), run.stderr
 

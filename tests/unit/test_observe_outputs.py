@@ -23,7 +23,7 @@ from peerline.distributed.observe.metrics_jsonl import MetricsJsonl, iteration_m
 from peerline.distributed.observe.profiler import StepRanges, profile_window
 from peerline.distributed.pipeline.engine import no_range_pop, no_range_push
 from peerline.launch.cli import build_parser, config_from_args
-from tests.helpers import PIPELINE, cpu_env
+from tests.helpers import PIPELINE, cpu_env, run_command
 
 pytestmark = pytest.mark.timeout(120)
 TINY = ["--hidden", "16", "--layers", "2", "--seq", "8", "--micro-batch-size", "2", "--device", "cpu"]
@@ -240,8 +240,7 @@ def test_profile_lines_are_peerline_s_alone(tmp_path: Path) -> None:
 
 
 def test_unwritable_json_fails_before_training(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, PIPELINE, *TINY, "--json", "nowhere/r.json"], cwd=tmp_path,
-                         env=cpu_env(), capture_output=True, text=True, timeout=100)
+    run = run_command([sys.executable, PIPELINE, *TINY, "--json", "nowhere/r.json"], tmp_path, timeout=100)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1] == \
         "peerline: error: --json nowhere/r.json: the folder nowhere does not exist"
