@@ -199,15 +199,25 @@ def test_zb_interleaved_pp4_matches_one_gpu_bitwise(pipeline_runs, p2p: str, gra
 
 
 
-# A user model (tests/multiproc/models/lm_models.py: nn.Embedding, two Linear + tanh body layers, a Linear head) on
+# A user model (tests/multiproc/models/lm_models.py: nn.Embedding, Linear + tanh body layers, a Linear head) on
 # token data, one layer a stage, against one GPU running it with 1F1B (1e-5: the schedules order the sums alike
-# per stage, the bound is the pipeline tests'). Zero-bubble and placed schedules over the copy engine with graphs.
+# per stage, the bound is the pipeline tests'). Zero-bubble and placed schedules over the copy engine with graphs;
+# on one GPU the same schedules as streams (--stages). Eight stages take the model with six body layers.
 USER_ENV = (("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), str(REPO / "tests" / "multiproc" / "models"),
                                                        os.environ.get("PYTHONPATH", "")) if p)),)
-USER_CASES = {"zb-h1-pp2": (2, ("--schedule", "zb-h1", "--pp", "2")),
-              "interleaved-pp2": (2, ("--schedule", "interleaved", "--pp", "2", "--stages", "2")),
-              "zbv-pp2": (2, ("--schedule", "zbv", "--pp", "2", "--stages", "2")),
-              "zb-h1-pp4": (4, ("--schedule", "zb-h1", "--pp", "4"))}
+SHALLOW = ("--model", "lm_models:embedding_lm")
+DEEP = ("--model", "lm_models:deep_embedding_lm", "--layers", "6")
+USER_CASES = {"zb-h1-pp2": (2, SHALLOW, ("--schedule", "zb-h1", "--pp", "2")),
+              "interleaved-pp2": (2, SHALLOW, ("--schedule", "interleaved", "--pp", "2", "--stages", "2")),
+              "zbv-pp2": (2, SHALLOW, ("--schedule", "zbv", "--pp", "2", "--stages", "2")),
+              "zb-interleaved-pp2": (2, SHALLOW, ("--schedule", "zb-interleaved", "--pp", "2", "--stages", "2")),
+              "zb-h1-pp4": (4, SHALLOW, ("--schedule", "zb-h1", "--pp", "4")),
+              "interleaved-pp4": (4, DEEP, ("--schedule", "interleaved", "--pp", "4", "--stages", "2")),
+              "zbv-pp4": (4, DEEP, ("--schedule", "zbv", "--pp", "4", "--stages", "2"))}
+USER_ONE_GPU_CASES = {"zb-h1-stages4": (SHALLOW, ("--schedule", "zb-h1", "--stages", "4")),
+                      "interleaved-stages4": (SHALLOW, ("--schedule", "interleaved", "--stages", "4")),
+                      "zbv-stages2": (SHALLOW, ("--schedule", "zbv", "--stages", "2")),
+                      "zb-interleaved-stages8": (DEEP, ("--schedule", "zb-interleaved", "--stages", "8"))}
 
 
 @pytest.fixture(scope="module")
@@ -215,19 +225,30 @@ def user_args(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, ...]:
     folder = tmp_path_factory.mktemp("user-text")
     text = folder / "corpus.txt"
     text.write_text(Path(REPO / "README.md").read_text() * 4)
-    return ("--model", "lm_models:embedding_lm", "--hidden", "64", "--seq", "32", "--micro-batch-size", "2",
-            "--iters", "4", "--warmup-iters", "2", "--dtype", "fp32", "--vocab", "512", "--data", str(text),
-            "--data-cache", str(folder / "cache"), "-m", "4")
+    return ("--hidden", "64", "--seq", "32", "--micro-batch-size", "2", "--iters", "4", "--warmup-iters", "2",
+            "--dtype", "fp32", "--vocab", "512", "--data", str(text), "--data-cache", str(folder / "cache"), "-m", "4")
+
+
+def _user_ref(user_args: tuple[str, ...], model: tuple[str, ...]) -> Run:
+    name = "sched_user_ref" if model == SHALLOW else "sched_user_deep_ref"
+    return Run(name, (*user_args, *model, "--schedule", "1f1b", "--no-graph"), env=USER_ENV)
 
 
 @pytest.mark.gpu2
 @pytest.mark.parametrize("case", list(USER_CASES))
 def test_user_model_schedules_match_one_gpu(pipeline_runs, user_args: tuple[str, ...], case: str) -> None:
-    nproc, flags = USER_CASES[case]
+    nproc, model, flags = USER_CASES[case]
     if nproc > pipeline_runs.gpus:
         pytest.skip(f"needs {nproc} GPUs")
-    ref = Run("sched_user_ref", (*user_args, "--schedule", "1f1b", "--no-graph"), env=USER_ENV)
-    run = Run(f"sched_user_{case}", (*user_args, *flags, "--p2p", "copy-engine", "--graph"), nproc=nproc,
+    run = Run(f"sched_user_{case}", (*user_args, *model, *flags, "--p2p", "copy-engine", "--graph"), nproc=nproc,
               env=USER_ENV)
-    got, want = pipeline_runs.results(run, ref)
+    got, want = pipeline_runs.results(run, _user_ref(user_args, model))
     assert_matches(got, want, Expect(1e-5, world=nproc, graph=True, transport="copy-engine"))
+
+
+@pytest.mark.parametrize("case", list(USER_ONE_GPU_CASES))
+def test_user_model_one_gpu_stages_match_1f1b(pipeline_runs, user_args: tuple[str, ...], case: str) -> None:
+    model, flags = USER_ONE_GPU_CASES[case]
+    run = Run(f"sched_user_one_{case}", (*user_args, *model, *flags, "--graph"), env=USER_ENV)
+    got, want = pipeline_runs.results(run, _user_ref(user_args, model))
+    assert_matches(got, want, Expect(1e-5, graph=True))

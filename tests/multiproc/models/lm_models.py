@@ -29,6 +29,12 @@ def embedding_lm_builders(vocab_size: int, hidden: int) -> list:
             lambda: nn.Linear(hidden, vocab_size)]
 
 
+def deep_embedding_lm(vocab_size: int, hidden: int, layers: int) -> nn.Sequential:
+    """embedding_lm with `layers` body layers (--layers): enough layers for eight stages at --layers 6."""
+    return nn.Sequential(nn.Embedding(vocab_size, hidden), *(LastDim(hidden) for _ in range(layers)),
+                         nn.Linear(hidden, vocab_size))
+
+
 def float_lm(vocab_size: int) -> nn.Sequential:
     """A model whose first layer is a Linear of width 48: token ids (int64) do not fit it."""
     return nn.Sequential(nn.Linear(48, 48), nn.Linear(48, vocab_size))
