@@ -11,6 +11,8 @@ time (slower or more kernels). INFO lines only.
     torchrun --nproc_per_node=2 tools/gpu_probes/pipeline_profile.py [--config compute] [--schedule zbv]
         [--precision bf16] [--iters 2] [--timed 10]
     python3 tools/gpu_probes/pipeline_profile.py --schedule 1f1b        # one GPU, the whole model in one stage
+    torchrun --nproc_per_node=2 tools/gpu_probes/pipeline_profile.py --gpt 8x4096 --heads 32 --seq 4096
+        --micro-batch-size 1 --microbatches 8     # the GPT (--model gpt on the default text corpus) instead
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from peerline.bench.ideal import stages_per_rank
 from peerline.bench.runtime_timing import first_losses, open_runtime
+from peerline.bench.suites.gpt_anchor import GPTShape
 from peerline.bench.suites.pipeline import CONFIGS
 from peerline.distributed.config import RunConfig
 
@@ -44,6 +47,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=2, help="profiled iterations (default 2)")
     p.add_argument("--timed", type=int, default=10, help="unprofiled iterations timed (default 10)")
     p.add_argument("--top", type=int, default=15, help="rows per list (default 15)")
+    p.add_argument("--gpt", default=None, metavar="LAYERSxHIDDEN",
+                   help="profile the GPT of this shape instead of the MLP suite's --config (e.g. 8x4096)")
+    p.add_argument("--heads", type=int, default=32, help="the GPT's attention heads (default 32)")
+    p.add_argument("--seq", type=int, default=4096, help="the GPT's sequence length (default 4096)")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="the GPT's micro-batch size (default 1)")
     p.add_argument("--trace-dir", default=None, help="also keep each rank's chrome trace there (rank<R>.json.gz)")
     return p.parse_args(argv)
 
@@ -125,14 +133,24 @@ def load_trace(prof: Any, rank: int, trace_dir: str | None) -> list[dict]:
     return trace.get("traceEvents", [])
 
 
+def run_config(a: argparse.Namespace, world: int) -> RunConfig:
+    """The profiled run: the MLP suite's --config, or the GPT of --gpt's shape."""
+    common = {"schedule": a.schedule, "precision": a.precision, "graph": True, "iters": 10**9, "log_every": 10**9}
+    if a.gpt:
+        layers, hidden = (int(v) for v in a.gpt.lower().split("x"))
+        shape = GPTShape("profiled", layers, hidden, a.heads, a.seq, a.micro_batch_size, a.microbatches or 8, "bf16")
+        return shape.run_config(None, stages=stages_per_rank(a.schedule, world, layers), **common)
+    s = CONFIGS[a.config]
+    return RunConfig(stages=stages_per_rank(a.schedule, world, s.layers), microbatches=a.microbatches or s.microbatches,
+                     micro_batch_size=s.micro_batch_size, seq=s.seq, hidden=s.hidden, layers=s.layers, seed=s.seed,
+                     lr=s.lr, dtype=s.dtype, **common)
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    s = CONFIGS[a.config]
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    stages = stages_per_rank(a.schedule, world, s.layers)
-    cfg = RunConfig(schedule=a.schedule, stages=stages, microbatches=a.microbatches or s.microbatches,
-                    micro_batch_size=s.micro_batch_size, seq=s.seq, hidden=s.hidden, layers=s.layers, seed=s.seed,
-                    lr=s.lr, dtype=s.dtype, precision=a.precision, graph=True, iters=10**9, log_every=10**9)
+    cfg = run_config(a, world)
+    stages = cfg.stages
     with open_runtime(cfg) as rt:
         rank = dist.get_rank() if dist.is_initialized() else 0
         _, not_captured = first_losses(rt, 2, graph=True)
@@ -149,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
             rt.train(rt.iteration + a.iters)
             torch.cuda.synchronize()
-        print(f"INFO rank {rank}: {a.config} pp={world} {a.schedule} (stages per rank {stages}) --precision "
+        what = f"GPT {a.gpt}" if a.gpt else a.config
+        print(f"INFO rank {rank}: {what} pp={world} {a.schedule} (stages per rank {stages}) --precision "
               f"{a.precision}, M={cfg.microbatches}", flush=True)
         report(rank, load_trace(prof, rank, a.trace_dir), a.iters, wall, a.top)
 
