@@ -1,0 +1,89 @@
+"""How fast the AdamW step over bf16 parameters runs on one GPU: torch's fused AdamW (what `--precision bf16` runs,
+capturable, bf16 moments: 14 bytes of memory traffic per parameter) against compact AdamW's one multi-tensor kernel
+(`--precision compact`: 18 bytes) and MasterAdamW (`--precision master`: about 40), each step captured in a CUDA
+graph and replayed. The parameters are one pipeline rank's of the GPT (--layers blocks of --hidden, biases and
+LayerNorms, plus an embedding of --vocab rows). INFO lines: ms per step (median of --reps blocks of --steps
+replays) and the memory traffic's rate.
+
+    python tools/gpu_probes/adamw_probe.py [--layers 4 --hidden 4096 --vocab 4096 --steps 10 --reps 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from peerline.distributed.grad_sync.compact_adamw import CompactAdamW
+from peerline.distributed.grad_sync.master_adamw import MasterAdamW
+
+BYTES = {"torch fused (bf16)": 14, "compact": 18, "master": 40}
+
+
+def rank_params(layers: int, hidden: int, vocab: int) -> list[torch.nn.Parameter]:
+    """A GPT pipeline rank's parameter shapes, bf16 on the GPU, with bf16 gradients."""
+    h = hidden
+    shapes = [(vocab, h)]
+    for _ in range(layers):
+        shapes += [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,)]
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 0.02)
+        p.grad = torch.randn_like(p) * 1e-3
+        params.append(p)
+    return params
+
+
+def timed(opt: torch.optim.Optimizer, steps: int, reps: int) -> float:
+    """Median ms per captured step: one eager step (state, tables), then a graph of one step replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            opt.step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    return statistics.median(times)
+
+
+def main() -> None:
+    a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    a.add_argument("--layers", type=int, default=4)
+    a.add_argument("--hidden", type=int, default=4096)
+    a.add_argument("--vocab", type=int, default=4096)
+    a.add_argument("--steps", type=int, default=10)
+    a.add_argument("--reps", type=int, default=7)
+    args = a.parse_args()
+    makers = {
+        "torch fused (bf16)": lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-4, device="cuda"), fused=True,
+                                                           capturable=True),
+        "compact": lambda ps: CompactAdamW(ps, lr=1e-4),
+        "master": lambda ps: MasterAdamW(ps, lr=1e-4),
+    }
+    n = None
+    for name, make in makers.items():
+        params = rank_params(args.layers, args.hidden, args.vocab)
+        n = sum(p.numel() for p in params)
+        ms = timed(make(params), args.steps, args.reps)
+        rate = BYTES[name] * n / ms / 1e6  # bytes per ms -> GB/s
+        print(f"INFO {name}: {ms:.3f} ms per step over {n / 1e6:.1f} M parameters in {len(params)} tensors; "
+              f"{BYTES[name]} bytes per parameter -> {rate:.0f} GB/s", flush=True)
+        del params
+        torch.cuda.empty_cache()
+    print(f"INFO {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
