@@ -37,9 +37,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from peerline.kernels.multi_tensor import CHUNK, THREADS, check_lists
+from peerline.kernels.multi_tensor import build_tables as multi_tensor_tables
+
 KERNEL_SOURCE = Path(__file__).resolve().parent / "compact_adamw.cu"
-THREADS = 256
-CHUNK = 32768  # elements per block: 32 vectors of 4 per thread
 _NAN_QUIET = 0x40
 
 
@@ -91,27 +92,15 @@ def compact_adamw_step_(params: Sequence[torch.Tensor], remainders: Sequence[tor
         v.copy_(v32)
 
 
-def _aligned(*tensors: torch.Tensor) -> bool:
-    return all(t.data_ptr() % 8 == 0 for t in tensors)
-
-
 def build_tables(params: Sequence[torch.Tensor], remainders: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                  exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """compact_adamw.cu's tables of these tensors, as host int64 tensors: `table` [7, T] (the five lists'
     pointers, numel, 1 where all five are 8-byte aligned) and `chunks` [2, C] (each block's tensor and first
-    element, CHUNK elements a block)."""
+    element, CHUNK elements a block): kernels/multi_tensor.py's."""
     lists = (params, remainders, grads, exp_avgs, exp_avg_sqs)
-    _check_lists(lists, params[0].device if params else torch.device("cpu"))
-    rows = [[t.data_ptr() for t in ts] for ts in lists]
-    rows.append([p.numel() for p in params])
-    rows.append([int(_aligned(*ts)) for ts in zip(*lists, strict=True)])
-    owners, starts = [], []
-    for i, p in enumerate(params):
-        for start in range(0, p.numel(), CHUNK):
-            owners.append(i)
-            starts.append(start)
-    return torch.tensor(rows, dtype=torch.int64), torch.tensor([owners, starts], dtype=torch.int64).view(2, -1)
+    check_lists(lists, _DTYPES, _NAMES, params[0].device if params else torch.device("cpu"), "compact AdamW")
+    return multi_tensor_tables(lists)
 
 
 class CompactAdamWLaunch:
@@ -154,16 +143,5 @@ def advance_step(step: torch.Tensor, found_inf: torch.Tensor | None) -> None:
     launch_raw(kernel, 1, 1, "pp", (step.data_ptr(), 0 if found_inf is None else found_inf.data_ptr()), step.device)
 
 
-def _check_lists(lists: tuple[Sequence[torch.Tensor], ...], device: torch.device) -> None:
-    """Same lengths, shapes and device; the dtypes compact_adamw.cu reads; contiguous."""
-    dtypes = (torch.bfloat16, torch.int16, torch.bfloat16, torch.bfloat16, torch.bfloat16)
-    what = ("parameter", "remainder", "gradient", "exp_avg", "exp_avg_sq")
-    if not lists[0] or len({len(ts) for ts in lists}) != 1:
-        raise ValueError("compact AdamW: parameters, remainders, gradients and moments must be non-empty lists of "
-                         "one length")
-    for ts, dtype, name in zip(lists, dtypes, what, strict=True):
-        for t, p in zip(ts, lists[0], strict=True):
-            if t.dtype != dtype or t.device != device or t.shape != p.shape or not t.is_contiguous():
-                raise ValueError(f"compact AdamW: a {name} is {t.dtype} {tuple(t.shape)} on {t.device}"
-                                 f"{'' if t.is_contiguous() else ' (not contiguous)'}; expected a contiguous "
-                                 f"{dtype} {tuple(p.shape)} on {device}")
+_DTYPES = (torch.bfloat16, torch.int16, torch.bfloat16, torch.bfloat16, torch.bfloat16)
+_NAMES = ("parameter", "remainder", "gradient", "exp_avg", "exp_avg_sq")

@@ -26,16 +26,17 @@ import torch
 LAUNCHERS = ("auto", "cuda-bindings", "ctypes", "cupy")
 # The launcher of every kernel of elementwise.py; the host-cost bench sets it to compare them.
 LAUNCHER = "auto"
-# ArgPack slot kinds: a device pointer, a 64-bit and a 32-bit signed integer, a 32-bit float (the kernels'
-# parameter types)
-_CTYPES = {"p": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int32, "f": ctypes.c_float}
+# ArgPack slot kinds: a device pointer, a 64-bit and a 32-bit signed integer, a 32-bit and a 64-bit float (the
+# kernels' parameter types)
+_CTYPES = {"p": ctypes.c_uint64, "q": ctypes.c_int64, "i": ctypes.c_int32, "f": ctypes.c_float, "d": ctypes.c_double}
 
 
 class ArgPack:
     """A kernel's arguments as ctypes values and the `void**` array of their addresses, built once.
 
-    `kinds` names each parameter: "p" pointer, "q" int64, "i" int32, "f" float32 (e.g. "pppqqq" for residual
-    add's vector kernel). `set(i, v)` writes one value; `address` is what cuLaunchKernel takes as kernelParams."""
+    `kinds` names each parameter: "p" pointer, "q" int64, "i" int32, "f" float32, "d" float64 (e.g. "pppqqq"
+    for residual add's vector kernel). `set(i, v)` writes one value; `address` is what cuLaunchKernel takes as
+    kernelParams."""
 
     __slots__ = ("kinds", "values", "params", "address")
 
@@ -129,7 +130,7 @@ def _cupy_launcher() -> Callable[[Kernel, int, tuple[int, int], int, int, ArgPac
     import cupy
     import numpy as np
 
-    numpy_types = {"p": np.uint64, "q": np.int64, "i": np.int32, "f": np.float32}
+    numpy_types = {"p": np.uint64, "q": np.int64, "i": np.int32, "f": np.float32, "d": np.float64}
     streams: dict[int, Any] = {}
 
     def call(k: Kernel, grid: int, block: tuple[int, int], smem: int, stream: int, pack: ArgPack) -> None:
@@ -179,8 +180,8 @@ _raw_packs: dict[tuple[int, str, int], tuple[Any, Kernel, ArgPack]] = {}
 def launch_values(raw: Any, kinds: str, grid: int, block: int, values: Sequence[int | float], smem: int,
                   stream: int) -> None:
     """Launch a CuPy RawKernel with plain Python values, one per letter of `kinds` (ArgPack's: "p" pointer, "q"
-    int64, "i" int32, "f" float32), through `launch`: the values written into a pack made once per kernel, kinds
-    and thread, then one driver call (no numpy scalars, no CuPy per-call packing or stream wrapping)."""
+    int64, "i" int32, "f" float32, "d" float64), through `launch`: the values written into a pack made once per
+    kernel, kinds and thread, then one driver call (no numpy scalars, no CuPy per-call packing or stream wrapping)."""
     key = (id(raw), kinds, threading.get_ident())
     entry = _raw_packs.get(key)
     if entry is None or entry[0] is not raw:

@@ -4,17 +4,19 @@ parameters.
 The model holds bf16 parameters and bf16 gradients (the bf16 recipe's model: the GEMMs read the weights as they
 are, the weight-gradient GEMM accumulates into the bucket views); this optimizer keeps, per parameter, an fp32
 master copy and AdamW's moments in fp32: 16 bytes per parameter with the parameter and its gradient. The update is
-torch's own fused AdamW (`torch._fused_adamw_`) applied to the masters, so it is fp32 AdamW to the bit on fp32
-gradients (the bf16 gradients upcast exactly).
+torch's fused AdamW's arithmetic on the masters, so it is fp32 AdamW on fp32 gradients (the bf16 gradients upcast
+exactly).
 
-  step()   per chunk of at most `chunk` elements (a parameter larger than that spans chunks as flat slices):
-           upcast the bf16 gradients into one fp32 scratch (allocated at the first step, reused by every chunk),
-           `torch._fused_adamw_` on the masters, copy the masters into the bf16 parameters (rounded to nearest
-           even, `torch._foreach_copy_`). The step count and, on a GPU, lr are device tensors; the chunk plan is
-           built at the first step, so every later step is capturable into a CUDA graph (no host sync, no
-           allocation). `found_inf` (set by the non-finite guard, as on torch's fused AdamW): when non-zero the
-           fused kernel leaves masters and moments as they were, the step count goes back, and the parameters are
-           rewritten with the roundings they already hold.
+  step()   On a GPU: one multi-tensor kernel per parameter group (kernels/master_adamw.py: torch's fused AdamW's
+           arithmetic in its types, the gradients upcast in registers, the parameters written as the masters'
+           bf16 rounding; 28 bytes of memory traffic per parameter). On the CPU, per chunk of at most `chunk`
+           elements (a parameter larger than that spans chunks as flat slices): upcast the bf16 gradients into one
+           fp32 scratch (allocated at the first step, reused by every chunk), `torch._fused_adamw_` on the
+           masters, copy the masters into the bf16 parameters (rounded to nearest even, `torch._foreach_copy_`).
+           The step count and, on a GPU, lr are device tensors; the tables (GPU) or the chunk plan (CPU) are built
+           at the first step, so every later step is capturable into a CUDA graph (no host sync, no allocation).
+           `found_inf` (set by the non-finite guard, as on torch's fused AdamW): when non-zero the step leaves
+           masters, moments and parameters as they were, and the step count goes back.
 
 State per parameter, as `state_dict()` shows it: `master`, `exp_avg`, `exp_avg_sq` (fp32, shaped like the
 parameter) and `step` (a 0-dim fp32 tensor on the parameter's device, one tensor shared by every parameter: they
@@ -22,7 +24,7 @@ all step together). The state is created for every parameter at the first step (
 parameter whose `.grad` is None then is skipped (it keeps its values), as torch's AdamW does. `load_state_dict`
 takes that layout back: moments of another dtype are cast to fp32; a missing `master` starts from the parameter as
 it is then (a bf16 or compact state loads: load the weights first); the parameters become the bf16 rounding of the
-masters. The state tensors stay where they are (loads copy into them), since the chunk plan holds views of them;
+masters. The state tensors stay where they are (loads copy into them), since the tables and the chunk plan hold them;
 the gradients must stay the same tensors (the run's bucket views), else the plan is rebuilt (refused during
 capture).
 """
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 
 from peerline.distributed.grad_sync.bf16_adamw_base import Bf16AdamWBase
+from peerline.kernels.master_adamw import MasterAdamWLaunch
 
 MASTER = "master"
 _FP32_STATE = (MASTER, "exp_avg", "exp_avg_sq")
@@ -73,12 +76,46 @@ class MasterAdamW(Bf16AdamWBase):
             raise ValueError(f"chunk must be >= 1 element, got {chunk}")
         self.chunk = chunk
         self._plan: list[_Chunk] | None = None
+        self._launches: list[MasterAdamWLaunch | None] | None = None
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
     def _invalidate(self) -> None:
         self._plan = None
+        self._launches = None
 
     def _update(self, found_inf: torch.Tensor | None) -> None:
+        if self.device.type == "cuda":
+            self._step_cuda(found_inf)
+        else:
+            self._step_chunks(found_inf)
+
+    def _step_cuda(self, found_inf: torch.Tensor | None) -> None:
+        """One kernel per group; tables rebuilt only when the gradients moved."""
+        grads, same = self._grad_lists()
+        if self._launches is None or not same:
+            self._build_launches(grads)
+        self.step_count.add_(1)
+        for i, (group, launch) in enumerate(zip(self.param_groups, self._launches, strict=True)):
+            if launch is not None:
+                beta1, beta2 = group["betas"]
+                launch(self._lr_of(i, group), self.step_count, found_inf, beta1=beta1, beta2=beta2, eps=group["eps"],
+                       weight_decay=group["weight_decay"])
+        if found_inf is not None:
+            self.step_count.sub_(found_inf.to(self.step_count.dtype))
+
+    def _build_launches(self, grads: list[list[torch.Tensor | None]]) -> None:
+        self._refuse_capture("the kernel's tables")
+        launches: list[MasterAdamWLaunch | None] = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None and p.numel() > 0]
+            st = [self.state[p] for p in params]
+            launches.append(MasterAdamWLaunch(params, [p.grad for p in params], [s[MASTER] for s in st],
+                                              [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st])
+                            if params else None)
+        self._launches = launches
+        self._planned(grads)
+
+    def _step_chunks(self, found_inf: torch.Tensor | None) -> None:
         """Per chunk: upcast the gradients, torch's fused AdamW on the masters, round into the parameters."""
         grads, same = self._grad_lists()
         if self._plan is None or not same:

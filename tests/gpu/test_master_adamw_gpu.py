@@ -3,9 +3,10 @@ AdamW on fp32 copies fed the same bf16 gradients, captured in a CUDA graph (repl
 and found_inf) without allocations after the first step, its parameters the bf16 rounding of its masters; and the
 GPT job (graph vs eager, master vs --precision bf16, master vs autocast, pp=2 vs one GPU).
 
-Tolerances: the step and torch's fused AdamW are the same kernel on the same fp32 numbers; chunking may cut the
-kernel's vector body and tail differently (a few fp32 ulps): 1e-6 relative. Jobs: bf16 compute, 2e-2
-(tests/gpu/test_gpt_gpu.py's bf16 bound).
+Tolerances: the step's kernel (kernels/master_adamw.cu) is torch's fused AdamW's arithmetic in its types, so with
+the same device lr it matches torch's fused AdamW to the bit (test_step_is_torchs_fused_adamw_bit_for_bit). The
+captured checks give torch's AdamW lr as a Python float (a double; ours reads a device fp32 scalar): 1e-6
+relative. Jobs: bf16 compute, 2e-2 (tests/gpu/test_gpt_gpu.py's bf16 bound).
 """
 
 from __future__ import annotations
@@ -57,6 +58,40 @@ def _assert_close(ours, ref, opt, opt_ref) -> None:
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(opt.state[a][key], opt_ref.state[b][key], rtol=1e-6, atol=1e-12)
         assert torch.equal(a.detach(), master.to(torch.bfloat16)), "the parameter is the master's rounding"
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The most fp32 units in the last place between two fp32 tensors (same sign assumed)."""
+    return int((a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max())
+
+
+def test_step_is_torchs_fused_adamw_bit_for_bit() -> None:
+    """Three steps with weight decay over tensors with 4-element bodies and tails: the masters and moments equal
+    torch's fused AdamW's on fp32 copies given the same device lr, bit for bit; the parameters are the masters'
+    bf16 rounding."""
+    from peerline.distributed.grad_sync.master_adamw import MASTER, MasterAdamW
+
+    torch.manual_seed(0)
+    shapes = [(1024, 1024), (1024,), (3, 77), (4096, 257), (5,), (32771,)]
+    ours = [torch.nn.Parameter(torch.randn(s, device="cuda").to(torch.bfloat16)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    for p in (*ours, *ref):
+        p.grad = torch.zeros_like(p)
+    opt = MasterAdamW(ours, lr=1e-2, weight_decay=0.1)
+    opt_ref = torch.optim.AdamW(ref, lr=torch.tensor(1e-2, device="cuda"), weight_decay=0.1, fused=True,
+                                capturable=True)
+    for seed in range(3):
+        _set_grads(ours, ref, seed)
+        opt.step()
+        opt_ref.step()
+    for a, b in zip(ours, ref, strict=True):
+        got = {"master": opt.state[a][MASTER], "exp_avg": opt.state[a]["exp_avg"],
+               "exp_avg_sq": opt.state[a]["exp_avg_sq"]}
+        want = {"master": b.detach(), "exp_avg": opt_ref.state[b]["exp_avg"],
+                "exp_avg_sq": opt_ref.state[b]["exp_avg_sq"]}
+        for key in got:
+            assert torch.equal(got[key], want[key]), (tuple(a.shape), key, f"{_ulps(got[key], want[key])} ulps")
+        assert torch.equal(a.detach(), got["master"].to(torch.bfloat16)), "the parameter is the master's rounding"
 
 
 @pytest.mark.parametrize("chunk", [1 << 24, 100_003])

@@ -1,9 +1,10 @@
 """How fast the AdamW step over bf16 parameters runs on one GPU: torch's fused AdamW (what `--precision bf16` runs,
 capturable, bf16 moments: 14 bytes of memory traffic per parameter) against compact AdamW's one multi-tensor kernel
-(`--precision compact`: 18 bytes) and MasterAdamW (`--precision master`: about 40), each step captured in a CUDA
-graph and replayed. The parameters are one pipeline rank's of the GPT (--layers blocks of --hidden, biases and
-LayerNorms, plus an embedding of --vocab rows). INFO lines: ms per step (median of --reps blocks of --steps
-replays) and the memory traffic's rate.
+(`--precision compact`: 18 bytes) and MasterAdamW's (`--precision master`: 28), and MasterAdamW's chunked torch ops
+(its CPU path: the gradients upcast into fp32 scratch, torch's fused AdamW, a copy back; about 40 bytes), each
+step captured in a CUDA graph and replayed. The parameters are one pipeline rank's of the GPT (--layers blocks of
+--hidden, biases and LayerNorms, plus an embedding of --vocab rows). INFO lines: ms per step (median of --reps
+blocks of --steps replays) and the memory traffic's rate.
 
     python tools/gpu_probes/adamw_probe.py [--layers 4 --hidden 4096 --vocab 4096 --steps 10 --reps 7]
 """
@@ -18,7 +19,14 @@ import torch
 from peerline.distributed.grad_sync.compact_adamw import CompactAdamW
 from peerline.distributed.grad_sync.master_adamw import MasterAdamW
 
-BYTES = {"torch fused (bf16)": 14, "compact": 18, "master": 40}
+BYTES = {"torch fused (bf16)": 14, "compact": 18, "master": 28, "master, chunked torch ops": 40}
+
+
+class ChunkedMasterAdamW(MasterAdamW):
+    """MasterAdamW stepping through its chunked torch ops on the GPU too."""
+
+    def _update(self, found_inf: torch.Tensor | None) -> None:
+        self._step_chunks(found_inf)
 
 
 def rank_params(layers: int, hidden: int, vocab: int) -> list[torch.nn.Parameter]:
@@ -71,6 +79,7 @@ def main() -> None:
                                                            capturable=True),
         "compact": lambda ps: CompactAdamW(ps, lr=1e-4),
         "master": lambda ps: MasterAdamW(ps, lr=1e-4),
+        "master, chunked torch ops": lambda ps: ChunkedMasterAdamW(ps, lr=1e-4),
     }
     n = None
     for name, make in makers.items():

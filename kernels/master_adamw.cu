@@ -1,0 +1,114 @@
+// Master AdamW's step on a GPU (kernels/master_adamw.py): one multi-tensor launch per group updates the fp32 master
+// weights and fp32 moments of bf16 parameters from their bf16 gradients and writes every parameter as its master's
+// bf16 rounding: 28 bytes of memory traffic per parameter (upcasting the gradients into an fp32 scratch, torch's
+// fused AdamW and a copy back moved about 40).
+//
+// The arithmetic is torch's fused AdamW's (adam_math in aten/src/ATen/native/cuda/fused_adam_utils.cuh, ADAMW mode):
+// fp32 values, double hyperparameters, the bias corrections computed in double and then held as fp32, so every
+// expression promotes as it does there. On the master w, the gradient g (upcast exactly), the moments m and v, lr
+// and the step count t (both device fp32 scalars, t already advanced for this step):
+//     w -= lr * wd * w;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g g       (evaluated in double, kept as fp32)
+//     step_size = lr / (1 - b1^t);  denom = sqrt(v) / sqrt(1 - b2^t) + eps       (kept as fp32)
+//     w -= step_size * m / denom
+// then the parameter = w rounded to bf16, nearest even (a NaN becomes 0x7fc0, as c10::BFloat16 rounds).
+//
+// Work: one block per chunk of `chunk` elements of one tensor. The tables are built once on the host
+// (master_adamw.py) and stay on the device, so a launch passes pointers only and can be captured in a CUDA graph:
+//   table [7, T] int64: rows param, grad, master, exp_avg, exp_avg_sq pointers; numel; 1 when the 4-element vector
+//                       path may run (the bf16 pointers 8-byte and the fp32 ones 16-byte aligned), else 0
+//   chunks [2, C] int64: each block's tensor index and first element
+// found_inf (nullable): when it holds 1 the step changes nothing (the test torch's fused kernels make).
+
+typedef unsigned short pl_u16;
+typedef unsigned int pl_u32;
+
+__device__ __forceinline__ float pl_bf16_bits_to_float(pl_u16 x) { return __uint_as_float(((pl_u32)x) << 16); }
+
+__device__ __forceinline__ pl_u16 pl_round_to_bf16(float f) {  // nearest even; NaN -> 0x7fc0 (c10::BFloat16's)
+    pl_u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (pl_u16)0x7fc0u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (pl_u16)(u >> 16);
+}
+
+struct PlMasterCoef {
+    double lr, beta1, beta2, weight_decay, eps;
+    float bias_correction1, bias_correction2_sqrt;
+};
+
+// One element, in torch's adam_math's types and order (see the header).
+__device__ __forceinline__ void pl_master_update(float& param, float grad, float& exp_avg, float& exp_avg_sq,
+                                                 const PlMasterCoef& c) {
+    if (c.weight_decay != 0) param -= c.lr * c.weight_decay * param;
+    exp_avg = c.beta1 * exp_avg + (1 - c.beta1) * grad;
+    exp_avg_sq = c.beta2 * exp_avg_sq + (1 - c.beta2) * grad * grad;
+    const float step_size = c.lr / c.bias_correction1;
+    const float denom = (sqrtf(exp_avg_sq) / c.bias_correction2_sqrt) + c.eps;
+    param -= step_size * exp_avg / denom;
+}
+
+union PlBf16Quad {
+    uint2 u;
+    pl_u16 h[4];
+};
+
+extern "C" __global__ void pl_master_adamw(const long long* __restrict__ table, int tensors,
+                                           const long long* __restrict__ chunks, int n_chunks, long long chunk,
+                                           const float* __restrict__ lr_ptr, const float* __restrict__ step_ptr,
+                                           const float* __restrict__ found_inf, double beta1, double beta2,
+                                           double eps, double weight_decay) {
+    if (found_inf != nullptr && *found_inf == 1.0f) return;
+    const int t = (int)chunks[blockIdx.x];
+    const long long start = chunks[n_chunks + blockIdx.x];
+    const long long n = table[5 * tensors + t];
+    const long long end = start + chunk < n ? start + chunk : n;
+    pl_u16* p = reinterpret_cast<pl_u16*>(table[t]);
+    const pl_u16* g = reinterpret_cast<const pl_u16*>(table[tensors + t]);
+    float* w = reinterpret_cast<float*>(table[2 * tensors + t]);
+    float* m = reinterpret_cast<float*>(table[3 * tensors + t]);
+    float* v = reinterpret_cast<float*>(table[4 * tensors + t]);
+
+    const double step = (double)*step_ptr;
+    PlMasterCoef c;
+    c.lr = (double)*lr_ptr;
+    c.beta1 = beta1;
+    c.beta2 = beta2;
+    c.weight_decay = weight_decay;
+    c.eps = eps;
+    c.bias_correction1 = (float)(1 - pow(beta1, step));
+    c.bias_correction2_sqrt = (float)sqrt(1 - pow(beta2, step));
+
+    long long e = start + threadIdx.x;  // the scalar loop's first element (all of them without vectors)
+    if (table[6 * tensors + t]) {
+        const long long quads = (end - start) >> 2;
+        for (long long q = threadIdx.x; q < quads; q += blockDim.x) {
+            const long long i = start + (q << 2);
+            PlBf16Quad pq, gq;
+            gq.u = *reinterpret_cast<const uint2*>(g + i);
+            float4 wq = *reinterpret_cast<const float4*>(w + i);
+            float4 mq = *reinterpret_cast<const float4*>(m + i);
+            float4 vq = *reinterpret_cast<const float4*>(v + i);
+            pl_master_update(wq.x, pl_bf16_bits_to_float(gq.h[0]), mq.x, vq.x, c);
+            pl_master_update(wq.y, pl_bf16_bits_to_float(gq.h[1]), mq.y, vq.y, c);
+            pl_master_update(wq.z, pl_bf16_bits_to_float(gq.h[2]), mq.z, vq.z, c);
+            pl_master_update(wq.w, pl_bf16_bits_to_float(gq.h[3]), mq.w, vq.w, c);
+            pq.h[0] = pl_round_to_bf16(wq.x);
+            pq.h[1] = pl_round_to_bf16(wq.y);
+            pq.h[2] = pl_round_to_bf16(wq.z);
+            pq.h[3] = pl_round_to_bf16(wq.w);
+            *reinterpret_cast<float4*>(w + i) = wq;
+            *reinterpret_cast<float4*>(m + i) = mq;
+            *reinterpret_cast<float4*>(v + i) = vq;
+            *reinterpret_cast<uint2*>(p + i) = pq.u;
+        }
+        e = start + (quads << 2) + threadIdx.x;  // the tail: fewer than 4 elements
+    }
+    for (; e < end; e += blockDim.x) {
+        float we = w[e], me = m[e], ve = v[e];
+        pl_master_update(we, pl_bf16_bits_to_float(g[e]), me, ve, c);
+        w[e] = we;
+        m[e] = me;
+        v[e] = ve;
+        p[e] = pl_round_to_bf16(we);
+    }
+}

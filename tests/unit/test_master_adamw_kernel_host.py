@@ -1,0 +1,161 @@
+"""kernels/master_adamw.cu without a GPU: its source compiled as host C++ (g++, the CUDA keywords and intrinsics
+defined away, no fused multiply-adds; every block and thread run one after another over kernels/master_adamw.py's
+tables of CPU tensors) against a numpy replica of torch's fused AdamW arithmetic in its types (fp32 values, double
+hyperparameters, fp32 bias corrections), bit for bit. So CI checks the kernel's indexing (chunks, 4-element
+vectors, tails, the misaligned scalar path), its types and order of operations, the bf16 rounding, the NaN rule and
+found_inf. The GPU's own run, against torch's fused AdamW, is tests/gpu/test_master_adamw_gpu.py. Skipped without
+g++."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from peerline.kernels import master_adamw as ma
+from peerline.kernels.multi_tensor import CHUNK, THREADS
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel as host code")]
+
+HARNESS = r"""
+#include <cmath>
+#include <cstring>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+struct uint2 { unsigned int x, y; };
+struct float4 { float x, y, z, w; };
+struct PlDim { unsigned int x = 0, y = 0, z = 0; };
+static PlDim blockIdx, threadIdx, blockDim, gridDim;
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+
+#include "master_adamw.cu"
+extern "C" void host_master_adamw(const long long* table, int tensors, const long long* chunks, int n_chunks,
+                                  long long chunk, const float* lr, const float* step, const float* found_inf,
+                                  double b1, double b2, double eps, double wd, unsigned int threads) {
+    blockDim.x = threads;
+    gridDim.x = (unsigned int)n_chunks;
+    for (int b = 0; b < n_chunks; ++b) {
+        blockIdx.x = (unsigned int)b;
+        for (unsigned int t = 0; t < threads; ++t) {
+            threadIdx.x = t;
+            pl_master_adamw(table, tensors, chunks, n_chunks, chunk, lr, step, found_inf, b1, b2, eps, wd);
+        }
+    }
+}
+"""
+
+BETA1, BETA2, EPS = 0.9, 0.999, 1e-8
+SIZES = [1, 3, 4, 7, 1000, CHUNK - 1, CHUNK, CHUNK + 5, 2 * CHUNK + 3]
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory) -> ctypes.CDLL:
+    folder = tmp_path_factory.mktemp("kernel")
+    (folder / "harness.cpp").write_text(HARNESS)
+    out = folder / "harness.so"
+    cmd = ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off",
+           "-Wno-unknown-pragmas", f"-I{ma.KERNEL_SOURCE.parent}", str(folder / "harness.cpp"), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    found = ctypes.CDLL(str(out))
+    found.host_master_adamw.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                        ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,
+                                        ctypes.c_uint]
+    return found
+
+
+def _tensors(sizes: list[int], misaligned: bool, seed: int) -> list[list[torch.Tensor]]:
+    """params, grads, masters, exp_avgs, exp_avg_sqs (the params the masters' rounding): views one element in
+    when misaligned."""
+    gen = torch.Generator().manual_seed(seed)
+    lists: list[list[torch.Tensor]] = [[], [], [], [], []]
+    for n in sizes:
+        master = torch.randn(n, generator=gen) * 3
+        values = [master.to(torch.bfloat16), (torch.randn(n, generator=gen) * 0.1).to(torch.bfloat16), master,
+                  torch.randn(n, generator=gen) * 0.01, torch.rand(n, generator=gen) * 1e-3]
+        for out, value in zip(lists, values, strict=True):
+            if misaligned:
+                holder = torch.zeros(n + 1, dtype=value.dtype)
+                holder[1:].copy_(value)
+                value = holder[1:]
+            out.append(value)
+    return lists
+
+
+def _run(lib: ctypes.CDLL, lists, lr: float, step: float, wd: float, found_inf: torch.Tensor | None = None) -> None:
+    table, chunks = ma.build_tables(*lists)
+    lr_t, step_t = torch.tensor(lr, dtype=torch.float32), torch.tensor(step, dtype=torch.float32)
+    inf_ptr = None if found_inf is None else found_inf.data_ptr()
+    lib.host_master_adamw(table.data_ptr(), table.shape[1], chunks.data_ptr(), chunks.shape[1], CHUNK,
+                          lr_t.data_ptr(), step_t.data_ptr(), inf_ptr, BETA1, BETA2, EPS, wd, THREADS)
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    """fp32 -> bf16 bits, nearest even; NaN -> 0x7fc0 (c10::BFloat16's rounding)."""
+    u = x.view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
+
+
+def _replica(master, grad, m, v, *, lr: float, step: float, wd: float):
+    """torch's adam_math (fused_adam_utils.cuh, ADAMW) in its types, without fused multiply-adds: (master, m, v,
+    parameter bits) after one step; `step` the count of this step."""
+    f32, f64 = np.float32, np.float64
+    w, g = master.astype(f64), grad.astype(f32).astype(f64)
+    lr64 = f64(f32(lr))
+    bc1 = f32(1 - f64(BETA1) ** f64(step))
+    bc2_sqrt = f32(np.sqrt(1 - f64(BETA2) ** f64(step)))
+    w32 = (w - (lr64 * wd) * w).astype(f32) if wd != 0 else master.astype(f32)
+    m32 = (BETA1 * m.astype(f64) + (1 - BETA1) * g).astype(f32)
+    v32 = (BETA2 * v.astype(f64) + ((1 - BETA2) * g) * g).astype(f32)
+    step_size = f32(lr64 / f64(bc1))
+    denom = ((np.sqrt(v32) / bc2_sqrt).astype(f64) + EPS).astype(f32)
+    w32 = w32 - (step_size * m32) / denom
+    return w32, m32, v32, _bf16_bits(w32)
+
+
+@pytest.mark.parametrize("misaligned", [False, True])
+@pytest.mark.parametrize("wd", [0.1, 0.0])
+def test_kernel_source_is_torchs_fused_arithmetic_bit_for_bit(lib, misaligned: bool, wd: float) -> None:
+    lists = _tensors(SIZES, misaligned, seed=1)
+    table, _ = ma.build_tables(*lists)
+    assert table[6].tolist() == [0 if misaligned else 1] * len(SIZES)  # the path under test
+    lr, step = 1e-2, 5.0
+    want = [_replica(lists[2][i].numpy(), lists[1][i].float().numpy(), lists[3][i].numpy(), lists[4][i].numpy(),
+                     lr=lr, step=step, wd=wd) for i in range(len(SIZES))]
+    _run(lib, lists, lr, step, wd)
+    for i, n in enumerate(SIZES):
+        w, m, v, bits = want[i]
+        assert np.array_equal(lists[2][i].numpy().view(np.uint32), w.view(np.uint32)), n
+        assert np.array_equal(lists[3][i].numpy().view(np.uint32), m.view(np.uint32)), n
+        assert np.array_equal(lists[4][i].numpy().view(np.uint32), v.view(np.uint32)), n
+        assert np.array_equal(lists[0][i].view(torch.int16).numpy().view(np.uint16), bits), n
+
+
+def test_nan_rounds_to_c10s_nan_and_found_inf_skips(lib) -> None:
+    lists = _tensors([9], misaligned=False, seed=2)
+    lists[1][0][4] = float("nan")
+    _run(lib, lists, 1e-2, 1.0, 0.01)
+    assert int(lists[0][0].view(torch.int16)[4]) == 0x7FC0 and torch.isnan(lists[2][0][4])
+    assert torch.isfinite(lists[2][0][torch.arange(9) != 4]).all()
+    before = [t[0].clone() for t in lists]
+    _run(lib, lists, 1e-2, 2.0, 0.01, found_inf=torch.ones(()))
+    assert all(torch.equal(a, t[0]) or (torch.isnan(a) == torch.isnan(t[0])).all() and
+               torch.equal(a.nan_to_num(), t[0].nan_to_num()) for a, t in zip(before, lists, strict=True))
+
+
+def test_tables_refuse_what_the_kernel_cannot_read() -> None:
+    lists = _tensors([8], misaligned=False, seed=3)
+    with pytest.raises(ValueError, match="master AdamW: a master is torch.bfloat16"):
+        ma.build_tables(lists[0], lists[1], [lists[2][0].to(torch.bfloat16)], lists[3], lists[4])
+    with pytest.raises(ValueError, match="non-empty lists of one length"):
+        ma.build_tables(lists[0], lists[1], lists[2], lists[3], [])
