@@ -3,13 +3,14 @@
 // bf16 rounding: 28 bytes of memory traffic per parameter (upcasting the gradients into an fp32 scratch, torch's
 // fused AdamW and a copy back moved about 40).
 //
-// The arithmetic is torch's fused AdamW's (adam_math in aten/src/ATen/native/cuda/fused_adam_utils.cuh, ADAMW mode):
-// fp32 values, double hyperparameters, the bias corrections computed in double and then held as fp32, so every
-// expression promotes as it does there. On the master w, the gradient g (upcast exactly), the moments m and v, lr
-// and the step count t (both device fp32 scalars, t already advanced for this step):
-//     w -= lr * wd * w;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g g       (evaluated in double, kept as fp32)
-//     step_size = lr / (1 - b1^t);  denom = sqrt(v) / sqrt(1 - b2^t) + eps       (kept as fp32)
-//     w -= step_size * m / denom
+// The arithmetic is torch's fused AdamW's (adam_math and FusedAdamMathFunctor in
+// aten/src/ATen/native/cuda/fused_adam_utils.cuh, ADAMW mode, fp32 opmath): every scalar in fp32 (lr and the step
+// count t from device scalars; beta1, beta2, eps and weight decay rounded from the host's doubles), the bias
+// corrections from powf, the moments through the same fused multiply-adds. On the master w, the gradient g (upcast
+// exactly) and the moments m and v:
+//     w -= lr * wd * w
+//     m = fma(b1, m, fma(-b1, g, g));  v = fma(b2, v, fma(-b2, g g, g g))
+//     w -= (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 // then the parameter = w rounded to bf16, nearest even (a NaN becomes 0x7fc0, as c10::BFloat16 rounds).
 //
 // Work: one block per chunk of `chunk` elements of one tensor. The tables are built once on the host
@@ -32,16 +33,15 @@ __device__ __forceinline__ pl_u16 pl_round_to_bf16(float f) {  // nearest even; 
 }
 
 struct PlMasterCoef {
-    double lr, beta1, beta2, weight_decay, eps;
-    float bias_correction1, bias_correction2_sqrt;
+    float lr, beta1, beta2, weight_decay, eps, bias_correction1, bias_correction2_sqrt;
 };
 
 // One element, in torch's adam_math's types and order (see the header).
 __device__ __forceinline__ void pl_master_update(float& param, float grad, float& exp_avg, float& exp_avg_sq,
                                                  const PlMasterCoef& c) {
     if (c.weight_decay != 0) param -= c.lr * c.weight_decay * param;
-    exp_avg = c.beta1 * exp_avg + (1 - c.beta1) * grad;
-    exp_avg_sq = c.beta2 * exp_avg_sq + (1 - c.beta2) * grad * grad;
+    exp_avg = fmaf(c.beta1, exp_avg, fmaf(-c.beta1, grad, grad));
+    exp_avg_sq = fmaf(c.beta2, exp_avg_sq, fmaf(-c.beta2, grad * grad, grad * grad));
     const float step_size = c.lr / c.bias_correction1;
     const float denom = (sqrtf(exp_avg_sq) / c.bias_correction2_sqrt) + c.eps;
     param -= step_size * exp_avg / denom;
@@ -68,15 +68,15 @@ extern "C" __global__ void pl_master_adamw(const long long* __restrict__ table, 
     float* m = reinterpret_cast<float*>(table[3 * tensors + t]);
     float* v = reinterpret_cast<float*>(table[4 * tensors + t]);
 
-    const double step = (double)*step_ptr;
+    const float step = *step_ptr;
     PlMasterCoef c;
-    c.lr = (double)*lr_ptr;
-    c.beta1 = beta1;
-    c.beta2 = beta2;
-    c.weight_decay = weight_decay;
-    c.eps = eps;
-    c.bias_correction1 = (float)(1 - pow(beta1, step));
-    c.bias_correction2_sqrt = (float)sqrt(1 - pow(beta2, step));
+    c.lr = *lr_ptr;
+    c.beta1 = (float)beta1;
+    c.beta2 = (float)beta2;
+    c.weight_decay = (float)weight_decay;
+    c.eps = (float)eps;
+    c.bias_correction1 = 1 - powf(c.beta1, step);
+    c.bias_correction2_sqrt = sqrtf(1 - powf(c.beta2, step));
 
     long long e = start + threadIdx.x;  // the scalar loop's first element (all of them without vectors)
     if (table[6 * tensors + t]) {

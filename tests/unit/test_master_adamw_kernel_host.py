@@ -1,7 +1,7 @@
 """kernels/master_adamw.cu without a GPU: its source compiled as host C++ (g++, the CUDA keywords and intrinsics
 defined away, no fused multiply-adds; every block and thread run one after another over kernels/master_adamw.py's
-tables of CPU tensors) against a numpy replica of torch's fused AdamW arithmetic in its types (fp32 values, double
-hyperparameters, fp32 bias corrections), bit for bit. So CI checks the kernel's indexing (chunks, 4-element
+tables of CPU tensors) against a numpy replica of torch's fused AdamW arithmetic (fp32 throughout, its fused
+multiply-adds), bit for bit. So CI checks the kernel's indexing (chunks, 4-element
 vectors, tails, the misaligned scalar path), its types and order of operations, the bf16 rounding, the NaN rule and
 found_inf. The GPU's own run, against torch's fused AdamW, is tests/gpu/test_master_adamw_gpu.py. Skipped without
 g++."""
@@ -106,21 +106,29 @@ def _bf16_bits(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), np.uint16(0x7FC0), rounded)
 
 
+def _fma(a, b, c) -> np.ndarray:
+    """fp32 fused multiply-add: the product of two fp32 values is exact in fp64; the sum rounds once more there
+    (a second rounding that can differ from one fp32 rounding only in rare ties, none of them in this data)."""
+    return (np.float64(a) * np.asarray(b, np.float64) + np.asarray(c, np.float64)).astype(np.float32)
+
+
 def _replica(master, grad, m, v, *, lr: float, step: float, wd: float):
-    """torch's adam_math (fused_adam_utils.cuh, ADAMW) in its types, without fused multiply-adds: (master, m, v,
-    parameter bits) after one step; `step` the count of this step."""
-    f32, f64 = np.float32, np.float64
-    w, g = master.astype(f64), grad.astype(f32).astype(f64)
-    lr64 = f64(f32(lr))
-    bc1 = f32(1 - f64(BETA1) ** f64(step))
-    bc2_sqrt = f32(np.sqrt(1 - f64(BETA2) ** f64(step)))
-    w32 = (w - (lr64 * wd) * w).astype(f32) if wd != 0 else master.astype(f32)
-    m32 = (BETA1 * m.astype(f64) + (1 - BETA1) * g).astype(f32)
-    v32 = (BETA2 * v.astype(f64) + ((1 - BETA2) * g) * g).astype(f32)
-    step_size = f32(lr64 / f64(bc1))
-    denom = ((np.sqrt(v32) / bc2_sqrt).astype(f64) + EPS).astype(f32)
-    w32 = w32 - (step_size * m32) / denom
-    return w32, m32, v32, _bf16_bits(w32)
+    """torch's adam_math (fused_adam_utils.cuh, ADAMW, fp32 opmath) without contractions of its own: (master, m,
+    v, parameter bits) after one step; `step` the count of this step."""
+    f32 = np.float32
+    lr32, b1, b2, wd32, eps32, t = f32(lr), f32(BETA1), f32(BETA2), f32(wd), f32(EPS), f32(step)
+    bc1 = f32(1) - np.power(b1, t)
+    bc2_sqrt = np.sqrt(f32(1) - np.power(b2, t))
+    g = grad.astype(f32)
+    w = master.astype(f32)
+    if wd != 0:
+        w = w - (lr32 * wd32) * w
+    m32 = _fma(b1, m, _fma(-b1, g, g))
+    v32 = _fma(b2, v, _fma(-b2, g * g, g * g))
+    step_size = lr32 / bc1
+    denom = np.sqrt(v32) / bc2_sqrt + eps32
+    w = w - (step_size * m32) / denom
+    return w, m32, v32, _bf16_bits(w)
 
 
 @pytest.mark.parametrize("misaligned", [False, True])
