@@ -1,8 +1,9 @@
-"""The tables a multi-tensor optimizer kernel reads (compact_adamw.cu, master_adamw.cu): one block per chunk of
+"""The tables a multi-tensor optimizer kernel reads (compact_adamw.cu, fused_adamw.cu): one block per chunk of
 CHUNK elements of one tensor, THREADS threads a block.
 
-  table  [L + 2, T] int64: the L lists' pointers (one row each), every tensor's numel, and 1 where the kernel's
-         4-element vector path may run (every list's pointer aligned to 4 of its elements), else 0
+  table  [L + S + 2, T] int64: the L lists' pointers (one row each), the S scalar lists' pointers (a scalar per
+         tensor, such as its step count), every tensor's numel, and 1 where the kernel's 4-element vector path may
+         run (every list's pointer aligned to 4 of its elements), else 0
   chunks [2, C] int64: each block's tensor index and first element
 
 Built once on the host; the launch classes copy them to the device, so a launch passes pointers only and can be
@@ -24,9 +25,11 @@ def vector_aligned(tensors: Sequence[torch.Tensor]) -> bool:
     return all(t.data_ptr() % (4 * t.element_size()) == 0 for t in tensors)
 
 
-def build_tables(lists: Sequence[Sequence[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(table, chunks) of same-length lists of same-shaped tensors (see the module doc), as host int64 tensors."""
-    rows = [[t.data_ptr() for t in ts] for ts in lists]
+def build_tables(lists: Sequence[Sequence[torch.Tensor]], scalars: Sequence[Sequence[torch.Tensor]] = ()
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table, chunks) of same-length lists of same-shaped tensors and of lists of one scalar per tensor (see the
+    module doc), as host int64 tensors."""
+    rows = [[t.data_ptr() for t in ts] for ts in (*lists, *scalars)]
     rows.append([t.numel() for t in lists[0]])
     rows.append([int(vector_aligned(ts)) for ts in zip(*lists, strict=True)])
     owners, starts = [], []

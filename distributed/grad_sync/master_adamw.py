@@ -7,7 +7,7 @@ master copy and AdamW's moments in fp32: 16 bytes per parameter with the paramet
 torch's fused AdamW's arithmetic on the masters, so it is fp32 AdamW on fp32 gradients (the bf16 gradients upcast
 exactly).
 
-  step()   On a GPU: one multi-tensor kernel per parameter group (kernels/master_adamw.py: torch's fused AdamW's
+  step()   On a GPU: one multi-tensor kernel per parameter group (kernels/fused_adamw.py: torch's fused AdamW's
            arithmetic in its types, the gradients upcast in registers, the parameters written as the masters'
            bf16 rounding; 28 bytes of memory traffic per parameter). On the CPU, per chunk of at most `chunk`
            elements (a parameter larger than that spans chunks as flat slices): upcast the bf16 gradients into one
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from peerline.distributed.grad_sync.bf16_adamw_base import Bf16AdamWBase
-from peerline.kernels.master_adamw import MasterAdamWLaunch
+from peerline.kernels.fused_adamw import MasterAdamWLaunch
 
 MASTER = "master"
 _FP32_STATE = (MASTER, "exp_avg", "exp_avg_sq")

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from peerline.distributed.grad_sync.compact_adamw import CompactAdamW
+from peerline.distributed.grad_sync.fused_bf16_adamw import FusedBf16AdamW
 from peerline.distributed.grad_sync.master_adamw import MasterAdamW
 from peerline.distributed.grad_sync.sharded import ShardedGradBuckets
 
@@ -49,9 +50,10 @@ def make_adamw(params: Sequence[nn.Parameter], syncs: Sequence[Any], names: Mapp
     """The run's optimizer: with --precision compact, CompactAdamW (grad_sync/compact_adamw.py: bf16 parameters,
     int16 master remainders, bf16 moments; one kernel per step on a GPU); with --precision master over bf16
     parameters (bf16 compute), MasterAdamW (grad_sync/master_adamw.py: fp32 masters and moments, torch's fused
-    AdamW on them), ShardedMasterAdamW when sharded; else ShardedAdamW when every stage's gradient sync is
-    sharded (--shard-optimizer, dp > 1), else torch's AdamW over `params` (fp32 master, autocast); fused and
-    capturable on a GPU either way."""
+    AdamW's arithmetic on them), ShardedMasterAdamW when sharded; else ShardedAdamW when every stage's gradient
+    sync is sharded (--shard-optimizer, dp > 1); else with --precision bf16 on a GPU FusedBf16AdamW
+    (grad_sync/fused_bf16_adamw.py: torch's fused AdamW stepping through our kernel); else torch's AdamW over
+    `params` (fp32 master, autocast); fused and capturable on a GPU either way."""
     sharded = bool(syncs) and all(isinstance(s, ShardedGradBuckets) for s in syncs)
     if precision == "compact":
         if sharded:
@@ -61,6 +63,8 @@ def make_adamw(params: Sequence[nn.Parameter], syncs: Sequence[Any], names: Mapp
         return ShardedMasterAdamW(syncs, names, lr=lr) if sharded else MasterAdamW(params, lr=lr)
     if sharded:
         return ShardedAdamW(syncs, names, lr=lr, fused=on_gpu or None, capturable=on_gpu)
+    if precision == "bf16" and on_gpu and params and all(p.dtype == torch.bfloat16 for p in params):
+        return FusedBf16AdamW(params, lr=lr)
     return torch.optim.AdamW(params, lr=lr, fused=on_gpu or None, capturable=on_gpu)
 
 

@@ -1,5 +1,6 @@
-"""How fast the AdamW step over bf16 parameters runs on one GPU: torch's fused AdamW (what `--precision bf16` runs,
-capturable, bf16 moments: 14 bytes of memory traffic per parameter) against compact AdamW's one multi-tensor kernel
+"""How fast the AdamW step over bf16 parameters runs on one GPU: torch's fused AdamW (capturable, bf16 moments: 14
+bytes of memory traffic per parameter) and the same stepping through our kernel (what `--precision bf16` runs,
+FusedBf16AdamW) against compact AdamW's one multi-tensor kernel
 (`--precision compact`: 18 bytes) and MasterAdamW's (`--precision master`: 28), and MasterAdamW's chunked torch ops
 (its CPU path: the gradients upcast into fp32 scratch, torch's fused AdamW, a copy back; about 40 bytes), each
 step captured in a CUDA graph and replayed. The parameters are one pipeline rank's of the GPT (--layers blocks of
@@ -17,9 +18,11 @@ import statistics
 import torch
 
 from peerline.distributed.grad_sync.compact_adamw import CompactAdamW
+from peerline.distributed.grad_sync.fused_bf16_adamw import FusedBf16AdamW
 from peerline.distributed.grad_sync.master_adamw import MasterAdamW
 
-BYTES = {"torch fused (bf16)": 14, "compact": 18, "master": 28, "master, chunked torch ops": 40}
+BYTES = {"torch fused (bf16)": 14, "fused bf16, our kernel": 14, "compact": 18, "master": 28,
+         "master, chunked torch ops": 40}
 
 
 class ChunkedMasterAdamW(MasterAdamW):
@@ -77,6 +80,7 @@ def main() -> None:
     makers = {
         "torch fused (bf16)": lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-4, device="cuda"), fused=True,
                                                            capturable=True),
+        "fused bf16, our kernel": lambda ps: FusedBf16AdamW(ps, lr=1e-4),
         "compact": lambda ps: CompactAdamW(ps, lr=1e-4),
         "master": lambda ps: MasterAdamW(ps, lr=1e-4),
         "master, chunked torch ops": lambda ps: ChunkedMasterAdamW(ps, lr=1e-4),

@@ -1,10 +1,10 @@
-"""kernels/master_adamw.cu without a GPU: its source compiled as host C++ (g++, the CUDA keywords and intrinsics
-defined away, no fused multiply-adds; every block and thread run one after another over kernels/master_adamw.py's
-tables of CPU tensors) against a numpy replica of torch's fused AdamW arithmetic (fp32 throughout, its fused
-multiply-adds), bit for bit. So CI checks the kernel's indexing (chunks, 4-element
-vectors, tails, the misaligned scalar path), its types and order of operations, the bf16 rounding, the NaN rule and
-found_inf. The GPU's own run, against torch's fused AdamW, is tests/gpu/test_master_adamw_gpu.py. Skipped without
-g++."""
+"""kernels/fused_adamw.cu without a GPU: its source compiled as host C++ (g++, the CUDA keywords and intrinsics
+defined away, no contractions of its own; every block and thread run one after another over kernels/fused_adamw.py's
+tables of CPU tensors), both kernels (pl_master_adamw, pl_bf16_adamw), against a numpy replica of torch's fused
+AdamW arithmetic (fp32 throughout, its fused multiply-adds), bit for bit. So CI checks the kernels' indexing
+(chunks, 4-element vectors, tails, the misaligned scalar path), their types and order of operations, the bf16
+rounding, the NaN rule and found_inf. The GPUs' own runs, against torch's fused AdamW, are
+tests/gpu/test_master_adamw_gpu.py and tests/gpu/test_fused_bf16_adamw_gpu.py. Skipped without g++."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from peerline.kernels import master_adamw as ma
+from peerline.kernels import fused_adamw as fa
 from peerline.kernels.multi_tensor import CHUNK, THREADS
 
 pytestmark = [pytest.mark.timeout(180),
@@ -36,7 +36,7 @@ static PlDim blockIdx, threadIdx, blockDim, gridDim;
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 
-#include "master_adamw.cu"
+#include "fused_adamw.cu"
 extern "C" void host_master_adamw(const long long* table, int tensors, const long long* chunks, int n_chunks,
                                   long long chunk, const float* lr, const float* step, const float* found_inf,
                                   double b1, double b2, double eps, double wd, unsigned int threads) {
@@ -47,6 +47,19 @@ extern "C" void host_master_adamw(const long long* table, int tensors, const lon
         for (unsigned int t = 0; t < threads; ++t) {
             threadIdx.x = t;
             pl_master_adamw(table, tensors, chunks, n_chunks, chunk, lr, step, found_inf, b1, b2, eps, wd);
+        }
+    }
+}
+extern "C" void host_bf16_adamw(const long long* table, int tensors, const long long* chunks, int n_chunks,
+                                long long chunk, const float* lr, const float* found_inf, double b1, double b2,
+                                double eps, double wd, unsigned int threads) {
+    blockDim.x = threads;
+    gridDim.x = (unsigned int)n_chunks;
+    for (int b = 0; b < n_chunks; ++b) {
+        blockIdx.x = (unsigned int)b;
+        for (unsigned int t = 0; t < threads; ++t) {
+            threadIdx.x = t;
+            pl_bf16_adamw(table, tensors, chunks, n_chunks, chunk, lr, found_inf, b1, b2, eps, wd);
         }
     }
 }
@@ -62,7 +75,7 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     (folder / "harness.cpp").write_text(HARNESS)
     out = folder / "harness.so"
     cmd = ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off",
-           "-Wno-unknown-pragmas", f"-I{ma.KERNEL_SOURCE.parent}", str(folder / "harness.cpp"), "-o", str(out)]
+           "-Wno-unknown-pragmas", f"-I{fa.KERNEL_SOURCE.parent}", str(folder / "harness.cpp"), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     found = ctypes.CDLL(str(out))
@@ -70,6 +83,9 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
                                         ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,
                                         ctypes.c_uint]
+    found.host_bf16_adamw.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double, ctypes.c_double,
+                                      ctypes.c_double, ctypes.c_double, ctypes.c_uint]
     return found
 
 
@@ -92,7 +108,7 @@ def _tensors(sizes: list[int], misaligned: bool, seed: int) -> list[list[torch.T
 
 
 def _run(lib: ctypes.CDLL, lists, lr: float, step: float, wd: float, found_inf: torch.Tensor | None = None) -> None:
-    table, chunks = ma.build_tables(*lists)
+    table, chunks = fa.build_tables(*lists)
     lr_t, step_t = torch.tensor(lr, dtype=torch.float32), torch.tensor(step, dtype=torch.float32)
     inf_ptr = None if found_inf is None else found_inf.data_ptr()
     lib.host_master_adamw(table.data_ptr(), table.shape[1], chunks.data_ptr(), chunks.shape[1], CHUNK,
@@ -135,7 +151,7 @@ def _replica(master, grad, m, v, *, lr: float, step: float, wd: float):
 @pytest.mark.parametrize("wd", [0.1, 0.0])
 def test_kernel_source_is_torchs_fused_arithmetic_bit_for_bit(lib, misaligned: bool, wd: float) -> None:
     lists = _tensors(SIZES, misaligned, seed=1)
-    table, _ = ma.build_tables(*lists)
+    table, _ = fa.build_tables(*lists)
     assert table[6].tolist() == [0 if misaligned else 1] * len(SIZES)  # the path under test
     lr, step = 1e-2, 5.0
     want = [_replica(lists[2][i].numpy(), lists[1][i].float().numpy(), lists[3][i].numpy(), lists[4][i].numpy(),
@@ -164,6 +180,45 @@ def test_nan_rounds_to_c10s_nan_and_found_inf_skips(lib) -> None:
 def test_tables_refuse_what_the_kernel_cannot_read() -> None:
     lists = _tensors([8], misaligned=False, seed=3)
     with pytest.raises(ValueError, match="master AdamW: a master is torch.bfloat16"):
-        ma.build_tables(lists[0], lists[1], [lists[2][0].to(torch.bfloat16)], lists[3], lists[4])
+        fa.build_tables(lists[0], lists[1], [lists[2][0].to(torch.bfloat16)], lists[3], lists[4])
     with pytest.raises(ValueError, match="non-empty lists of one length"):
-        ma.build_tables(lists[0], lists[1], lists[2], lists[3], [])
+        fa.build_tables(lists[0], lists[1], lists[2], lists[3], [])
+
+
+def _bf16_tensors(sizes: list[int], misaligned: bool, seed: int) -> list[list[torch.Tensor]]:
+    """params, grads, exp_avgs, exp_avg_sqs, all bf16: views one element in when misaligned."""
+    params, grads, _, ms, vs = _tensors(sizes, False, seed)
+    lists = [params, grads, [m.to(torch.bfloat16) for m in ms], [v.to(torch.bfloat16) for v in vs]]
+    return [[_shifted(t) for t in ts] for ts in lists] if misaligned else lists
+
+
+def _shifted(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` one element into a longer buffer (misaligned for vector loads)."""
+    holder = torch.zeros(t.numel() + 1, dtype=t.dtype)
+    holder[1:].copy_(t)
+    return holder[1:]
+
+
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_bf16_kernel_source_is_torchs_fused_arithmetic_bit_for_bit(lib, misaligned: bool) -> None:
+    lists = _bf16_tensors(SIZES, misaligned, seed=4)
+    steps = [torch.tensor(float(3 + i % 3)) for i in range(len(SIZES))]  # each parameter's own count
+    table, chunks = fa.build_tables(lists[0], lists[1], None, lists[2], lists[3], steps)
+    assert table[6].tolist() == [0 if misaligned else 1] * len(SIZES)
+    lr, wd = 1e-2, 0.1
+    want = [_replica(lists[0][i].float().numpy(), lists[1][i].float().numpy(), lists[2][i].float().numpy(),
+                     lists[3][i].float().numpy(), lr=lr, step=float(steps[i]), wd=wd) for i in range(len(SIZES))]
+    lr_t = torch.tensor(lr, dtype=torch.float32)
+    lib.host_bf16_adamw(table.data_ptr(), table.shape[1], chunks.data_ptr(), chunks.shape[1], CHUNK,
+                        lr_t.data_ptr(), None, BETA1, BETA2, EPS, wd, THREADS)
+    for i, n in enumerate(SIZES):
+        _, m, v, bits = want[i]
+        assert np.array_equal(lists[0][i].view(torch.int16).numpy().view(np.uint16), bits), n
+        assert np.array_equal(lists[2][i].view(torch.int16).numpy().view(np.uint16), _bf16_bits(m)), n
+        assert np.array_equal(lists[3][i].view(torch.int16).numpy().view(np.uint16), _bf16_bits(v)), n
+
+
+def test_bf16_tables_want_one_step_count_per_parameter() -> None:
+    lists = _bf16_tensors([8, 3], misaligned=False, seed=5)
+    with pytest.raises(ValueError, match="one fp32 step count"):
+        fa.build_tables(lists[0], lists[1], None, lists[2], lists[3], [torch.tensor(1.0)])

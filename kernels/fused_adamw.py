@@ -1,0 +1,112 @@
+"""torch's fused AdamW in our own multi-tensor launches over bf16 parameters (fused_adamw.cu): the same arithmetic
+in the same types, so on the same numbers it gives what torch's fused AdamW gives, at the memory's rate.
+
+  MasterAdamWLaunch   one group of MasterAdamW (--precision master): fp32 masters and moments, bf16 gradients upcast
+                      in registers, the parameters written as the masters' bf16 rounding; 28 bytes per parameter
+                      (grad_sync/master_adamw.py; its CPU path is torch's fused AdamW on an fp32 scratch)
+  Bf16AdamWLaunch     one group of torch's AdamW over bf16 parameters (--precision bf16): bf16 parameters,
+                      gradients and moments, each parameter's own step count; 14 bytes per parameter
+                      (grad_sync/fused_bf16_adamw.py)
+  build_tables(...)   their pointer and chunk tables (kernels/multi_tensor.py's layout)
+
+A launch's tables are built once (not during graph capture); then each step is one launch on torch's current
+stream with lr and the step counts as device scalars: no host sync, no allocation, capturable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from peerline.kernels.multi_tensor import CHUNK, THREADS, check_lists
+from peerline.kernels.multi_tensor import build_tables as multi_tensor_tables
+
+KERNEL_SOURCE = Path(__file__).resolve().parent / "fused_adamw.cu"
+_MASTER = ((torch.bfloat16, torch.bfloat16, torch.float32, torch.float32, torch.float32),
+           ("parameter", "gradient", "master", "exp_avg", "exp_avg_sq"))
+_BF16 = ((torch.bfloat16,) * 4, ("parameter", "gradient", "exp_avg", "exp_avg_sq"))
+
+
+def build_tables(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], masters: Sequence[torch.Tensor] | None,
+                 exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
+                 steps: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_adamw.cu's tables, as host int64 tensors: pl_master_adamw's with `masters` (no `steps`: one step count
+    for all), pl_bf16_adamw's without (`steps`: each tensor's fp32 step count)."""
+    device = params[0].device if params else torch.device("cpu")
+    if masters is not None:
+        lists = (params, grads, masters, exp_avgs, exp_avg_sqs)
+        check_lists(lists, *_MASTER, device, "master AdamW")
+        return multi_tensor_tables(lists)
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    check_lists(lists, *_BF16, device, "fused bf16 AdamW")
+    if len(steps) != len(params) or any(s.dtype != torch.float32 or s.numel() != 1 or s.device != device
+                                        for s in steps):
+        raise ValueError(f"fused bf16 AdamW: one fp32 step count on {device} per parameter")
+    return multi_tensor_tables(lists, (steps,))
+
+
+class _Launch:
+    """One group's device tables and the tensors they point into (kept alive as long as the tables)."""
+
+    kernel = ""
+
+    def __init__(self, table: torch.Tensor, chunks: torch.Tensor, device: torch.device,
+                 keep: Sequence[Sequence[torch.Tensor]]) -> None:
+        self.device = device
+        self.tensors = table.shape[1]
+        self.n_chunks = chunks.shape[1]
+        self.table = table.to(device)
+        self.chunks = chunks.to(device)
+        self.keep = [list(ts) for ts in keep]
+
+    def _launch(self, kinds: str, values: tuple) -> None:
+        """Launch `kernel` over the tables, then `values` typed by `kinds` (launch.ArgPack's letters)."""
+        from peerline.kernels.compile import load_kernel
+        from peerline.kernels.elementwise import launch_raw
+
+        if self.n_chunks == 0:
+            return
+        kernel, _ = load_kernel(KERNEL_SOURCE, self.kernel, self.device.index)
+        launch_raw(kernel, self.n_chunks, THREADS, "pipiq" + kinds,
+                   (self.table.data_ptr(), self.tensors, self.chunks.data_ptr(), self.n_chunks, CHUNK, *values),
+                   self.device)
+
+
+class MasterAdamWLaunch(_Launch):
+    """The CUDA update of one group (same-length lists of contiguous CUDA tensors: bf16 params and grads, fp32
+    masters and moments)."""
+
+    kernel = "pl_master_adamw"
+
+    def __init__(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], masters: Sequence[torch.Tensor],
+                 exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor]) -> None:
+        table, chunks = build_tables(params, grads, masters, exp_avgs, exp_avg_sqs)
+        super().__init__(table, chunks, params[0].device, (params, grads, masters, exp_avgs, exp_avg_sqs))
+
+    def __call__(self, lr: torch.Tensor, step: torch.Tensor, found_inf: torch.Tensor | None, *, beta1: float,
+                 beta2: float, eps: float, weight_decay: float) -> None:
+        """Update every tensor on torch's current stream; `step`: the count of this step (already advanced, as
+        torch's fused AdamW reads it); lr and step fp32 device scalars."""
+        self._launch("pppdddd", (lr.data_ptr(), step.data_ptr(), 0 if found_inf is None else found_inf.data_ptr(),
+                                 beta1, beta2, eps, weight_decay))
+
+
+class Bf16AdamWLaunch(_Launch):
+    """The CUDA update of one group (same-length lists of contiguous bf16 CUDA tensors: params, grads, moments;
+    and each parameter's fp32 step count)."""
+
+    kernel = "pl_bf16_adamw"
+
+    def __init__(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+                 exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor]) -> None:
+        table, chunks = build_tables(params, grads, None, exp_avgs, exp_avg_sqs, steps)
+        super().__init__(table, chunks, params[0].device, (params, grads, exp_avgs, exp_avg_sqs, steps))
+
+    def __call__(self, lr: torch.Tensor, found_inf: torch.Tensor | None, *, beta1: float, beta2: float, eps: float,
+                 weight_decay: float) -> None:
+        """Update every tensor on torch's current stream, each with its own step count (already advanced); lr an
+        fp32 device scalar."""
+        self._launch("ppdddd", (lr.data_ptr(), 0 if found_inf is None else found_inf.data_ptr(), beta1, beta2, eps,
+                                weight_decay))
