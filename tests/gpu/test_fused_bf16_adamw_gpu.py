@@ -62,11 +62,11 @@ def test_captured_step_replays_with_new_gradients_and_allocates_nothing() -> Non
         _set_grads(ours, ref, seed)
         opt.step()
         opt_ref.step()
+    _set_grads(ours, ref, 2)
+    opt_ref.step()
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
-    _set_grads(ours, ref, 2)
     opt.step()
-    opt_ref.step()
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocated, "a later step allocated"
     graph = torch.cuda.CUDAGraph()
