@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from peerline.kernels.multi_tensor import CHUNK, THREADS, check_lists
+from peerline.kernels.multi_tensor import MultiTensorLaunch, check_lists
 from peerline.kernels.multi_tensor import build_tables as multi_tensor_tables
 
 KERNEL_SOURCE = Path(__file__).resolve().parent / "compact_adamw.cu"
@@ -103,35 +103,23 @@ def build_tables(params: Sequence[torch.Tensor], remainders: Sequence[torch.Tens
     return multi_tensor_tables(lists)
 
 
-class CompactAdamWLaunch:
+class CompactAdamWLaunch(MultiTensorLaunch):
     """The CUDA update of one group of tensors (same-length lists of contiguous CUDA tensors: bf16 params, int16
     remainders, bf16 grads, bf16 moments), its device tables built here, once (not during graph capture)."""
+
+    source, kernel = KERNEL_SOURCE, "pl_compact_adamw"
 
     def __init__(self, params: Sequence[torch.Tensor], remainders: Sequence[torch.Tensor],
                  grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
                  exp_avg_sqs: Sequence[torch.Tensor]) -> None:
         table, chunks = build_tables(params, remainders, grads, exp_avgs, exp_avg_sqs)
-        self.device = params[0].device
-        self.tensors = len(params)
-        self.n_chunks = chunks.shape[1]
-        self.table = table.to(self.device)
-        self.chunks = chunks.to(self.device)
-        # the tensors whose pointers the table holds stay alive as long as it does
-        self.keep = [list(ts) for ts in (params, remainders, grads, exp_avgs, exp_avg_sqs)]
+        super().__init__(table, chunks, params[0].device, (params, remainders, grads, exp_avgs, exp_avg_sqs))
 
     def __call__(self, lr: torch.Tensor, step: torch.Tensor, found_inf: torch.Tensor | None, *, beta1: float,
                  beta2: float, eps: float, weight_decay: float) -> None:
         """Update every tensor on torch's current stream; `step`: the count before this step (not advanced)."""
-        from peerline.kernels.compile import load_kernel
-        from peerline.kernels.elementwise import launch_raw
-
-        if self.n_chunks == 0:
-            return
-        kernel, _ = load_kernel(KERNEL_SOURCE, "pl_compact_adamw", self.device.index)
-        launch_raw(kernel, self.n_chunks, THREADS, "pipiqpppffff",
-                   (self.table.data_ptr(), self.tensors, self.chunks.data_ptr(), self.n_chunks, CHUNK, lr.data_ptr(),
-                    step.data_ptr(), 0 if found_inf is None else found_inf.data_ptr(), beta1, beta2, eps,
-                    weight_decay), self.device)
+        self._launch("pppffff", (lr.data_ptr(), step.data_ptr(), 0 if found_inf is None else found_inf.data_ptr(),
+                                 beta1, beta2, eps, weight_decay))
 
 
 def advance_step(step: torch.Tensor, found_inf: torch.Tensor | None) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from peerline.kernels.multi_tensor import CHUNK, THREADS, check_lists
+from peerline.kernels.multi_tensor import MultiTensorLaunch, check_lists
 from peerline.kernels.multi_tensor import build_tables as multi_tensor_tables
 
 KERNEL_SOURCE = Path(__file__).resolve().parent / "fused_adamw.cu"
@@ -47,38 +47,11 @@ def build_tables(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], 
     return multi_tensor_tables(lists, (steps,))
 
 
-class _Launch:
-    """One group's device tables and the tensors they point into (kept alive as long as the tables)."""
-
-    kernel = ""
-
-    def __init__(self, table: torch.Tensor, chunks: torch.Tensor, device: torch.device,
-                 keep: Sequence[Sequence[torch.Tensor]]) -> None:
-        self.device = device
-        self.tensors = table.shape[1]
-        self.n_chunks = chunks.shape[1]
-        self.table = table.to(device)
-        self.chunks = chunks.to(device)
-        self.keep = [list(ts) for ts in keep]
-
-    def _launch(self, kinds: str, values: tuple) -> None:
-        """Launch `kernel` over the tables, then `values` typed by `kinds` (launch.ArgPack's letters)."""
-        from peerline.kernels.compile import load_kernel
-        from peerline.kernels.elementwise import launch_raw
-
-        if self.n_chunks == 0:
-            return
-        kernel, _ = load_kernel(KERNEL_SOURCE, self.kernel, self.device.index)
-        launch_raw(kernel, self.n_chunks, THREADS, "pipiq" + kinds,
-                   (self.table.data_ptr(), self.tensors, self.chunks.data_ptr(), self.n_chunks, CHUNK, *values),
-                   self.device)
-
-
-class MasterAdamWLaunch(_Launch):
+class MasterAdamWLaunch(MultiTensorLaunch):
     """The CUDA update of one group (same-length lists of contiguous CUDA tensors: bf16 params and grads, fp32
     masters and moments)."""
 
-    kernel = "pl_master_adamw"
+    source, kernel = KERNEL_SOURCE, "pl_master_adamw"
 
     def __init__(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], masters: Sequence[torch.Tensor],
                  exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor]) -> None:
@@ -93,11 +66,11 @@ class MasterAdamWLaunch(_Launch):
                                  beta1, beta2, eps, weight_decay))
 
 
-class Bf16AdamWLaunch(_Launch):
+class Bf16AdamWLaunch(MultiTensorLaunch):
     """The CUDA update of one group (same-length lists of contiguous bf16 CUDA tensors: params, grads, moments;
     and each parameter's fp32 step count)."""
 
-    kernel = "pl_bf16_adamw"
+    source, kernel = KERNEL_SOURCE, "pl_bf16_adamw"
 
     def __init__(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
                  exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor]) -> None:

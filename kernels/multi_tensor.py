@@ -6,13 +6,14 @@ CHUNK elements of one tensor, THREADS threads a block.
          run (every list's pointer aligned to 4 of its elements), else 0
   chunks [2, C] int64: each block's tensor index and first element
 
-Built once on the host; the launch classes copy them to the device, so a launch passes pointers only and can be
+Built once on the host; `MultiTensorLaunch` copies them to the device, so a launch passes pointers only and can be
 captured into a CUDA graph.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -52,3 +53,33 @@ def check_lists(lists: Sequence[Sequence[torch.Tensor]], dtypes: Sequence[torch.
                 raise ValueError(f"{what}: a {name} is {t.dtype} {tuple(t.shape)} on {t.device}"
                                  f"{'' if t.is_contiguous() else ' (not contiguous)'}; expected a contiguous "
                                  f"{dtype} {tuple(p.shape)} on {device}")
+
+
+class MultiTensorLaunch:
+    """One group's device tables for the `extern "C"` kernel `kernel` of the CUDA file `source`, and the tensors
+    they point into (kept alive as long as the tables). A subclass names its kernel and builds the tables."""
+
+    source: Path
+    kernel = ""
+
+    def __init__(self, table: torch.Tensor, chunks: torch.Tensor, device: torch.device,
+                 keep: Sequence[Sequence[torch.Tensor]]) -> None:
+        self.device = device
+        self.tensors = table.shape[1]
+        self.n_chunks = chunks.shape[1]
+        self.table = table.to(device)
+        self.chunks = chunks.to(device)
+        self.keep = [list(ts) for ts in keep]
+
+    def _launch(self, kinds: str, values: tuple) -> None:
+        """Launch the kernel on torch's current stream over the tables (its first five parameters: table, tensors,
+        chunks, chunk count, CHUNK), then `values` typed by `kinds` (launch.ArgPack's letters)."""
+        from peerline.kernels.compile import load_kernel
+        from peerline.kernels.elementwise import launch_raw
+
+        if self.n_chunks == 0:
+            return
+        kernel, _ = load_kernel(self.source, self.kernel, self.device.index)
+        launch_raw(kernel, self.n_chunks, THREADS, "pipiq" + kinds,
+                   (self.table.data_ptr(), self.tensors, self.chunks.data_ptr(), self.n_chunks, CHUNK, *values),
+                   self.device)

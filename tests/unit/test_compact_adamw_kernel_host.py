@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from peerline.kernels import compact_adamw as ca
+from peerline.kernels.multi_tensor import CHUNK, THREADS
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel as host code")]
@@ -49,7 +50,7 @@ extern "C" void host_advance(float* step, const float* found_inf) { pl_compact_a
 """
 
 BETA1, BETA2, EPS = 0.9, 0.999, 1e-8
-SIZES = [1, 3, 4, 7, 1000, ca.CHUNK - 1, ca.CHUNK, ca.CHUNK + 5, 2 * ca.CHUNK + 3]
+SIZES = [1, 3, 4, 7, 1000, CHUNK - 1, CHUNK, CHUNK + 5, 2 * CHUNK + 3]
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +95,8 @@ def _run(lib: ctypes.CDLL, lists, lr: float, step: float, wd: float, found_inf: 
     table, chunks = ca.build_tables(*lists)
     lr_t, step_t = torch.tensor(lr, dtype=torch.float32), torch.tensor(step, dtype=torch.float32)
     inf_ptr = None if found_inf is None else found_inf.data_ptr()
-    lib.host_compact_adamw(table.data_ptr(), table.shape[1], chunks.data_ptr(), chunks.shape[1], ca.CHUNK,
-                           lr_t.data_ptr(), step_t.data_ptr(), inf_ptr, BETA1, BETA2, EPS, wd, ca.THREADS)
+    lib.host_compact_adamw(table.data_ptr(), table.shape[1], chunks.data_ptr(), chunks.shape[1], CHUNK,
+                           lr_t.data_ptr(), step_t.data_ptr(), inf_ptr, BETA1, BETA2, EPS, wd, THREADS)
 
 
 def _slack(p, r, g, m, v, *, lr: float, wd: float, step: float) -> torch.Tensor:
