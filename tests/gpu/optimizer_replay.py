@@ -1,12 +1,22 @@
 """The captured-step checks both bf16 AdamWs share (compact and master, grad_sync/bf16_adamw_base.py): a step
 captured into a CUDA graph follows a reference optimizer with new gradients at every replay, allocates nothing after
-its first step, and reads the lr and `found_inf` from device memory."""
+its first step, and reads the lr and `found_inf` from device memory; and the gradients every optimizer test writes
+into both of its sides."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
+
+
+def set_same_grads(ours: list[torch.Tensor], ref: list[torch.Tensor], seed: int) -> None:
+    """Write the same fresh bf16 gradients (N(0, 0.1^2), from `seed`) into both sides' `.grad` tensors, in place."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for a, b in zip(ours, ref, strict=True):
+        grad = (torch.randn(a.shape, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
+        a.grad.copy_(grad)
+        b.grad.copy_(grad)
 
 
 def check_captured_steps_follow_reference(opt: torch.optim.Optimizer, opt_ref: torch.optim.Optimizer,

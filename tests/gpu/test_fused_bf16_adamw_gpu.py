@@ -12,6 +12,7 @@ import torch
 
 from tests.gpu.compare import Expect, assert_matches
 from tests.gpu.jobs import Run
+from tests.gpu.optimizer_replay import set_same_grads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -31,14 +32,6 @@ def _pair() -> tuple:
             torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True, capturable=True))
 
 
-def _set_grads(ours, ref, seed: int) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    for a, b in zip(ours, ref, strict=True):
-        grad = (torch.randn(a.shape, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
-        a.grad.copy_(grad)
-        b.grad.copy_(grad)
-
-
 def _assert_equal(ours, ref, opt, opt_ref) -> None:
     for a, b in zip(ours, ref, strict=True):
         assert torch.equal(a, b), (tuple(a.shape), "parameter", (a.float() - b.float()).abs().max().item())
@@ -49,7 +42,7 @@ def _assert_equal(ours, ref, opt, opt_ref) -> None:
 def test_steps_equal_torchs_fused_adamw_bit_for_bit() -> None:
     ours, ref, opt, opt_ref = _pair()
     for seed in range(4):
-        _set_grads(ours, ref, seed)
+        set_same_grads(ours, ref, seed)
         opt.step()
         opt_ref.step()
     assert opt._launches is not None, "the kernel ran (the first step is torch's own)"
@@ -59,10 +52,10 @@ def test_steps_equal_torchs_fused_adamw_bit_for_bit() -> None:
 def test_captured_step_replays_with_new_gradients_and_allocates_nothing() -> None:
     ours, ref, opt, opt_ref = _pair()
     for seed in (0, 1):
-        _set_grads(ours, ref, seed)
+        set_same_grads(ours, ref, seed)
         opt.step()
         opt_ref.step()
-    _set_grads(ours, ref, 2)
+    set_same_grads(ours, ref, 2)
     opt_ref.step()
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_stats()["allocation.all.allocated"]
@@ -73,7 +66,7 @@ def test_captured_step_replays_with_new_gradients_and_allocates_nothing() -> Non
     with torch.cuda.graph(graph):
         opt.step()
     for seed in (3, 4, 5):
-        _set_grads(ours, ref, seed)
+        set_same_grads(ours, ref, seed)
         graph.replay()
         opt_ref.step()
     torch.cuda.synchronize()
@@ -83,13 +76,13 @@ def test_captured_step_replays_with_new_gradients_and_allocates_nothing() -> Non
 def test_found_inf_skips_and_load_state_dict_rebuilds() -> None:
     ours, ref, opt, opt_ref = _pair()
     for seed in (0, 1):
-        _set_grads(ours, ref, seed)
+        set_same_grads(ours, ref, seed)
         opt.step()
         opt_ref.step()
     found_inf = torch.ones((), device="cuda")
     opt.found_inf = opt_ref.found_inf = found_inf
     before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["step"].clone()) for p in ours]
-    _set_grads(ours, ref, 2)
+    set_same_grads(ours, ref, 2)
     opt.step()
     opt_ref.step()
     assert all(torch.equal(p, a) and torch.equal(opt.state[p]["exp_avg"], m) and torch.equal(opt.state[p]["step"], s)
@@ -98,7 +91,7 @@ def test_found_inf_skips_and_load_state_dict_rebuilds() -> None:
     saved = opt.state_dict()
     opt.load_state_dict(saved)  # new state tensors: the kernel's tables must follow them
     for seed in (3, 4):
-        _set_grads(ours, ref, seed)
+        set_same_grads(ours, ref, seed)
         opt.step()
         opt_ref.step()
     _assert_equal(ours, ref, opt, opt_ref)

@@ -19,6 +19,7 @@ from tests.gpu.jobs import Run
 from tests.gpu.optimizer_replay import (
     check_captured_steps_follow_reference,
     check_replay_reads_a_device_lr_and_found_inf,
+    set_same_grads,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
@@ -39,14 +40,6 @@ def _pair(lr: float = 1e-2, chunk: int = 1 << 20) -> tuple:
         p.grad = torch.zeros_like(p)
     return (ours, ref, MasterAdamW(ours, lr=lr, weight_decay=0.1, chunk=chunk),
             torch.optim.AdamW(ref, lr=lr, weight_decay=0.1, fused=True, capturable=True))
-
-
-def _set_grads(ours, ref, seed: int) -> None:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    for a, b in zip(ours, ref, strict=True):
-        grad = (torch.randn(a.shape, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
-        a.grad.copy_(grad)
-        b.grad.copy_(grad)
 
 
 def _assert_close(ours, ref, opt, opt_ref) -> None:
@@ -81,7 +74,7 @@ def test_step_is_torchs_fused_adamw_bit_for_bit() -> None:
     opt_ref = torch.optim.AdamW(ref, lr=torch.tensor(1e-2, device="cuda"), weight_decay=0.1, fused=True,
                                 capturable=True)
     for seed in range(3):
-        _set_grads(ours, ref, seed)
+        set_same_grads(ours, ref, seed)
         opt.step()
         opt_ref.step()
     for a, b in zip(ours, ref, strict=True):
@@ -97,7 +90,7 @@ def test_step_is_torchs_fused_adamw_bit_for_bit() -> None:
 @pytest.mark.parametrize("chunk", [1 << 24, 100_003])
 def test_step_captured_in_a_cuda_graph_equals_fused_adamw(chunk: int) -> None:
     ours, ref, opt, opt_ref = _pair(chunk=chunk)
-    check_captured_steps_follow_reference(opt, opt_ref, lambda seed: _set_grads(ours, ref, seed),
+    check_captured_steps_follow_reference(opt, opt_ref, lambda seed: set_same_grads(ours, ref, seed),
                                           lambda: _assert_close(ours, ref, opt, opt_ref))
 
 
@@ -105,7 +98,7 @@ def test_replay_reads_a_device_lr_and_found_inf() -> None:
     from peerline.distributed.grad_sync.master_adamw import MASTER
 
     ours, ref, opt, _ = _pair()
-    _set_grads(ours, ref, 1)
+    set_same_grads(ours, ref, 1)
     check_replay_reads_a_device_lr_and_found_inf(opt, ours, MASTER)
 
 

@@ -10,42 +10,22 @@ from __future__ import annotations
 import ctypes
 import math
 import shutil
-import subprocess
 
 import pytest
 import torch
 
 from peerline.kernels import compact_adamw as ca
 from peerline.kernels.multi_tensor import CHUNK, THREADS
+from tests.unit import kernel_host
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel as host code")]
 
-HARNESS = r"""
-#include <cmath>
-#include <cstring>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-struct uint2 { unsigned int x, y; };
-struct PlDim { unsigned int x = 0, y = 0, z = 0; };
-static PlDim blockIdx, threadIdx, blockDim, gridDim;
-static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-#include "compact_adamw.cu"
-extern "C" void host_compact_adamw(const long long* table, int tensors, const long long* chunks, int n_chunks,
-                                   long long chunk, const float* lr, const float* step, const float* found_inf,
-                                   float b1, float b2, float eps, float wd, unsigned int threads) {
-    blockDim.x = threads;
-    gridDim.x = (unsigned int)n_chunks;
-    for (int b = 0; b < n_chunks; ++b) {
-        blockIdx.x = (unsigned int)b;
-        for (unsigned int t = 0; t < threads; ++t) {
-            threadIdx.x = t;
-            pl_compact_adamw(table, tensors, chunks, n_chunks, chunk, lr, step, found_inf, b1, b2, eps, wd);
-        }
-    }
-}
+WRAPPERS = kernel_host.grid_wrapper(
+    "host_compact_adamw", "pl_compact_adamw",
+    "const long long* table, int tensors, const long long* chunks, int n_chunks, long long chunk, const float* lr, "
+    "const float* step, const float* found_inf, float b1, float b2, float eps, float wd",
+    "table, tensors, chunks, n_chunks, chunk, lr, step, found_inf, b1, b2, eps, wd") + """
 extern "C" void host_advance(float* step, const float* found_inf) { pl_compact_adamw_advance(step, found_inf); }
 """
 
@@ -55,14 +35,7 @@ SIZES = [1, 3, 4, 7, 1000, CHUNK - 1, CHUNK, CHUNK + 5, 2 * CHUNK + 3]
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory) -> ctypes.CDLL:
-    folder = tmp_path_factory.mktemp("kernel")
-    (folder / "harness.cpp").write_text(HARNESS)
-    out = folder / "harness.so"
-    cmd = ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off",
-           "-Wno-unknown-pragmas", f"-I{ca.KERNEL_SOURCE.parent}", str(folder / "harness.cpp"), "-o", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    found = ctypes.CDLL(str(out))
+    found = kernel_host.build(tmp_path_factory.mktemp("kernel"), ca.KERNEL_SOURCE, WRAPPERS)
     found.host_compact_adamw.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                          ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                          ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -18,52 +17,21 @@ import torch
 
 from peerline.kernels import fused_adamw as fa
 from peerline.kernels.multi_tensor import CHUNK, THREADS
+from tests.unit import kernel_host
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel as host code")]
 
-HARNESS = r"""
-#include <cmath>
-#include <cstring>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __restrict__
-struct uint2 { unsigned int x, y; };
-struct float4 { float x, y, z, w; };
-struct PlDim { unsigned int x = 0, y = 0, z = 0; };
-static PlDim blockIdx, threadIdx, blockDim, gridDim;
-static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-
-#include "fused_adamw.cu"
-extern "C" void host_master_adamw(const long long* table, int tensors, const long long* chunks, int n_chunks,
-                                  long long chunk, const float* lr, const float* step, const float* found_inf,
-                                  double b1, double b2, double eps, double wd, unsigned int threads) {
-    blockDim.x = threads;
-    gridDim.x = (unsigned int)n_chunks;
-    for (int b = 0; b < n_chunks; ++b) {
-        blockIdx.x = (unsigned int)b;
-        for (unsigned int t = 0; t < threads; ++t) {
-            threadIdx.x = t;
-            pl_master_adamw(table, tensors, chunks, n_chunks, chunk, lr, step, found_inf, b1, b2, eps, wd);
-        }
-    }
-}
-extern "C" void host_bf16_adamw(const long long* table, int tensors, const long long* chunks, int n_chunks,
-                                long long chunk, const float* lr, const float* found_inf, double b1, double b2,
-                                double eps, double wd, unsigned int threads) {
-    blockDim.x = threads;
-    gridDim.x = (unsigned int)n_chunks;
-    for (int b = 0; b < n_chunks; ++b) {
-        blockIdx.x = (unsigned int)b;
-        for (unsigned int t = 0; t < threads; ++t) {
-            threadIdx.x = t;
-            pl_bf16_adamw(table, tensors, chunks, n_chunks, chunk, lr, found_inf, b1, b2, eps, wd);
-        }
-    }
-}
-"""
+TABLES = "const long long* table, int tensors, const long long* chunks, int n_chunks, long long chunk"
+WRAPPERS = (
+    kernel_host.grid_wrapper("host_master_adamw", "pl_master_adamw",
+                             f"{TABLES}, const float* lr, const float* step, const float* found_inf, double b1, "
+                             "double b2, double eps, double wd",
+                             "table, tensors, chunks, n_chunks, chunk, lr, step, found_inf, b1, b2, eps, wd")
+    + kernel_host.grid_wrapper("host_bf16_adamw", "pl_bf16_adamw",
+                               f"{TABLES}, const float* lr, const float* found_inf, double b1, double b2, "
+                               "double eps, double wd",
+                               "table, tensors, chunks, n_chunks, chunk, lr, found_inf, b1, b2, eps, wd"))
 
 BETA1, BETA2, EPS = 0.9, 0.999, 1e-8
 SIZES = [1, 3, 4, 7, 1000, CHUNK - 1, CHUNK, CHUNK + 5, 2 * CHUNK + 3]
@@ -71,14 +39,7 @@ SIZES = [1, 3, 4, 7, 1000, CHUNK - 1, CHUNK, CHUNK + 5, 2 * CHUNK + 3]
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory) -> ctypes.CDLL:
-    folder = tmp_path_factory.mktemp("kernel")
-    (folder / "harness.cpp").write_text(HARNESS)
-    out = folder / "harness.so"
-    cmd = ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off",
-           "-Wno-unknown-pragmas", f"-I{fa.KERNEL_SOURCE.parent}", str(folder / "harness.cpp"), "-o", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    found = ctypes.CDLL(str(out))
+    found = kernel_host.build(tmp_path_factory.mktemp("kernel"), fa.KERNEL_SOURCE, WRAPPERS)
     found.host_master_adamw.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
                                         ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,

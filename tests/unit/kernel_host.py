@@ -1,0 +1,54 @@
+"""A CUDA kernel source built as host C++ (g++) for the CPU tests of the multi-tensor optimizer kernels: the CUDA
+keywords and intrinsics defined away, no floating-point contractions, and each kernel wrapped in a host function
+that runs every block and every thread one after another. Their threads share nothing, so running them in turn is
+the kernels' meaning."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from pathlib import Path
+
+PRELUDE = r"""
+#include <cmath>
+#include <cstring>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+struct uint2 { unsigned int x, y; };
+struct float4 { float x, y, z, w; };
+struct PlDim { unsigned int x = 0, y = 0, z = 0; };
+static PlDim blockIdx, threadIdx, blockDim, gridDim;
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+"""
+
+
+def grid_wrapper(host_name: str, kernel: str, params: str, args: str) -> str:
+    """C++ of `extern "C" host_name(params, unsigned int threads)`: `kernel(args)` for each of the n_chunks blocks
+    (a parameter of that name) and each of `threads` threads."""
+    return f"""
+extern "C" void {host_name}({params}, unsigned int threads) {{
+    blockDim.x = threads;
+    gridDim.x = (unsigned int)n_chunks;
+    for (int b = 0; b < n_chunks; ++b) {{
+        blockIdx.x = (unsigned int)b;
+        for (unsigned int t = 0; t < threads; ++t) {{
+            threadIdx.x = t;
+            {kernel}({args});
+        }}
+    }}
+}}
+"""
+
+
+def build(folder: Path, source: Path, wrappers: str) -> ctypes.CDLL:
+    """Compile PRELUDE, `source` and the `wrappers` into a shared library in `folder` and load it."""
+    (folder / "harness.cpp").write_text(f'{PRELUDE}\n#include "{source.name}"\n{wrappers}')
+    out = folder / "harness.so"
+    cmd = ["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-fno-strict-aliasing", "-ffp-contract=off",
+           "-Wno-unknown-pragmas", f"-I{source.parent}", str(folder / "harness.cpp"), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return ctypes.CDLL(str(out))
