@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests import timeouts  # noqa: E402
 from tests.helpers import assert_same_run  # noqa: E402
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
+# Under `pytest -n 2 --dist loadgroup` (.ci/run) one worker runs these while the other runs the single-node tests.
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300), pytest.mark.xdist_group("multinode")]
 
 REPO = Path(os.environ.get("PEERLINE_REPO") or Path(__file__).resolve().parents[2]).resolve()
 SCRIPT = Path(__file__).resolve().parents[2] / "slurm" / "multinode.sbatch"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from slurm_cluster import SlurmCluster
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(480), pytest.mark.xdist_group("single-node")]
 
 REPO = Path(os.environ.get("PEERLINE_REPO") or Path(__file__).resolve().parents[2]).resolve()
 SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"

@@ -19,7 +19,8 @@ import pytest
 from slurm_cluster import JobResult, SlurmCluster
 
 # Bounds the whole test including the session fixture's install + start-up on the first test (apt is slow).
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
+# One xdist worker runs the single-node tests (one cluster, started once), the other the multinode ones (.ci/run).
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420), pytest.mark.xdist_group("single-node")]
 
 # PEERLINE_REPO points the tests (and the scripts) at another checkout; by default this one.
 REPO = Path(os.environ.get("PEERLINE_REPO") or Path(__file__).resolve().parents[2]).resolve()
