@@ -14,7 +14,7 @@
 # Load: every test process runs torch on one thread (tests/conftest.py; OpenMP threads that spin on a shared
 # 2-core machine made single tests 15x slower), and each test's timeout grows with the machine's load
 # (tests/timeouts.py; PEERLINE_TEST_TIMEOUT_SCALE sets the factor). PEERLINE_TEST_WORKERS: pytest-xdist workers
-# of the cpu phase (default 2).
+# of the cpu phase (default 3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,7 +49,7 @@ describe() {
     install) echo "pip install -e '.[test]'" ;;
     mpirun) echo "mpirun starts 2 processes with mpi4py" ;;
     lint) echo "ruff check distributed kernels launch bench peerline tests" ;;
-    cpu) echo "pytest -n ${PEERLINE_TEST_WORKERS:-2}: tests/reliability tests/unit tests/multiproc tests/gpu" ;;
+    cpu) echo "pytest -n ${PEERLINE_TEST_WORKERS:-3}: tests/reliability tests/unit tests/multiproc tests/gpu" ;;
     mpi) echo "${MPIRUN[*]} pytest --with-mpi tests/integration" ;;
   esac
 }
@@ -57,11 +57,12 @@ describe() {
 phase_install() { python -m pip install -q -e '.[test]'; }
 phase_mpirun() { preflight && echo "tools/test.sh: mpirun and mpi4py work"; }
 phase_lint() { ruff check distributed kernels launch bench peerline tests; }
-# Two workers: a multi-process test spends most of its time waiting on its ranks. The slow tests go first
-# (tests/conftest.py) and an idle worker takes queued tests from the busy one (--dist worksteal), so the long
-# ones overlap the rest instead of one worker running them alone at the end.
+# Three workers on 2 cores: a multi-process test spends part of its time waiting (deadlines, hang cases, rendezvous),
+# and with two workers those waits left the cores idle a fifth of the phase (busy 80 %; 93 % with three). The slow
+# tests go first (tests/conftest.py) and an idle worker takes queued tests from a busy one (--dist worksteal), so the
+# long ones overlap the rest instead of one worker running them alone at the end.
 phase_cpu() {
-  python -m pytest -q -p no:cacheprovider -n "${PEERLINE_TEST_WORKERS:-2}" --dist worksteal --durations=15 \
+  python -m pytest -q -p no:cacheprovider -n "${PEERLINE_TEST_WORKERS:-3}" --dist worksteal --durations=15 \
       tests/reliability tests/unit tests/multiproc tests/gpu
 }
 phase_mpi() { "${MPIRUN[@]}" python -m pytest --with-mpi -q -p no:cacheprovider tests/integration; }

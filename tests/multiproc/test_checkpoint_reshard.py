@@ -7,7 +7,6 @@ batches the uninterrupted run read)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -54,8 +53,8 @@ def test_resume_on_another_grid_equals_the_uninterrupted_run(tmp_path, reference
 
 def test_another_model_shape_is_refused_in_one_line(tmp_path):
     _run("pp2", ["--iters", "1", "--save", "ck"], tmp_path, "first")
-    p = subprocess.run([sys.executable, PIPELINE, *MODEL, "--layers", "6", "--iters", "2", "--resume", "ck"],
-                       cwd=tmp_path, env=cpu_env(), capture_output=True, text=True, timeout=120)
+    p = run_command([sys.executable, PIPELINE, *MODEL, "--layers", "6", "--iters", "2", "--resume", "ck"], tmp_path,
+                    cpu_env(), timeout=120)
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("peerline: error:")]
     assert p.returncode == 2 and errors == [
         "peerline: error: checkpoint ck/iter_000001 does not match this run: model.layers is 4 in the checkpoint, 6 "

@@ -19,9 +19,9 @@ import atexit
 import math
 import os
 import re
-import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,9 +32,10 @@ from peerline.distributed.resilience.watchdog import EXIT_MARGIN_S
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests import timeouts  # noqa: E402
-from tests.helpers import assert_same_run  # noqa: E402
+from tests.helpers import assert_same_run, run_command  # noqa: E402
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
+# Under `pytest -n 2 --dist loadgroup` (.ci/run) one worker runs these while the other runs the single-node tests.
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300), pytest.mark.xdist_group("multinode")]
 
 REPO = Path(os.environ.get("PEERLINE_REPO") or Path(__file__).resolve().parents[2]).resolve()
 SCRIPT = Path(__file__).resolve().parents[2] / "slurm" / "multinode.sbatch"
@@ -77,13 +78,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeClust
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The single-process run (--pp 1 --dp 1, all 4 microbatches)."""
+    """The single-process run (--pp 1 --dp 1, all 4 microbatches), forked from the test fork server
+    (tests/forkjob.py): the reference is not what these tests are about."""
     import json
 
     out = tmp_path_factory.mktemp("multi-ref") / "ref.json"
     cmd = [sys.executable, str(REPO / "launch" / "pipeline.py"), "--device", "cpu", "-m", str(TOTAL_MICROBATCHES),
            *MODEL, "--json", str(out)]
-    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=180)
+    proc = run_command(cmd, out.parent, clean_env(), timeout=180)
     assert proc.returncode == 0, f"reference run failed: {proc.stdout}\n{proc.stderr}"
     return json.loads(out.read_text())
 
@@ -197,9 +199,12 @@ def test_lost_node_ends_every_rank_then_the_job_resumes(cluster: MultiNodeCluste
     model = [*MODEL, "--iters", str(iters), "--log-every", "10"]
     ck, out = tmp_path / "ck", tmp_path / "job.json"
     ref_out = tmp_path / "ref.json"
-    ref = subprocess.Popen([sys.executable, str(REPO / "launch" / "pipeline.py"), "--device", "cpu", "-m", "4",
-                            *model, "--json", str(ref_out)], env=clean_env(), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True)
+    # The uninterrupted single-process run, forked from the test fork server beside the job.
+    refs = ThreadPoolExecutor(1)
+    ref = refs.submit(run_command, [sys.executable, str(REPO / "launch" / "pipeline.py"), "--device", "cpu", "-m",
+                                    "4", *model, "--json", str(ref_out)], tmp_path, clean_env(),
+                      wait_s + 120 * load)
+    refs.shutdown(wait=False)
     job: dict[str, JobResult] = {}
     args = ["--pp", "4", "-m", "4", *model, "--timeout-s", str(deadline_s), "--save", str(ck), "--save-every", "10",
             "--resume", str(ck), "--json", str(out)]
@@ -242,7 +247,8 @@ def test_lost_node_ends_every_rank_then_the_job_resumes(cluster: MultiNodeCluste
         if line.startswith(("peerline: error: rank 2 ", "peerline: error: rank 3 ")):
             assert "node2 lost" in line or "the rendezvous store at " in line, line
     assert result.returncode == 0, result.describe()
-    assert ref.wait(timeout=120 * load) == 0, ref.stderr.read()
+    ref_proc = ref.result()
+    assert ref_proc.returncode == 0, ref_proc.stderr
     got, want = json.loads(out.read_text()), json.loads(ref_out.read_text())
     resumed_at = got["iterations"][0]
     assert 10 < resumed_at < iters and got["iterations"][-1] == iters, got["iterations"]

@@ -15,12 +15,16 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from slurm_cluster import SlurmCluster
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(480)]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.helpers import forkrun_cmd, run_command  # noqa: E402
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(480), pytest.mark.xdist_group("single-node")]
 
 REPO = Path(os.environ.get("PEERLINE_REPO") or Path(__file__).resolve().parents[2]).resolve()
 SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"
@@ -36,21 +40,21 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
-def _start_reference(tmp_path: Path) -> subprocess.Popen:
-    """The uninterrupted run under torchrun, started beside the Slurm job (most of which is waiting: the pause, the
-    requeue); `_reference` collects it."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "launch" / "pipeline.py"), "--device", "cpu", *MODEL, "--json", str(tmp_path / "ref.json")]
-    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=tmp_path)
-
-
-def _reference(proc: subprocess.Popen, tmp_path: Path) -> dict:
+def _start_reference(tmp_path: Path) -> Future:
+    """The uninterrupted run on 2 ranks, forked from the test fork server (tests/forkjob.py: torchrun's variables)
+    beside the Slurm job (most of which is waiting: the pause, the requeue); `_reference` collects it."""
+    cmd = [*forkrun_cmd(2), str(REPO / "launch" / "pipeline.py"), "--device", "cpu", *MODEL, "--json",
+           str(tmp_path / "ref.json")]
+    pool = ThreadPoolExecutor(1)
     try:
-        out, _ = proc.communicate(timeout=180)
+        return pool.submit(run_command, cmd, tmp_path, _env(), 480)
     finally:
-        proc.kill()
-    assert proc.returncode == 0, out
+        pool.shutdown(wait=False)
+
+
+def _reference(run: Future, tmp_path: Path) -> dict:
+    proc = run.result()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads((tmp_path / "ref.json").read_text())
 
 

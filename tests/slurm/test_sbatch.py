@@ -18,8 +18,12 @@ from pathlib import Path
 import pytest
 from slurm_cluster import JobResult, SlurmCluster
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.helpers import run_command  # noqa: E402
+
 # Bounds the whole test including the session fixture's install + start-up on the first test (apt is slow).
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
+# One xdist worker runs the single-node tests (one cluster, started once), the other the multinode ones (.ci/run).
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420), pytest.mark.xdist_group("single-node")]
 
 # PEERLINE_REPO points the tests (and the scripts) at another checkout; by default this one.
 REPO = Path(os.environ.get("PEERLINE_REPO") or Path(__file__).resolve().parents[2]).resolve()
@@ -60,11 +64,12 @@ def _losses(path: Path, result: JobResult) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    """Per-iteration losses of the single-process run (--pp 1 --dp 1, M*dp microbatches)."""
+    """Per-iteration losses of the single-process run (--pp 1 --dp 1, M*dp microbatches), forked from the test fork
+    server (tests/forkjob.py): the reference is not what these tests are about."""
     out = tmp_path_factory.mktemp("reference") / "ref.json"
     cmd = [sys.executable, str(REPO / "launch" / "pipeline.py"), "--device", "cpu", "--pp", "1", "--dp", "1",
            "--microbatches", str(TOTAL_MICROBATCHES), *MODEL, "--json", str(out)]
-    proc = subprocess.run(cmd, env=_clean_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=180)
+    proc = run_command(cmd, out.parent, _clean_env(OMP_NUM_THREADS="1"), timeout=180)
     assert proc.returncode == 0, f"reference run failed: {cmd}\n{proc.stdout}\n{proc.stderr}"
     losses = json.loads(out.read_text())["losses"]
     assert len(losses) == 3 and all(x == x for x in losses), losses  # 3 iterations, no NaN
