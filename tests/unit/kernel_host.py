@@ -9,6 +9,8 @@ import ctypes
 import subprocess
 from pathlib import Path
 
+import torch
+
 PRELUDE = r"""
 #include <cmath>
 #include <cstring>
@@ -52,3 +54,10 @@ def build(folder: Path, source: Path, wrappers: str) -> ctypes.CDLL:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return ctypes.CDLL(str(out))
+
+
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of 1-D `t` one element into a longer buffer: its pointer off the kernels' 4-element vector alignment."""
+    holder = torch.zeros(t.numel() + 1, dtype=t.dtype)
+    holder[1:].copy_(t)
+    return holder[1:]

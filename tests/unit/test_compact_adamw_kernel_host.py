@@ -56,11 +56,7 @@ def _tensors(sizes: list[int], misaligned: bool, seed: int) -> list[list[torch.T
                   (torch.randn(n, generator=gen) * 0.01).to(torch.bfloat16),
                   (torch.rand(n, generator=gen) * 1e-3).to(torch.bfloat16)]
         for out, value in zip(lists, values, strict=True):
-            if misaligned:
-                holder = torch.zeros(n + 1, dtype=value.dtype)
-                holder[1:].copy_(value)
-                value = holder[1:]
-            out.append(value)
+            out.append(kernel_host.misaligned(value) if misaligned else value)
     return lists
 
 

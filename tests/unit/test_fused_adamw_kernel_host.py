@@ -60,11 +60,7 @@ def _tensors(sizes: list[int], misaligned: bool, seed: int) -> list[list[torch.T
         values = [master.to(torch.bfloat16), (torch.randn(n, generator=gen) * 0.1).to(torch.bfloat16), master,
                   torch.randn(n, generator=gen) * 0.01, torch.rand(n, generator=gen) * 1e-3]
         for out, value in zip(lists, values, strict=True):
-            if misaligned:
-                holder = torch.zeros(n + 1, dtype=value.dtype)
-                holder[1:].copy_(value)
-                value = holder[1:]
-            out.append(value)
+            out.append(kernel_host.misaligned(value) if misaligned else value)
     return lists
 
 
@@ -150,14 +146,7 @@ def _bf16_tensors(sizes: list[int], misaligned: bool, seed: int) -> list[list[to
     """params, grads, exp_avgs, exp_avg_sqs, all bf16: views one element in when misaligned."""
     params, grads, _, ms, vs = _tensors(sizes, False, seed)
     lists = [params, grads, [m.to(torch.bfloat16) for m in ms], [v.to(torch.bfloat16) for v in vs]]
-    return [[_shifted(t) for t in ts] for ts in lists] if misaligned else lists
-
-
-def _shifted(t: torch.Tensor) -> torch.Tensor:
-    """A copy of `t` one element into a longer buffer (misaligned for vector loads)."""
-    holder = torch.zeros(t.numel() + 1, dtype=t.dtype)
-    holder[1:].copy_(t)
-    return holder[1:]
+    return [[kernel_host.misaligned(t) for t in ts] for ts in lists] if misaligned else lists
 
 
 @pytest.mark.parametrize("misaligned", [False, True])
