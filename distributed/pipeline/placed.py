@@ -84,10 +84,6 @@ class PlacedSchedule:
         only come later); `programs_for` still plays it at the depth given before handing it out."""
         return rank_sim.min_rank_capacity(self.programs, self.placement, self.microbatches)
 
-    def check(self, capacity: int | None) -> None:
-        """Play the form a transport of `capacity` runs against it (ScheduleError with the table if stuck)."""
-        self.programs_for(capacity)
-
     def render(self) -> str:
         return rank_sim.rank_table(self.programs) + "\n" + LEGEND
 
