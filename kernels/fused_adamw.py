@@ -7,7 +7,8 @@ in the same types, so on the same numbers it gives what torch's fused AdamW give
   Bf16AdamWLaunch     one group of torch's AdamW over bf16 parameters (--precision bf16): bf16 parameters,
                       gradients and moments, each parameter's own step count; 14 bytes per parameter
                       (grad_sync/fused_bf16_adamw.py)
-  build_tables(...)   their pointer and chunk tables (kernels/multi_tensor.py's layout)
+  master_tables(...), bf16_tables(...)
+                      their pointer and chunk tables (kernels/multi_tensor.py's layout)
 
 A launch's tables are built once (not during graph capture); then each step is one launch on torch's current
 stream with lr and the step counts as device scalars: no host sync, no allocation, capturable.
@@ -29,22 +30,29 @@ _MASTER = ((torch.bfloat16, torch.bfloat16, torch.float32, torch.float32, torch.
 _BF16 = ((torch.bfloat16,) * 4, ("parameter", "gradient", "exp_avg", "exp_avg_sq"))
 
 
-def build_tables(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], masters: Sequence[torch.Tensor] | None,
-                 exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
-                 steps: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-    """fused_adamw.cu's tables, as host int64 tensors: pl_master_adamw's with `masters` (no `steps`: one step count
-    for all), pl_bf16_adamw's without (`steps`: each tensor's fp32 step count)."""
-    device = params[0].device if params else torch.device("cpu")
-    if masters is not None:
-        lists = (params, grads, masters, exp_avgs, exp_avg_sqs)
-        check_lists(lists, *_MASTER, device, "master AdamW")
-        return multi_tensor_tables(lists)
-    lists = (params, grads, exp_avgs, exp_avg_sqs)
+def master_tables(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], masters: Sequence[torch.Tensor],
+                  exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """pl_master_adamw's tables, as host int64 tensors (one step count serves every tensor)."""
+    lists = (params, grads, masters, exp_avgs, exp_avg_sqs)
+    check_lists(lists, *_MASTER, _device(params), "master AdamW")
+    return multi_tensor_tables(lists)
+
+
+def bf16_tables(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+                exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """pl_bf16_adamw's tables, as host int64 tensors, with each tensor's fp32 step count."""
+    lists, device = (params, grads, exp_avgs, exp_avg_sqs), _device(params)
     check_lists(lists, *_BF16, device, "fused bf16 AdamW")
     if len(steps) != len(params) or any(s.dtype != torch.float32 or s.numel() != 1 or s.device != device
                                         for s in steps):
         raise ValueError(f"fused bf16 AdamW: one fp32 step count on {device} per parameter")
     return multi_tensor_tables(lists, (steps,))
+
+
+def _device(params: Sequence[torch.Tensor]) -> torch.device:
+    return params[0].device if params else torch.device("cpu")
 
 
 class MasterAdamWLaunch(MultiTensorLaunch):
@@ -55,7 +63,7 @@ class MasterAdamWLaunch(MultiTensorLaunch):
 
     def __init__(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], masters: Sequence[torch.Tensor],
                  exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor]) -> None:
-        table, chunks = build_tables(params, grads, masters, exp_avgs, exp_avg_sqs)
+        table, chunks = master_tables(params, grads, masters, exp_avgs, exp_avg_sqs)
         super().__init__(table, chunks, params[0].device, (params, grads, masters, exp_avgs, exp_avg_sqs))
 
     def __call__(self, lr: torch.Tensor, step: torch.Tensor, found_inf: torch.Tensor | None, *, beta1: float,
@@ -74,7 +82,7 @@ class Bf16AdamWLaunch(MultiTensorLaunch):
 
     def __init__(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
                  exp_avg_sqs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor]) -> None:
-        table, chunks = build_tables(params, grads, None, exp_avgs, exp_avg_sqs, steps)
+        table, chunks = bf16_tables(params, grads, exp_avgs, exp_avg_sqs, steps)
         super().__init__(table, chunks, params[0].device, (params, grads, exp_avgs, exp_avg_sqs, steps))
 
     def __call__(self, lr: torch.Tensor, found_inf: torch.Tensor | None, *, beta1: float, beta2: float, eps: float,

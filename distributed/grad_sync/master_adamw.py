@@ -63,7 +63,7 @@ class _Chunk:
 class MasterAdamW(Bf16AdamWBase):
     """AdamW over bf16 parameters with fp32 masters and fp32 moments (see the module doc); torch's AdamW's
     arguments and defaults (amsgrad, maximize, foreach and fused are not offered). `chunk`: elements of fp32
-    gradient scratch per fused call."""
+    gradient scratch per fused call of the CPU path (a GPU steps through one kernel per group)."""
 
     name = "master AdamW"
     #: the per-parameter state entries a checkpoint keeps (resilience/checkpoint_names.py)

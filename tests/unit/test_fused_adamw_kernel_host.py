@@ -65,7 +65,7 @@ def _tensors(sizes: list[int], misaligned: bool, seed: int) -> list[list[torch.T
 
 
 def _run(lib: ctypes.CDLL, lists, lr: float, step: float, wd: float, found_inf: torch.Tensor | None = None) -> None:
-    table, chunks = fa.build_tables(*lists)
+    table, chunks = fa.master_tables(*lists)
     lr_t, step_t = torch.tensor(lr, dtype=torch.float32), torch.tensor(step, dtype=torch.float32)
     inf_ptr = None if found_inf is None else found_inf.data_ptr()
     lib.host_master_adamw(table.data_ptr(), table.shape[1], chunks.data_ptr(), chunks.shape[1], CHUNK,
@@ -108,7 +108,7 @@ def _replica(master, grad, m, v, *, lr: float, step: float, wd: float):
 @pytest.mark.parametrize("wd", [0.1, 0.0])
 def test_kernel_source_is_torchs_fused_arithmetic_bit_for_bit(lib, misaligned: bool, wd: float) -> None:
     lists = _tensors(SIZES, misaligned, seed=1)
-    table, _ = fa.build_tables(*lists)
+    table, _ = fa.master_tables(*lists)
     assert table[6].tolist() == [0 if misaligned else 1] * len(SIZES)  # the path under test
     lr, step = 1e-2, 5.0
     want = [_replica(lists[2][i].numpy(), lists[1][i].float().numpy(), lists[3][i].numpy(), lists[4][i].numpy(),
@@ -137,9 +137,9 @@ def test_nan_rounds_to_c10s_nan_and_found_inf_skips(lib) -> None:
 def test_tables_refuse_what_the_kernel_cannot_read() -> None:
     lists = _tensors([8], misaligned=False, seed=3)
     with pytest.raises(ValueError, match="master AdamW: a master is torch.bfloat16"):
-        fa.build_tables(lists[0], lists[1], [lists[2][0].to(torch.bfloat16)], lists[3], lists[4])
+        fa.master_tables(lists[0], lists[1], [lists[2][0].to(torch.bfloat16)], lists[3], lists[4])
     with pytest.raises(ValueError, match="non-empty lists of one length"):
-        fa.build_tables(lists[0], lists[1], lists[2], lists[3], [])
+        fa.master_tables(lists[0], lists[1], lists[2], lists[3], [])
 
 
 def _bf16_tensors(sizes: list[int], misaligned: bool, seed: int) -> list[list[torch.Tensor]]:
@@ -153,7 +153,7 @@ def _bf16_tensors(sizes: list[int], misaligned: bool, seed: int) -> list[list[to
 def test_bf16_kernel_source_is_torchs_fused_arithmetic_bit_for_bit(lib, misaligned: bool) -> None:
     lists = _bf16_tensors(SIZES, misaligned, seed=4)
     steps = [torch.tensor(float(3 + i % 3)) for i in range(len(SIZES))]  # each parameter's own count
-    table, chunks = fa.build_tables(lists[0], lists[1], None, lists[2], lists[3], steps)
+    table, chunks = fa.bf16_tables(lists[0], lists[1], lists[2], lists[3], steps)
     assert table[6].tolist() == [0 if misaligned else 1] * len(SIZES)
     lr, wd = 1e-2, 0.1
     want = [_replica(lists[0][i].float().numpy(), lists[1][i].float().numpy(), lists[2][i].float().numpy(),
@@ -171,4 +171,4 @@ def test_bf16_kernel_source_is_torchs_fused_arithmetic_bit_for_bit(lib, misalign
 def test_bf16_tables_want_one_step_count_per_parameter() -> None:
     lists = _bf16_tensors([8, 3], misaligned=False, seed=5)
     with pytest.raises(ValueError, match="one fp32 step count"):
-        fa.build_tables(lists[0], lists[1], None, lists[2], lists[3], [torch.tensor(1.0)])
+        fa.bf16_tables(lists[0], lists[1], lists[2], lists[3], [torch.tensor(1.0)])
