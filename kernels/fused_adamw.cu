@@ -2,8 +2,8 @@
 // multi-tensor launches over bf16 parameters (kernels/fused_adamw.py), at the memory's rate:
 //   pl_master_adamw  fp32 master weights and fp32 moments, bf16 gradients upcast in registers, every parameter
 //                    written as its master's bf16 rounding (MasterAdamW, --precision master): 28 bytes of memory
-//                    traffic per parameter (upcasting into an fp32 scratch, torch's fused AdamW and a copy back
-//                    moved about 40)
+//                    traffic per parameter (MasterAdamW's CPU path, an fp32 scratch, torch's fused AdamW and a
+//                    copy back, moves about 40)
 //   pl_bf16_adamw    bf16 parameters, gradients and moments, each parameter's own step count (torch's AdamW over
 //                    bf16 parameters, --precision bf16): 14 bytes per parameter, as torch's kernel, which moves them
 //                    more slowly
