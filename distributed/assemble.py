@@ -242,7 +242,7 @@ def probe_boundaries(cfg: RunConfig, grid: Grid, modules: list[nn.Sequential], w
     in_spec, out_specs = exchange_boundary_specs(probes, first_in, grid.mesh.prev_rank, grid.mesh.next_rank,
                                                  grid.device, lambda: autocast_context(grid.device, autocast_dtype),
                                                  first_index=grid.stage_ids[0],
-                                                 end_check=loss_check(cfg, make_loss(cfg.loss)))
+                                                 end_check=loss_check(cfg, make_loss(cfg.loss, cfg.kernels)))
     if grid.stage_ids[-1] == grid.n_stages - 1 and cfg.loss == "cross-entropy":
         check_logits(out_specs[-1], cfg, work.vocab)
     return in_spec, out_specs
@@ -261,7 +261,7 @@ def probe_and_link(cfg: RunConfig, grid: Grid, modules: list[nn.Sequential], wor
                                       lambda s: mesh.rank_of(grid.placed.placement.rank_of(s), mesh.replica),
                                       grid.n_stages, first_in, grid.device,
                                       lambda: autocast_context(grid.device, autocast_dtype),
-                                      end_check=loss_check(cfg, make_loss(cfg.loss)))
+                                      end_check=loss_check(cfg, make_loss(cfg.loss, cfg.kernels)))
     if grid.n_stages - 1 in outs and cfg.loss == "cross-entropy":
         check_logits(outs[grid.n_stages - 1], cfg, work.vocab)
     links = placed_links(grid.placed, mesh.stage, mesh.prev_rank, mesh.next_rank, ins, outs)
@@ -447,7 +447,7 @@ def make_engine(cfg: RunConfig, grid: Grid, stages: list[LocalStage], program: l
     timeline = Timeline(rank=grid.info.rank, enabled=cfg.timeline is not None)
     engine = Engine(stages=stages, program=program, transport=transport, optimizer=optimizer, feed=feed,
                     microbatches=cfg.microbatches, device=grid.device, autocast_dtype=autocast_dtype,
-                    timeline=timeline, loss_fn=make_loss(cfg.loss),
+                    timeline=timeline, loss_fn=make_loss(cfg.loss, cfg.kernels),
                     route=grid.placed.route if grid.placed is not None else None)
     tied = tied_pair([s.module for s in stages], grid.stage_ids, grid.n_stages) if cfg.tie_embeddings else []
     if tied:

@@ -8,6 +8,7 @@ builders get the same treatment; a factory that returns a whole nn.Sequential is
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -371,10 +372,11 @@ def mlp_flops_per_token(cfg: RunConfig) -> float:
     return 6.0 * 8 * cfg.hidden * cfg.hidden * cfg.layers
 
 
-def cross_entropy_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def cross_entropy_loss(output: torch.Tensor, target: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """Next-token cross-entropy in fp32: logits [B, T, V] against int64 labels [B, T], mean over tokens; bf16
-    logits are read in chunks, never copied whole to fp32 (kernels/cross_entropy.py)."""
-    return cross_entropy(output, target)
+    logits are never copied whole to fp32: two kernels on a GPU, chunks of torch ops with `impl` "torch" and on
+    the CPU (kernels/cross_entropy.py)."""
+    return cross_entropy(output, target, impl=impl)
 
 
 def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -382,8 +384,11 @@ def mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output.float(), target)
 
 
-def make_loss(spec: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """--loss: mse, cross-entropy, or a user function 'pkg.module:fn' (output, target) -> scalar mean loss."""
+def make_loss(spec: str, kernels: str = "auto") -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """--loss: mse, cross-entropy, or a user function 'pkg.module:fn' (output, target) -> scalar mean loss.
+    `kernels` is --kernels: "torch" keeps the cross-entropy in torch ops."""
+    if spec == "cross-entropy" and kernels == "torch":
+        return functools.partial(cross_entropy_loss, impl="torch")
     builtin = {"mse": mse_loss, "cross-entropy": cross_entropy_loss}
     return builtin[spec] if spec in builtin else load_spec(spec, "loss function")
 

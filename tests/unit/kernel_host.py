@@ -1,11 +1,16 @@
-"""A CUDA kernel source built as host C++ (g++) for the CPU tests of the multi-tensor optimizer kernels: the CUDA
-keywords and intrinsics defined away, no floating-point contractions, and each kernel wrapped in a host function
-that runs every block and every thread one after another. Their threads share nothing, so running them in turn is
-the kernels' meaning."""
+"""Helpers for the CPU tests of the CUDA kernels.
+
+- `build`: a kernel source built as host C++ (g++) for the multi-tensor optimizer kernels: the CUDA keywords and
+  intrinsics defined away, no floating-point contractions, and each kernel wrapped in a host function that runs
+  every block and every thread one after another. Their threads share nothing, so running them in turn is the
+  kernels' meaning.
+- `declared_kinds` and `record_launches`: what a kernel declares and what its launch packs, for the launch-packing
+  tests."""
 
 from __future__ import annotations
 
 import ctypes
+import re
 import subprocess
 from pathlib import Path
 
@@ -25,6 +30,33 @@ static PlDim blockIdx, threadIdx, blockDim, gridDim;
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 """
+
+
+# C parameter type -> launch.ArgPack letter (every pointer is "p")
+_KINDS = {"int": "i", "long long": "q", "float": "f", "double": "d"}
+
+
+def declared_kinds(source: str, name: str) -> str:
+    """The ArgPack letters of the `extern "C"` kernel `name`'s parameters, from its declaration in `source`: what a
+    launch must pack, in order and typed alike."""
+    params = re.search(rf'extern "C" __global__ void {name}\((.*?)\)\s*{{', source, re.S).group(1)
+    kinds = []
+    for param in params.split(","):
+        words = param.replace("__restrict__", "").replace("*", " * ").replace("const", "").split()[:-1]
+        kinds.append("p" if words[-1] == "*" else _KINDS[" ".join(words)])
+    return "".join(kinds)
+
+
+def record_launches(monkeypatch) -> list[tuple[str, str, tuple]]:
+    """Replace the standalone kernels' loading and launching (compile.load_kernel, elementwise.launch_raw) by a
+    recorder: each launch appends (kernel name, ArgPack letters, values)."""
+    from peerline.kernels import compile, elementwise
+
+    calls: list[tuple[str, str, tuple]] = []
+    monkeypatch.setattr(compile, "load_kernel", lambda source, name, index: (name, 0))
+    monkeypatch.setattr(elementwise, "launch_raw",
+                        lambda kernel, grid, block, kinds, values, device: calls.append((kernel, kinds, values)))
+    return calls
 
 
 def grid_wrapper(host_name: str, kernel: str, params: str, args: str) -> str:

@@ -4,36 +4,17 @@ drifts from the kernel fails here and not first on a GPU. The launch itself is r
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
-from peerline.kernels import compact_adamw, compile, elementwise, fused_adamw
+from peerline.kernels import compact_adamw, fused_adamw
 from peerline.kernels.multi_tensor import CHUNK
-
-# C parameter type -> ArgPack letter
-_KINDS = {"const long long*": "p", "long long*": "p", "const float*": "p", "float*": "p", "int": "i",
-          "long long": "q", "float": "f", "double": "d"}
-
-
-def _signature(source: str, name: str) -> str:
-    """The ArgPack letters of kernel `name`'s parameters, from its declaration in `source`."""
-    params = re.search(rf'extern "C" __global__ void {name}\((.*?)\)\s*{{', source, re.S).group(1)
-    kinds = []
-    for param in params.split(","):
-        words = param.replace("__restrict__", "").replace("*", "* ").split()[:-1]  # drop the name
-        kinds.append(_KINDS[" ".join(words).replace(" *", "*")])
-    return "".join(kinds)
+from tests.unit.kernel_host import declared_kinds, record_launches
 
 
 @pytest.fixture
 def recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, tuple]]:
-    calls: list[tuple[str, str, tuple]] = []
-    monkeypatch.setattr(compile, "load_kernel", lambda source, name, index: (name, 0))
-    monkeypatch.setattr(elementwise, "launch_raw",
-                        lambda kernel, grid, block, kinds, values, device: calls.append((kernel, kinds, values)))
-    return calls
+    return record_launches(monkeypatch)
 
 
 def _bf16(n: int) -> torch.Tensor:
@@ -54,7 +35,7 @@ def test_each_launch_packs_its_kernels_parameters(recorded) -> None:
                "pl_bf16_adamw": fused_adamw.KERNEL_SOURCE}
     assert [name for name, _, _ in recorded] == list(sources)
     for name, kinds, values in recorded:
-        assert kinds == _signature(sources[name].read_text(), name), name
+        assert kinds == declared_kinds(sources[name].read_text(), name), name
         assert len(values) == len(kinds), name
         assert values[1] == 1 and values[3] == 2 and values[4] == CHUNK, name  # one tensor, two chunks
         assert values[-4:] == (0.9, 0.999, 1e-8, 0.1), name
