@@ -21,11 +21,11 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from peerline.distributed.config import ConfigError
 from peerline.distributed.model import layer_seed
 from peerline.kernels import ops
+from peerline.kernels.embedding import embedding
 from peerline.kernels.fused_linear import FusedLinear
 from peerline.kernels.layer_norm import FusedLayerNorm
 from peerline.kernels.rope import attention_backend, rope_attention
@@ -42,17 +42,19 @@ def embedding_init(vocab: int, hidden: int, seed: int) -> torch.Tensor:
 
 
 class TokenEmbedding(nn.Module):
-    """Token ids (int64 [B, T]) -> their embedding vectors [B, T, H]."""
+    """Token ids (int64 [B, T]) -> their embedding vectors [B, T, H]; with `kernels` other than "torch", the weight
+    gradient of a bf16 weight on a GPU through kernels/embedding.py where its kernel takes the shape."""
 
-    def __init__(self, vocab: int, hidden: int, *, seed: int = 0) -> None:
+    def __init__(self, vocab: int, hidden: int, kernels: str = "torch", *, seed: int = 0) -> None:
         super().__init__()
+        self.kernels = kernels
         self.weight = nn.Parameter(embedding_init(vocab, hidden, seed))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.is_floating_point() or ids.dim() != 2:
             raise TypeError(f"TokenEmbedding takes integer token ids [batch, seq]; got {ids.dtype} "
                             f"{list(ids.shape)}")
-        return F.embedding(ids, self.weight)
+        return embedding(ids, self.weight, self.kernels)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
@@ -145,7 +147,7 @@ def build_gpt_layers(*, vocab: int, hidden: int, heads: int, layers: int, seq: i
     for index in range(start, stop):
         torch.manual_seed(layer_seed(seed, index))
         if index == 0:
-            built.append(TokenEmbedding(vocab, hidden, seed=seed))
+            built.append(TokenEmbedding(vocab, hidden, kernels, seed=seed))
         elif index == total - 1:
             built.append(LMHead(hidden, vocab, kernels, tied=tie_embeddings, seed=seed))
         else:
