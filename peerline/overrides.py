@@ -46,6 +46,8 @@ OVERRIDES: tuple[Override, ...] = (
     Override("PEERLINE_KERNEL_GELU", "1", "how bias+GELU evaluates Phi (kernels/compile.py GELU_*)"),
     Override("PEERLINE_KERNEL_LINEINFO", "0", "1: compile kernels with -lineinfo (compute-sanitizer)"),
     Override("PEERLINE_ATTENTION", "auto", "fused RoPE attention: auto (torch SDPA's pick), flash, cudnn, cudnn-ops"),
+    Override("PEERLINE_GRAPH_MEMSETS", "kernels",
+             "small memset nodes of a captured iteration: kernels (replaced by kernel nodes) or keep"),
     Override("PEERLINE_P2P_BATCH", "1", "0: one driver call per copy-engine flag operation"),
     Override("PEERLINE_P2P_SPLIT_MIN", "1048576", "bytes below which --p2p-split sends a message whole"),
     Override("PEERLINE_HOST_ID", "host name", "this rank's host for the per-edge transport; a,a,b,b: one per rank"),

@@ -16,13 +16,17 @@ outcome, is policy.py's.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
 
+from peerline.distributed.cudagraph import memset_nodes
 from peerline.distributed.cudagraph.loop import DataRing, GraphLoop
 from peerline.distributed.observe.timeline import Timeline
 from peerline.distributed.pipeline.engine import CounterDataFeed, DataFeed, Engine
+
+log = logging.getLogger(__name__)
 
 
 class IterationGraph:
@@ -47,8 +51,13 @@ class IterationGraph:
         # The loop's iteration count within a launch (the ring's slot when there is a ring).
         self.slot = self.ring.slot if self.ring is not None else torch.zeros(1, dtype=torch.int64,
                                                                             device=engine.device)
-        # A looped graph embeds the captured cudaGraph_t, so torch must keep it after capture (keep_graph).
-        self.graph = _torch_graph(keep=loop > 1)
+        # A looped graph embeds the captured cudaGraph_t, and the small memsets are edited in it before it is
+        # instantiated (memset_nodes.py), so torch must keep it after capture (keep_graph).
+        self.edit_memsets = memset_nodes.wanted()
+        self.graph, self.kept = _torch_graph(keep=loop > 1 or self.edit_memsets)
+        self.edit_memsets = self.edit_memsets and self.kept
+        self.memsets_replaced = 0
+        self._memset_packs: list = []  # the replacing kernel nodes' arguments, kept with the graph
         self.loop: GraphLoop | None = None
 
     def capture(self) -> None:
@@ -64,7 +73,11 @@ class IterationGraph:
             elif self.ring is not None:
                 self.ring.copy_to_static()
             self.engine.iteration()
-        if self.loop_iterations > 1 and hasattr(self.graph, "instantiate"):
+        if self.edit_memsets:
+            self.memsets_replaced, self._memset_packs = memset_nodes.replace_small_memsets(
+                self.graph.raw_cuda_graph(), self.engine.device.index)
+            log.info("captured iteration: %d small memset nodes replaced by kernel nodes", self.memsets_replaced)
+        if self.kept:
             self.graph.instantiate()  # keep_graph defers it to the first replay otherwise
 
     def build_loop(self) -> None:
@@ -118,14 +131,14 @@ def _not_recording(timeline: Timeline) -> Iterator[None]:
         timeline.enabled = recording
 
 
-def _torch_graph(keep: bool) -> torch.cuda.CUDAGraph:
-    """torch.cuda.CUDAGraph, keeping its cudaGraph_t after capture when asked (torch >= 2.8: keep_graph; older
-    torch keeps it in debug mode)."""
+def _torch_graph(keep: bool) -> tuple[torch.cuda.CUDAGraph, bool]:
+    """(torch.cuda.CUDAGraph, whether it keeps its cudaGraph_t uninstantiated after capture): when asked, torch >=
+    2.8 keeps it (keep_graph) and instantiates on request; older torch keeps it in debug mode, instantiated."""
     if not keep:
-        return torch.cuda.CUDAGraph()
+        return torch.cuda.CUDAGraph(), False
     try:
-        return torch.cuda.CUDAGraph(keep_graph=True)
+        return torch.cuda.CUDAGraph(keep_graph=True), True
     except TypeError:
         graph = torch.cuda.CUDAGraph()
         graph.enable_debug_mode()
-        return graph
+        return graph, False

@@ -1,9 +1,11 @@
 """Reading and editing captured CUDA graphs through cuda-bindings (the runtime module is passed in, so the logic
-runs against a fake in the CPU tests): a census of node kinds, and a copy of a graph with its event nodes replaced
-by empty nodes and edges (what graph_loop.py needs to put an iteration into a conditional body)."""
+runs against a fake in the CPU tests): a census of node kinds, a copy of a graph with its event nodes replaced by
+empty nodes and edges (what graph_loop.py needs to put an iteration into a conditional body), and small memset
+nodes replaced in place by kernel nodes (memset_nodes.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -85,3 +87,27 @@ def without_event_nodes(rt: Any, graph: int) -> tuple[Any, int]:
         for record in records.get(event, []):
             _add_edge(rt, copy, stand_in[int(record)], stand_in[int(wait)])
     return copy, len(stand_in)
+
+
+def memsets_as_kernels(rt: Any, graph: int, add_kernel: Callable[[Any, list, Any], Any], limit: int) -> int:
+    """Replace, in place, each memset node of `graph` that writes at most `limit` bytes by the kernel node
+    `add_kernel(graph, dependencies, memset params)` adds, with the memset's edges; returns how many. Nodes the
+    runtime cannot name (the copy-engine transport's stream memory operations) are left alone."""
+    g = rt.cudaGraph_t(graph)
+    memset = rt.cudaGraphNodeType.cudaGraphNodeTypeMemset
+    replaced = 0
+    for node in _listing(rt.cudaGraphGetNodes, g):
+        err, kind = rt.cudaGraphNodeGetType(node)
+        if int(err) != 0 or kind != memset:
+            continue
+        params = check(rt.cudaGraphMemsetNodeGetParams(node), "cudaGraphMemsetNodeGetParams")
+        if params.elementSize * params.width * params.height > limit:
+            continue
+        before = _listing(rt.cudaGraphNodeGetDependencies, node)
+        after = _listing(rt.cudaGraphNodeGetDependentNodes, node)
+        kernel = add_kernel(g, before, params)
+        check(rt.cudaGraphDestroyNode(node), "cudaGraphDestroyNode")
+        for succ in after:
+            _add_edge(rt, g, kernel, succ)
+        replaced += 1
+    return replaced

@@ -12,6 +12,7 @@ from peerline.distributed.cudagraph.loop import DataRing
 from peerline.distributed.cudagraph.policy import iterations_this_launch
 from peerline.distributed.pipeline.engine import DataFeed
 from peerline.launch.cli import build_parser, config_from_args
+from tests.unit.fake_cuda_graph import FakeRuntime, reaches
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,90 +105,6 @@ def test_cpu_ignores_the_loop_with_a_notice_and_trains_the_same():
     assert not any("graph-loop" in n for n in plain_notices)
 
 
-class _FakeRuntime:
-    """Just enough of cuda.bindings.runtime for without_event_nodes: a graph is a dict of node -> (kind, event)
-    plus a set of edges; calls return (error, ...) tuples as cuda-bindings does."""
-
-    class cudaGraphNodeType:  # noqa: N801 - the binding's name
-        cudaGraphNodeTypeKernel = "Kernel"
-        cudaGraphNodeTypeEventRecord = "EventRecord"
-        cudaGraphNodeTypeWaitEvent = "WaitEvent"
-        cudaGraphNodeTypeEmpty = "Empty"
-
-    def __init__(self, nodes: dict[int, tuple[str, int | None]], edges: set[tuple[int, int]]) -> None:
-        self.graphs = {1: (dict(nodes), set(edges))}
-        self.owner: dict[int, int] = {n: 1 for n in nodes}
-        self.next_id = 1000
-
-    def cudaGraph_t(self, g):  # noqa: N802
-        return g
-
-    def cudaGraphClone(self, g):  # noqa: N802
-        nodes, edges = self.graphs[g]
-        new = max(self.graphs) + 1
-        self.graphs[new] = (dict(nodes), set(edges))
-        for n in nodes:
-            self.owner[n] = new  # node ids are shared by value in this fake; the test only uses the clone
-        return 0, new
-
-    def cudaGraphGetNodes(self, g, n):  # noqa: N802
-        nodes = sorted(self.graphs[g][0])
-        return (0, nodes[:n] if n else None, len(nodes))
-
-    def cudaGraphNodeGetType(self, node):  # noqa: N802
-        return 0, self.graphs[self.owner[node]][0][node][0]
-
-    def cudaGraphEventRecordNodeGetEvent(self, node):  # noqa: N802
-        return 0, self.graphs[self.owner[node]][0][node][1]
-
-    cudaGraphEventWaitNodeGetEvent = cudaGraphEventRecordNodeGetEvent  # noqa: N815
-
-    def _rel(self, node, n, incoming):
-        edges = self.graphs[self.owner[node]][1]
-        found = sorted(a if incoming else b for a, b in edges if (b if incoming else a) == node)
-        return (0, found[:n] if n else None, None, len(found))
-
-    def cudaGraphNodeGetDependencies(self, node, n):  # noqa: N802
-        return self._rel(node, n, True)
-
-    def cudaGraphNodeGetDependentNodes(self, node, n):  # noqa: N802
-        return self._rel(node, n, False)
-
-    def cudaGraphDestroyNode(self, node):  # noqa: N802
-        nodes, edges = self.graphs[self.owner[node]]
-        del nodes[node]
-        edges -= {e for e in edges if node in e}
-        return (0,)
-
-    def cudaGraphAddEmptyNode(self, g, deps, n):  # noqa: N802
-        self.next_id += 1
-        node = self.next_id
-        self.graphs[g][0][node] = ("Empty", None)
-        self.graphs[g][1].update((d, node) for d in deps)
-        self.owner[node] = g
-        return 0, node
-
-    def cudaGraphAddDependencies(self, g, before, after, data, n):  # noqa: N802
-        self.graphs[g][1].update(zip(before, after))
-        return (0,)
-
-    def cudaGraphDestroy(self, g):  # noqa: N802
-        return (0,)
-
-
-def _reaches(edges: set[tuple[int, int]], a: int, b: int) -> bool:
-    frontier, seen = [a], set()
-    while frontier:
-        x = frontier.pop()
-        for u, v in edges:
-            if u == x and v not in seen:
-                if v == b:
-                    return True
-                seen.add(v)
-                frontier.append(v)
-    return False
-
-
 def test_event_nodes_become_empty_nodes_that_keep_the_order():
     from peerline.distributed.cudagraph.edit import without_event_nodes
 
@@ -195,12 +112,12 @@ def test_event_nodes_become_empty_nodes_that_keep_the_order():
     nodes = {1: ("Kernel", None), 2: ("EventRecord", 7), 3: ("Kernel", None), 4: ("Kernel", None),
              5: ("WaitEvent", 7), 6: ("Kernel", None), 8: ("EventRecord", 9)}
     edges = {(1, 2), (2, 3), (4, 5), (5, 6), (3, 8)}
-    rt = _FakeRuntime(nodes, edges)
+    rt = FakeRuntime(nodes, edges)
     copy, removed = without_event_nodes(rt, 1)
     got_nodes, got_edges = rt.graphs[copy]
     assert removed == 3
     assert sorted(k for k, _ in got_nodes.values()) == ["Empty"] * 3 + ["Kernel"] * 4
-    assert _reaches(got_edges, 1, 3) and _reaches(got_edges, 4, 6)  # each stream's own order kept
-    assert _reaches(got_edges, 1, 6)  # k4's stream waited for e7, recorded after k1: now an edge
-    assert not _reaches(got_edges, 6, 1)
+    assert reaches(got_edges, 1, 3) and reaches(got_edges, 4, 6)  # each stream's own order kept
+    assert reaches(got_edges, 1, 6)  # k4's stream waited for e7, recorded after k1: now an edge
+    assert not reaches(got_edges, 6, 1)
     assert rt.graphs[1][0] == nodes  # the original graph (torch's, used for single replays) is untouched
