@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,11 +149,30 @@ class KernelSpec:
 def source_text() -> str:
     """elementwise.cu with ws_pipeline.cuh pasted in place of its #include."""
     src = (KERNEL_DIR / SOURCE).read_text()
-    header = (KERNEL_DIR / HEADER).read_text()
-    include = f'#include "{HEADER}"'
-    if include not in src:
+    if f'#include "{HEADER}"' not in src:
         raise RuntimeError(f"{SOURCE} no longer includes {HEADER}")
-    return src.replace(include, header, 1)
+    return paste_includes(src, KERNEL_DIR)
+
+
+_INCLUDE = re.compile(r'^[ \t]*#include "([^"]+)"[^\n]*$', re.M)
+
+
+def paste_includes(text: str, folder: Path) -> str:
+    """`text` with each `#include "NAME"` of a file in `folder` replaced by that file's text (once per file; a pasted
+    file's own includes too). CuPy keys its build cache on the source text, so a header's change must be in it;
+    <system> includes stay for NVRTC."""
+    pasted: set[str] = set()
+
+    def paste(match: re.Match) -> str:
+        name = match.group(1)
+        if not (folder / name).is_file():
+            return match.group(0)
+        if name in pasted:
+            return ""
+        pasted.add(name)
+        return _INCLUDE.sub(paste, (folder / name).read_text())
+
+    return _INCLUDE.sub(paste, text)
 
 
 # compute-sanitizer runs set this: its hazard reports then name source lines (of source_text()), not bare PCs.
@@ -199,11 +219,13 @@ def _attributes(cupy: Any, fn: Any) -> dict[str, int]:
 def load_kernel(source: Path, name: str, device_index: int) -> tuple[Any, int]:
     """(CuPy RawKernel, its CUfunction) of the `extern "C"` kernel `name` in a standalone CUDA source file (the
     runtime's small kernels: distributed/data/counter.py, distributed/cudagraph/loop.py), built by NVRTC for the
-    device's architecture and loaded on it. Cached: the RawKernel keeps the module, and so the CUfunction, loaded."""
+    device's architecture and loaded on it, its local headers pasted in (paste_includes). Cached: the RawKernel keeps
+    the module, and so the CUfunction, loaded."""
     import cupy  # GPU path only
 
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=source.read_text(), options=("-std=c++17",), backend="nvrtc")
+        module = cupy.RawModule(code=paste_includes(source.read_text(), source.parent), options=("-std=c++17",),
+                                backend="nvrtc")
         kernel = module.get_function(name)
         return kernel, kernel.kernel.ptr  # RawKernel.kernel: the loaded cupy Function (loads it on this device)
 

@@ -10,29 +10,12 @@
 // by an xor butterfly, the same pairs in the same order on every run: repeatable. A label outside [0, V) makes that
 // row's loss and gradient NaN.
 
-typedef unsigned short bf16_bits;
+#include "bf16.cuh"
 
 #define PL_CE_NEG_INF (-__int_as_float(0x7f800000))
 #define PL_CE_NAN __int_as_float(0x7fffffff)
 
 __device__ __forceinline__ float pl_ce_float(bf16_bits b) { return __uint_as_float((unsigned int)b << 16); }
-
-__device__ __forceinline__ bf16_bits pl_ce_bf16(float f) {  // round to nearest even; NaN stays NaN
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_bits)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_bits)(u >> 16);
-}
-
-__device__ __forceinline__ void pl_ce_load8(const bf16_bits* p, float v[8]) {
-    const uint4 w = *reinterpret_cast<const uint4*>(p);
-    const unsigned int u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        v[2 * k] = __uint_as_float(u[k] << 16);
-        v[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u);
-    }
-}
 
 // exp(a - b) with exp(-inf - -inf) = 0: a sum whose maximum is still -inf holds nothing.
 __device__ __forceinline__ float pl_ce_rescale(float a, float b) { return a == PL_CE_NEG_INF ? 0.f : expf(a - b); }
@@ -48,7 +31,7 @@ extern "C" __global__ void pl_ce_forward(const bf16_bits* __restrict__ x, const 
 #pragma unroll 4
         for (int c = lane * 8; c < vocab; c += 256) {
             float v[8];
-            pl_ce_load8(row + c, v);
+            pl_load8(row + c, v);
             float top = m;
 #pragma unroll
             for (int k = 0; k < 8; ++k) top = fmaxf(top, v[k]);
@@ -92,15 +75,10 @@ extern "C" __global__ void pl_ce_backward(const bf16_bits* __restrict__ x, const
 #pragma unroll 4
         for (int c = lane * 8; c < vocab; c += 256) {
             float v[8];
-            pl_ce_load8(row + c, v);
-            unsigned int u[4];
+            pl_load8(row + c, v);
 #pragma unroll
-            for (int k = 0; k < 8; k += 2) {
-                const float p0 = expf(v[k] - l) - (c + k == t ? 1.f : 0.f);
-                const float p1 = expf(v[k + 1] - l) - (c + k + 1 == t ? 1.f : 0.f);
-                u[k / 2] = (unsigned int)pl_ce_bf16(p0 * scale) | ((unsigned int)pl_ce_bf16(p1 * scale) << 16);
-            }
-            *reinterpret_cast<uint4*>(out + c) = make_uint4(u[0], u[1], u[2], u[3]);
+            for (int k = 0; k < 8; ++k) v[k] = (expf(v[k] - l) - (c + k == t ? 1.f : 0.f)) * scale;
+            pl_store8(out + c, v);
         }
     }
 }

@@ -14,14 +14,7 @@
 #define PL_EMB_ROWS 4
 #define PL_EMB_WARPS (PL_EMB_THREADS / 32)
 
-typedef unsigned short bf16_bits;
-
-__device__ __forceinline__ bf16_bits pl_emb_bf16(float f) {  // round to nearest even; NaN stays NaN
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_bits)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_bits)(u >> 16);
-}
+#include "bf16.cuh"
 
 extern "C" __global__ void pl_embedding_backward(const long long* __restrict__ ids, const bf16_bits* __restrict__ dy,
                                                  bf16_bits* __restrict__ dw, long long tokens, long long vocab,
@@ -54,13 +47,10 @@ extern "C" __global__ void pl_embedding_backward(const long long* __restrict__ i
                     const int bit = __ffs(m) - 1;
                     m &= m - 1u;
                     if (!active) continue;
-                    const uint4 v = *reinterpret_cast<const uint4*>(dy + (base + w * 32 + bit) * hidden + col);
-                    const unsigned int u[4] = {v.x, v.y, v.z, v.w};
+                    float v[8];
+                    pl_load8(dy + (base + w * 32 + bit) * hidden + col, v);
 #pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        acc[r][2 * k] += __uint_as_float(u[k] << 16);
-                        acc[r][2 * k + 1] += __uint_as_float(u[k] & 0xffff0000u);
-                    }
+                    for (int k = 0; k < 8; ++k) acc[r][k] += v[k];
                 }
             }
         }
@@ -70,10 +60,6 @@ extern "C" __global__ void pl_embedding_backward(const long long* __restrict__ i
 #pragma unroll
     for (int r = 0; r < PL_EMB_ROWS; ++r) {
         if (first + r >= vocab) break;
-        unsigned int u[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-            u[k] = (unsigned int)pl_emb_bf16(acc[r][2 * k]) | ((unsigned int)pl_emb_bf16(acc[r][2 * k + 1]) << 16);
-        *reinterpret_cast<uint4*>(dw + (first + r) * hidden + col) = make_uint4(u[0], u[1], u[2], u[3]);
+        pl_store8(dw + (first + r) * hidden + col, acc[r]);
     }
 }

@@ -27,33 +27,7 @@
 // which keeps it within the registers two blocks per multiprocessor leave (128 a thread) without spilling.
 #define PL_LN_ROWS_RES_SUM(V) ((V) == 2 ? PL_LN_ROWS(V) / 2 : PL_LN_ROWS(V))
 
-typedef unsigned short bf16_bits;
-
-__device__ __forceinline__ bf16_bits pl_ln_bf16(float f) {  // round to nearest even; NaN stays NaN
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_bits)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_bits)(u >> 16);
-}
-
-// Eight bf16 (one 16-byte word) <-> eight floats; element 0 is the low half of the first 32-bit word.
-__device__ __forceinline__ void pl_ln_load8(const bf16_bits* p, float v[8]) {
-    const uint4 w = *reinterpret_cast<const uint4*>(p);
-    const unsigned int u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        v[2 * k] = __uint_as_float(u[k] << 16);
-        v[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u);
-    }
-}
-
-__device__ __forceinline__ void pl_ln_store8(bf16_bits* p, const float v[8]) {
-    unsigned int u[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-        u[k] = (unsigned int)pl_ln_bf16(v[2 * k]) | ((unsigned int)pl_ln_bf16(v[2 * k + 1]) << 16);
-    *reinterpret_cast<uint4*>(p) = make_uint4(u[0], u[1], u[2], u[3]);
-}
+#include "bf16.cuh"
 
 // The sums of v[0..N) over the block, returned to every thread in v (a fixed order: repeatable). `scratch`: 32 N
 // floats of shared memory; the leading barrier lets a second call reuse it once every thread has read the first
@@ -102,7 +76,7 @@ __device__ __forceinline__ void pl_ln_forward(const bf16_bits* __restrict__ x, c
             for (int j = 0; j < V; ++j) {
                 const int c = j * PL_LN_THREADS + threadIdx.x;
                 if (c < vecs && r0 + i < rows) {
-                    pl_ln_load8(x + (r0 + i) * H + c * 8, v[i][j]);
+                    pl_load8(x + (r0 + i) * H + c * 8, v[i][j]);
                 } else {
 #pragma unroll
                     for (int k = 0; k < 8; ++k) v[i][j][k] = 0.f;
@@ -140,8 +114,8 @@ __device__ __forceinline__ void pl_ln_forward(const bf16_bits* __restrict__ x, c
             const int c = j * PL_LN_THREADS + threadIdx.x;
             if (c < vecs) {
                 float gv[8], bv[8];
-                pl_ln_load8(g + c * 8, gv);
-                pl_ln_load8(b + c * 8, bv);
+                pl_load8(g + c * 8, gv);
+                pl_load8(b + c * 8, bv);
 #pragma unroll
                 for (int i = 0; i < R; ++i) {
                     if (r0 + i < rows) {
@@ -149,7 +123,7 @@ __device__ __forceinline__ void pl_ln_forward(const bf16_bits* __restrict__ x, c
                         float o[8];
 #pragma unroll
                         for (int k = 0; k < 8; ++k) o[k] = (v[i][j][k] - mean[i]) * rstd * gv[k] + bv[k];
-                        pl_ln_store8(y + (r0 + i) * H + c * 8, o);
+                        pl_store8(y + (r0 + i) * H + c * 8, o);
                     }
                 }
             }
@@ -179,7 +153,7 @@ __device__ __forceinline__ void pl_ln_backward(const bf16_bits* __restrict__ dy,
 #pragma unroll
     for (int j = 0; j < V; ++j) {
         const int c = j * PL_LN_THREADS + threadIdx.x;
-        if (c < vecs) pl_ln_load8(g + c * 8, gv[j]);
+        if (c < vecs) pl_load8(g + c * 8, gv[j]);
 #pragma unroll
         for (int k = 0; k < 8; ++k) dgs[j][k] = dbs[j][k] = drs[j][k] = 0.f;
     }
@@ -192,8 +166,8 @@ __device__ __forceinline__ void pl_ln_backward(const bf16_bits* __restrict__ dy,
             for (int j = 0; j < V; ++j) {
                 const int c = j * PL_LN_THREADS + threadIdx.x;
                 if (c < vecs && r0 + i < rows) {
-                    pl_ln_load8(x + (r0 + i) * H + c * 8, xh[i][j]);
-                    pl_ln_load8(dy + (r0 + i) * H + c * 8, dv[i][j]);
+                    pl_load8(x + (r0 + i) * H + c * 8, xh[i][j]);
+                    pl_load8(dy + (r0 + i) * H + c * 8, dv[i][j]);
                 } else {
 #pragma unroll
                     for (int k = 0; k < 8; ++k) xh[i][j][k] = dv[i][j][k] = 0.f;
@@ -236,14 +210,14 @@ __device__ __forceinline__ void pl_ln_backward(const bf16_bits* __restrict__ dy,
                     for (int k = 0; k < 8; ++k) o[k] = (dv[i][j][k] * gv[j][k] - xh[i][j][k] * c1 - c2) * rstd;
                     if (RES) {  // read here, after the row sums: registers for the R rows' x and dy only
                         float rv[8];
-                        pl_ln_load8(dr + (r0 + i) * H + c * 8, rv);
+                        pl_load8(dr + (r0 + i) * H + c * 8, rv);
 #pragma unroll
                         for (int k = 0; k < 8; ++k) {
                             o[k] += rv[k];
                             if (RES == 2) drs[j][k] += rv[k];
                         }
                     }
-                    pl_ln_store8(dx + (r0 + i) * H + c * 8, o);
+                    pl_store8(dx + (r0 + i) * H + c * 8, o);
                 }
             }
         }
@@ -329,7 +303,7 @@ __device__ __forceinline__ void pl_ln_reduce_n(const float* const (&part)[N], bf
             float t = 0.f;
 #pragma unroll
             for (int w = 0; w < PL_LN_REDUCE_WARPS; ++w) t += partial[n][w][lane];
-            out[n][col] = pl_ln_bf16(t);
+            out[n][col] = pl_bf16(t);
         }
     }
 }

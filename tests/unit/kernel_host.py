@@ -5,7 +5,9 @@
   every block and every thread one after another. Their threads share nothing, so running them in turn is the
   kernels' meaning.
 - `declared_kinds` and `record_launches`: what a kernel declares and what its launch packs, for the launch-packing
-  tests."""
+  tests.
+- `SYNTAX_PRELUDE`: stand-ins for the CUDA names the standalone kernels use, under which g++ checks their syntax
+  (test_kernel_sources.py)."""
 
 from __future__ import annotations
 
@@ -57,6 +59,34 @@ def record_launches(monkeypatch) -> list[tuple[str, str, tuple]]:
     monkeypatch.setattr(elementwise, "launch_raw",
                         lambda kernel, grid, block, kinds, values, device: calls.append((kernel, kinds, values)))
     return calls
+
+SYNTAX_PRELUDE = r"""
+#include <cmath>
+#include <cstring>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __shared__ static
+#define __launch_bounds__(...)
+struct uint2 { unsigned int x, y; };
+struct uint4 { unsigned int x, y, z, w; };
+struct float4 { float x, y, z, w; };
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+struct PlDim { unsigned int x = 0, y = 0, z = 0; };
+static PlDim blockIdx, threadIdx, blockDim, gridDim;
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+static inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+template <class T> static inline T __shfl_xor_sync(unsigned int, T v, int, int = 32) { return v; }
+static inline unsigned int __ballot_sync(unsigned int, int p) { return p ? 1u : 0u; }
+static inline int __ffs(unsigned int x) { return __builtin_ffs((int)x); }
+static inline void __syncthreads() {}
+static inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+static inline float cospif(float x) { return std::cos(3.14159265f * x); }
+static inline float sinpif(float x) { return std::sin(3.14159265f * x); }
+"""
 
 
 def grid_wrapper(host_name: str, kernel: str, params: str, args: str) -> str:

@@ -13,9 +13,9 @@ blocks of --steps replays) and the memory traffic's rate.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from graph_timing import replayed_ms
 
 from peerline.distributed.grad_sync.compact_adamw import CompactAdamW
 from peerline.distributed.grad_sync.fused_bf16_adamw import FusedBf16AdamW
@@ -46,29 +46,6 @@ def rank_params(layers: int, hidden: int, vocab: int) -> list[torch.nn.Parameter
     return params
 
 
-def timed(opt: torch.optim.Optimizer, steps: int, reps: int) -> float:
-    """Median ms per captured step: one eager step (state, tables), then a graph of one step replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            opt.step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / steps)
-    return statistics.median(times)
-
-
 def main() -> None:
     a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a.add_argument("--layers", type=int, default=4)
@@ -89,7 +66,7 @@ def main() -> None:
     for name, make in makers.items():
         params = rank_params(args.layers, args.hidden, args.vocab)
         n = sum(p.numel() for p in params)
-        ms = timed(make(params), args.steps, args.reps)
+        ms = replayed_ms(make(params).step, args.steps, args.reps)
         rate = BYTES[name] * n / ms / 1e6  # bytes per ms -> GB/s
         print(f"INFO {name}: {ms:.3f} ms per step over {n / 1e6:.1f} M parameters in {len(params)} tensors; "
               f"{BYTES[name]} bytes per parameter -> {rate:.0f} GB/s", flush=True)

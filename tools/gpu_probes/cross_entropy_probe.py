@@ -10,36 +10,12 @@ fused kernels' traffic (the logits read twice, the gradient written once).
 from __future__ import annotations
 
 import argparse
-import statistics
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from graph_timing import replayed_ms
 
 from peerline.kernels.cross_entropy import cross_entropy
-
-
-def timed(step: Callable[[], None], steps: int, reps: int) -> float:
-    """Median ms per replay of a graph of `step` (warmed up eagerly on a side stream first)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / steps)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -59,7 +35,7 @@ def main() -> None:
             def step(loss_of=loss_of, x=logits, t=target) -> None:
                 x.grad = None
                 loss_of(x, t).backward()
-            ms = timed(step, args.steps, args.reps)
+            ms = replayed_ms(step, args.steps, args.reps)
             rate = 3 * 2 * rows * vocab / ms / 1e6  # bytes per ms -> GB/s
             extra = f"; {rate:.0f} GB/s" if name == "fused kernels" else ""
             print(f"INFO {rows} x {vocab}: {name}: {ms:.3f} ms forward + backward{extra}", flush=True)

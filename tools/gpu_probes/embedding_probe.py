@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from cross_entropy_probe import timed
+from graph_timing import replayed_ms
 
 from peerline.kernels.embedding import SCAN_LIMIT, embedding_backward
 
@@ -32,7 +32,7 @@ def main() -> None:
                 "kernel": lambda i=ids, g=grad, v=vocab, o=out: embedding_backward(i, g, v, out=o)}
         side = "within" if vocab * tokens <= SCAN_LIMIT else "past"
         for name, way in ways.items():
-            ms = timed(way, args.steps, args.reps)
+            ms = replayed_ms(way, args.steps, args.reps)
             print(f"INFO V {vocab} x {tokens} tokens x H {hidden} ({side} SCAN_LIMIT): {name} {ms:.3f} ms", flush=True)
     print(f"INFO {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
 

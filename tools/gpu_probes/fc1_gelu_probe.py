@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from graph_timing import captured
 
 from peerline.kernels.reference import bias_gelu_reference
 
@@ -106,20 +107,6 @@ def variants(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, dy: torch.Tensor
     return {"torch": torch_way, "split": split_way, "epilogue": epilogue_way, "gemm+bias fwd": gemm_bias,
             "gemm fwd": gemm_plain, "gelu fwd ours": gelu_fwd_ours, "gelu fwd torch": gelu_fwd_torch,
             "gelu bwd ours": gelu_bwd_ours, "gelu bwd torch": gelu_bwd_torch}
-
-
-def captured(fn: Callable[[], object]) -> Callable[[], object]:
-    """`fn` captured once in a CUDA graph (after two warm-up passes on a side stream): its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def _cold_pass_ms(fn: Callable[[], object], scratch: torch.Tensor) -> float:
