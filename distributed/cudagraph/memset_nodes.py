@@ -19,7 +19,7 @@ from peerline import overrides
 from peerline.distributed.cudagraph.edit import check, memsets_as_kernels
 from peerline.kernels.launch import ArgPack
 
-LIMIT = 4096  # bytes: the zeroed counters; a larger memset stays a memset node (the copy engine's job)
+LIMIT = 4096  # bytes (cuBLASLt's and cuDNN's counters are 4, cub's 1024); a larger memset stays a memset node
 _THREADS = 128  # one block: at most LIMIT elements, 32 each
 KINDS = "piiqqq"  # pl_graph_memset's parameters as launch.ArgPack letters
 
