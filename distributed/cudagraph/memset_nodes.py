@@ -3,7 +3,7 @@
 cuBLASLt and cuDNN put a memset of a few bytes (a counter zeroed) before each of their kernels: in a captured
 iteration of the GPT that is one before every GEMM and attention kernel, about 470 per rank and iteration at
 8 x 4096. On an H200 the GPU starts a memset node about 4.8 us after its predecessor ends and a kernel node about
-0.45 us after, so those memsets cost about 2 ms an iteration in gaps (docs/benchmarks/h200-x2/2026-11-29-session24).
+0.45 us after, so those memsets cost about 2 ms an iteration in gaps (the pp=2 profiles in docs/benchmarks/h200-x2).
 Transformer Engine replaces its own 4-byte memsets by a fill kernel for the same reason (nvte_memset). Here, after
 capture and before instantiation, each memset node of at most LIMIT bytes becomes a kernel node of
 kernels/graph_memset.cu with the same parameters and edges (cudagraph/edit.py: memsets_as_kernels).
