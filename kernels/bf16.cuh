@@ -1,10 +1,13 @@
-// bf16 as raw 16-bit words for the standalone kernels (layer_norm.cu, cross_entropy.cu, embedding.cu): the rounding
-// of a float to bf16 and the 16-byte vector of eight bf16 loaded into or stored from eight floats. compile.py pastes
-// this file where a kernel includes it, so a kernel's cached build changes when it does.
+// bf16 as raw 16-bit words for the standalone kernels (layer_norm.cu, cross_entropy.cu, embedding.cu, rope.cu,
+// the optimizer kernels): one bf16 as a float, the rounding of a float to bf16, and the 16-byte vector of eight
+// bf16 loaded into or stored from eight floats. compile.py pastes this file where a kernel includes it, so a
+// kernel's cached build changes when it does.
 
 #pragma once
 
 typedef unsigned short bf16_bits;
+
+__device__ __forceinline__ float pl_bf16_float(bf16_bits b) { return __uint_as_float((unsigned int)b << 16); }
 
 __device__ __forceinline__ bf16_bits pl_bf16(float f) {  // round to nearest even; NaN stays NaN
     unsigned int u = __float_as_uint(f);

@@ -20,17 +20,11 @@
 // pl_compact_adamw_advance. found_inf (nullable): when non-zero the step changes nothing (torch's fused kernels'
 // contract, used by the non-finite guard).
 
-typedef unsigned short pl_u16;
+#include "bf16.cuh"
+#include "multi_tensor.cuh"
+
+typedef bf16_bits pl_u16;
 typedef unsigned int pl_u32;
-
-__device__ __forceinline__ float pl_bf16_to_float(pl_u16 x) { return __uint_as_float(((pl_u32)x) << 16); }
-
-__device__ __forceinline__ pl_u16 pl_float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-    pl_u32 u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (pl_u16)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (pl_u16)(u >> 16);
-}
 
 struct PlAdamCoef {
     float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, lr_wd, step_size, bc2_sqrt;
@@ -40,9 +34,9 @@ __device__ __forceinline__ void pl_compact_update(pl_u16& p, pl_u16& r, pl_u16 g
                                                   const PlAdamCoef& c) {
     pl_u32 bits = (((pl_u32)p) << 16) + (pl_u32)(int)(short)r;
     float w = __uint_as_float(bits);
-    const float g = pl_bf16_to_float(g16);
-    const float m = c.beta1 * pl_bf16_to_float(m16) + c.one_minus_beta1 * g;
-    const float v = c.beta2 * pl_bf16_to_float(v16) + c.one_minus_beta2 * g * g;
+    const float g = pl_bf16_float(g16);
+    const float m = c.beta1 * pl_bf16_float(m16) + c.one_minus_beta1 * g;
+    const float v = c.beta2 * pl_bf16_float(v16) + c.one_minus_beta2 * g * g;
     w -= c.lr_wd * w;
     const float denom = sqrtf(v) / c.bc2_sqrt + c.eps;
     w -= c.step_size * m / denom;
@@ -54,14 +48,9 @@ __device__ __forceinline__ void pl_compact_update(pl_u16& p, pl_u16& r, pl_u16 g
         p = (pl_u16)((bits >> 16) + ((bits >> 15) & 1u));
         r = (pl_u16)(bits & 0xffffu);
     }
-    m16 = pl_float_to_bf16(m);
-    v16 = pl_float_to_bf16(v);
+    m16 = pl_bf16(m);
+    v16 = pl_bf16(v);
 }
-
-union PlQuad {
-    uint2 u;
-    pl_u16 h[4];
-};
 
 extern "C" __global__ void pl_compact_adamw(const long long* __restrict__ table, int tensors,
                                             const long long* __restrict__ chunks, int n_chunks, long long chunk,
@@ -69,10 +58,9 @@ extern "C" __global__ void pl_compact_adamw(const long long* __restrict__ table,
                                             const float* __restrict__ found_inf, float beta1, float beta2, float eps,
                                             float weight_decay) {
     if (found_inf != nullptr && *found_inf != 0.0f) return;
-    const int t = (int)chunks[blockIdx.x];
-    const long long start = chunks[n_chunks + blockIdx.x];
-    const long long n = table[5 * tensors + t];
-    const long long end = start + chunk < n ? start + chunk : n;
+    const PlChunk share = pl_chunk(table, tensors, 5, chunks, n_chunks, chunk);
+    const int t = share.t;
+    const long long start = share.start, end = share.end;
     pl_u16* p = reinterpret_cast<pl_u16*>(table[t]);
     pl_u16* r = reinterpret_cast<pl_u16*>(table[tensors + t]);
     const pl_u16* g = reinterpret_cast<const pl_u16*>(table[2 * tensors + t]);
@@ -91,7 +79,7 @@ extern "C" __global__ void pl_compact_adamw(const long long* __restrict__ table,
     c.bc2_sqrt = sqrtf(1.0f - powf(beta2, step));
 
     long long e = start + threadIdx.x;  // the scalar loop's first element (all of them without vectors)
-    if (table[6 * tensors + t]) {
+    if (share.vectors) {
         const long long quads = (end - start) >> 2;
         for (long long q = threadIdx.x; q < quads; q += blockDim.x) {
             const long long i = start + (q << 2);

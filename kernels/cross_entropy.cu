@@ -15,8 +15,6 @@
 #define PL_CE_NEG_INF (-__int_as_float(0x7f800000))
 #define PL_CE_NAN __int_as_float(0x7fffffff)
 
-__device__ __forceinline__ float pl_ce_float(bf16_bits b) { return __uint_as_float((unsigned int)b << 16); }
-
 // exp(a - b) with exp(-inf - -inf) = 0: a sum whose maximum is still -inf holds nothing.
 __device__ __forceinline__ float pl_ce_rescale(float a, float b) { return a == PL_CE_NEG_INF ? 0.f : expf(a - b); }
 
@@ -52,7 +50,7 @@ extern "C" __global__ void pl_ce_forward(const bf16_bits* __restrict__ x, const 
         }
         if (lane == 0) {
             const long long t = label[r];
-            const float picked = (t >= 0 && t < vocab) ? pl_ce_float(row[t]) : PL_CE_NAN;
+            const float picked = (t >= 0 && t < vocab) ? pl_bf16_float(row[t]) : PL_CE_NAN;
             const float l = m + logf(s);
             lse[r] = l;
             loss[r] = l - picked;

@@ -29,11 +29,13 @@
 // The step counts are advanced by the caller before the launch, as torch does. found_inf (nullable): when it holds
 // 1 the step changes nothing (the test torch's fused kernels make).
 
-typedef unsigned short pl_u16;
+#include "bf16.cuh"
+#include "multi_tensor.cuh"
+
+typedef bf16_bits pl_u16;
 typedef unsigned int pl_u32;
 
-__device__ __forceinline__ float pl_bf16_bits_to_float(pl_u16 x) { return __uint_as_float(((pl_u32)x) << 16); }
-
+// Not bf16.cuh's pl_bf16, which keeps a NaN's sign and payload: torch's fused AdamW stores c10::BFloat16's NaN.
 __device__ __forceinline__ pl_u16 pl_round_to_bf16(float f) {  // nearest even; NaN -> 0x7fc0 (c10::BFloat16's)
     pl_u32 u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (pl_u16)0x7fc0u;
@@ -69,21 +71,15 @@ __device__ __forceinline__ void pl_adamw_update(float& param, float grad, float&
     param -= step_size * exp_avg / denom;
 }
 
-union PlBf16Quad {
-    uint2 u;
-    pl_u16 h[4];
-};
-
 extern "C" __global__ void pl_master_adamw(const long long* __restrict__ table, int tensors,
                                            const long long* __restrict__ chunks, int n_chunks, long long chunk,
                                            const float* __restrict__ lr_ptr, const float* __restrict__ step_ptr,
                                            const float* __restrict__ found_inf, double beta1, double beta2,
                                            double eps, double weight_decay) {
     if (found_inf != nullptr && *found_inf == 1.0f) return;
-    const int t = (int)chunks[blockIdx.x];
-    const long long start = chunks[n_chunks + blockIdx.x];
-    const long long n = table[5 * tensors + t];
-    const long long end = start + chunk < n ? start + chunk : n;
+    const PlChunk share = pl_chunk(table, tensors, 5, chunks, n_chunks, chunk);
+    const int t = share.t;
+    const long long start = share.start, end = share.end;
     pl_u16* p = reinterpret_cast<pl_u16*>(table[t]);
     const pl_u16* g = reinterpret_cast<const pl_u16*>(table[tensors + t]);
     float* w = reinterpret_cast<float*>(table[2 * tensors + t]);
@@ -93,19 +89,19 @@ extern "C" __global__ void pl_master_adamw(const long long* __restrict__ table, 
     const PlAdamWCoef c = pl_adamw_coef(*lr_ptr, *step_ptr, beta1, beta2, eps, weight_decay);
 
     long long e = start + threadIdx.x;  // the scalar loop's first element (all of them without vectors)
-    if (table[6 * tensors + t]) {
+    if (share.vectors) {
         const long long quads = (end - start) >> 2;
         for (long long q = threadIdx.x; q < quads; q += blockDim.x) {
             const long long i = start + (q << 2);
-            PlBf16Quad pq, gq;
+            PlQuad pq, gq;
             gq.u = *reinterpret_cast<const uint2*>(g + i);
             float4 wq = *reinterpret_cast<const float4*>(w + i);
             float4 mq = *reinterpret_cast<const float4*>(m + i);
             float4 vq = *reinterpret_cast<const float4*>(v + i);
-            pl_adamw_update(wq.x, pl_bf16_bits_to_float(gq.h[0]), mq.x, vq.x, c);
-            pl_adamw_update(wq.y, pl_bf16_bits_to_float(gq.h[1]), mq.y, vq.y, c);
-            pl_adamw_update(wq.z, pl_bf16_bits_to_float(gq.h[2]), mq.z, vq.z, c);
-            pl_adamw_update(wq.w, pl_bf16_bits_to_float(gq.h[3]), mq.w, vq.w, c);
+            pl_adamw_update(wq.x, pl_bf16_float(gq.h[0]), mq.x, vq.x, c);
+            pl_adamw_update(wq.y, pl_bf16_float(gq.h[1]), mq.y, vq.y, c);
+            pl_adamw_update(wq.z, pl_bf16_float(gq.h[2]), mq.z, vq.z, c);
+            pl_adamw_update(wq.w, pl_bf16_float(gq.h[3]), mq.w, vq.w, c);
             pq.h[0] = pl_round_to_bf16(wq.x);
             pq.h[1] = pl_round_to_bf16(wq.y);
             pq.h[2] = pl_round_to_bf16(wq.z);
@@ -119,7 +115,7 @@ extern "C" __global__ void pl_master_adamw(const long long* __restrict__ table, 
     }
     for (; e < end; e += blockDim.x) {
         float we = w[e], me = m[e], ve = v[e];
-        pl_adamw_update(we, pl_bf16_bits_to_float(g[e]), me, ve, c);
+        pl_adamw_update(we, pl_bf16_float(g[e]), me, ve, c);
         w[e] = we;
         m[e] = me;
         v[e] = ve;
@@ -132,10 +128,9 @@ extern "C" __global__ void pl_bf16_adamw(const long long* __restrict__ table, in
                                          const float* __restrict__ lr_ptr, const float* __restrict__ found_inf,
                                          double beta1, double beta2, double eps, double weight_decay) {
     if (found_inf != nullptr && *found_inf == 1.0f) return;
-    const int t = (int)chunks[blockIdx.x];
-    const long long start = chunks[n_chunks + blockIdx.x];
-    const long long n = table[5 * tensors + t];
-    const long long end = start + chunk < n ? start + chunk : n;
+    const PlChunk share = pl_chunk(table, tensors, 5, chunks, n_chunks, chunk);
+    const int t = share.t;
+    const long long start = share.start, end = share.end;
     pl_u16* p = reinterpret_cast<pl_u16*>(table[t]);
     const pl_u16* g = reinterpret_cast<const pl_u16*>(table[tensors + t]);
     pl_u16* m = reinterpret_cast<pl_u16*>(table[2 * tensors + t]);
@@ -144,20 +139,20 @@ extern "C" __global__ void pl_bf16_adamw(const long long* __restrict__ table, in
     const PlAdamWCoef c = pl_adamw_coef(*lr_ptr, *step_ptr, beta1, beta2, eps, weight_decay);
 
     long long e = start + threadIdx.x;  // the scalar loop's first element (all of them without vectors)
-    if (table[6 * tensors + t]) {
+    if (share.vectors) {
         const long long quads = (end - start) >> 2;
         for (long long q = threadIdx.x; q < quads; q += blockDim.x) {
             const long long i = start + (q << 2);
-            PlBf16Quad pq, gq, mq, vq;
+            PlQuad pq, gq, mq, vq;
             pq.u = *reinterpret_cast<const uint2*>(p + i);
             gq.u = *reinterpret_cast<const uint2*>(g + i);
             mq.u = *reinterpret_cast<const uint2*>(m + i);
             vq.u = *reinterpret_cast<const uint2*>(v + i);
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-                float we = pl_bf16_bits_to_float(pq.h[k]), me = pl_bf16_bits_to_float(mq.h[k]);
-                float ve = pl_bf16_bits_to_float(vq.h[k]);
-                pl_adamw_update(we, pl_bf16_bits_to_float(gq.h[k]), me, ve, c);
+                float we = pl_bf16_float(pq.h[k]), me = pl_bf16_float(mq.h[k]);
+                float ve = pl_bf16_float(vq.h[k]);
+                pl_adamw_update(we, pl_bf16_float(gq.h[k]), me, ve, c);
                 pq.h[k] = pl_round_to_bf16(we);
                 mq.h[k] = pl_round_to_bf16(me);
                 vq.h[k] = pl_round_to_bf16(ve);
@@ -169,8 +164,8 @@ extern "C" __global__ void pl_bf16_adamw(const long long* __restrict__ table, in
         e = start + (quads << 2) + threadIdx.x;  // the tail: fewer than 4 elements
     }
     for (; e < end; e += blockDim.x) {
-        float we = pl_bf16_bits_to_float(p[e]), me = pl_bf16_bits_to_float(m[e]), ve = pl_bf16_bits_to_float(v[e]);
-        pl_adamw_update(we, pl_bf16_bits_to_float(g[e]), me, ve, c);
+        float we = pl_bf16_float(p[e]), me = pl_bf16_float(m[e]), ve = pl_bf16_float(v[e]);
+        pl_adamw_update(we, pl_bf16_float(g[e]), me, ve, c);
         p[e] = pl_round_to_bf16(we);
         m[e] = pl_round_to_bf16(me);
         v[e] = pl_round_to_bf16(ve);

@@ -6,7 +6,8 @@
 extern "C" __global__ void pl_graph_memset(unsigned char* __restrict__ dst, int value, int element_size,
                                            long long width, long long height, long long pitch) {
     const long long n = width * height;
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         unsigned char* p = dst + (i / width) * pitch + (i % width) * element_size;
         if (element_size == 4) *reinterpret_cast<unsigned int*>(p) = (unsigned int)value;
         else if (element_size == 2) *reinterpret_cast<unsigned short*>(p) = (unsigned short)value;

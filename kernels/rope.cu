@@ -11,18 +11,7 @@
 // consecutive (coalesced), a block covers blockDim.x / (h / 4) rows per step. Index math stays 32-bit while the
 // row count fits: 64-bit division is a long software routine on the GPU.
 
-typedef unsigned short bf16_bits;
-
-__device__ __forceinline__ float pl_bf16_to_float(bf16_bits x) {
-    return __uint_as_float(((unsigned int)x) << 16);
-}
-
-__device__ __forceinline__ bf16_bits pl_float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_bits)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16_bits)(u >> 16);
-}
+#include "bf16.cuh"
 
 // Row r of the flat loop (r < rows = B * T * parts * heads) -> (head, part, b, t).
 struct PlRow {
@@ -63,8 +52,8 @@ __device__ __forceinline__ void pl_load4(const bf16_bits* p, float v[4]) {
 
 __device__ __forceinline__ void pl_store4(bf16_bits* p, const float v[4]) {
     uint2 w;
-    w.x = (unsigned int)pl_float_to_bf16(v[0]) | ((unsigned int)pl_float_to_bf16(v[1]) << 16);
-    w.y = (unsigned int)pl_float_to_bf16(v[2]) | ((unsigned int)pl_float_to_bf16(v[3]) << 16);
+    w.x = (unsigned int)pl_bf16(v[0]) | ((unsigned int)pl_bf16(v[1]) << 16);
+    w.y = (unsigned int)pl_bf16(v[2]) | ((unsigned int)pl_bf16(v[3]) << 16);
     *reinterpret_cast<uint2*>(p) = w;
 }
 
