@@ -26,7 +26,9 @@ PRELUDE = r"""
 #define __forceinline__ inline
 #define __restrict__
 struct uint2 { unsigned int x, y; };
+struct uint4 { unsigned int x, y, z, w; };
 struct float4 { float x, y, z, w; };
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 struct PlDim { unsigned int x = 0, y = 0, z = 0; };
 static PlDim blockIdx, threadIdx, blockDim, gridDim;
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -36,17 +38,27 @@ static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcp
 
 # C parameter type -> launch.ArgPack letter (every pointer is "p")
 _KINDS = {"int": "i", "long long": "q", "float": "f", "double": "d"}
+_CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int, "q": ctypes.c_longlong, "f": ctypes.c_float, "d": ctypes.c_double}
 
 
-def declared_kinds(source: str, name: str) -> str:
-    """The ArgPack letters of the `extern "C"` kernel `name`'s parameters, from its declaration in `source`: what a
-    launch must pack, in order and typed alike."""
-    params = re.search(rf'extern "C" __global__ void {name}\((.*?)\)\s*{{', source, re.S).group(1)
+def param_kinds(params: str) -> str:
+    """The ArgPack letters of a C parameter list ("const float* lr, int n, ..."): "p" for every pointer."""
     kinds = []
     for param in params.split(","):
         words = param.replace("__restrict__", "").replace("*", " * ").replace("const", "").split()[:-1]
         kinds.append("p" if words[-1] == "*" else _KINDS[" ".join(words)])
     return "".join(kinds)
+
+
+def declared_kinds(source: str, name: str) -> str:
+    """The ArgPack letters of the `extern "C"` kernel `name`'s parameters, from its declaration in `source`: what a
+    launch must pack, in order and typed alike."""
+    return param_kinds(re.search(rf'extern "C" __global__ void {name}\((.*?)\)\s*{{', source, re.S).group(1))
+
+
+def wrapper_argtypes(params: str) -> list:
+    """The ctypes argtypes of a grid_wrapper made with `params`: those parameters, then the thread count."""
+    return [_CTYPES[k] for k in param_kinds(params)] + [ctypes.c_uint]
 
 
 def record_launches(monkeypatch) -> list[tuple[str, str, tuple]]:

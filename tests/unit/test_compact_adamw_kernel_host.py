@@ -21,10 +21,10 @@ from tests.unit import kernel_host
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel as host code")]
 
+PARAMS = "const long long* table, int tensors, const long long* chunks, int n_chunks, long long chunk, " \
+         "const float* lr, const float* step, const float* found_inf, float b1, float b2, float eps, float wd"
 WRAPPERS = kernel_host.grid_wrapper(
-    "host_compact_adamw", "pl_compact_adamw",
-    "const long long* table, int tensors, const long long* chunks, int n_chunks, long long chunk, const float* lr, "
-    "const float* step, const float* found_inf, float b1, float b2, float eps, float wd",
+    "host_compact_adamw", "pl_compact_adamw", PARAMS,
     "table, tensors, chunks, n_chunks, chunk, lr, step, found_inf, b1, b2, eps, wd") + """
 extern "C" void host_advance(float* step, const float* found_inf) { pl_compact_adamw_advance(step, found_inf); }
 """
@@ -36,10 +36,7 @@ SIZES = [1, 3, 4, 7, 1000, CHUNK - 1, CHUNK, CHUNK + 5, 2 * CHUNK + 3]
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory) -> ctypes.CDLL:
     found = kernel_host.build(tmp_path_factory.mktemp("kernel"), ca.KERNEL_SOURCE, WRAPPERS)
-    found.host_compact_adamw.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                                         ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                         ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float,
-                                         ctypes.c_uint]
+    found.host_compact_adamw.argtypes = kernel_host.wrapper_argtypes(PARAMS)
     found.host_advance.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return found
 

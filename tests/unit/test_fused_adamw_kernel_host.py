@@ -23,14 +23,13 @@ pytestmark = [pytest.mark.timeout(180),
               pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the kernel as host code")]
 
 TABLES = "const long long* table, int tensors, const long long* chunks, int n_chunks, long long chunk"
+MASTER_PARAMS = f"{TABLES}, const float* lr, const float* step, const float* found_inf, double b1, double b2, " \
+                "double eps, double wd"
+BF16_PARAMS = f"{TABLES}, const float* lr, const float* found_inf, double b1, double b2, double eps, double wd"
 WRAPPERS = (
-    kernel_host.grid_wrapper("host_master_adamw", "pl_master_adamw",
-                             f"{TABLES}, const float* lr, const float* step, const float* found_inf, double b1, "
-                             "double b2, double eps, double wd",
+    kernel_host.grid_wrapper("host_master_adamw", "pl_master_adamw", MASTER_PARAMS,
                              "table, tensors, chunks, n_chunks, chunk, lr, step, found_inf, b1, b2, eps, wd")
-    + kernel_host.grid_wrapper("host_bf16_adamw", "pl_bf16_adamw",
-                               f"{TABLES}, const float* lr, const float* found_inf, double b1, double b2, "
-                               "double eps, double wd",
+    + kernel_host.grid_wrapper("host_bf16_adamw", "pl_bf16_adamw", BF16_PARAMS,
                                "table, tensors, chunks, n_chunks, chunk, lr, found_inf, b1, b2, eps, wd"))
 
 BETA1, BETA2, EPS = 0.9, 0.999, 1e-8
@@ -40,13 +39,8 @@ SIZES = [1, 3, 4, 7, 1000, CHUNK - 1, CHUNK, CHUNK + 5, 2 * CHUNK + 3]
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory) -> ctypes.CDLL:
     found = kernel_host.build(tmp_path_factory.mktemp("kernel"), fa.KERNEL_SOURCE, WRAPPERS)
-    found.host_master_adamw.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                                        ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                        ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,
-                                        ctypes.c_uint]
-    found.host_bf16_adamw.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong,
-                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double, ctypes.c_double,
-                                      ctypes.c_double, ctypes.c_double, ctypes.c_uint]
+    found.host_master_adamw.argtypes = kernel_host.wrapper_argtypes(MASTER_PARAMS)
+    found.host_bf16_adamw.argtypes = kernel_host.wrapper_argtypes(BF16_PARAMS)
     return found
 
 
